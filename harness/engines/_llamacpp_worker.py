@@ -1,0 +1,194 @@
+"""Worker process for the llama.cpp reference engine (run as ``python -m harness.engines._llamacpp_worker REQ``).
+
+ggml can ``abort()`` the process on a malformed model, so llama.cpp never runs inside the harness
+process. This worker reads one JSON request, talks to llama.cpp through llama-cpp-python's
+low-level ctypes API (``llama_decode`` with a ``llama_batch`` that requests logits for every
+token), and writes float32 logits ``[T, V]`` into a memory-mapped ``.npy`` file as each batch
+finishes, plus ``info.json``. Only numpy and llama_cpp are imported, so what it measures is
+llama.cpp.
+
+Request fields: ``op`` (``tokenize`` | ``logits`` | ``info``), ``model``, ``overrides``
+(list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch, n_threads, type_k,
+type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token lists decoded together,
+one sequence id each), ``text``, ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "bf16": 30}
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+def _kv_override_array(llama_cpp, overrides):
+    arr = (llama_cpp.llama_model_kv_override * (len(overrides) + 1))()
+    for i, o in enumerate(overrides):
+        arr[i].key = o["key"].encode()
+        t, v = o["type"], o["value"]
+        if t == "bool":
+            arr[i].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL
+            arr[i].value.val_bool = bool(v)
+        elif t == "int":
+            arr[i].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT
+            arr[i].value.val_i64 = int(v)
+        elif t == "float":
+            arr[i].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_FLOAT
+            arr[i].value.val_f64 = float(v)
+        else:
+            arr[i].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
+            b = str(v).encode()[:127].ljust(128, b"\0")
+            addr = ctypes.addressof(arr[i].value) + llama_cpp.llama_model_kv_override_value.val_str.offset
+            ctypes.memmove(addr, b, 128)
+    arr[len(overrides)].key = b"\0"
+    return arr
+
+
+def _load(llama_cpp, req):
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    overrides = req.get("overrides") or []
+    keep = None
+    if overrides:
+        keep = _kv_override_array(llama_cpp, overrides)
+        mparams.kv_overrides = keep
+    if req.get("op") == "tokenize":
+        mparams.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(req["model"].encode(), mparams)
+    if not model:
+        sys.stderr.write("harness-worker: llama_model_load_from_file returned NULL\n")
+        sys.exit(20)
+    return model, keep
+
+
+def _tokenize(llama_cpp, model, text: str) -> list[int]:
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    data = text.encode("utf-8")
+    n_max = len(data) + 16
+    buf = (llama_cpp.llama_token * n_max)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, False, False)
+    if n < 0:
+        sys.stderr.write(f"harness-worker: tokenize needs {-n} slots\n")
+        sys.exit(21)
+    return [int(buf[i]) for i in range(n)]
+
+
+def _context(llama_cpp, model, s, n_seq_max=1):
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = int(s["n_ctx"])
+    cparams.n_batch = int(s["n_batch"])
+    cparams.n_ubatch = int(s["n_ubatch"])
+    cparams.n_seq_max = int(n_seq_max)
+    cparams.n_threads = int(s["n_threads"])
+    cparams.n_threads_batch = int(s["n_threads"])
+    cparams.type_k = GGML_TYPES[s["type_k"]]
+    cparams.type_v = GGML_TYPES[s["type_v"]]
+    cparams.flash_attn_type = FLASH_ATTN[s["flash_attn"]]
+    cparams.embeddings = False
+    if hasattr(cparams, "kv_unified"):
+        cparams.kv_unified = True
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        sys.stderr.write("harness-worker: llama_init_from_model returned NULL\n")
+        sys.exit(22)
+    return ctx
+
+
+def _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, row_of):
+    """Decode ``items`` = [(token, pos, seq)] as one llama_decode call, logits for every item,
+    and copy row i of the result into ``out[row_of[i]]``."""
+    n = len(items)
+    for i, (tok, pos, seq) in enumerate(items):
+        batch.token[i] = tok
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = 1
+    batch.n_tokens = n
+    rc = llama_cpp.llama_decode(ctx, batch)
+    if rc != 0:
+        sys.stderr.write(f"harness-worker: llama_decode returned {rc}\n")
+        sys.exit(23)
+    ptr = llama_cpp.llama_get_logits(ctx)
+    block = np.ctypeslib.as_array(ptr, shape=(n, n_vocab))
+    for i in range(n):
+        out[row_of[i]] = block[i]
+
+
+def main(req_path: str) -> int:
+    req = json.loads(Path(req_path).read_text())
+    import llama_cpp
+
+    out_dir = Path(req["out_dir"])
+    t0 = time.time()
+    model, _keep = _load(llama_cpp, req)
+    info = {
+        "llama_cpp_python": getattr(llama_cpp, "__version__", "unknown"),
+        "system_info": (llama_cpp.llama_print_system_info() or b"").decode(errors="replace").strip(),
+        "load_s": round(time.time() - t0, 4),
+    }
+    if req["op"] == "tokenize":
+        toks = _tokenize(llama_cpp, model, req["text"])
+        (out_dir / "tokens.json").write_text(json.dumps(toks))
+        (out_dir / "info.json").write_text(json.dumps(info))
+        return 0
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+    info["n_vocab"] = n_vocab
+    info["n_ctx_train"] = int(llama_cpp.llama_model_n_ctx_train(model))
+    buf = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, buf, 256)
+    info["model_desc"] = buf.value.decode(errors="replace")
+    if req["op"] == "info":
+        (out_dir / "info.json").write_text(json.dumps(info))
+        return 0
+
+    s = req["settings"]
+    sequences = req.get("sequences") or [req["tokens"]]
+    total = sum(len(q) for q in sequences)
+    out = np.lib.format.open_memmap(out_dir / "logits.npy", mode="w+", dtype=np.float32, shape=(total, n_vocab))
+    ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences))
+    n_batch = int(s["n_batch"])
+    batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+    t1 = time.time()
+    if len(sequences) == 1:
+        tokens = sequences[0]
+        chunks = req.get("chunks") or [len(tokens)]
+        pos = 0
+        for c in chunks:  # one call sequence per piece; state carried by the context
+            end = pos + c
+            while pos < end:
+                k = min(n_batch, end - pos)
+                items = [(tokens[pos + i], pos + i, 0) for i in range(k)]
+                _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, list(range(pos, pos + k)))
+                pos += k
+    else:  # several sequences side by side in each batch, one seq id each
+        offsets = np.cumsum([0] + [len(q) for q in sequences])
+        longest = max(len(q) for q in sequences)
+        per = max(1, n_batch // len(sequences))
+        for start in range(0, longest, per):
+            items, rows = [], []
+            for sid, q in enumerate(sequences):
+                for p in range(start, min(start + per, len(q))):
+                    items.append((q[p], p, sid))
+                    rows.append(int(offsets[sid]) + p)
+            if items:
+                _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, rows)
+    out.flush()
+    del out
+    info["decode_s"] = round(time.time() - t1, 4)
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    (out_dir / "info.json").write_text(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,109 @@
+"""The engine protocol: token ids in, per-position logits out (../shared/DESIGN.md, "Engine protocol").
+
+An engine maps a token id sequence to logits. Row ``t`` of the logits is the next-token
+distribution after consuming ``tokens[:t+1]``. Logits stream as blocks ``(start, float32 [B, V])``
+in position order so memory stays bounded at Qwen3.5's vocab (248,320 columns, ~1 MB per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from harness.errors import EngineError
+
+LogitBlock = tuple[int, np.ndarray]
+"""``(start, logits)``: ``logits`` is float32 ``[B, V]`` for positions ``start .. start+B-1``."""
+
+
+@dataclass
+class EngineInfo:
+    """What a receipt records about an engine.
+
+    ``settings`` holds every setting that changes numerics (threads, n_ctx, n_batch, n_ubatch,
+    KV cache types, flash attention, backend, overrides); ``capabilities`` lists optional protocol
+    features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``).
+    """
+
+    name: str
+    version: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    capabilities: list[str] = field(default_factory=list)
+    build: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "settings": self.settings,
+            "capabilities": list(self.capabilities),
+            "build": self.build,
+        }
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A candidate or reference engine bound to one model file.
+
+    ``logits(tokens, chunks)`` yields ``(start, float32 [B, V])`` blocks in position order.
+    ``chunks``, when given, is a list of piece lengths summing to ``len(tokens)``: the engine
+    feeds the prompt as consecutive calls with its state carried across them. An engine that
+    cannot do so raises ``EngineError`` only if asked; it advertises support with
+    ``"chunks" in info.capabilities``.
+    """
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]: ...
+
+
+def validate_chunks(n_tokens: int, chunks: Sequence[int] | None) -> list[int]:
+    """Return the chunk lengths to feed (``[n_tokens]`` when ``chunks`` is None).
+
+    Raises ``EngineError`` when the lengths are not positive or do not sum to ``n_tokens``.
+    """
+    if chunks is None:
+        return [n_tokens]
+    chunks = [int(c) for c in chunks]
+    if any(c <= 0 for c in chunks) or sum(chunks) != n_tokens:
+        raise EngineError(f"chunk lengths {chunks} must be positive and sum to {n_tokens}")
+    return chunks
+
+
+def gather(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.ndarray:
+    """Join logit blocks into one float32 ``[T, V]`` array (use only when T·V is small).
+
+    Raises ``EngineError`` when blocks are out of order, overlap, have inconsistent widths, or
+    (with ``n_tokens``) do not cover exactly ``n_tokens`` positions.
+    """
+    parts: list[np.ndarray] = []
+    expect = 0
+    width = None
+    for start, block in blocks:
+        block = np.asarray(block)
+        if block.ndim != 2:
+            raise EngineError(f"logit block at {start} has shape {block.shape}, expected [B, V]")
+        if start != expect:
+            raise EngineError(f"logit block starts at {start}, expected {expect}")
+        if width is not None and block.shape[1] != width:
+            raise EngineError(f"logit block width {block.shape[1]} != {width}")
+        width = block.shape[1]
+        parts.append(block.astype(np.float32, copy=False))
+        expect += block.shape[0]
+    if n_tokens is not None and expect != n_tokens:
+        raise EngineError(f"engine returned {expect} positions, expected {n_tokens}")
+    if not parts:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.concatenate(parts, axis=0)
+
+
+def iter_blocks(array: np.ndarray, block_size: int = 256) -> Iterator[LogitBlock]:
+    """Yield ``(start, array[start:start+block_size])`` float32 blocks of a ``[T, V]`` array."""
+    for start in range(0, array.shape[0], block_size):
+        yield start, np.ascontiguousarray(array[start : start + block_size], dtype=np.float32)

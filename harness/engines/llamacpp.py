@@ -1,0 +1,182 @@
+"""The reference engine: llama.cpp through llama-cpp-python, run in a worker process.
+
+Each call starts ``harness.engines._llamacpp_worker`` with a JSON request: a fresh context per
+prompt (recurrent memory cannot be trimmed), logits requested for every token, gathered batch by
+batch into a memory-mapped ``.npy`` that this side streams back in blocks. A worker that exits
+non-zero or dies by a signal (ggml ``abort()`` → SIGABRT) becomes ``EngineError`` quoting
+llama.cpp's own error line and the worker's last stderr lines; the harness itself never dies.
+
+Settings that change numerics (recorded in ``info``): n_ctx, n_batch, n_ubatch, n_threads,
+type_k/type_v (KV cache types), flash_attn, kv overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
+from harness.errors import EngineError
+from harness.gguf_model import Override
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+_ERROR_LINE = re.compile(r"(error loading model[^\n]*|llama_model_load: error[^\n]*|GGML_ASSERT[^\n]*|failed to[^\n]*|missing tensor[^\n]*|error:[^\n]*)", re.I)
+
+
+@dataclass
+class LlamaCppSettings:
+    """llama.cpp context settings that change numerics. ``n_ctx`` 0: fit the prompt (≥ 512)."""
+
+    n_ctx: int = 0
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 2
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"
+
+    def resolved(self, n_tokens: int) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        if not d["n_ctx"]:
+            d["n_ctx"] = max(512, -(-max(n_tokens, 1) // 256) * 256)
+        d["n_batch"] = min(d["n_batch"], d["n_ctx"])
+        d["n_ubatch"] = min(d["n_ubatch"], d["n_batch"])
+        return d
+
+
+def _signal_name(rc: int) -> str:
+    try:
+        return signal.Signals(-rc).name
+    except ValueError:
+        return f"signal {-rc}"
+
+
+def _error_line(stderr: str) -> str:
+    lines = [m.group(1).strip() for m in _ERROR_LINE.finditer(stderr)]
+    return lines[0] if lines else ""
+
+
+class LlamaCppEngine:
+    """llama.cpp as an engine (the reference). One model file, fixed settings.
+
+    ``logits(tokens, chunks)`` yields float32 ``[B, V]`` blocks; ``chunks`` feeds consecutive
+    pieces through separate ``llama_decode`` calls in one context (state carried).
+    ``logits_multi(sequences)`` decodes several sequences side by side (one seq id each).
+    Raises ``EngineError`` (exit 3) on load failure, crash, timeout or malformed output.
+    """
+
+    name = "llama.cpp"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        overrides: Sequence[Override] = (),
+        settings: LlamaCppSettings | None = None,
+        timeout_s: float = 900.0,
+        block_size: int = 256,
+    ):
+        self.model_path = Path(model_path)
+        self.overrides = list(overrides)
+        self.settings = settings or LlamaCppSettings()
+        self.timeout_s = timeout_s
+        self.block_size = block_size
+
+    # -- worker plumbing ------------------------------------------------------------------
+    def _run(self, request: dict[str, Any], workdir: Path) -> dict[str, Any]:
+        request = {
+            "model": str(self.model_path),
+            "overrides": [o.__dict__ for o in self.overrides],
+            "out_dir": str(workdir),
+            **request,
+        }
+        req_path = workdir / "request.json"
+        req_path.write_text(json.dumps(request))
+        err_path = workdir / "stderr.txt"
+        with open(err_path, "wb") as err:
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "harness.engines._llamacpp_worker", str(req_path)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    timeout=self.timeout_s,
+                )
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        stderr = err_path.read_text(errors="replace")
+        tail = "\n".join(stderr.strip().splitlines()[-8:])
+        if rc is None:
+            raise EngineError(f"llama.cpp worker timed out after {self.timeout_s:.0f} s on {self.model_path.name}", tail)
+        if rc != 0:
+            what = f"died with {_signal_name(rc)}" if rc < 0 else f"exited {rc}"
+            line = _error_line(stderr)
+            msg = f"llama.cpp {what} on {self.model_path.name}"
+            raise EngineError(f"{msg}: {line}" if line else msg, tail)
+        info_path = workdir / "info.json"
+        if not info_path.exists():
+            raise EngineError("llama.cpp worker wrote no info.json", tail)
+        return json.loads(info_path.read_text())
+
+    @cached_property
+    def _static_info(self) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
+            return self._run({"op": "info"}, Path(d))
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._static_info["n_vocab"])
+
+    @property
+    def info(self) -> EngineInfo:
+        si = self._static_info
+        return EngineInfo(
+            name=self.name,
+            version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
+            settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
+            capabilities=["chunks", "n_ubatch", "multi_seq"],
+            build={"system_info": si.get("system_info", ""), "model_desc": si.get("model_desc", "")},
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` by the model's own vocab (no BOS, specials not parsed)."""
+        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
+            self._run({"op": "tokenize", "text": text}, Path(d))
+            return json.loads((Path(d) / "tokens.json").read_text())
+
+    def _stream(self, request: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
+        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
+            self._run(request, Path(d))
+            try:
+                arr = np.load(Path(d) / "logits.npy", mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise EngineError(f"llama.cpp worker wrote unreadable logits: {e}") from None
+            if arr.ndim != 2 or arr.shape[0] != n_rows:
+                raise EngineError(f"llama.cpp worker wrote logits of shape {arr.shape}, expected [{n_rows}, V]")
+            for start in range(0, n_rows, self.block_size):
+                yield start, np.array(arr[start : start + self.block_size], dtype=np.float32)
+            del arr
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
+        tokens = [int(t) for t in tokens]
+        pieces = validate_chunks(len(tokens), chunks)
+        req = {"op": "logits", "tokens": tokens, "chunks": pieces, "settings": self.settings.resolved(len(tokens))}
+        yield from self._stream(req, len(tokens))
+
+    def logits_multi(self, sequences: Sequence[Sequence[int]]) -> Iterator[LogitBlock]:
+        """Logits of several sequences decoded together; rows are the sequences concatenated."""
+        seqs = [[int(t) for t in q] for q in sequences]
+        total = sum(len(q) for q in seqs)
+        req = {"op": "logits", "sequences": seqs, "settings": self.settings.resolved(max(len(q) for q in seqs))}
+        yield from self._stream(req, total)

@@ -1,0 +1,392 @@
+"""Open a qwen35 / qwen35moe GGUF with the `gguf` package: metadata, hyperparameters, tensors.
+
+Tensors come back in NumPy order (the reverse of ggml's ``ne``): a ggml ``[d, ff]`` matrix is a
+NumPy ``(ff, d)`` array, so ``W @ x`` applies it. Quantized tensors are dequantized by
+``gguf.quants.dequantize``. Metadata overrides have llama.cpp's ``--override-kv KEY=TYPE:VALUE``
+meaning: they change what the harness reads, never the file.
+
+Sources: llama.cpp ``src/models/qwen35.cpp`` / ``qwen35moe.cpp`` (``load_arch_hparams``),
+``gguf-py/gguf/constants.py`` (key names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from harness.errors import InvalidInput
+
+SUPPORTED_ARCHES = ("qwen35", "qwen35moe")
+
+OVERRIDE_TYPES = ("int", "float", "bool", "str")
+
+
+@dataclass(frozen=True)
+class Override:
+    """One ``--override-kv KEY=TYPE:VALUE`` (llama.cpp ``common/arg.cpp`` syntax)."""
+
+    key: str
+    type: str
+    value: Any
+
+    def to_flag(self) -> str:
+        v = self.value
+        if self.type == "bool":
+            v = "true" if v else "false"
+        return f"{self.key}={self.type}:{v}"
+
+
+def parse_override(text: str) -> Override:
+    """Parse ``KEY=TYPE:VALUE`` (TYPE in int, float, bool, str) into an ``Override``.
+
+    Raises ``InvalidInput`` (exit 2) with the accepted syntax on any malformed string.
+    """
+    key, sep, rest = text.partition("=")
+    typ, sep2, raw = rest.partition(":")
+    if not sep or not sep2 or not key or typ not in OVERRIDE_TYPES:
+        raise InvalidInput(
+            f"bad --override-kv {text!r}: expected KEY=TYPE:VALUE with TYPE one of {', '.join(OVERRIDE_TYPES)}"
+        )
+    try:
+        if typ == "int":
+            value: Any = int(raw)
+        elif typ == "float":
+            value = float(raw)
+        elif typ == "bool":
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(raw)
+            value = raw.lower() == "true"
+        else:
+            value = raw
+    except ValueError:
+        raise InvalidInput(f"bad --override-kv {text!r}: {raw!r} is not a valid {typ}") from None
+    return Override(key, typ, value)
+
+
+def parse_overrides(texts: Iterable[str] | None) -> list[Override]:
+    """Parse several ``--override-kv`` strings; see ``parse_override``."""
+    return [parse_override(t) for t in (texts or [])]
+
+
+@dataclass(frozen=True)
+class Qwen35HParams:
+    """Hyperparameters of a qwen35 / qwen35moe GGUF (names follow llama.cpp's ``llama_hparams``).
+
+    ``n_layer`` counts trunk layers (``block_count - nextn_predict_layers``); ``n_layer_all`` is
+    ``block_count``. ``recurrent[i]`` is True for Gated DeltaNet layers, False for full attention
+    (MTP layers are never recurrent). Lengths are element counts; ``rope_freq_base`` is θ.
+    """
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer_all: int
+    n_layer_nextn: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_sections: tuple[int, int, int, int]
+    rope_freq_base: float
+    rms_eps: float
+    ssm_d_conv: int
+    ssm_d_state: int
+    ssm_n_group: int
+    ssm_dt_rank: int
+    ssm_d_inner: int
+    recurrent: tuple[bool, ...]
+    full_attention_interval: int | None = None
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    context_length: int = 0
+
+    @property
+    def n_layer(self) -> int:
+        return self.n_layer_all - self.n_layer_nextn
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch == "qwen35moe"
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_dt_rank
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_d_inner
+
+    def is_recurrent(self, il: int) -> bool:
+        return self.recurrent[il]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["n_layer"] = self.n_layer
+        return d
+
+
+# (field, key suffix, expected python type, required). One table: every key the harness reads.
+_HPARAM_KEYS: list[tuple[str, str, type, bool]] = [
+    ("n_embd", "embedding_length", int, True),
+    ("n_layer_all", "block_count", int, True),
+    ("n_layer_nextn", "nextn_predict_layers", int, False),
+    ("n_ff", "feed_forward_length", int, False),
+    ("n_head", "attention.head_count", int, True),
+    ("n_head_kv", "attention.head_count_kv", int, True),
+    ("head_dim", "attention.key_length", int, True),
+    ("n_rot", "rope.dimension_count", int, True),
+    ("rope_freq_base", "rope.freq_base", float, False),
+    ("rms_eps", "attention.layer_norm_rms_epsilon", float, True),
+    ("ssm_d_conv", "ssm.conv_kernel", int, True),
+    ("ssm_d_state", "ssm.state_size", int, True),
+    ("ssm_n_group", "ssm.group_count", int, True),
+    ("ssm_dt_rank", "ssm.time_step_rank", int, True),
+    ("ssm_d_inner", "ssm.inner_size", int, True),
+    ("full_attention_interval", "full_attention_interval", int, False),
+    ("n_expert", "expert_count", int, False),
+    ("n_expert_used", "expert_used_count", int, False),
+    ("n_ff_exp", "expert_feed_forward_length", int, False),
+    ("n_ff_shexp", "expert_shared_feed_forward_length", int, False),
+    ("context_length", "context_length", int, False),
+]
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class TensorInfo:
+    """A tensor's ggml description: ``ne`` in ggml order (first dim is the input dim), type name."""
+
+    name: str
+    ne: tuple[int, ...]
+    type: str
+    n_bytes: int
+    data_offset: int
+
+
+class GGUFModel:
+    """A GGUF file opened read-only with ``gguf.GGUFReader`` plus in-memory metadata overrides.
+
+    Raises ``InvalidInput`` (exit 2) with one line when the file is missing, not GGUF, truncated
+    (header, metadata, tensor infos or tensor data past the end of the file) or malformed.
+    """
+
+    def __init__(self, path: str | os.PathLike, overrides: Iterable[Override] = ()):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self.overrides = {o.key: o for o in overrides}
+        if not self.path.is_file():
+            raise InvalidInput(f"{self.path}: no such file")
+        size = self.path.stat().st_size
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the gguf reader raises ValueError, IndexError, KeyError, ...
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise InvalidInput(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {msg})") from None
+        names = [t.name for t in self.reader.tensors]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})[0]
+            raise InvalidInput(f"{self.path}: duplicate tensor name {dup!r}")
+        for t in self.reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size or t.data.nbytes != int(t.n_bytes):
+                raise InvalidInput(
+                    f"{self.path}: truncated: tensor {t.name!r} data ends at byte {end} but the file has {size} bytes"
+                )
+        self._tensors = {t.name: t for t in self.reader.tensors}
+
+    # -- metadata ---------------------------------------------------------------------------
+    def raw_metadata(self, key: str) -> Any:
+        """The value of ``key`` as stored in the file (ignoring overrides), or None."""
+        f = self.reader.get_field(key)
+        if f is None:
+            return None
+        try:
+            return f.contents()
+        except Exception:
+            raise InvalidInput(f"{self.path}: metadata key {key!r} is malformed") from None
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """The value of ``key`` after ``--override-kv`` overrides, or ``default``."""
+        if key in self.overrides:
+            return self.overrides[key].value
+        v = self.raw_metadata(key)
+        return default if v is None else v
+
+    def metadata_type(self, key: str) -> str | None:
+        """The GGUF value type name of ``key`` (e.g. ``UINT32``, ``ARRAY[INT32]``), or None."""
+        f = self.reader.get_field(key)
+        if f is None or not f.types:
+            return None
+        if len(f.types) > 1:
+            return f"{f.types[0].name}[{f.types[-1].name}]"
+        return f.types[0].name
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.reader.fields.keys())
+
+    @cached_property
+    def arch(self) -> str:
+        arch = self.metadata("general.architecture")
+        if not isinstance(arch, str):
+            raise InvalidInput(f"{self.path}: general.architecture is missing")
+        return arch
+
+    def require_supported(self) -> str:
+        """Return the arch, or raise ``InvalidInput`` naming the supported ones."""
+        if self.arch not in SUPPORTED_ARCHES:
+            raise InvalidInput(
+                f"{self.path}: unsupported architecture {self.arch!r}; the harness supports {', '.join(SUPPORTED_ARCHES)}"
+            )
+        return self.arch
+
+    @cached_property
+    def tokens(self) -> list[str]:
+        toks = self.raw_metadata("tokenizer.ggml.tokens")
+        return list(toks) if toks else []
+
+    @cached_property
+    def hparams(self) -> Qwen35HParams:
+        """Typed hyperparameters. Raises ``InvalidInput`` on an unsupported arch or a missing or
+        wrongly typed key."""
+        arch = self.require_supported()
+        vals: dict[str, Any] = {}
+        for fname, suffix, typ, required in _HPARAM_KEYS:
+            key = f"{arch}.{suffix}"
+            v = self.metadata(key)
+            if v is None:
+                if required:
+                    raise InvalidInput(f"{self.path}: required key {key!r} is missing")
+                continue
+            if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise InvalidInput(f"{self.path}: key {key!r} should be an integer, found {v!r}")
+            if typ is float and not isinstance(v, (int, float)):
+                raise InvalidInput(f"{self.path}: key {key!r} should be a number, found {v!r}")
+            vals[fname] = typ(v)
+        vals.setdefault("n_layer_nextn", 0)
+        vals.setdefault("rope_freq_base", 10000.0)
+        vals.setdefault("n_ff", 0)
+        sections = self.metadata(f"{arch}.rope.dimension_sections")
+        sections = list(sections or [0, 0, 0, 0])
+        if len(sections) < 4:
+            sections = sections + [0] * (4 - len(sections))
+        vals["rope_sections"] = tuple(int(s) for s in sections[:4])
+        n_all = vals["n_layer_all"]
+        n_trunk = n_all - vals["n_layer_nextn"]
+        if n_trunk <= 0:
+            raise InvalidInput(f"{self.path}: block_count {n_all} leaves no trunk layers after nextn")
+        rec = self.metadata(f"{arch}.attention.recurrent_layers")
+        if rec is not None:
+            rec = [bool(x) for x in rec]
+            if len(rec) < n_all:
+                rec = rec + [False] * (n_all - len(rec))
+            recurrent = tuple(rec[i] and i < n_trunk for i in range(n_all))
+        else:
+            interval = vals.get("full_attention_interval", 4)
+            if interval <= 0:
+                raise InvalidInput(f"{self.path}: full_attention_interval must be positive, found {interval}")
+            recurrent = tuple(i < n_trunk and (i + 1) % interval != 0 for i in range(n_all))
+        vals["recurrent"] = recurrent
+        tok = self._tensors.get("token_embd.weight")
+        n_vocab = len(self.tokens) or (int(tok.shape[1]) if tok is not None and len(tok.shape) > 1 else 0)
+        vals["n_vocab"] = n_vocab
+        return Qwen35HParams(arch=arch, **vals)
+
+    # -- tensors ----------------------------------------------------------------------------
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors.keys())
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """ggml shape and type of ``name``; raises ``KeyError`` if absent."""
+        t = self._tensors[name]
+        return TensorInfo(
+            name=name,
+            ne=tuple(int(x) for x in t.shape),
+            type=t.tensor_type.name,
+            n_bytes=int(t.n_bytes),
+            data_offset=int(t.data_offset),
+        )
+
+    def tensor(self, name: str, dtype: Any = np.float64) -> np.ndarray:
+        """Dequantized tensor ``name`` in NumPy order (reverse of ggml ``ne``), as ``dtype``.
+
+        Raises ``KeyError`` if the tensor is absent and ``InvalidInput`` if the `gguf` package
+        cannot dequantize its type.
+        """
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
+            arr = np.asarray(t.data)
+        else:
+            try:
+                arr = dequantize(np.asarray(t.data), t.tensor_type)
+            except NotImplementedError:
+                raise InvalidInput(f"{self.path}: cannot dequantize {name} of type {t.tensor_type.name}") from None
+        return np.asarray(arr, dtype=dtype).reshape(shape)
+
+    @cached_property
+    def sha256(self) -> str:
+        """sha256 of the file's bytes (hex)."""
+        return _file_sha256(self.path)
+
+    @property
+    def file_type(self) -> str:
+        """A short name of the weights' type: ``general.file_type`` as llama.cpp names it, else
+        the most common tensor type."""
+        from gguf import LlamaFileType
+
+        ft = self.raw_metadata("general.file_type")
+        if isinstance(ft, int):
+            try:
+                return LlamaFileType(ft).name.removeprefix("MOSTLY_")
+            except ValueError:
+                pass
+        types = [t.tensor_type.name for t in self.reader.tensors]
+        return max(set(types), key=types.count) if types else "unknown"
+
+    def describe(self) -> dict[str, Any]:
+        """Model identity for receipts: path, sha256, arch, file type, tensor count, overrides."""
+        return {
+            "path": str(self.path),
+            "sha256": self.sha256,
+            "arch": self.arch,
+            "file_type": self.file_type,
+            "n_tensors": len(self._tensors),
+            "overrides": [o.to_flag() for o in self.overrides.values()],
+        }
+
+
+def open_model(spec: str | os.PathLike, overrides: Iterable[Override] = ()) -> GGUFModel:
+    """Open ``spec`` (a path or ``fixture:NAME``, built on demand) as a ``GGUFModel``."""
+    from harness.fixtures import resolve_model
+
+    return GGUFModel(resolve_model(spec), overrides)
+
+
+def overrides_as_kv(overrides: Iterable[Override]) -> Mapping[str, Any]:
+    """``{key: value}`` as llama-cpp-python's ``kv_overrides`` takes it."""
+    return {o.key: o.value for o in overrides}

@@ -1,0 +1,91 @@
+"""Prompt sets: the shipped default and user files.
+
+Format: JSONL, one object per line, with ``id`` and either ``text`` (tokenized by the reference
+engine, llama.cpp) or ``tokens`` (pre-tokenized ids, used as they are). Other fields are kept as
+metadata. The set's sha256 is over the file's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import InvalidInput
+
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts" / "default.jsonl"
+
+
+@dataclass
+class Prompt:
+    """One prompt: ``text`` or ``tokens`` (list of int token ids), plus free-form ``meta``."""
+
+    id: str
+    text: str | None = None
+    tokens: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PromptSet:
+    """Prompts loaded from one file; ``sha256`` identifies the file's bytes."""
+
+    path: Path
+    sha256: str
+    prompts: list[Prompt]
+
+    @property
+    def id(self) -> str:
+        return self.path.stem
+
+    def __iter__(self):
+        return iter(self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def load_prompt_set(path: str | Path | None) -> PromptSet:
+    """Load a JSONL prompt file (``None``: the shipped default set).
+
+    Raises ``InvalidInput`` (exit 2) naming the file and line for unreadable files, bad JSON,
+    a missing/duplicate ``id``, or an entry with neither ``text`` nor a list of int ``tokens``.
+    """
+    p = Path(path) if path is not None else DEFAULT_PROMPTS
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise InvalidInput(f"{p}: cannot read prompt file ({e.strerror})") from None
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not obj["id"]:
+            raise InvalidInput(f"{p}:{lineno}: each line needs a string 'id'")
+        pid = obj["id"]
+        if pid in seen:
+            raise InvalidInput(f"{p}:{lineno}: duplicate prompt id {pid!r}")
+        seen.add(pid)
+        text, tokens = obj.get("text"), obj.get("tokens")
+        if tokens is not None:
+            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+                raise InvalidInput(f"{p}:{lineno}: 'tokens' must be a non-empty list of non-negative ints")
+        elif not isinstance(text, str) or not text:
+            raise InvalidInput(f"{p}:{lineno}: prompt {pid!r} needs a non-empty 'text' or 'tokens'")
+        meta = {k: v for k, v in obj.items() if k not in ("id", "text", "tokens")}
+        prompts.append(Prompt(pid, text if tokens is None else None, tokens, meta))
+    if not prompts:
+        raise InvalidInput(f"{p}: no prompts")
+    return PromptSet(p, hashlib.sha256(raw).hexdigest(), prompts)
+
+
+def load_prompts(path: str | Path | None) -> list[Prompt]:
+    """The prompts of ``load_prompt_set(path)``."""
+    return load_prompt_set(path).prompts
