@@ -1,0 +1,131 @@
+"""The reference engine: llama.cpp via llama-cpp-python, in a worker process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import fixtures as fx
+from harness.engines.base import gather
+from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+from harness.errors import EngineError
+from harness.gguf_model import GGUFModel, parse_overrides
+from harness.metrics import cosine
+from harness.prompts import load_prompts
+
+TOKENS = list(range(30, 130))
+GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp", "small-qwen35-F16", "small-qwen35-Q8_0", "small-qwen35-Q4_K_M"]
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_every_good_fixture_loads_and_gives_finite_logits(name):
+    path = fx.build(name)
+    eng = LlamaCppEngine(path)
+    logits = gather(eng.logits(TOKENS), len(TOKENS))
+    n_vocab = GGUFModel(path).hparams.n_vocab
+    assert logits.shape == (len(TOKENS), n_vocab) == (100, eng.n_vocab)
+    assert np.isfinite(logits).all()
+    assert logits.std() > 0.1  # not a constant: the model computed something
+
+
+def test_mtp_declared_absent_is_refused_quoting_llama_cpp():
+    with pytest.raises(EngineError, match=r"blk\.8\.attn_norm\.weight"):
+        gather(LlamaCppEngine(fx.build("mtp-declared-absent")).logits(TOKENS))
+
+
+def test_mtp_declared_absent_with_remedy_equals_trunk_twin_bit_for_bit():
+    remedy = parse_overrides(["qwen35.block_count=int:8", "qwen35.nextn_predict_layers=int:0"])
+    fixed = gather(LlamaCppEngine(fx.build("mtp-declared-absent"), remedy).logits(TOKENS))
+    twin = gather(LlamaCppEngine(fx.build("tiny-qwen35")).logits(TOKENS))
+    assert fixed.dtype == twin.dtype == np.float32
+    np.testing.assert_array_equal(fixed, twin)
+
+
+@pytest.fixture(scope="module")
+def long_prompt_tokens():
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    toks = eng.tokenize(load_prompts(None)[0].text)
+    assert len(toks) >= 512
+    return toks
+
+
+@pytest.mark.parametrize("split", [1, 3, 64, 65, 300])
+def test_whole_equals_two_chunks(long_prompt_tokens, split):
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    toks = long_prompt_tokens
+    whole = gather(eng.logits(toks), len(toks))
+    parts = gather(eng.logits(toks, chunks=[split, len(toks) - split]), len(toks))
+    cos = cosine(whole, parts)
+    assert cos.min() >= 0.99999, (split, int(cos.argmin()), float(cos.min()))
+
+
+def test_identical_across_two_runs(long_prompt_tokens):
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    a = gather(eng.logits(long_prompt_tokens))
+    b = gather(eng.logits(long_prompt_tokens))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_blocks_stream_in_order_and_bounded():
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"), block_size=32)
+    blocks = list(eng.logits(TOKENS))
+    assert [s for s, _ in blocks] == [0, 32, 64, 96]
+    assert max(b.shape[0] for _, b in blocks) == 32
+
+
+def test_multi_sequence_rows_match_solo_runs():
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    a, b = TOKENS[:40], TOKENS[50:90]
+    both = gather(eng.logits_multi([a, b]), 80)
+    solo_a = gather(eng.logits(a))
+    solo_b = gather(eng.logits(b))
+    assert cosine(both[:40], solo_a).min() > 0.9999
+    assert cosine(both[40:], solo_b).min() > 0.9999
+
+
+def test_info_records_numerics_settings():
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"), settings=LlamaCppSettings(n_ubatch=7))
+    info = eng.info.to_dict()
+    assert info["name"] == "llama.cpp"
+    assert "0.3.36" in info["version"]
+    for key in ("n_ctx", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "flash_attn", "overrides"):
+        assert key in info["settings"]
+    assert info["settings"]["n_ubatch"] == 7
+    assert "CPU" in info["build"]["system_info"] or "AVX" in info["build"]["system_info"]
+
+
+def test_ubatch_size_changes_little(long_prompt_tokens):
+    toks = long_prompt_tokens[:200]
+    a = gather(LlamaCppEngine(fx.build("tiny-qwen35")).logits(toks))
+    b = gather(LlamaCppEngine(fx.build("tiny-qwen35"), settings=LlamaCppSettings(n_ubatch=7)).logits(toks))
+    assert cosine(a, b).min() >= 0.99999
+
+
+def test_ggml_abort_becomes_engine_error(tmp_path):
+    """A wrongly typed SSM tensor loads, then ggml aborts in the first forward: the harness
+    reports ENGINE-ERROR with the signal, and keeps running."""
+
+    def ssm_conv_f16(meta, tensors):
+        tensors["blk.0.ssm_conv1d.weight"] = tensors["blk.0.ssm_conv1d.weight"].astype(np.float16)
+
+    path = fx.build_fixture(fx.SPECS["tiny-qwen35"], tmp_path / "abort.gguf", ssm_conv_f16)
+    with pytest.raises(EngineError, match="SIGABRT") as ei:
+        gather(LlamaCppEngine(path).logits(TOKENS[:8]))
+    assert ei.value.exit_code == 3
+    assert "GGML_ASSERT" in str(ei.value) or "GGML_ASSERT" in ei.value.stderr_tail
+    # the harness process is alive and the next model runs
+    assert np.isfinite(gather(LlamaCppEngine(fx.build("tiny-qwen35")).logits(TOKENS[:8]))).all()
+
+
+def test_tokenizer_round_trips_text():
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    text = "Grüße aus Köln! the cat sat on the mat."
+    toks = eng.tokenize(text)
+    vocab = GGUFModel(fx.build("tiny-qwen35")).tokens
+    b2u = fx.bytes_to_unicode()
+    u2b = {v: k for k, v in b2u.items()}
+    decoded = bytes(u2b[c] for t in toks for c in vocab[t]).decode("utf-8")
+    assert decoded == text
+    assert len(toks) < len(text.encode())  # merges applied
