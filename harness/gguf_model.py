@@ -135,7 +135,7 @@ class Qwen35HParams:
 
 
 # (field, key suffix, expected python type, required). One table: every key the harness reads.
-_HPARAM_KEYS: list[tuple[str, str, type, bool]] = [
+HPARAM_KEYS: list[tuple[str, str, type, bool]] = [
     ("n_embd", "embedding_length", int, True),
     ("n_layer_all", "block_count", int, True),
     ("n_layer_nextn", "nextn_predict_layers", int, False),
@@ -268,7 +268,7 @@ class GGUFModel:
         wrongly typed key."""
         arch = self.require_supported()
         vals: dict[str, Any] = {}
-        for fname, suffix, typ, required in _HPARAM_KEYS:
+        for fname, suffix, typ, required in HPARAM_KEYS:
             key = f"{arch}.{suffix}"
             v = self.metadata(key)
             if v is None:
