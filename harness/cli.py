@@ -20,6 +20,14 @@ INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the harness, not a verdict
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+def _console(stderr: bool = False):
+    """A rich console; wide enough for the tables when output is not a terminal."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr) if stream.isatty() else Console(stderr=stderr, width=160)
+
+
 def _echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
@@ -74,7 +82,7 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
     for r in rows:
         mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
         t.add_row(f"fixture:{r['name']}", r["arch"], r["quant"], mb, r["sha256"] or "(not built)", r["description"])
-    Console().print(t)
+    _console().print(t)
 
 
 @fixtures.command("build")
@@ -108,6 +116,175 @@ def lint(model: str, overrides: tuple[str, ...], as_json: bool) -> None:
     else:
         click.echo(report.render())
     sys.exit(report.exit_code)
+
+
+# -- parity ----------------------------------------------------------------------------------
+_VERDICT_PRIORITY = ["FAIL", "ENGINE-ERROR", "NOT-COMPARABLE", "INVALID", "UNMEASURED", "PASS"]
+
+
+def _parity_defaults() -> dict[str, Any]:
+    from harness.config import load_config
+    from harness.pytest_plugin import default_model
+
+    cfg = load_config()
+    return {
+        "model": cfg.get("model") or default_model(),
+        "candidate": cfg.get("candidate", "oracle"),
+        "reference": cfg.get("reference", "llama.cpp"),
+        "prompts": cfg.get("prompts"),
+        "thresholds": cfg.get("thresholds"),
+        "ledger": cfg.get("ledger"),
+    }
+
+
+def _render_parity(outcome) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    r, rec = outcome.result, outcome.receipt
+    con = _console()
+    t = Table(title=f"parity: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']} on {rec['model']['name']} ({rec['model']['file_type']})")
+    for col in ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing"):
+        t.add_column(col, justify="right" if col != "prompt" else "left")
+    f = lambda v, spec: "-" if v is None else format(v, spec)
+    for p in r.per_prompt:
+        t.add_row(p["id"], str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
+                  f"{p['flips_near_tie']}/{p['flips_hard']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
+    con.print(t)
+    th = rec["thresholds"]["gates"]["min_cosine"]
+    basis = th["basis"]
+    note = f"basis {basis['kind']}" + (f" by {basis.get('who')}" if basis["kind"] == "declared" else f" on {th.get('basis_model')}")
+    if th.get("basis_model_differs"):
+        note += " (measured on another model than this one)"
+    con.print(f"gate: per-position cosine >= {th['value']} over >= {rec['gated']['min_positions']} positions ({note})")
+    ro = rec["report_only"]
+    aa = ro["argmax_agreement"]
+    if aa["rate"] is not None:
+        con.print(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
+                  f"flips {ro['flips']['near_tie']} near-tie / {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']})"
+                  + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else ""))
+    if rec["kind"] == "self-consistency":
+        con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
+    con.print(f"[bold]{r.verdict.value}[/bold]: {r.message}")
+    if outcome.receipt_path:
+        con.print(f"receipt: {outcome.receipt_path}")
+        con.print(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})")
+
+
+@cli.command()
+@click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] model, else the trained default model.")
+@click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, transformers, llama.cpp).")
+@click.option("--reference", default=None, help="Reference engine (default llama.cpp).")
+@click.option("--prompts", default=None, type=click.Path(), help="JSONL prompt file (id + text or tokens). Default: the shipped set.")
+@click.option("--thresholds", default=None, type=click.Path(), help="thresholds.yaml (default ./thresholds.yaml, else the shipped one).")
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger JSONL (default evidence/parity/ledger.jsonl; receipts go beside it).")
+@override_option
+@click.option("--json", "as_json", is_flag=True, help="Print the receipt (JSON) instead of the table.")
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
+def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence) -> None:
+    """Run a candidate and the reference on the same token ids; gate on per-position logit cosine."""
+    from harness.parity import ParityRequest, run_parity
+
+    d = _parity_defaults()
+    specs = list(models) or [d["model"]]
+    verdicts = []
+    for spec in specs:
+        req = ParityRequest(
+            model=spec, candidate=candidate or d["candidate"], reference=reference or d["reference"],
+            prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
+            overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+        )
+        try:
+            outcome = _with_progress(lambda cb: run_parity(req, cb), quiet=as_json)
+        except HarnessError as e:
+            if len(specs) == 1:
+                raise
+            click.echo(f"harness: {e.verdict.value}: {spec}: {e}", err=True)
+            verdicts.append(e.verdict.value)
+            continue
+        verdicts.append(outcome.result.verdict.value)
+        if as_json:
+            _echo_json(outcome.receipt)
+        else:
+            _render_parity(outcome)
+            if outcome.result.verdict.value == "FAIL":
+                click.echo(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}")
+    worst = min(verdicts, key=_VERDICT_PRIORITY.index)
+    if len(specs) > 1:
+        click.echo(f"{len(specs)} models: " + ", ".join(f"{s}={v}" for s, v in zip(specs, verdicts)) + f" -> {worst}")
+    from harness.errors import Verdict
+
+    sys.exit(Verdict(worst).exit_code)
+
+
+def _with_progress(fn, quiet: bool = False):
+    """Run ``fn(progress_callback)`` under a rich progress bar on stderr (positions compared)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet:
+        return fn(None)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("engines running", total=None)
+
+        def cb(prompt_id: str, done: int, total: int) -> None:
+            bar.update(task, description=f"prompt {prompt_id}", completed=done, total=total)
+
+        return fn(cb)
+
+
+# -- ledger ----------------------------------------------------------------------------------
+@cli.group()
+def ledger() -> None:
+    """The append-only sign-off ledger (evidence/parity/ledger.jsonl, rendered to LEDGER.md)."""
+
+
+@ledger.command("verify")
+@click.option("--ledger", "ledger_path", default="evidence/parity/ledger.jsonl", type=click.Path())
+@click.option("--receipts", default=None, type=click.Path(), help="Receipts dir (default: receipts/ beside the ledger).")
+@click.option("--markdown", default=None, type=click.Path(), help="Rendered ledger (default: LEDGER.md of the repo).")
+def ledger_verify(ledger_path, receipts, markdown) -> None:
+    """Check the hash chain, every row against its receipt, and the rendered head (exit 1 on any problem)."""
+    from pathlib import Path
+
+    from harness.ledger import read_rows, verify_ledger
+
+    lp = Path(ledger_path)
+    if not lp.exists():
+        raise InvalidInput(f"{lp}: no such ledger")
+    problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown)
+    if problems:
+        for p in problems:
+            click.echo(str(p))
+        click.echo(f"ledger {lp}: {len(problems)} problem(s)")
+        sys.exit(1)
+    click.echo(f"ledger {lp}: OK ({len(read_rows(lp))} rows, chain and receipts verified)")
+
+
+@ledger.command("show")
+@click.option("--ledger", "ledger_path", default="evidence/parity/ledger.jsonl", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def ledger_show(ledger_path, as_json) -> None:
+    """Summarize the ledger with pandas; print proposed report-only thresholds once 20 records exist."""
+    from pathlib import Path
+
+    from harness.ledger import ledger_frame, proposed_report_only_thresholds, summarize_ledger
+
+    lp = Path(ledger_path)
+    if not lp.exists():
+        raise InvalidInput(f"{lp}: no such ledger")
+    summary = summarize_ledger(lp)
+    proposals = proposed_report_only_thresholds(ledger_frame(lp))
+    if as_json:
+        _echo_json({"summary": summary.to_dict(orient="records"), "proposed_report_only": proposals})
+        return
+    click.echo(summary.to_string(index=False) if len(summary) else "(empty ledger)")
+    for field_name, prop in proposals.items():
+        if prop is None:
+            click.echo(f"report-only {field_name}: no threshold proposed (fewer than 20 records)")
+        else:
+            click.echo(f"report-only {field_name}: proposed {prop} (not applied; edit thresholds.yaml to adopt it)")
 
 
 def main(argv: list[str] | None = None) -> int:

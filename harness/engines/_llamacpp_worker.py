@@ -134,7 +134,7 @@ def main(req_path: str) -> int:
         "load_s": round(time.time() - t0, 4),
     }
     if req["op"] == "tokenize":
-        toks = _tokenize(llama_cpp, model, req["text"])
+        toks = [_tokenize(llama_cpp, model, t) for t in req["texts"]]
         (out_dir / "tokens.json").write_text(json.dumps(toks))
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0

@@ -92,6 +92,12 @@ class LlamaCppEngine:
         self.timeout_s = timeout_s
         self.block_size = block_size
 
+    def with_settings(self, **changes: Any) -> "LlamaCppEngine":
+        """The same model with some settings changed (e.g. ``n_ubatch=7``)."""
+        from dataclasses import replace
+
+        return LlamaCppEngine(self.model_path, self.overrides, replace(self.settings, **changes), self.timeout_s, self.block_size)
+
     # -- worker plumbing ------------------------------------------------------------------
     def _run(self, request: dict[str, Any], workdir: Path) -> dict[str, Any]:
         request = {
@@ -151,8 +157,12 @@ class LlamaCppEngine:
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` by the model's own vocab (no BOS, specials not parsed)."""
+        return self.tokenize_many([text])[0]
+
+    def tokenize_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, in one worker run."""
         with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
-            self._run({"op": "tokenize", "text": text}, Path(d))
+            self._run({"op": "tokenize", "texts": list(texts)}, Path(d))
             return json.loads((Path(d) / "tokens.json").read_text())
 
     def _stream(self, request: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:

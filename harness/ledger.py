@@ -1,0 +1,666 @@
+"""The sign-off ledger: append-only, hash-chained ``ledger.jsonl`` and its rendering, LEDGER.md.
+
+``evidence/parity/ledger.jsonl`` is the source of truth: one canonical-JSON row per line (fields
+in ``ROW_FIELDS``), each carrying the hash of the row before it (``prev_hash``; the first row
+holds ``GENESIS``), its own hash (``row_hash``: sha256 of the canonical JSON of the row without
+``row_hash``) and the sha256 of its receipt file. LEDGER.md is the rendered table and shows the
+head (last seq and row_hash), so removing the last row is detected too. Rows are never edited; a
+wrong row is superseded by a ``kind: supersede`` row naming it (``supersede_row``).
+
+``append_row`` holds a file lock (``filelock``) across read-head → append → render, so
+concurrent runs neither lose nor duplicate rows. ``verify_ledger`` reports edited, malformed,
+removed (the last too), inserted, reordered and forged rows, each with its seq and line.
+
+What the chain cannot do: someone who rewrites the file, recomputes every hash and re-renders
+LEDGER.md is caught only by the receipts (``receipts_dir``: a forged row has no receipt whose
+bytes and content match it) and by git history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import jsonschema
+import numpy as np
+import pandas as pd
+from filelock import FileLock, Timeout
+
+from harness.errors import InvalidInput
+from harness.receipts import canonical_json, file_sha256, load_receipt, sha256_hex, utc_now
+
+GENESIS = "0" * 64
+"""``prev_hash`` of the first row."""
+
+KINDS = ("parity", "self-consistency", "probe", "supersede")
+
+ROW_FIELDS = (
+    "seq",
+    "time",
+    "kind",
+    "model",
+    "quant",
+    "candidate",
+    "reference",
+    "positions",
+    "min_cosine",
+    "verdict",
+    "argmax_agreement",
+    "near_tie_flips",
+    "hard_flips",
+    "kld_mean",
+    "basis_kind",
+    "receipt_id",
+    "receipt_sha256",
+    "prev_hash",
+    "row_hash",
+)
+"""Every row has these (null where not applicable); see ``ROW_SCHEMA``."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason")
+
+RECEIPT_FIELDS = (
+    "kind",
+    "model",
+    "model_sha256",
+    "quant",
+    "candidate",
+    "reference",
+    "positions",
+    "min_cosine",
+    "verdict",
+    "argmax_agreement",
+    "near_tie_flips",
+    "hard_flips",
+    "kld_mean",
+    "basis_kind",
+    "receipt_id",
+)
+"""Fields a row copies from its receipt (``row_from_receipt``); ``verify_ledger`` re-derives them."""
+
+REPORT_ONLY_MIN_RECORDS = 20
+"""Records a report-only field needs before the ledger proposes a threshold for it (DESIGN.md)."""
+
+_HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+_NULLABLE_HEX64 = {"type": ["string", "null"], "pattern": "^[0-9a-f]{64}$"}
+ROW_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": list(ROW_FIELDS),
+    "additionalProperties": False,
+    "properties": {
+        "seq": {"type": "integer", "minimum": 1},
+        "time": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}T"},
+        "kind": {"enum": list(KINDS)},
+        "model": {"type": ["string", "null"]},
+        "model_sha256": _NULLABLE_HEX64,
+        "quant": {"type": ["string", "null"]},
+        "candidate": {"type": ["string", "null"]},
+        "reference": {"type": ["string", "null"]},
+        "positions": {"type": ["integer", "null"], "minimum": 0},
+        "min_cosine": {"type": ["number", "null"]},
+        "verdict": {"type": ["string", "null"]},
+        "argmax_agreement": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "near_tie_flips": {"type": ["integer", "null"], "minimum": 0},
+        "hard_flips": {"type": ["integer", "null"], "minimum": 0},
+        "kld_mean": {"type": ["number", "null"]},
+        "basis_kind": {"enum": ["measured", "declared", None]},
+        "receipt_id": _NULLABLE_HEX64,
+        "receipt_sha256": _NULLABLE_HEX64,
+        "prev_hash": _HEX64,
+        "row_hash": _HEX64,
+        "supersedes": {"type": "integer", "minimum": 1},
+        "reason": {"type": "string", "minLength": 1},
+    },
+    "allOf": [
+        {
+            "if": {"properties": {"kind": {"const": "supersede"}}},
+            "then": {"required": ["supersedes", "reason"]},
+            "else": {"not": {"required": ["supersedes"]}},
+        }
+    ],
+}
+_ROW_VALIDATOR = jsonschema.Draft202012Validator(ROW_SCHEMA)
+
+_HEAD_RE = re.compile(r"^Head: seq (\d+) · row_hash `([0-9a-f]{64})`$", re.M)
+_EMPTY_HEAD = "Head: none (empty ledger)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of ``verify_ledger``: a ``code``, a message, and where (seq, 1-based line).
+
+    Codes: MALFORMED, EDITED, SEQUENCE, CHAIN, HEAD, MARKDOWN, SUPERSEDE, RECEIPT-MISSING,
+    RECEIPT-HASH, RECEIPT-INVALID, RECEIPT-MISMATCH.
+    """
+
+    code: str
+    message: str
+    seq: int | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = " ".join(x for x in (f"line {self.line}" if self.line else "", f"seq {self.seq}" if self.seq else "") if x)
+        return f"{self.code}{' (' + where + ')' if where else ''}: {self.message}"
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def row_hash(row: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of ``row`` without its ``row_hash`` field."""
+    return sha256_hex(canonical_json({k: v for k, v in row.items() if k != "row_hash"}))
+
+
+def _engine_label(info: Mapping[str, Any]) -> str:
+    version = str(info.get("version") or "").strip()
+    return f"{info['name']} {version}".strip()
+
+
+def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
+    """The ledger fields a receipt determines (``RECEIPT_FIELDS``), for ``append_row``.
+
+    ``model`` is the receipt's ``model.name`` (else the file name), ``quant`` its GGUF file type,
+    ``candidate``/``reference`` ``"NAME VERSION"``, ``min_cosine`` the observed minimum,
+    ``basis_kind`` the kind of the min_cosine threshold's basis.
+    """
+    model = receipt["model"]
+    gated = receipt["gated"]
+    ro = receipt["report_only"]
+    kld = ro.get("kld") or {}
+    return {
+        "kind": receipt["kind"],
+        "model": model.get("name") or Path(model["path"]).name,
+        "model_sha256": model["sha256"],
+        "quant": model["file_type"],
+        "candidate": _engine_label(receipt["engines"]["candidate"]),
+        "reference": _engine_label(receipt["engines"]["reference"]),
+        "positions": gated["positions"],
+        "min_cosine": gated["min_cosine_observed"],
+        "verdict": gated["verdict"],
+        "argmax_agreement": ro["argmax_agreement"]["rate"],
+        "near_tie_flips": ro["flips"]["near_tie"],
+        "hard_flips": ro["flips"]["hard"],
+        "kld_mean": kld.get("mean"),
+        "basis_kind": receipt["thresholds"]["gates"]["min_cosine"]["basis"]["kind"],
+        "receipt_id": receipt["id"],
+    }
+
+
+def supersede_row(seq: int, reason: str) -> dict[str, Any]:
+    """A row that withdraws row ``seq`` (rows are never edited); append it with ``append_row``."""
+    return {"kind": "supersede", "supersedes": int(seq), "reason": reason}
+
+
+def _complete(row: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: None for k in ROW_FIELDS if k not in ("seq", "time", "prev_hash", "row_hash")}
+    out.update(row)
+    return out
+
+
+def _validate_row(row: Mapping[str, Any]) -> str | None:
+    errors = list(_ROW_VALIDATOR.iter_errors(row))
+    if not errors:
+        return None
+    e = jsonschema.exceptions.best_match(errors)
+    field = ".".join(str(k) for k in e.absolute_path) or "row"
+    return f"{field}: {e.message}"
+
+
+# ----------------------------------------------------------------------------- paths and reading
+
+
+def default_markdown_path(ledger_path: str | Path) -> Path:
+    """LEDGER.md at the repo root for ``<root>/evidence/parity/ledger.jsonl``, else the ledger's
+    path with suffix ``.md``."""
+    p = Path(ledger_path)
+    if p.name == "ledger.jsonl" and p.parent.name == "parity" and p.parent.parent.name == "evidence":
+        return p.parent.parent.parent / "LEDGER.md"
+    return p.with_suffix(".md")
+
+
+def _parse_lines(data: bytes) -> list[tuple[int, dict[str, Any] | None, str | None]]:
+    """``(line_no, row or None, error or None)`` for each line of a ledger file."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # after the final newline
+    out = []
+    for i, raw in enumerate(lines, start=1):
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            out.append((i, None, f"not a JSON row: {e}"))
+            continue
+        out.append((i, row, None) if isinstance(row, dict) else (i, None, "not a JSON object"))
+    return out
+
+
+def _read(ledger_path: Path) -> bytes:
+    try:
+        return ledger_path.read_bytes()
+    except FileNotFoundError:
+        return b""
+    except OSError as e:
+        raise InvalidInput(f"{ledger_path}: cannot read ledger: {e.strerror or e}") from e
+
+
+def read_rows(ledger_path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a ledger (empty if the file does not exist).
+
+    Raises ``InvalidInput`` naming the line when a line is not a JSON object; it does not check
+    hashes (``verify_ledger`` does).
+    """
+    ledger_path = Path(ledger_path)
+    data = _read(ledger_path)
+    rows = []
+    for line, row, err in _parse_lines(data):
+        if err:
+            raise InvalidInput(f"{ledger_path}:{line}: {err}; run `harness ledger verify`")
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- append
+
+
+def append_row(
+    ledger_path: str | Path,
+    row: Mapping[str, Any],
+    receipt_path: str | Path | None = None,
+    markdown_path: str | Path | None = None,
+    *,
+    lock_timeout: float = 120.0,
+) -> dict[str, Any]:
+    """Append one row under the ledger's file lock, then re-render the markdown; return the row.
+
+    ``row`` gives the content fields (``row_from_receipt(receipt)``, or ``supersede_row``); the
+    ledger sets ``seq``, ``prev_hash``, ``row_hash``, ``time`` (unless given) and, from
+    ``receipt_path``, ``receipt_sha256`` (sha256 of the receipt file's bytes). Missing content
+    fields become null. ``markdown_path`` defaults to ``default_markdown_path(ledger_path)``.
+
+    Raises ``InvalidInput`` when the row breaks the row schema, names a receipt other than the
+    file given, supersedes a row that does not exist, or when the ledger's last row is partial,
+    malformed or edited (the chain is not extended from a broken head; run ``verify_ledger``),
+    or when the lock cannot be taken within ``lock_timeout`` seconds.
+    """
+    ledger_path = Path(ledger_path)
+    md_path = Path(markdown_path) if markdown_path else default_markdown_path(ledger_path)
+    new = _complete(row)
+    for owned in ("seq", "prev_hash", "row_hash"):
+        new.pop(owned, None)
+    if receipt_path is not None:
+        receipt_path = Path(receipt_path)
+        if new.get("receipt_id") is None:
+            new["receipt_id"] = receipt_path.stem
+        elif new["receipt_id"] != receipt_path.stem:
+            raise InvalidInput(f"row names receipt {new['receipt_id']} but the receipt file is {receipt_path.name}")
+        new["receipt_sha256"] = file_sha256(receipt_path)
+    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
+            data = _read(ledger_path)
+            if data and not data.endswith(b"\n"):
+                partial = data.count(b"\n") + 1
+                raise InvalidInput(f"{ledger_path}: ends in a partial row (line {partial}); run `harness ledger verify`")
+            parsed = _parse_lines(data)
+            rows = [r for _, r, _ in parsed if r is not None]
+            head = _check_head_for_append(ledger_path, parsed)
+            new["seq"] = head["seq"] + 1 if head else 1
+            new.setdefault("time", None)
+            if new["time"] is None:
+                new["time"] = utc_now()
+            new["prev_hash"] = head["row_hash"] if head else GENESIS
+            new["row_hash"] = GENESIS  # placeholder so the schema sees every field
+            err = _validate_row(new)
+            if err:
+                raise InvalidInput(f"ledger row: {err}")
+            if new["kind"] == "supersede":
+                target = new["supersedes"]
+                if not any(r.get("seq") == target for r in rows):
+                    raise InvalidInput(f"{ledger_path}: cannot supersede seq {target}: no such row")
+            new["row_hash"] = row_hash(new)
+            with open(ledger_path, "ab") as f:
+                f.write(canonical_json(new) + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+            rows.append(new)
+            _write_text_atomic(md_path, render_markdown(rows, ledger_path, md_path))
+    except Timeout as e:
+        raise InvalidInput(f"{ledger_path}: could not take the ledger lock within {lock_timeout:g} s") from e
+    return new
+
+
+def _check_head_for_append(ledger_path: Path, parsed: list) -> dict[str, Any] | None:
+    if not parsed:
+        return None
+    line, head, err = parsed[-1]
+    if err:
+        raise InvalidInput(f"{ledger_path}:{line}: last row is malformed ({err}); run `harness ledger verify`")
+    if head.get("row_hash") != row_hash(head) or not isinstance(head.get("seq"), int):
+        raise InvalidInput(f"{ledger_path}:{line}: last row (seq {head.get('seq')}) does not match its row_hash; run `harness ledger verify`")
+    return head
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "—"
+    return format(v, spec)
+
+
+def _cell(v: Any) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, markdown_path: str | Path | None = None) -> str:
+    """LEDGER.md for ``rows``: a header, the head (last seq and row_hash) and one table line per row.
+
+    Superseded rows stay, their verdict struck through and pointing at the superseding row.
+    """
+    ledger_path = Path(ledger_path)
+    base = Path(markdown_path).parent if markdown_path else ledger_path.parent
+    try:
+        shown = os.path.relpath(ledger_path, base)
+    except ValueError:
+        shown = str(ledger_path)
+    superseded = {r.get("supersedes"): r.get("seq") for r in rows if r.get("kind") == "supersede"}
+    head = rows[-1] if rows else None
+    lines = [
+        "# Sign-off ledger",
+        "",
+        f"Rendered from `{shown}`, the source of truth, after every append. Do not edit by hand:",
+        "`harness ledger verify` checks the hash chain, this file's head and each row against its receipt.",
+        "",
+        f"Head: seq {head['seq']} · row_hash `{head['row_hash']}`" if head else _EMPTY_HEAD,
+        "",
+        "| seq | date | kind | model | quant | candidate | reference | positions | min cos | verdict | argmax agr | near-tie / hard flips | KLD mean | basis | receipt |",
+        "|---:|---|---|---|---|---|---|---:|---:|---|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        verdict = _cell(r.get("verdict") or "—")
+        if r.get("seq") in superseded:
+            verdict = f"~~{verdict}~~ (superseded by #{superseded[r.get('seq')]})"
+        model = _cell(r.get("model") or "—")
+        if r.get("kind") == "supersede":
+            model = f"supersedes #{r.get('supersedes')}: {_cell(r.get('reason', ''))}"
+        flips = "—" if r.get("near_tie_flips") is None else f"{r.get('near_tie_flips')} / {r.get('hard_flips')}"
+        receipt = f"`{r['receipt_id'][:12]}`" if r.get("receipt_id") else "—"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(r.get("seq")),
+                    _cell(str(r.get("time") or "")[:10]),
+                    _cell(r.get("kind")),
+                    model,
+                    _cell(r.get("quant") or "—"),
+                    _cell(r.get("candidate") or "—"),
+                    _cell(r.get("reference") or "—"),
+                    _fmt(r.get("positions"), "d"),
+                    _fmt(r.get("min_cosine"), ".6f"),
+                    verdict,
+                    _fmt(r.get("argmax_agreement"), ".4f"),
+                    flips,
+                    _fmt(r.get("kld_mean"), ".3g"),
+                    _cell(r.get("basis_kind") or "—"),
+                    receipt,
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def verify_ledger(
+    ledger_path: str | Path,
+    receipts_dir: str | Path | None = None,
+    markdown_path: str | Path | None = None,
+) -> list[Problem]:
+    """Check a ledger; return its problems in line order (empty: the ledger verifies).
+
+    Per row: JSON and schema (MALFORMED), ``row_hash`` against the content (EDITED), ``seq``
+    consecutive from 1 (SEQUENCE), ``prev_hash`` equal to the previous line's ``row_hash``
+    (CHAIN: a row removed, inserted or reordered before it), supersede targets (SUPERSEDE). The
+    markdown's head must be the last row (HEAD: e.g. the last row removed) and the markdown the
+    rendering of the rows (MARKDOWN). With ``receipts_dir``, every parity/self-consistency row's
+    receipt ``<receipt_id>.json`` must exist (RECEIPT-MISSING), hash to ``receipt_sha256``
+    (RECEIPT-HASH), load and check (RECEIPT-INVALID), and give the row's fields
+    (RECEIPT-MISMATCH: a forged or altered row).
+
+    Raises ``InvalidInput`` when the ledger file cannot be read.
+    """
+    ledger_path = Path(ledger_path)
+    md_path = Path(markdown_path) if markdown_path else default_markdown_path(ledger_path)
+    if not ledger_path.exists():
+        raise InvalidInput(f"{ledger_path}: no such ledger")
+    data = _read(ledger_path)
+    problems: list[Problem] = []
+    rows: list[dict[str, Any]] = []
+    prev: dict[str, Any] | None = None  # the previous line's row, None after a malformed line
+    first = True
+    seqs_seen: set[int] = set()
+    if data and not data.endswith(b"\n"):
+        problems.append(Problem("MALFORMED", "the file ends in a partial row (no final newline)", None, data.count(b"\n") + 1))
+    for line, row, err in _parse_lines(data):
+        if err:
+            m = re.search(rb'"seq":\s*(\d+)', data.split(b"\n")[line - 1])
+            problems.append(Problem("MALFORMED", err, int(m.group(1)) if m else None, line))
+            prev, first = None, False
+            continue
+        seq = row.get("seq") if isinstance(row.get("seq"), int) else None
+        schema_err = _validate_row(row)
+        if schema_err:
+            problems.append(Problem("MALFORMED", schema_err, seq, line))
+        if row.get("row_hash") != row_hash(row):
+            problems.append(Problem("EDITED", "row_hash does not match the row's content: the row was edited", seq, line))
+        if first:
+            expected_seq, expected_prev, before = 1, GENESIS, "the genesis hash"
+        elif prev is not None:
+            expected_seq = prev["seq"] + 1 if isinstance(prev.get("seq"), int) else None
+            expected_prev, before = prev.get("row_hash"), f"row seq {prev.get('seq')} (line {line - 1})"
+        else:
+            expected_seq = expected_prev = None
+        if seq is not None and expected_seq is not None and seq != expected_seq:
+            problems.append(
+                Problem("SEQUENCE", f"seq {seq} where {expected_seq} was expected: rows removed, inserted or reordered", seq, line)
+            )
+        if expected_prev is not None and row.get("prev_hash") != expected_prev:
+            problems.append(
+                Problem("CHAIN", f"prev_hash does not match {before}: a row was removed, inserted or reordered before this one", seq, line)
+            )
+        if row.get("kind") == "supersede" and row.get("supersedes") not in seqs_seen:
+            problems.append(Problem("SUPERSEDE", f"supersedes seq {row.get('supersedes')}, which is not an earlier row", seq, line))
+        if seq is not None:
+            seqs_seen.add(seq)
+        rows.append({**row, "_line": line})
+        prev, first = row, False
+    problems += _check_markdown(ledger_path, md_path, rows, data)
+    if receipts_dir is not None:
+        problems += _check_receipts(Path(receipts_dir), rows)
+    return sorted(problems, key=lambda p: (p.line or 0))
+
+
+def _check_markdown(ledger_path: Path, md_path: Path, rows: list[dict[str, Any]], data: bytes) -> list[Problem]:
+    last = rows[-1] if rows else None
+    if not md_path.exists():
+        if not rows:
+            return []
+        return [Problem("HEAD", f"{md_path} is missing, so removal of the last row cannot be ruled out", last.get("seq"), None)]
+    text = md_path.read_text(encoding="utf-8", errors="replace")
+    m = _HEAD_RE.search(text)
+    if m is None:
+        if _EMPTY_HEAD in text and not rows:
+            return []
+        if _EMPTY_HEAD in text:
+            return [Problem("MARKDOWN", f"{md_path} shows an empty ledger but the ledger has {len(rows)} rows (not re-rendered?)")]
+        return [Problem("HEAD", f"{md_path} has no head line ('Head: seq N · row_hash `…`')")]
+    md_seq, md_hash = int(m.group(1)), m.group(2)
+    if last is None:
+        return [Problem("HEAD", f"the ledger is empty but {md_path.name} shows head seq {md_seq}: every row was removed", md_seq)]
+    last_seq = last.get("seq")
+    if isinstance(last_seq, int) and md_seq > last_seq:
+        return [
+            Problem(
+                "HEAD",
+                f"{md_path.name} shows head seq {md_seq} but the ledger ends at seq {last_seq}: "
+                f"{md_seq - last_seq} row(s) removed from the end",
+                md_seq,
+                last.get("_line"),
+            )
+        ]
+    if md_seq == last_seq and md_hash != last.get("row_hash"):
+        return [Problem("HEAD", f"{md_path.name} head row_hash differs from the ledger's last row: the last row was replaced", md_seq, last.get("_line"))]
+    if md_seq != last_seq:
+        return [Problem("MARKDOWN", f"{md_path.name} shows head seq {md_seq} but the ledger ends at seq {last_seq} (not re-rendered?)", last_seq)]
+    clean = [{k: v for k, v in r.items() if k != "_line"} for r in rows]
+    if text != render_markdown(clean, ledger_path, md_path):
+        return [Problem("MARKDOWN", f"{md_path.name} is not the rendering of the ledger (edited by hand?)")]
+    return []
+
+
+def _check_receipts(receipts_dir: Path, rows: list[dict[str, Any]]) -> list[Problem]:
+    problems = []
+    for r in rows:
+        seq, line = r.get("seq"), r.get("_line")
+        rid = r.get("receipt_id")
+        if rid is None:
+            if r.get("kind") in ("parity", "self-consistency"):
+                problems.append(Problem("RECEIPT-MISSING", "a parity row without a receipt_id", seq, line))
+            continue
+        path = receipts_dir / f"{rid}.json"
+        if not path.exists():
+            problems.append(Problem("RECEIPT-MISSING", f"receipt {path} does not exist (forged row?)", seq, line))
+            continue
+        if file_sha256(path) != r.get("receipt_sha256"):
+            problems.append(Problem("RECEIPT-HASH", f"{path.name} does not hash to the row's receipt_sha256 (receipt or row altered)", seq, line))
+            continue
+        try:
+            receipt = load_receipt(path).receipt
+        except InvalidInput as e:
+            problems.append(Problem("RECEIPT-INVALID", str(e), seq, line))
+            continue
+        want = row_from_receipt(receipt)
+        if r.get("kind") == "probe":
+            want.pop("kind")
+        diff = [k for k, v in want.items() if r.get(k) != v]
+        if diff:
+            shown = ", ".join(f"{k}: row {r.get(k)!r} vs receipt {want[k]!r}" for k in diff)
+            problems.append(Problem("RECEIPT-MISMATCH", f"row disagrees with its receipt ({shown}): forged or altered row", seq, line))
+    return problems
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def ledger_frame(ledger_path: str | Path) -> pd.DataFrame:
+    """All rows as a DataFrame (one row per ledger row, columns ``ROW_FIELDS`` + optional ones),
+    with ``time`` parsed to UTC timestamps and ``superseded_by`` (seq or NA)."""
+    rows = read_rows(ledger_path)
+    cols = list(ROW_FIELDS) + list(OPTIONAL_FIELDS)
+    df = pd.DataFrame(rows, columns=cols)
+    df["time"] = pd.to_datetime(df["time"], utc=True)
+    by = {r["supersedes"]: r["seq"] for r in rows if r.get("kind") == "supersede"}
+    df["superseded_by"] = pd.array([by.get(s) for s in df["seq"]], dtype="Int64")
+    return df
+
+
+def _effective(df: pd.DataFrame) -> pd.DataFrame:
+    """Measurement rows that stand: no supersede rows, nothing superseded."""
+    return df[(df["kind"] != "supersede") & df["superseded_by"].isna()]
+
+
+def summarize_ledger(ledger_path: str | Path) -> pd.DataFrame:
+    """The ``harness ledger show`` table: one line per (model, quant, candidate, reference, kind)
+    over rows that stand (no supersede rows, nothing superseded), with run counts by verdict,
+    the latest run (seq, ISO time, verdict), the worst and latest min cosine, mean argmax
+    agreement and mean KLD. Raises ``InvalidInput`` on a malformed ledger line."""
+    eff = _effective(ledger_frame(ledger_path))
+    keys = ["model", "quant", "candidate", "reference", "kind"]
+    cols = keys + ["runs", "pass", "fail", "other", "last_seq", "last_time", "last_verdict", "min_cosine_last",
+                   "min_cosine_worst", "argmax_agreement_mean", "kld_mean_mean", "basis_kind_last"]
+    if eff.empty:
+        return pd.DataFrame(columns=cols)
+    out = []
+    for key, g in eff.sort_values("seq").groupby(keys, dropna=False, sort=True):
+        last = g.iloc[-1]
+        out.append(
+            dict(
+                zip(keys, key),
+                runs=len(g),
+                **{"pass": int((g["verdict"] == "PASS").sum()), "fail": int((g["verdict"] == "FAIL").sum())},
+                other=int((~g["verdict"].isin(["PASS", "FAIL"])).sum()),
+                last_seq=int(last["seq"]),
+                last_time=last["time"].isoformat() if pd.notna(last["time"]) else None,
+                last_verdict=last["verdict"],
+                min_cosine_last=last["min_cosine"],
+                min_cosine_worst=pd.to_numeric(g["min_cosine"]).min(),
+                argmax_agreement_mean=pd.to_numeric(g["argmax_agreement"]).mean(),
+                kld_mean_mean=pd.to_numeric(g["kld_mean"]).mean(),
+                basis_kind_last=last["basis_kind"],
+            )
+        )
+    return pd.DataFrame(out, columns=cols)
+
+
+_REPORT_ONLY = {
+    # field: (direction, how to read the proposal)
+    "argmax_agreement": ("at least", "the lowest argmax agreement among known-good runs"),
+    "kld_mean": ("at most", "the highest mean KLD among known-good runs"),
+    "hard_flip_rate": ("at most", "the highest hard-flip rate (hard flips / positions) among known-good runs"),
+}
+
+
+def proposed_report_only_thresholds(df: pd.DataFrame, min_records: int = REPORT_ONLY_MIN_RECORDS) -> dict[str, dict[str, Any] | None]:
+    """Proposals for the report-only fields (never applied; a reviewer copies one into
+    thresholds.yaml with a measured basis if they accept it).
+
+    ``df`` is ``ledger_frame(...)``. Records are the standing PASS rows of kind ``parity``
+    holding the field. A field gets None until it has ``min_records`` (20) records; then
+    ``{value, direction, n, seqs, quantiles, basis}`` where ``value`` is the worst known-good
+    value (a floor for agreement, a ceiling for KLD and hard flips) and ``basis`` says how it
+    was measured.
+    """
+    good = _effective(df)
+    good = good[(good["kind"] == "parity") & (good["verdict"] == "PASS")].copy()
+    good["hard_flip_rate"] = pd.to_numeric(good["hard_flips"]) / pd.to_numeric(good["positions"]).where(lambda s: s > 0)
+    out: dict[str, dict[str, Any] | None] = {}
+    for field, (direction, what) in _REPORT_ONLY.items():
+        vals = pd.to_numeric(good[field], errors="coerce")
+        ok = vals.notna()
+        n = int(ok.sum())
+        if n < min_records:
+            out[field] = None
+            continue
+        v = vals[ok].to_numpy(dtype=np.float64)
+        seqs = good.loc[ok, "seq"].astype(int).tolist()
+        value = float(v.min() if direction == "at least" else v.max())
+        q = {f"p{p}": float(np.quantile(v, p / 100)) for p in (5, 50, 95)}
+        out[field] = {
+            "value": value,
+            "direction": direction,
+            "n": n,
+            "seqs": [min(seqs), max(seqs)],
+            "quantiles": q,
+            "basis": (
+                f"proposed from the ledger: {what} over {n} standing PASS parity rows (seq {min(seqs)}–{max(seqs)}; "
+                f"p5 {q['p5']:.6g}, median {q['p50']:.6g}, p95 {q['p95']:.6g}); no known-bad values yet. "
+                "Not applied: report-only fields gate only once a reviewer adds them to thresholds.yaml with a measured basis."
+            ),
+        }
+    return out

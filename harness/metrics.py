@@ -1,0 +1,669 @@
+"""Per-position parity metrics over two logit blocks, and their summaries.
+
+Every function takes ``ref`` and ``cand``: float32 logit blocks ``[B, V]`` for the same B
+positions (row t = the next-token logits after ``tokens[:t+1]``), reference first. Definitions
+(../shared/DESIGN.md, "Evidence formats"):
+
+- cosine: cosine similarity of the raw logit rows (the gate), block sums accumulated in float64
+  (absolute error below 1e-8, ~1e-10 typical at Qwen3.5's vocab; for near-identical rows
+  1 - cosine keeps ~3 significant digits);
+- KLD: KL(P_ref || P_cand) in nats over the full vocabulary, P = softmax(logits);
+- argmax agreement; reference margin (top-1 minus top-2 reference logit); candidate rank of the
+  reference's top token (0 = the candidate's top token too);
+- top-k overlap |top_k(ref) ∩ top_k(cand)| / k for k = 5 and 10;
+- NMSE: sum((cand - ref)^2) / sum(ref^2).
+
+Top-k sets and argmax break ties by the lower token id, as ``np.argmax`` does.
+
+Non-finite rows never raise: ``finite`` (candidate row all finite) and ``ref_finite`` flag them,
+and every metric of such a position is NaN (float arrays) or -1 (integer arrays). Well-formed
+candidate logits holding NaN/Inf are a FAIL at that position; the caller decides, using
+``cosine_failures``, which treats a flagged row as failing.
+
+Speed (Qwen3.5's V = 248,320, 1 MB per float32 row): rows are processed one at a time so each
+row's working set stays in cache; top-k never sorts the vocabulary (a column-maximum bound picks
+the few candidates, then a partition/sort over those alone); KLD uses one float32 ``exp`` and one
+float32 ``expm1`` per row with float64 sums, in a form (``log1p(E_p[expm1(x) - x])``, below) whose
+error is relative to the KLD itself rather than to the log-partition function.
+``benchmarks/bench_metrics.py`` measures the cost against a plain pass over both arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+from scipy import stats
+
+from harness.errors import InvalidInput, NotComparable
+
+TOPK = (5, 10)
+"""The top-k overlaps reported; the largest k also bounds the candidate-rank shortcut."""
+
+NEAR_TIE_MARGIN = 0.25
+"""Default report-only margin (logits): a flip is a near-tie when the reference's top-1/top-2
+gap is below it (DESIGN.md)."""
+
+KLD_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "p99_9": 0.999}
+
+# float32 fast path of the KLD is taken while max(x) stays below this (x defined in _kld_row):
+# p_i * expm1(x_i) then cannot overflow, and mass lost to exp underflow of p_i is below
+# V * exp(-87 + 30) ~ 1e-19. Rows beyond it (wildly different logits) use the float64 path.
+_KLD_FAST_XMAX = 30.0
+
+# Range of max(r) in which the KLD takes exp(r) unshifted (see _kld_row).
+_EXP_UNSHIFTED = (-20.0, 40.0)
+
+# Rows are viewed as [V / W, W] blocks: dot64 sums float32 products within a block and the
+# blocks in float64; _topk_row takes column maxima over them. W divides V where it can (Qwen3.5:
+# 248,320 = 97 x 2,560), else the leftover tail is handled on its own. Shorter rows than
+# _TOPK_DIRECT_V are partitioned directly.
+_WIDTH_DEFAULT = 2048
+_TOPK_DIRECT_V = 8192
+
+
+@functools.lru_cache(maxsize=None)
+def _block_width(n_vocab: int) -> int:
+    """A multiple of 64 in [1024, 8192] dividing ``n_vocab``, nearest 2,048; else 2,048."""
+    fits = [w for w in range(1024, 8193, 64) if n_vocab % w == 0]
+    return min(fits, key=lambda w: abs(w - _WIDTH_DEFAULT)) if fits else _WIDTH_DEFAULT
+
+
+# Largest |r - c|^2 / (2 |r| |c|) (about 1 - cosine) for which _fast_pair derives r·c from it.
+_RC_FROM_DD = 0.25
+
+# Fast-path range of a row's sum of squares; outside it (tiny, huge or non-finite logits) the
+# row takes the float64 path, so float32 block sums can neither overflow nor underflow.
+_RR_RANGE = (1e-30, 1e30)
+
+PER_POSITION_KEYS = (
+    "finite",
+    "ref_finite",
+    "cosine",
+    "kld",
+    "argmax_agree",
+    "ref_argmax",
+    "cand_argmax",
+    "ref_margin",
+    "cand_rank",
+    "top5_overlap",
+    "top10_overlap",
+    "nmse",
+)
+"""Keys of ``position_metrics``'s result, each an array of length B."""
+
+
+# --------------------------------------------------------------------------------------------
+# Per-row kernels. Each takes 1-D float32 rows of length V and scratch buffers it may overwrite.
+# --------------------------------------------------------------------------------------------
+
+
+class _Scratch:
+    """Reusable per-row buffers: allocating 1 MB per row costs page faults on every call.
+
+    One set per thread and vocab size is kept (``_scratch``), so successive blocks reuse it.
+    """
+
+    def __init__(self, n_vocab: int):
+        self.width = _block_width(n_vocab)
+        self.n_full = (n_vocab // self.width) * self.width
+        self.d = np.empty(n_vocab, dtype=np.float32)
+        self.e = np.empty(n_vocab, dtype=np.float32)
+        self.y = np.empty(n_vocab, dtype=np.float32)
+        self.ones = np.ones(n_vocab, dtype=np.float32)  # sum(a) = dot64(a, ones): BLAS beats a reduction
+
+    def dot64(self, a: np.ndarray, b: np.ndarray) -> float:
+        """sum(a * b) of float32 rows: products summed in float32 within blocks of ``width``
+        entries (BLAS ``sdot``), the block sums in float64.
+
+        Relative error ~1e-9 for same-signed terms, set by rounding each block sum to float32;
+        a full float64 dot would need float64 copies of both rows (+1.5 plain passes per row).
+        """
+        n, w = self.n_full, self.width
+        total = float(np.vecdot(a[:n].reshape(-1, w), b[:n].reshape(-1, w)).sum(dtype=np.float64))
+        if n < a.shape[0]:
+            total += float(np.dot(a[n:].astype(np.float64), b[n:].astype(np.float64)))
+        return total
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n_vocab: int) -> _Scratch:
+    s = getattr(_SCRATCH, "s", None)
+    if s is None or s.d.shape[0] != n_vocab:
+        s = _SCRATCH.s = _Scratch(n_vocab)
+    return s
+
+
+def _as_block(name: str, a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2:
+        raise InvalidInput(f"{name} must be a [B, V] logit block, got shape {a.shape}")
+    if a.shape[1] < 2:
+        raise InvalidInput(f"{name}: logit rows need at least 2 entries, got V={a.shape[1]}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _check_pair(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ref = _as_block("ref", ref)
+    cand = _as_block("cand", cand)
+    if ref.shape != cand.shape:
+        raise NotComparable(f"reference logits {ref.shape} and candidate logits {cand.shape} differ in shape")
+    return ref, cand
+
+
+def _cosine_from_dots(rr: float, cc: float, rc: float) -> float:
+    """cos = r·c / (|r| |c|); two zero rows count as identical (1.0), one zero row as 0.0."""
+    if rr == 0.0 or cc == 0.0:
+        return 1.0 if rr == cc else 0.0
+    return max(-1.0, min(1.0, rc / math.sqrt(rr * cc)))
+
+
+def _nmse_from_dots(rr: float, dd: float) -> float:
+    if rr > 0.0:
+        return dd / rr
+    return 0.0 if dd == 0.0 else math.inf
+
+
+def _in_fast_range(v: float) -> bool:
+    return _RR_RANGE[0] < v < _RR_RANGE[1]
+
+
+def _topk_row(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k token ids of a finite row, sorted by (logit descending, id ascending), and their logits.
+
+    The row's first ``L * W`` entries are viewed as ``[L, W]`` (W from ``_block_width``). The k-th
+    largest of any k distinct entries (here: maxima of groups of columns, and the leftover tail)
+    is a lower bound on the row's k-th largest value, so only columns whose maximum reaches it,
+    and tail entries that do, can hold the top k; the selection then runs over those few entries.
+    """
+    n = row.shape[0]
+    k = min(k, n)
+    if n <= _TOPK_DIRECT_V or k > 64:  # the bound below draws on 64 group maxima
+        ids = np.arange(n)
+        vals = row
+    else:
+        w = _block_width(n)
+        n_full = (n // w) * w
+        grid = row[:n_full].reshape(-1, w)
+        tail = row[n_full:]
+        colmax = grid.max(axis=0)
+        # Maxima of 64 groups of column maxima: still distinct entries, and a 64-entry
+        # partition is several times cheaper than a 2,048-entry one.
+        pool = colmax.reshape(-1, 64).max(axis=0)
+        if tail.size:
+            pool = np.concatenate([pool, tail])
+        bound = np.partition(pool, pool.size - k)[pool.size - k]
+        cols = np.flatnonzero(colmax >= bound)
+        sub = np.take(grid, cols, axis=1)  # [L, n_cols]
+        rows, at = np.nonzero(sub >= bound)
+        ids = rows * w + cols[at]
+        if tail.size:
+            ids = np.concatenate([ids, n_full + np.flatnonzero(tail >= bound)])
+        vals = row[ids]
+    if vals.size > 8 * k:
+        # Keep every entry tied with the k-th value so ties resolve by token id, not by the
+        # partition's internal order.
+        keep = np.flatnonzero(vals >= np.partition(vals, vals.size - k)[vals.size - k])
+        ids, vals = ids[keep], vals[keep]
+    top = ids[np.lexsort((ids, -vals))[:k]]
+    return top, row[top]
+
+
+def _rank_of(c: np.ndarray, token: int, cand_top: np.ndarray) -> int:
+    """Rank of ``token`` in row ``c`` (0 = top), ties broken by token id."""
+    hit = np.flatnonzero(cand_top == token)
+    if hit.size:
+        return int(hit[0])
+    v = c[token]
+    return int(np.count_nonzero(c > v)) + int(np.count_nonzero(c[:token] == v))
+
+
+def _kld_row_f64(r: np.ndarray, c: np.ndarray) -> float:
+    """KL(softmax(r) || softmax(c)) with float64 log-softmax: the reference and fallback path."""
+    r = r.astype(np.float64)
+    c = c.astype(np.float64)
+    lr = r - r.max()
+    lr -= math.log(np.exp(lr).sum())
+    lc = c - c.max()
+    lc -= math.log(np.exp(lc).sum())
+    p = np.exp(lr)
+    return max(0.0, float(p @ (lr - lc)))
+
+
+def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[float, float]:
+    """(KL(softmax(r) || softmax(c)) in nats, |r - c|^2) for finite float32 fast-range rows.
+
+    With d = r - c and m = E_p[d], log p_i - log q_i = d_i - m + log E_p[exp(m - d)], so
+    KL = log E_p[exp(x)] with x = m - d and E_p[x] = 0, i.e.
+
+        KL = log1p(E_p[expm1(x) - x]),
+
+    a sum of non-negative terms. A float32 error eps in p_i (the float32 exp) changes KL by
+    ~eps * KL, not by eps * |log Z|, so near-identical rows keep their small KLD; an error in m
+    changes it only at second order. p = exp(r - shift) / Z with shift = 0 while max r lies in
+    [-20, 40] (float32 sums cannot overflow, and mass lost to underflow stays below
+    V * exp(-84 + 30)), else shift = max r; sums via ``_Scratch.dot64``.
+    Rows with max(x) > 30 (logits differing wildly) use the float64 path instead, where
+    float32 expm1 could overflow or underflowed p_i could hide candidate mass.
+    """
+    d, e, y = s.d, s.e, s.y
+    np.subtract(r, c, out=d)
+    if _EXP_UNSHIFTED[0] <= r_max <= _EXP_UNSHIFTED[1]:
+        np.exp(r, out=e)  # p ∝ exp(r): no rounding of r - max r, and one pass fewer
+    else:
+        np.subtract(r, np.float32(r_max), out=e)
+        np.exp(e, out=e)
+    z = s.dot64(e, s.ones)
+    m = s.dot64(e, d) / z
+    dd = s.dot64(d, d)
+    if m - float(d.min()) > _KLD_FAST_XMAX:
+        return _kld_row_f64(r, c), dd
+    x = np.subtract(np.float32(m), d, out=d)  # x = m - d overwrites d: a smaller working set
+    np.expm1(x, out=y)
+    np.subtract(y, x, out=y)
+    return max(0.0, math.log1p(s.dot64(e, y) / z)), dd
+
+
+def _row_f64(r: np.ndarray, c: np.ndarray) -> tuple[bool, bool, float, float, float]:
+    """(ref_finite, cand_finite, cosine, kld, nmse) in float64, for rows outside the fast range."""
+    r64 = r.astype(np.float64)
+    c64 = c.astype(np.float64)
+    rf = bool(np.isfinite(r64).all())
+    cf = bool(np.isfinite(c64).all())
+    if not (rf and cf):
+        return rf, cf, math.nan, math.nan, math.nan
+    # Scale by the largest magnitude so the squares neither overflow nor underflow; cosine and
+    # NMSE are invariant to a common positive scale.
+    scale = max(float(np.abs(r64).max()), float(np.abs(c64).max())) or 1.0
+    rs, cs = r64 / scale, c64 / scale
+    rr, cc, rc = float(rs @ rs), float(cs @ cs), float(rs @ cs)
+    dd = float((rs - cs) @ (rs - cs))
+    return True, True, _cosine_from_dots(rr, cc, rc), _kld_row_f64(r, c), _nmse_from_dots(rr, dd)
+
+
+def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> tuple[float, float, float]:
+    """(cosine, kld, nmse) of a fast-range row pair; kld is NaN when ``r_max`` is None (skipped)."""
+    if r_max is None:
+        kld = math.nan
+        np.subtract(r, c, out=s.d)
+        dd = s.dot64(s.d, s.d)
+    else:
+        kld, dd = _kld_row(r, c, r_max, s)
+    # While the rows are close, r·c = (|r|^2 + |c|^2 - |r - c|^2) / 2 costs no pass and keeps
+    # 1 - cos to relative precision. Its error, from rounding r - c to float32, is at most
+    # 1.2e-7 * dd / (2|r||c|) (random-signed, so far less in practice); rows where that bound
+    # passes 3e-8 (cosine below ~0.75, or norms far apart) take an exact float64 dot instead.
+    if dd <= _RC_FROM_DD * 2.0 * math.sqrt(rr * cc):
+        rc = 0.5 * (rr + cc - dd)
+    else:
+        rc = float(r.astype(np.float64) @ c.astype(np.float64))
+    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd)
+
+
+def _pair_stats(r, c, s: _Scratch, with_kld: bool) -> tuple[bool, bool, float, float, float]:
+    """(ref_finite, cand_finite, cosine, kld, nmse) of one row pair, by whichever path fits."""
+    rr, cc = s.dot64(r, r), s.dot64(c, c)
+    if _in_fast_range(rr) and _in_fast_range(cc):
+        return (True, True, *_fast_pair(r, c, rr, cc, s, float(r.max()) if with_kld else None))
+    return _row_f64(r, c)
+
+
+# --------------------------------------------------------------------------------------------
+# Public per-position metrics
+# --------------------------------------------------------------------------------------------
+
+
+def _empty_result(n: int) -> dict[str, np.ndarray]:
+    nan = np.full(n, np.nan)
+    return {
+        "finite": np.zeros(n, dtype=bool),
+        "ref_finite": np.zeros(n, dtype=bool),
+        "cosine": nan.copy(),
+        "kld": nan.copy(),
+        "argmax_agree": np.zeros(n, dtype=bool),
+        "ref_argmax": np.full(n, -1, dtype=np.int64),
+        "cand_argmax": np.full(n, -1, dtype=np.int64),
+        "ref_margin": nan.copy(),
+        "cand_rank": np.full(n, -1, dtype=np.int64),
+        "top5_overlap": nan.copy(),
+        "top10_overlap": nan.copy(),
+        "nmse": nan.copy(),
+    }
+
+
+def position_metrics(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]:
+    """All per-position metrics of two logit blocks, computed in one pass over the rows.
+
+    Args:
+        ref, cand: float32 ``[B, V]`` (a 1-D row is taken as ``B = 1``); other float dtypes are
+            converted to float32.
+
+    Returns:
+        ``{key: array [B]}`` for the keys in ``PER_POSITION_KEYS``:
+        ``finite`` / ``ref_finite`` (bool: candidate / reference row has no NaN/Inf),
+        ``cosine`` (float64, raw logits), ``kld`` (float64, nats, KL(P_ref || P_cand)),
+        ``argmax_agree`` (bool), ``ref_argmax`` / ``cand_argmax`` (int64 token ids),
+        ``ref_margin`` (float64, logits: reference top-1 minus top-2), ``cand_rank`` (int64, rank
+        of the reference's top token in the candidate row, 0 = top), ``top5_overlap`` /
+        ``top10_overlap`` (float64 in [0, 1]), ``nmse`` (float64).
+        Where either row is non-finite, floats are NaN, ints -1, ``argmax_agree`` False.
+
+    Raises:
+        NotComparable: the blocks differ in shape (positions or vocab size).
+        InvalidInput: a block is not 2-D (or 1-D), or V < 2.
+    """
+    ref, cand = _check_pair(ref, cand)
+    n, v = ref.shape
+    out = _empty_result(n)
+    s = _scratch(v)
+    kmax = max(TOPK)
+    cosine_, kld_, nmse_ = out["cosine"], out["kld"], out["nmse"]
+    for i in range(n):
+        r, c = ref[i], cand[i]
+        rr, cc = s.dot64(r, r), s.dot64(c, c)
+        fast = _in_fast_range(rr) and _in_fast_range(cc)
+        if not fast:
+            rf, cf, cos_i, kld_i, nmse_i = _row_f64(r, c)
+            out["ref_finite"][i], out["finite"][i] = rf, cf
+            if not (rf and cf):
+                continue
+        out["ref_finite"][i] = out["finite"][i] = True
+        r_top, r_vals = _topk_row(r, kmax)
+        c_top, _ = _topk_row(c, kmax)
+        if fast:
+            cos_i, kld_i, nmse_i = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
+        cosine_[i], kld_[i], nmse_[i] = cos_i, kld_i, nmse_i
+        a, b = int(r_top[0]), int(c_top[0])
+        out["ref_argmax"][i], out["cand_argmax"][i], out["argmax_agree"][i] = a, b, a == b
+        out["ref_margin"][i] = float(r_vals[0]) - float(r_vals[1])
+        out["cand_rank"][i] = _rank_of(c, a, c_top)
+        rl, cl = r_top.tolist(), c_top.tolist()
+        for k in TOPK:
+            kk = min(k, v)
+            out[f"top{k}_overlap"][i] = len(set(rl[:kk]) & set(cl[:kk])) / kk
+    return out
+
+
+def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = False) -> np.ndarray:
+    """Field ``which`` of ``_pair_stats`` (2 cosine, 3 kld, 4 nmse) for every row pair, float64 [B]."""
+    ref, cand = _check_pair(ref, cand)
+    s = _scratch(ref.shape[1])
+    return np.array([_pair_stats(r, c, s, with_kld)[which] for r, c in zip(ref, cand)], dtype=np.float64)
+
+
+def finite_rows(block: np.ndarray) -> np.ndarray:
+    """bool ``[B]``: row t of the ``[B, V]`` block holds no NaN or Inf."""
+    block = _as_block("block", block)
+    return np.isfinite(block).all(axis=1)
+
+
+def cosine(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Per-position cosine similarity of raw logits, float64 ``[B]`` in [-1, 1].
+
+    |r|^2, |c|^2 and |r - c|^2 are float32 products summed per block of ~2,048 entries and the
+    blocks in float64 (``_Scratch.dot64``); r·c = (|r|^2 + |c|^2 - |r - c|^2) / 2 for close rows,
+    an exact float64 dot for distant ones (``_fast_pair``). Absolute error below 1e-8; 1 - cos of
+    near-identical rows keeps ~3 significant digits. Two all-zero rows give 1.0, one all-zero
+    row 0.0, a non-finite row NaN (see ``finite_rows``); rows with |r|^2 outside [1e-30, 1e30]
+    are computed in float64 throughout. Raises NotComparable on mismatched shapes.
+    """
+    return _pairwise(ref, cand, 2)
+
+
+def kl_divergence(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Per-position KL(P_ref || P_cand) in nats over the full vocabulary, float64 ``[B]``, ≥ 0.
+
+    P = softmax(logits). float32 exp/expm1 with float64 block sums (see ``_kld_row``; relative
+    error bounded against float64 in tests/test_metrics.py); rows whose logits differ by more than
+    ~30 use float64 log-softmax. NaN for non-finite rows. Raises NotComparable on mismatched shapes.
+    """
+    return _pairwise(ref, cand, 3, with_kld=True)
+
+
+def nmse(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Per-position normalised squared error sum((cand - ref)^2) / sum(ref^2), float64 ``[B]``.
+
+    0 when both rows are zero, +inf when only ref is zero, NaN for non-finite rows.
+    """
+    return _pairwise(ref, cand, 4)
+
+
+def argmax_agreement(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """bool ``[B]``: the two rows' top tokens (lowest id among ties) are equal; False if non-finite."""
+    ref, cand = _check_pair(ref, cand)
+    ok = finite_rows(ref) & finite_rows(cand)
+    return ok & (np.argmax(ref, axis=1) == np.argmax(cand, axis=1))
+
+
+def reference_margin(ref: np.ndarray) -> np.ndarray:
+    """float64 ``[B]``: top-1 minus top-2 logit of each reference row (≥ 0); NaN if non-finite."""
+    ref = _as_block("ref", ref)
+    out = np.full(ref.shape[0], np.nan)
+    for i, r in enumerate(ref):
+        if np.isfinite(r).all():
+            _, vals = _topk_row(r, 2)
+            out[i] = float(vals[0]) - float(vals[1])
+    return out
+
+
+def top_k(block: np.ndarray, k: int) -> np.ndarray:
+    """int64 ``[B, k]``: each finite row's k largest token ids, logit descending then id ascending.
+
+    Never sorts the vocabulary. Rows with NaN/Inf give -1. Raises InvalidInput if k < 1.
+    """
+    if k < 1:
+        raise InvalidInput(f"k must be ≥ 1, got {k}")
+    block = _as_block("block", block)
+    k = min(k, block.shape[1])
+    out = np.full((block.shape[0], k), -1, dtype=np.int64)
+    for i, r in enumerate(block):
+        if np.isfinite(r).all():
+            out[i] = _topk_row(r, k)[0]
+    return out
+
+
+def candidate_rank(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """int64 ``[B]``: rank (0 = top) of the reference's top token in the candidate row; -1 if non-finite.
+
+    Ties in the candidate row rank the lower token id first.
+    """
+    ref, cand = _check_pair(ref, cand)
+    out = np.full(ref.shape[0], -1, dtype=np.int64)
+    r_top, c_top = top_k(ref, 1)[:, 0], top_k(cand, max(TOPK))
+    for i in range(ref.shape[0]):
+        if r_top[i] >= 0 and c_top[i, 0] >= 0:
+            out[i] = _rank_of(cand[i], int(r_top[i]), c_top[i])
+    return out
+
+
+def topk_overlap(ref: np.ndarray, cand: np.ndarray, k: int = 5) -> np.ndarray:
+    """float64 ``[B]``: |top_k(ref) ∩ top_k(cand)| / k; NaN for non-finite rows. Symmetric in its arguments."""
+    ref, cand = _check_pair(ref, cand)
+    tr, tc = top_k(ref, k), top_k(cand, k)
+    kk = tr.shape[1]
+    out = np.full(ref.shape[0], np.nan)
+    for i in range(ref.shape[0]):
+        if tr[i, 0] >= 0 and tc[i, 0] >= 0:
+            out[i] = np.intersect1d(tr[i], tc[i]).size / kk
+    return out
+
+
+def concat_metrics(parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate per-block ``position_metrics`` results (in position order) into one dict."""
+    if not parts:
+        return {k: v[:0] for k, v in _empty_result(0).items()}
+    return {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in parts[0]}
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------------------------
+
+
+def cosine_failures(per_position: Mapping[str, np.ndarray], min_cosine: float) -> np.ndarray:
+    """int64 indices of positions that fail the cosine gate: a non-finite row or cosine < min_cosine.
+
+    NaN-safe: a position passes only if ``cosine >= min_cosine`` holds, so NaN fails.
+    """
+    cos = np.asarray(per_position["cosine"], dtype=np.float64)
+    ok = np.asarray(per_position["finite"], bool) & np.asarray(per_position["ref_finite"], bool)
+    with np.errstate(invalid="ignore"):
+        ok &= cos >= min_cosine
+    return np.flatnonzero(~ok)
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float] | None:
+    """Wilson score interval for a binomial proportion (scipy ``binomtest``); None when n = 0."""
+    if n == 0:
+        return None
+    ci = stats.binomtest(int(successes), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def _f(x: Any) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def summarize(per_position: Mapping[str, np.ndarray], near_tie_margin: float = NEAR_TIE_MARGIN) -> dict[str, Any]:
+    """Summary of concatenated per-position metrics, JSON-ready (plain ints/floats/None).
+
+    Metric summaries cover the positions where both rows are finite; ``nonfinite_positions``
+    counts the others (a FAIL of the candidate; see ``cosine_failures``). Undefined values
+    (no such positions) are None. Indices are into the concatenated arrays.
+
+    Returns keys: ``positions``, ``compared_positions``, ``nonfinite_positions``,
+    ``first_nonfinite_index``, ``ref_nonfinite_positions``, ``min_cosine``,
+    ``min_cosine_index``, ``mean_cosine``, ``kld`` {mean, sem, p50, p90, p99, p99_9, max},
+    ``argmax_agreement`` {rate, agree, n, ci_low, ci_high, method, confidence},
+    ``flips`` {total, near_tie, hard, near_tie_margin}, ``ref_margin`` {min, p1, p5, p50},
+    ``cand_rank`` {p99, max}, ``top5_overlap_mean``, ``top10_overlap_mean``, ``nmse`` {mean, max}.
+    """
+    n = int(np.asarray(per_position["cosine"]).shape[0])
+    finite = np.asarray(per_position["finite"], bool)
+    ref_finite = np.asarray(per_position["ref_finite"], bool)
+    ok = finite & ref_finite
+    idx = np.flatnonzero(ok)
+    nonfinite = np.flatnonzero(~finite)
+    cos = np.asarray(per_position["cosine"], np.float64)[idx]
+    kld = np.asarray(per_position["kld"], np.float64)[idx]
+    agree = np.asarray(per_position["argmax_agree"], bool)[idx]
+    margin = np.asarray(per_position["ref_margin"], np.float64)[idx]
+    rank = np.asarray(per_position["cand_rank"])[idx]
+    m = idx.size
+
+    out: dict[str, Any] = {
+        "positions": n,
+        "compared_positions": m,
+        "nonfinite_positions": int(nonfinite.size),
+        "first_nonfinite_index": int(nonfinite[0]) if nonfinite.size else None,
+        "ref_nonfinite_positions": int(np.count_nonzero(~ref_finite)),
+    }
+    if m:
+        j = int(np.argmin(cos))
+        out.update(min_cosine=_f(cos[j]), min_cosine_index=int(idx[j]), mean_cosine=_f(cos.mean()))
+        sem = kld.std(ddof=1) / math.sqrt(m) if m > 1 else None
+        q = np.quantile(kld, list(KLD_QUANTILES.values()))
+        out["kld"] = {
+            "mean": _f(kld.mean()),
+            "sem": _f(sem) if sem is not None else None,
+            **{name: _f(v) for name, v in zip(KLD_QUANTILES, q)},
+            "max": _f(kld.max()),
+        }
+        mq = np.quantile(margin, (0.01, 0.05, 0.5))
+        out["ref_margin"] = {"min": _f(margin.min()), "p1": _f(mq[0]), "p5": _f(mq[1]), "p50": _f(mq[2])}
+        out["cand_rank"] = {"p99": _f(np.quantile(rank, 0.99)), "max": int(rank.max())}
+        out["top5_overlap_mean"] = _f(np.asarray(per_position["top5_overlap"])[idx].mean())
+        out["top10_overlap_mean"] = _f(np.asarray(per_position["top10_overlap"])[idx].mean())
+        nm = np.asarray(per_position["nmse"], np.float64)[idx]
+        out["nmse"] = {"mean": _f(nm.mean()), "max": _f(nm.max())}
+    else:
+        out.update(min_cosine=None, min_cosine_index=None, mean_cosine=None, kld=None, ref_margin=None,
+                   cand_rank=None, top5_overlap_mean=None, top10_overlap_mean=None, nmse=None)
+    n_agree = int(agree.sum())
+    ci = wilson_interval(n_agree, m)
+    out["argmax_agreement"] = {
+        "rate": n_agree / m if m else None,
+        "agree": n_agree,
+        "n": m,
+        "ci_low": ci[0] if ci else None,
+        "ci_high": ci[1] if ci else None,
+        "method": "wilson",
+        "confidence": 0.95,
+    }
+    flips = ~agree
+    near = flips & (margin < near_tie_margin)
+    out["flips"] = {
+        "total": int(flips.sum()),
+        "near_tie": int(near.sum()),
+        "hard": int((flips & ~near).sum()),
+        "near_tie_margin": float(near_tie_margin),
+    }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Named activations: per-tensor agreement (per-layer checks and first-divergence localization)
+# --------------------------------------------------------------------------------------------
+
+
+def _activation_site(name: str) -> tuple[str, int]:
+    """``attn_norm-3`` → (``attn_norm``, 3); names without a layer suffix get layer -1."""
+    op, _, layer = name.rpartition("-")
+    return (op, int(layer)) if op and layer.isdigit() else (name, -1)
+
+
+def compare_activations(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+    """Per-tensor agreement of two engines' named activations, in the reference's order.
+
+    Args:
+        ref, cand: ``{name: array [T, ...]}`` under llama.cpp's graph names (``attn_norm-3``,
+            ``linear_attn_out-0``, ``result_norm`` ...), position-major, as the engines'
+            ``activations()`` return them. Each tensor is compared as float64 ``[T, -1]``.
+
+    Returns:
+        One dict per name of ``ref``: ``name``, ``op``, ``layer`` (-1 for model-level tensors),
+        ``status`` (``ok``; ``missing`` when ``cand`` lacks it; ``shape`` when the element counts
+        or positions differ; ``nonfinite`` when either side holds NaN/Inf), ``shape_ref``,
+        ``shape_cand``, and for ``ok`` rows ``nmse`` = Σ(c − r)² / Σr² (0 when both are zero,
+        inf when only ``ref`` is), ``cosine`` of the flattened tensors (1 when both are zero),
+        ``max_abs`` = max |c − r|, ``rel_max`` = max |c − r| / max |r| and ``worst_position``
+        (the position with the largest squared error); these are None otherwise. The first row
+        whose numbers exceed a tolerance is the first divergence.
+    """
+    rows: list[dict[str, Any]] = []
+    for name, r in ref.items():
+        op, layer = _activation_site(name)
+        row: dict[str, Any] = {"name": name, "op": op, "layer": layer, "status": "ok", "shape_ref": list(np.shape(r)),
+                               "shape_cand": None, "nmse": None, "cosine": None, "max_abs": None, "rel_max": None,
+                               "worst_position": None}
+        rows.append(row)
+        if name not in cand:
+            row["status"] = "missing"
+            continue
+        c = cand[name]
+        row["shape_cand"] = list(np.shape(c))
+        r2 = np.asarray(r, dtype=np.float64).reshape(np.shape(r)[0] if np.ndim(r) else 1, -1)
+        c2 = np.asarray(c, dtype=np.float64).reshape(np.shape(c)[0] if np.ndim(c) else 1, -1)
+        if r2.shape != c2.shape:
+            row["status"] = "shape"
+            continue
+        if not (np.isfinite(r2).all() and np.isfinite(c2).all()):
+            row["status"] = "nonfinite"
+            continue
+        d = c2 - r2
+        rr, cc, dd = float(np.sum(r2 * r2)), float(np.sum(c2 * c2)), float(np.sum(d * d))
+        row["nmse"] = (0.0 if dd == 0 else math.inf) if rr == 0 else dd / rr
+        row["cosine"] = (1.0 if rr == cc == 0 else 0.0) if rr == 0 or cc == 0 else float(np.sum(r2 * c2) / math.sqrt(rr * cc))
+        row["max_abs"] = float(np.max(np.abs(d))) if d.size else 0.0
+        ref_max = float(np.max(np.abs(r2))) if r2.size else 0.0
+        row["rel_max"] = row["max_abs"] / ref_max if ref_max > 0 else (0.0 if row["max_abs"] == 0 else math.inf)
+        row["worst_position"] = int(np.argmax(np.sum(d * d, axis=1))) if d.size else None
+    return rows

@@ -1,0 +1,361 @@
+"""One parity cell: a prompt set × one model × a candidate and a reference engine → a receipt.
+
+Both engines get identical token ids (tokenized by the reference, llama.cpp, unless a prompt
+carries its own ids). Logits are compared block by block as the two engines stream them, so
+nothing holds ``n_tokens × n_vocab`` when a block will do. The gate is the per-position cosine of
+raw logits against ``min_cosine`` over at least ``min_positions`` positions (thresholds.yaml);
+greedy agreement, margins, KLD and top-k overlap are recorded as report-only fields.
+
+Verdicts (../shared/DESIGN.md): FAIL when any position fails the gate (a non-finite candidate
+row fails at its position); else UNMEASURED when fewer than ``min_positions`` positions were
+compared; else PASS. Differing vocab sizes or out-of-range / mismatched token ids are
+NOT-COMPARABLE; an engine that fails is ENGINE-ERROR.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from harness import metrics
+from harness.engines.base import Engine, LogitBlock
+from harness.errors import EngineError, HarnessError, NotComparable, Verdict
+from harness.gguf_model import GGUFModel, Override
+from harness.prompts import PromptSet
+
+Progress = Callable[[str, int, int], None]
+"""``progress(prompt_id, positions_done, positions_total)``."""
+
+
+@dataclass
+class PromptTokens:
+    """A prompt's id and the token ids both engines receive."""
+
+    id: str
+    tokens: list[int]
+    source: str  # "text" (tokenized by the reference) or "ids"
+
+
+@dataclass
+class CellResult:
+    """Everything a parity cell measured; ``per_position`` arrays are concatenated over prompts
+    (``prompt_index`` and ``position`` say where each row came from)."""
+
+    verdict: Verdict
+    kind: str  # "parity" or "self-consistency"
+    prompts: list[PromptTokens]
+    per_position: dict[str, np.ndarray]
+    summary: dict[str, Any]
+    per_prompt: list[dict[str, Any]]
+    gate: dict[str, Any]
+    candidate_info: dict[str, Any]
+    reference_info: dict[str, Any]
+    n_vocab: int
+    message: str = ""
+
+
+def tokenize_prompts(prompt_set: PromptSet, tokenizer: Any) -> list[PromptTokens]:
+    """Token ids per prompt: given ``tokens`` as they are, ``text`` through
+    ``tokenizer.tokenize`` (the reference's tokenizer). Raises ``NotComparable`` when a text
+    tokenizes to nothing."""
+    texts = [p.text for p in prompt_set if p.tokens is None]
+    many = getattr(tokenizer, "tokenize_many", None)
+    ids = iter(many(texts) if many else [tokenizer.tokenize(t) for t in texts])
+    out = []
+    for p in prompt_set:
+        if p.tokens is not None:
+            out.append(PromptTokens(p.id, list(p.tokens), "ids"))
+        else:
+            toks = next(ids)
+            if not toks:
+                raise NotComparable(f"prompt {p.id!r} tokenizes to no tokens")
+            out.append(PromptTokens(p.id, toks, "text"))
+    return out
+
+
+def _guarded(name: str, blocks: Iterator[LogitBlock]) -> Iterator[LogitBlock]:
+    """Re-raise anything an engine throws while streaming as ``EngineError`` naming it."""
+    try:
+        yield from blocks
+    except HarnessError:
+        raise
+    except Exception as e:  # an in-process engine's own bug is that engine's error
+        raise EngineError(f"{name} raised {type(e).__name__}: {e}") from None
+
+
+def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int) -> Iterator[np.ndarray]:
+    """Validate an engine's block stream (order, width, count) and yield its blocks."""
+    expect = 0
+    for start, block in _guarded(name, blocks):
+        block = np.asarray(block)
+        if block.ndim != 2 or block.shape[1] != n_vocab:
+            raise EngineError(f"{name} returned a logit block of shape {block.shape}; expected [B, {n_vocab}]")
+        if start != expect:
+            raise EngineError(f"{name} returned a block starting at position {start}; expected {expect}")
+        expect += block.shape[0]
+        if expect > n_tokens:
+            raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
+        yield block
+    if expect != n_tokens:
+        raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
+
+
+def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: int, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """Per-position metrics (``metrics.position_metrics`` keys) of one prompt, streamed.
+
+    The two engines' blocks are re-cut to common boundaries so neither side is gathered whole.
+    Raises ``EngineError`` on a malformed stream.
+    """
+    n = len(tokens)
+    ref_it = _rows(ref.logits(tokens), f"reference {ref.info.name}", n, n_vocab)
+    cand_it = _rows(cand.logits(tokens), f"candidate {cand.info.name}", n, n_vocab)
+    parts = []
+    r_buf = np.zeros((0, n_vocab), np.float32)
+    c_buf = np.zeros((0, n_vocab), np.float32)
+    done = 0
+    while done < n:
+        while r_buf.shape[0] == 0:
+            r_buf = next(ref_it)
+        while c_buf.shape[0] == 0:
+            c_buf = next(cand_it)
+        k = min(r_buf.shape[0], c_buf.shape[0])
+        parts.append(metrics.position_metrics(r_buf[:k], c_buf[:k]))
+        r_buf, c_buf = r_buf[k:], c_buf[k:]
+        done += k
+        if progress:
+            progress(done)
+    for it in (ref_it, cand_it):  # drain: lets the streams check their final counts
+        for extra in it:
+            raise EngineError(f"engine returned {extra.shape[0]} extra positions")
+    return metrics.concat_metrics(parts)
+
+
+def same_engine(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when two engine infos name the same build and settings (a self-consistency run)."""
+    keys = ("name", "version", "settings", "build")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def run_cell(
+    model: GGUFModel,
+    reference: Engine,
+    candidate: Engine,
+    prompts: list[PromptTokens],
+    min_cosine: float,
+    min_positions: int,
+    near_tie_margin: float = metrics.NEAR_TIE_MARGIN,
+    progress: Progress | None = None,
+) -> CellResult:
+    """Run both engines over ``prompts`` and judge the cosine gate.
+
+    Raises ``NotComparable`` (vocab sizes differ, token id out of range) and ``EngineError``.
+    """
+    n_vocab_ref, n_vocab_cand = int(reference.n_vocab), int(candidate.n_vocab)
+    if n_vocab_ref != n_vocab_cand:
+        raise NotComparable(f"vocab sizes differ: reference {n_vocab_ref}, candidate {n_vocab_cand}")
+    n_model = model.hparams.n_vocab
+    if n_model and n_model != n_vocab_ref:
+        raise NotComparable(f"engines report vocab {n_vocab_ref} but the model's token list has {n_model}")
+    for p in prompts:
+        bad = [t for t in p.tokens if not 0 <= t < n_vocab_ref]
+        if bad:
+            raise NotComparable(f"prompt {p.id!r}: token id {bad[0]} outside the vocab [0, {n_vocab_ref})")
+    parts, per_prompt = [], []
+    total = sum(len(p.tokens) for p in prompts)
+    done_before = 0
+    for i, p in enumerate(prompts):
+        cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
+        pm = compare_prompt(reference, candidate, p.tokens, n_vocab_ref, cb)
+        pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
+        pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
+        parts.append(pm)
+        s = metrics.summarize(pm, near_tie_margin)
+        fails = metrics.cosine_failures(pm, min_cosine)
+        per_prompt.append(
+            {
+                "id": p.id,
+                "positions": len(p.tokens),
+                "min_cosine": s["min_cosine"],
+                "min_cosine_position": s["min_cosine_index"],
+                "mean_cosine": s["mean_cosine"],
+                "argmax_agreement": s["argmax_agreement"]["rate"],
+                "flips_near_tie": s["flips"]["near_tie"],
+                "flips_hard": s["flips"]["hard"],
+                "kld_mean": (s["kld"] or {}).get("mean"),
+                "failing_positions": int(fails.size),
+                "first_failing_position": int(fails[0]) if fails.size else None,
+                "nonfinite_positions": s["nonfinite_positions"],
+            }
+        )
+        done_before += len(p.tokens)
+    per_position = metrics.concat_metrics(parts)
+    summary = metrics.summarize(per_position, near_tie_margin)
+    fails = metrics.cosine_failures(per_position, min_cosine)
+    n_pos = int(summary["positions"])
+
+    def where(idx: int | None) -> dict[str, Any] | None:
+        if idx is None:
+            return None
+        pi = int(per_position["prompt_index"][idx])
+        return {"prompt": prompts[pi].id, "position": int(per_position["position"][idx]), "token": int(prompts[pi].tokens[int(per_position["position"][idx])])}
+
+    worst = None
+    if fails.size:
+        cos = np.where(np.isfinite(per_position["cosine"]), per_position["cosine"], -np.inf)
+        worst = int(fails[np.argmin(cos[fails])])
+    gate = {
+        "metric": "cosine",
+        "min_cosine": min_cosine,
+        "min_positions": min_positions,
+        "positions": n_pos,
+        "failing_positions": int(fails.size),
+        "first_failing": where(int(fails[0])) if fails.size else None,
+        "worst": where(worst),
+        "worst_cosine": (None if worst is None or not np.isfinite(per_position["cosine"][worst]) else float(per_position["cosine"][worst])),
+        "min_cosine_observed": summary["min_cosine"],
+        "min_cosine_where": where(summary["min_cosine_index"]),
+        "nonfinite_positions": summary["nonfinite_positions"],
+        "first_nonfinite": where(summary["first_nonfinite_index"]),
+    }
+    if fails.size:
+        verdict = Verdict.FAIL
+        f, w = gate["first_failing"], gate["worst"]
+        msg = (
+            f"{fails.size} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} position {f['position']}; "
+            f"worst: prompt {w['prompt']!r} position {w['position']} (cosine {gate['worst_cosine'] if gate['worst_cosine'] is not None else 'non-finite'})"
+        )
+    elif n_pos < min_positions:
+        verdict = Verdict.UNMEASURED
+        msg = f"only {n_pos} positions compared; the gate needs at least {min_positions}"
+    else:
+        verdict = Verdict.PASS
+        msg = f"all {n_pos} positions have cosine >= {min_cosine} (min {summary['min_cosine']:.6f})"
+    ci, ri = candidate.info.to_dict(), reference.info.to_dict()
+    kind = "self-consistency" if same_engine(ci, ri) else "parity"
+    return CellResult(verdict, kind, prompts, per_position, summary, per_prompt, gate, ci, ri, n_vocab_ref, msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# The main job: resolve inputs, run the cell, write the receipt and the ledger row
+# ---------------------------------------------------------------------------------------------
+DEFAULT_LEDGER = Path("evidence/parity/ledger.jsonl")
+DEFAULT_THRESHOLDS = Path("thresholds.yaml")
+
+
+@dataclass
+class ParityRequest:
+    """Inputs of one ``harness parity`` cell. ``model`` is a path or ``fixture:NAME``;
+    ``thresholds`` None: ./thresholds.yaml, else the shipped copy; ``ledger`` None: no ledger
+    row (receipt only) when ``write_evidence`` is False."""
+
+    model: str
+    candidate: str = "oracle"
+    reference: str = "llama.cpp"
+    prompts: str | None = None
+    thresholds: str | None = None
+    ledger: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)
+    write_evidence: bool = True
+
+
+@dataclass
+class ParityOutcome:
+    """A finished cell: its result, the receipt as written, and where evidence went."""
+
+    result: CellResult
+    receipt: dict[str, Any]
+    receipt_path: Path | None
+    ledger_row: dict[str, Any] | None
+    ledger_path: Path | None
+
+
+def shipped_thresholds() -> Path:
+    """thresholds.yaml of the harness checkout/package (used when ./thresholds.yaml is absent)."""
+    return Path(__file__).resolve().parent.parent / "thresholds.yaml"
+
+
+def resolve_thresholds_path(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    return DEFAULT_THRESHOLDS if DEFAULT_THRESHOLDS.is_file() else shipped_thresholds()
+
+
+def model_display_name(spec: str) -> str:
+    return spec if str(spec).startswith("fixture:") else Path(spec).name
+
+
+def build_receipt(req: ParityRequest, model: GGUFModel, prompt_set: PromptSet, resolved, result: CellResult) -> dict[str, Any]:
+    """The receipt dict (schema ``harness-parity-receipt/v1``, before id/arrays are added)."""
+    from harness.receipts import harness_info, host_info
+
+    d = model.describe()
+    return {
+        "kind": result.kind,
+        "host": host_info(),
+        "harness": harness_info(Path(__file__).resolve().parent.parent),
+        "command": list(req.argv) or ["harness", "parity"],
+        "model": {"path": d["path"], "name": model_display_name(req.model), "sha256": d["sha256"], "arch": d["arch"],
+                  "file_type": d["file_type"], "overrides": d["overrides"]},
+        "engines": {"reference": result.reference_info, "candidate": result.candidate_info},
+        "prompts": {
+            "id": prompt_set.id,
+            "path": str(prompt_set.path),
+            "sha256": prompt_set.sha256,
+            "count": len(result.prompts),
+            "positions": sum(len(p.tokens) for p in result.prompts),
+            "items": [{"id": p.id, "source": p.source, "tokens": p.tokens} for p in result.prompts],
+        },
+        "thresholds": resolved.to_receipt(),
+        "gated": {"verdict": result.verdict.value, "message": result.message, **result.gate},
+        "report_only": result.summary,
+        "per_prompt": result.per_prompt,
+    }
+
+
+def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOutcome:
+    """Run one parity cell end to end and write its evidence.
+
+    Order matters for honest failures: inputs (thresholds, model, prompts) are validated before
+    any engine runs, so a threshold without a basis refuses to gate (``InvalidInput``) without
+    spending engine time. Raises ``InvalidInput``, ``EngineError``, ``NotComparable``.
+    """
+    from harness.engines.llamacpp import LlamaCppEngine
+    from harness.engines.registry import resolve_engine
+    from harness.fixtures import resolve_model
+    from harness.gguf_model import parse_overrides
+    from harness.prompts import load_prompt_set
+    from harness.thresholds import load_thresholds
+
+    overrides = parse_overrides(req.overrides)
+    thresholds = load_thresholds(resolve_thresholds_path(req.thresholds))
+    path = resolve_model(req.model)
+    model = GGUFModel(path, overrides)
+    model.hparams  # validates arch and required keys (InvalidInput) before any engine runs
+    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model))
+    prompt_set = load_prompt_set(req.prompts)
+    reference = resolve_engine(req.reference, path, overrides)
+    candidate = resolve_engine(req.candidate, path, overrides)
+    tokenizer = reference if hasattr(reference, "tokenize") else LlamaCppEngine(path, overrides)
+    prompts = tokenize_prompts(prompt_set, tokenizer)
+    result = run_cell(model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
+                      thresholds.near_tie_margin, progress)
+    receipt = build_receipt(req, model, prompt_set, resolved, result)
+    if not req.write_evidence:
+        return ParityOutcome(result, receipt, None, None, None)
+    from harness.ledger import append_row, row_from_receipt
+    from harness.receipts import write_receipt
+
+    ledger_path = Path(req.ledger) if req.ledger else DEFAULT_LEDGER
+    receipts_dir = ledger_path.parent / "receipts"
+    arrays = {k: np.asarray(v) for k, v in result.per_position.items()}
+    json_path, _ = write_receipt(receipt, arrays, receipts_dir)
+    import json as _json
+
+    written = _json.loads(json_path.read_text())
+    row = append_row(ledger_path, row_from_receipt(written), json_path)
+    return ParityOutcome(result, written, json_path, row, ledger_path)

@@ -1,0 +1,329 @@
+"""Parity receipts: schema ``harness-parity-receipt/v1``, content-hash ids, atomic writes.
+
+A receipt is one JSON document (``<id>.json``) plus a sidecar ``<id>.npz`` of per-position
+arrays, both in one directory (``evidence/parity/receipts/``). Its fields are in
+``harness/schemas/receipt.schema.json`` and DESIGN.md, "Evidence formats".
+
+- ``id`` is the sha256 of the canonical JSON (``canonical_json``) of the receipt without ``id``
+  and ``created``: rewriting the same content gives the same id, and any edit changes it.
+- ``arrays.sha256`` (``arrays_sha256``) hashes the arrays' names, dtypes, shapes and bytes, not the
+  npz file (whose zip headers carry timestamps), so the id binds the sidecar's contents.
+- Writes are atomic: each file goes to a temporary file in the same directory, is fsynced and
+  ``os.replace``d into place, the npz first, so a visible ``.json`` always has its ``.npz``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+import jsonschema
+import numpy as np
+
+from harness.errors import InvalidInput
+
+SCHEMA_ID = "harness-parity-receipt/v1"
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "receipt.schema.json"
+HASH_EXCLUDED = ("id", "created")
+"""Top-level fields left out of the content hash: the hash itself and the wall-clock time."""
+
+
+class LoadedReceipt(NamedTuple):
+    """``load_receipt``'s result; unpacks as ``receipt, arrays = load_receipt(p)[:2]``."""
+
+    receipt: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    json_path: Path
+    npz_path: Path
+
+
+# ------------------------------------------------------------------------------ hashing
+
+
+def _plain(obj: Any) -> Any:
+    """json.dumps hook: NumPy scalars as their Python values (so hashes survive a round trip)."""
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _find_nonfinite(obj: Any, path: str = "") -> str | None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return path or "(root)"
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            hit = _find_nonfinite(v, f"{path}.{k}" if path else str(k))
+            if hit:
+                return hit
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            hit = _find_nonfinite(v, f"{path}[{i}]")
+            if hit:
+                return hit
+    return None
+
+
+def canonical_json(obj: Any) -> bytes:
+    """UTF-8 JSON with sorted keys and no whitespace: the form every hash here is taken over.
+
+    Raises ``InvalidInput`` naming the field when ``obj`` holds NaN or ±Inf (not JSON; record
+    undefined numbers as null) or a value JSON cannot hold.
+    """
+    bad = _find_nonfinite(obj)
+    if bad:
+        raise InvalidInput(f"{bad} is not a finite number; evidence records undefined values as null")
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_plain).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise InvalidInput(f"cannot serialise to JSON: {e}") from e
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks. Raises ``InvalidInput`` if unreadable."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise InvalidInput(f"{path}: cannot read: {e.strerror or e}") from e
+    return h.hexdigest()
+
+
+def receipt_id(receipt: Mapping[str, Any]) -> str:
+    """Content hash of a receipt: sha256 of ``canonical_json`` without ``id`` and ``created``."""
+    return sha256_hex(canonical_json({k: v for k, v in receipt.items() if k not in HASH_EXCLUDED}))
+
+
+def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 over the arrays in name order: each one's name, dtype, shape and C-order bytes.
+
+    Raises ``InvalidInput`` for object arrays (an npz read with ``allow_pickle=False`` cannot
+    hold them).
+    """
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        if a.dtype.hasobject:
+            raise InvalidInput(f"array {name!r} has dtype object; receipts hold numeric arrays only")
+        head = json.dumps([name, a.dtype.str, list(a.shape)]).encode()
+        h.update(len(head).to_bytes(8, "little") + head)
+        h.update(a.nbytes.to_bytes(8, "little"))
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def arrays_manifest(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The receipt's ``arrays`` field: content sha256 and each array's dtype and shape."""
+    return {
+        "sha256": arrays_sha256(arrays),
+        "keys": {n: {"dtype": np.asarray(a).dtype.str, "shape": list(np.shape(a))} for n, a in sorted(arrays.items())},
+    }
+
+
+# ------------------------------------------------------------------------------ provenance
+
+
+def host_info() -> dict[str, Any]:
+    """The receipt's ``host`` field: hostname, platform, Python version, CPU count."""
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
+    """The receipt's ``harness`` field: package version and the git commit of ``repo_dir``
+    (default: the checkout this package runs from), with whether the tree has uncommitted
+    changes; ``git_commit`` is None outside a git checkout."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("qwen35-harness")
+    except metadata.PackageNotFoundError:
+        version = "0+unknown"
+    repo = Path(repo_dir) if repo_dir else Path(__file__).resolve().parents[1]
+    commit, dirty = _git(repo)
+    return {"version": version, "git_commit": commit, "git_dirty": dirty}
+
+
+@lru_cache(maxsize=8)
+def _git(repo: Path) -> tuple[str | None, bool | None]:
+    def run(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    commit = run("rev-parse", "HEAD")
+    if commit is None:
+        return None, None
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return commit, (bool(status) if status is not None else None)
+
+
+def utc_now() -> str:
+    """Current UTC time, ISO 8601 with seconds and a ``Z``."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ------------------------------------------------------------------------------ schema
+
+
+@lru_cache(maxsize=1)
+def _validator() -> jsonschema.protocols.Validator:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def validate_receipt(receipt: Mapping[str, Any], where: str = "receipt") -> None:
+    """Check a receipt against ``receipt.schema.json``; ``InvalidInput`` names the first bad field."""
+    errors = list(_validator().iter_errors(receipt))
+    if errors:
+        e = jsonschema.exceptions.best_match(errors)
+        field = ".".join(str(k) for k in e.absolute_path) or "(top level)"
+        raise InvalidInput(f"{where}: {field}: {e.message} (schema {SCHEMA_ID})")
+
+
+# ------------------------------------------------------------------------------ write / load
+
+
+def _atomic_write(directory: Path, name: str, write) -> Path:
+    """Write via a temporary file in ``directory``, fsync, rename over ``name``."""
+    final = directory / name
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return final
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path) -> tuple[Path, Path]:
+    """Write ``<id>.npz`` then ``<id>.json`` into ``directory``, atomically; return their paths.
+
+    The caller's ``receipt`` is not modified. Written: ``schema`` (set), ``arrays`` (set from
+    ``arrays``: ``arrays_manifest``), ``created`` (kept if given, else now), ``id`` (the content
+    hash). Arrays must be numeric NumPy arrays (e.g. ``metrics.position_metrics`` output plus
+    ``prompt_index`` and ``position``).
+
+    Idempotent: if a valid receipt with the same id is already there it is left as it is (its
+    bytes, and so any ledger row's hash of them, stay valid) and its paths are returned.
+
+    Raises ``InvalidInput`` when the receipt breaks the schema, holds NaN/Inf or a ``schema``
+    other than ``harness-parity-receipt/v1``, or the directory cannot be written.
+    """
+    if receipt.get("schema", SCHEMA_ID) != SCHEMA_ID:
+        raise InvalidInput(f"receipt schema {receipt.get('schema')!r}; this writer writes {SCHEMA_ID}")
+    arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
+    r = {k: v for k, v in receipt.items() if k != "id"}
+    r["schema"] = SCHEMA_ID
+    r["arrays"] = arrays_manifest(arrays)
+    r.setdefault("created", utc_now())
+    rid = receipt_id(r)
+    r["id"] = rid
+    # Round-trip through canonical JSON: NumPy scalars become plain values before validation.
+    r = json.loads(canonical_json(r))
+    validate_receipt(r, where=f"receipt {rid[:12]}")
+
+    directory = Path(directory)
+    json_path, npz_path = directory / f"{rid}.json", directory / f"{rid}.npz"
+    if json_path.exists() and npz_path.exists():
+        try:
+            load_receipt(json_path)
+            return json_path, npz_path
+        except InvalidInput:
+            pass  # a damaged earlier copy: replace it
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory, npz_path.name, lambda f: np.savez(f, **arrays))
+        text = json.dumps(r, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
+        _atomic_write(directory, json_path.name, lambda f: f.write(text.encode("utf-8")))
+        _fsync_dir(directory)
+    except OSError as e:
+        raise InvalidInput(f"{directory}: cannot write receipt {rid}: {e.strerror or e}") from e
+    return json_path, npz_path
+
+
+def load_receipt(path: str | Path) -> LoadedReceipt:
+    """Load and check a receipt: ``path`` is its ``.json`` (or ``.npz``; the other is beside it).
+
+    Checks the schema, that the id is the content hash and the file's name, and that the npz
+    (read with ``allow_pickle=False``) holds exactly the arrays the receipt's ``arrays.sha256``
+    names. Raises ``InvalidInput`` on any failure, naming the file.
+    """
+    path = Path(path)
+    json_path = path.with_suffix(".json")
+    npz_path = path.with_suffix(".npz")
+    try:
+        receipt = json.loads(json_path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InvalidInput(f"{json_path}: cannot read receipt: {e.strerror or e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInput(f"{json_path}: not a JSON receipt: {e}") from e
+    if not isinstance(receipt, dict):
+        raise InvalidInput(f"{json_path}: not a JSON receipt (top level is {type(receipt).__name__})")
+    validate_receipt(receipt, where=str(json_path))
+    rid = receipt_id(receipt)
+    if receipt["id"] != rid:
+        raise InvalidInput(f"{json_path}: id {receipt['id'][:12]}… is not the content hash {rid[:12]}… (receipt edited?)")
+    if json_path.stem != rid:
+        raise InvalidInput(f"{json_path}: file name does not match receipt id {rid}")
+    try:
+        with np.load(npz_path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError as e:
+        raise InvalidInput(f"{npz_path}: receipt's arrays file is missing") from e
+    except (OSError, ValueError) as e:  # ValueError: pickled content or a damaged zip
+        raise InvalidInput(f"{npz_path}: cannot read receipt arrays: {e}") from e
+    if arrays_sha256(arrays) != receipt["arrays"]["sha256"]:
+        raise InvalidInput(f"{npz_path}: arrays do not match the receipt's arrays.sha256 (sidecar replaced or edited?)")
+    return LoadedReceipt(receipt, arrays, json_path, npz_path)
