@@ -234,6 +234,45 @@ def _with_progress(fn, quiet: bool = False):
         return fn(cb)
 
 
+# -- probes ----------------------------------------------------------------------------------
+@cli.command()
+@click.option("--candidate", default=None, help="Engine to probe (default oracle).")
+@click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
+@click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, determinism, long).")
+@click.option("--prompts", default=None, type=click.Path())
+@click.option("--thresholds", default=None, type=click.Path())
+@click.option("--ledger", default=None, type=click.Path())
+@override_option
+@click.option("--json", "as_json", is_flag=True, help="Print the probe receipt (JSON).")
+def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json) -> None:
+    """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
+    decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
+    from harness.probes import ProbeRequest, run_probes
+
+    d = _parity_defaults()
+    req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
+                       only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
+                       ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]])
+    con = _console(stderr=True)
+    run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {name} ...")))
+    if as_json:
+        _echo_json(run.receipt)
+    else:
+        from rich.table import Table
+
+        t = Table(title=f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}")
+        for col in ("probe", "verdict", "comparisons", "detail"):
+            t.add_column(col)
+        for r in run.results:
+            t.add_row(r.name, r.verdict.value, str(len(r.comparisons)), r.summary())
+        _console().print(t)
+        click.echo(f"{run.verdict.value}: {run.message}")
+        if run.receipt_path:
+            click.echo(f"receipt: {run.receipt_path}")
+    sys.exit(run.verdict.exit_code)
+
+
 # -- ledger ----------------------------------------------------------------------------------
 @cli.group()
 def ledger() -> None:

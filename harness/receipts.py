@@ -35,6 +35,12 @@ from harness.errors import InvalidInput
 
 SCHEMA_ID = "harness-parity-receipt/v1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "receipt.schema.json"
+PROBE_SCHEMA_ID = "harness-probe-receipt/v1"
+SCHEMAS = {
+    SCHEMA_ID: SCHEMA_PATH,
+    PROBE_SCHEMA_ID: Path(__file__).parent / "schemas" / "probe-receipt.schema.json",
+}
+"""Receipt kinds by ``schema`` field: parity cells and self-consistency probe runs."""
 HASH_EXCLUDED = ("id", "created")
 """Top-level fields left out of the content hash: the hash itself and the wall-clock time."""
 
@@ -195,21 +201,25 @@ def utc_now() -> str:
 # ------------------------------------------------------------------------------ schema
 
 
-@lru_cache(maxsize=1)
-def _validator() -> jsonschema.protocols.Validator:
-    schema = json.loads(SCHEMA_PATH.read_text())
+@lru_cache(maxsize=4)
+def _validator(schema_id: str = SCHEMA_ID) -> jsonschema.protocols.Validator:
+    schema = json.loads(SCHEMAS[schema_id].read_text())
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     return cls(schema)
 
 
 def validate_receipt(receipt: Mapping[str, Any], where: str = "receipt") -> None:
-    """Check a receipt against ``receipt.schema.json``; ``InvalidInput`` names the first bad field."""
-    errors = list(_validator().iter_errors(receipt))
+    """Check a receipt against the schema its ``schema`` field names (parity receipts by
+    default); ``InvalidInput`` names the first bad field."""
+    schema_id = receipt.get("schema", SCHEMA_ID) if isinstance(receipt, Mapping) else SCHEMA_ID
+    if schema_id not in SCHEMAS:
+        raise InvalidInput(f"{where}: unknown receipt schema {schema_id!r}; known: {', '.join(SCHEMAS)}")
+    errors = list(_validator(schema_id).iter_errors(receipt))
     if errors:
         e = jsonschema.exceptions.best_match(errors)
         field = ".".join(str(k) for k in e.absolute_path) or "(top level)"
-        raise InvalidInput(f"{where}: {field}: {e.message} (schema {SCHEMA_ID})")
+        raise InvalidInput(f"{where}: {field}: {e.message} (schema {schema_id})")
 
 
 # ------------------------------------------------------------------------------ write / load
@@ -261,11 +271,12 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
     Raises ``InvalidInput`` when the receipt breaks the schema, holds NaN/Inf or a ``schema``
     other than ``harness-parity-receipt/v1``, or the directory cannot be written.
     """
-    if receipt.get("schema", SCHEMA_ID) != SCHEMA_ID:
-        raise InvalidInput(f"receipt schema {receipt.get('schema')!r}; this writer writes {SCHEMA_ID}")
+    schema_id = receipt.get("schema", SCHEMA_ID)
+    if schema_id not in SCHEMAS:
+        raise InvalidInput(f"receipt schema {schema_id!r}; this writer writes {', '.join(SCHEMAS)}")
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     r = {k: v for k, v in receipt.items() if k != "id"}
-    r["schema"] = SCHEMA_ID
+    r["schema"] = schema_id
     r["arrays"] = arrays_manifest(arrays)
     r.setdefault("created", utc_now())
     rid = receipt_id(r)

@@ -1,0 +1,132 @@
+"""Self-consistency probes: clean engines pass, a state bug fails naming the split point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness import fixtures as fx
+from harness.engines.base import EngineInfo, gather
+from harness.engines.registry import resolve_engine
+from harness.errors import Verdict
+from harness.probes import (
+    ProbeTolerance,
+    overall_verdict,
+    probe_decode,
+    probe_determinism,
+    probe_multiseq,
+    probe_split,
+    probe_ubatch,
+    split_points,
+)
+
+TOL = ProbeTolerance(min_cosine=0.9999, max_kld=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    eng = resolve_engine("llama.cpp", fx.build("tiny-qwen35"))
+    from harness.prompts import load_prompts
+
+    return eng.tokenize(load_prompts(None)[0].text)[:130]
+
+
+class StateDropped:
+    """Feeds every piece as a fresh prompt: recurrent and conv state lost between calls."""
+
+    def __init__(self, base):
+        self.base = base
+
+    @property
+    def info(self):
+        return EngineInfo("planted:state-dropped", "test", capabilities=["chunks"])
+
+    @property
+    def n_vocab(self):
+        return self.base.n_vocab
+
+    def logits(self, tokens, chunks=None):
+        start = 0
+        for c in chunks or [len(tokens)]:
+            for s, b in self.base.logits(tokens[start : start + c]):
+                yield start + s, b
+            start += c
+
+
+def test_split_points_cover_conv_and_chunk_boundaries():
+    pts = split_points(130, seed=0)
+    assert {1, 2, 3, 4, 5, 63, 64, 65} <= set(pts) and len(pts) == 11
+    assert split_points(130, seed=0) == pts  # seeded
+    assert all(0 < p < 10 for p in split_points(10, seed=1))
+
+
+def test_oracle_passes_split_decode_determinism(tokens):
+    eng = resolve_engine("oracle", fx.build("tiny-qwen35"))
+    for r in (probe_split(eng, tokens, TOL), probe_decode(eng, tokens[:40], TOL), probe_determinism(eng, tokens)):
+        assert r.verdict is Verdict.PASS, r.summary()
+        assert all(c.min_cosine > 0.999999999 for c in r.comparisons)
+    assert probe_ubatch(eng, tokens, TOL).verdict is Verdict.UNMEASURED
+
+
+def test_llamacpp_passes_ubatch_and_multiseq(tokens):
+    eng = resolve_engine("llama.cpp", fx.build("tiny-qwen35"))
+    r = probe_ubatch(eng, tokens[:100], TOL, sizes=(1, 7, 512))
+    assert r.verdict is Verdict.PASS and len(r.comparisons) == 3, r.summary()
+    m = probe_multiseq(eng, [tokens[:40], tokens[40:80], tokens[80:120]], TOL)
+    assert m.verdict is Verdict.PASS and len(m.comparisons) == 6, m.summary()
+
+
+def test_state_dropped_fails_split_naming_the_point(tokens):
+    eng = StateDropped(resolve_engine("oracle", fx.build("tiny-qwen35")))
+    r = probe_split(eng, tokens, TOL)
+    assert r.verdict is Verdict.FAIL
+    first = r.first_failure
+    assert first.label == "split at 1" and first.first_bad_position == 1
+    assert "split at 1" in r.summary() and "first differing position 1" in r.summary()
+    assert first.max_kld > 1e-2
+    d = probe_decode(eng, tokens[:30], TOL)
+    assert d.verdict is Verdict.FAIL
+
+
+def test_nondeterministic_engine_fails_determinism(tokens):
+    base = resolve_engine("oracle", fx.build("tiny-qwen35"))
+    calls = {"n": 0}
+
+    class Flaky(StateDropped):
+        def logits(self, toks, chunks=None):
+            calls["n"] += 1
+            for s, b in base.logits(toks):
+                if calls["n"] == 2 and s == 0:
+                    b = b.copy()
+                    b[3, 0] = np.nextafter(b[3, 0], np.inf)  # one ulp
+                yield s, b
+
+    r = probe_determinism(Flaky(base), tokens[:20])
+    assert r.verdict is Verdict.FAIL and r.first_failure.first_bad_position == 3
+
+
+def test_overall_verdict_rules():
+    from harness.probes import ProbeResult
+
+    ok = lambda n: ProbeResult(n, Verdict.PASS)
+    un = lambda n: ProbeResult(n, Verdict.UNMEASURED, reason="x")
+    assert overall_verdict([ok("split"), ok("decode"), ok("determinism"), un("ubatch")])[0] is Verdict.PASS
+    assert overall_verdict([ok("split"), un("decode"), ok("determinism")])[0] is Verdict.UNMEASURED
+    assert overall_verdict([ok("split"), ProbeResult("decode", Verdict.FAIL), ok("determinism")])[0] is Verdict.FAIL
+
+
+def test_cli_probe_oracle_exits_0_and_writes_probe_receipt(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    r = subprocess.run([sys.executable, "-m", "harness", "probe", "--candidate", "oracle", "--model", "fixture:tiny-qwen35",
+                        "--ledger", str(ledger), "--only", "split", "--only", "decode", "--only", "determinism", "--only", "ubatch"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "unmeasured: ubatch" in r.stdout
+    rows = [json.loads(l) for l in ledger.read_text().splitlines()]
+    assert rows[-1]["kind"] == "probe" and rows[-1]["verdict"] == "PASS"
+    v = subprocess.run([sys.executable, "-m", "harness", "ledger", "verify", "--ledger", str(ledger)], capture_output=True, text=True)
+    assert v.returncode == 0, v.stdout
