@@ -129,3 +129,22 @@ def test_tokenizer_round_trips_text():
     decoded = bytes(u2b[c] for t in toks for c in vocab[t]).decode("utf-8")
     assert decoded == text
     assert len(toks) < len(text.encode())  # merges applied
+
+
+def test_llamacpp_activations_match_the_oracle_by_name():
+    """llama.cpp's own intermediate tensors (cb_eval) join across ubatches and agree with the
+    oracle's activations of the same name."""
+    from harness.engines.registry import resolve_engine
+
+    path = fx.build("tiny-qwen35")
+    toks = TOKENS[:70]
+    ll = LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=32))  # 3 ubatches
+    a = ll.activations(toks)
+    b = resolve_engine("oracle", path).activations(toks)
+    for name in ("l_out-0", "l_out-7", "attn_output-3", "linear_attn_out-0", "conv_output_silu-1", "z-2", "result_norm"):
+        x, y = a[name].reshape(70, -1), b[name].reshape(70, -1)
+        assert x.shape == y.shape, name
+        assert cosine(y, x).min() > 0.9999, name
+    assert ll.last_ops["l_out-0"] == "ADD"
+    common = set(a) & set(b)
+    assert len(common) > 150

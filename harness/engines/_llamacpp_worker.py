@@ -79,8 +79,11 @@ def _tokenize(llama_cpp, model, text: str) -> list[int]:
     return [int(buf[i]) for i in range(n)]
 
 
-def _context(llama_cpp, model, s, n_seq_max=1):
+def _context(llama_cpp, model, s, n_seq_max=1, cb_eval=None):
     cparams = llama_cpp.llama_context_default_params()
+    if cb_eval is not None:
+        cparams.cb_eval = cb_eval
+        cparams.cb_eval_user_data = None
     cparams.n_ctx = int(s["n_ctx"])
     cparams.n_batch = int(s["n_batch"])
     cparams.n_ubatch = int(s["n_ubatch"])
@@ -98,6 +101,80 @@ def _context(llama_cpp, model, s, n_seq_max=1):
         sys.stderr.write("harness-worker: llama_init_from_model returned NULL\n")
         sys.exit(22)
     return ctx
+
+
+class _TensorHead(ctypes.Structure):
+    """The stable leading fields of ggml's ``struct ggml_tensor`` (ggml/include/ggml.h)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int)]
+
+
+class _Capture:
+    """An eval callback (``cb_eval``) that copies named F32 tensors out of the graph, one
+    ubatch at a time, in NumPy order (reverse of ggml ``ne``) with leading size-1 axes dropped,
+    so the first axis is the ubatch's tokens for per-token tensors."""
+
+    def __init__(self, llama_cpp, wanted):
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        g = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+        g.ggml_get_name.restype = ctypes.c_char_p
+        g.ggml_get_name.argtypes = [ctypes.c_void_p]
+        g.ggml_nbytes.restype = ctypes.c_size_t
+        g.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        g.ggml_op_name.restype = ctypes.c_char_p
+        g.ggml_op_name.argtypes = [ctypes.c_int]
+        g.ggml_backend_tensor_get.restype = None
+        g.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self.g = g
+        self.wanted = wanted  # None: every tensor
+        self.parts: dict[str, list] = {}
+        self.current: dict[str, np.ndarray] = {}  # this graph eval (one ubatch); a repeated name keeps the last
+        self.ops: dict[str, str] = {}
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._cb)
+
+    END = "result_output"  # the last tensor of every graph eval: closes the ubatch
+
+    def _want(self, name: str) -> bool:
+        return self.wanted is None or name in self.wanted or name == self.END
+
+    def _cb(self, t, ask, _user):
+        name = self.g.ggml_get_name(t).decode(errors="replace")
+        if ask:
+            return self._want(name)
+        if not self._want(name):
+            return True
+        head = _TensorHead.from_address(t)
+        self.ops[name] = self.g.ggml_op_name(head.op).decode()
+        if head.type != 0:  # GGML_TYPE_F32 only
+            return True
+        nbytes = int(self.g.ggml_nbytes(t))
+        buf = (ctypes.c_char * nbytes)()
+        self.g.ggml_backend_tensor_get(t, buf, 0, nbytes)
+        shape = [int(x) for x in reversed(head.ne)]
+        strides = [int(x) for x in reversed(head.nb)]
+        arr = np.lib.stride_tricks.as_strided(np.frombuffer(buf, dtype=np.float32), shape=shape, strides=strides).copy()
+        while arr.ndim > 1 and arr.shape[0] == 1:
+            arr = arr[0]
+        if self.wanted is None or name in self.wanted:
+            self.current[name] = arr
+        if name == self.END:
+            for k, v in self.current.items():
+                self.parts.setdefault(k, []).append(v)
+            self.current = {}
+        return True
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, parts in self.parts.items():
+            if len(parts) == 1:
+                out[name] = parts[0]
+            elif all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+                out[name] = np.concatenate(parts, axis=0)  # ubatches joined per position
+            else:
+                for i, p in enumerate(parts):
+                    out[f"{name}@ubatch{i}"] = p
+        return out
 
 
 def _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, row_of):
@@ -153,7 +230,10 @@ def main(req_path: str) -> int:
     sequences = req.get("sequences") or [req["tokens"]]
     total = sum(len(q) for q in sequences)
     out = np.lib.format.open_memmap(out_dir / "logits.npy", mode="w+", dtype=np.float32, shape=(total, n_vocab))
-    ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences))
+    capture = None
+    if req["op"] == "activations":
+        capture = _Capture(llama_cpp, set(req["names"]) if req.get("names") else None)
+    ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences), cb_eval=capture.callback if capture else None)
     n_batch = int(s["n_batch"])
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     t1 = time.time()
@@ -183,6 +263,9 @@ def main(req_path: str) -> int:
     out.flush()
     del out
     info["decode_s"] = round(time.time() - t1, 4)
+    if capture is not None:
+        np.savez(out_dir / "activations.npz", **capture.arrays())
+        info["ops"] = capture.ops
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)

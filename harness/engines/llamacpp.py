@@ -151,7 +151,7 @@ class LlamaCppEngine:
             name=self.name,
             version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
             settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
-            capabilities=["chunks", "n_ubatch", "multi_seq"],
+            capabilities=["chunks", "n_ubatch", "multi_seq", "activations"],
             build={"system_info": si.get("system_info", ""), "model_desc": si.get("model_desc", "")},
         )
 
@@ -183,6 +183,28 @@ class LlamaCppEngine:
         pieces = validate_chunks(len(tokens), chunks)
         req = {"op": "logits", "tokens": tokens, "chunks": pieces, "settings": self.settings.resolved(len(tokens))}
         yield from self._stream(req, len(tokens))
+
+    def activations(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """llama.cpp's own intermediate tensors, captured through the eval callback (``cb_eval``).
+
+        Returns ``{name: float32 array}`` under the graph's names (``l_out-N``, ``attn_output-N``,
+        ``linear_attn_out-N``, ``result_norm``, ...), in NumPy order with leading size-1 axes
+        dropped, joined across ubatches along the token axis (position-major). ``names``
+        restricts the capture (default: every tensor). The ggml op that produced each tensor is in
+        ``self.last_ops`` (e.g. which gated-delta-net kernel ran).
+        """
+        tokens = [int(t) for t in tokens]
+        pieces = validate_chunks(len(tokens), chunks)
+        req = {"op": "activations", "tokens": tokens, "chunks": pieces, "settings": self.settings.resolved(len(tokens)),
+               "names": list(names) if names else None}
+        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
+            info = self._run(req, Path(d))
+            self.last_ops = info.get("ops", {})
+            try:
+                with np.load(Path(d) / "activations.npz", allow_pickle=False) as z:
+                    return {k: np.array(z[k]) for k in z.files}
+            except (OSError, ValueError) as e:
+                raise EngineError(f"llama.cpp worker wrote unreadable activations: {e}") from None
 
     def logits_multi(self, sequences: Sequence[Sequence[int]]) -> Iterator[LogitBlock]:
         """Logits of several sequences decoded together; rows are the sequences concatenated."""
