@@ -273,6 +273,53 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
     sys.exit(run.verdict.exit_code)
 
 
+# -- localize --------------------------------------------------------------------------------
+@cli.command()
+@click.option("--candidate", required=True, help="Engine exposing activations (oracle, mutant:NAME, llama.cpp, transformers, command:NAME).")
+@click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
+@click.option("--prompt", "prompt_id", default=None, help="Prompt id from the prompt set (default: the first).")
+@click.option("--prompts", default=None, type=click.Path())
+@click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried).")
+@click.option("--max-tokens", default=128, show_default=True, type=int, help="Compare at most this many positions.")
+@click.option("--thresholds", default=None, type=click.Path())
+@override_option
+@click.option("--json", "as_json", is_flag=True)
+def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, thresholds, overrides, as_json) -> None:
+    """Compare a candidate's named activations with the oracle's, in forward order, and name the
+    first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
+    from harness.localize import LocalizeRequest, run_localize
+
+    d = _parity_defaults()
+    try:
+        pieces = [int(x) for x in chunks.split(",")] if chunks else None
+    except ValueError:
+        raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers") from None
+    if pieces is not None and any(p <= 0 for p in pieces):
+        raise InvalidInput(f"--chunks {chunks!r}: lengths must be positive")
+    loc = run_localize(LocalizeRequest(model=model or d["model"], candidate=candidate, prompt=prompt_id, prompts=prompts or d["prompts"],
+                                       chunks=pieces, max_tokens=max_tokens, thresholds=thresholds or d["thresholds"], overrides=list(overrides)))
+    if as_json:
+        _echo_json(loc.to_dict())
+    else:
+        from rich.table import Table
+
+        t = Table(title=f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})")
+        for col in ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine"):
+            t.add_column(col, justify="right")
+        for e in loc.per_layer:
+            t.add_row(str(e["layer"]) if e["layer"] >= 0 else "output", e["type"], str(e["compared"]), str(e["missing"]), str(e["over"]),
+                      f"{e['max_nmse']:.3g}", f"{e['min_cosine']:.6f}")
+        _console().print(t)
+        click.echo(f"{loc.compared} tensors compared")
+        if loc.first:
+            click.echo(loc.first.describe())
+        elif loc.verdict.value == "UNMEASURED":
+            click.echo("UNMEASURED: no tensor of the candidate could be compared with the oracle")
+        else:
+            click.echo("no tensor over the bounds")
+    sys.exit(loc.verdict.exit_code)
+
+
 # -- ledger ----------------------------------------------------------------------------------
 @cli.group()
 def ledger() -> None:

@@ -1,0 +1,192 @@
+"""First-divergence localization: where, layer by layer and op by op, a candidate leaves the oracle.
+
+The oracle (exact float64 forward) is the arbiter. Both engines' named activations (llama.cpp's
+graph names: ``attn_norm-N``, ``conv_output_silu-N``, ``attn_gated-N``, ``l_out-N``, ...) are
+compared in the oracle's forward order with ``metrics.compare_activations`` (the one comparison
+function the hybrid-forward contract uses too). The first tensor whose NMSE exceeds
+``localization.max_nmse`` or whose cosine falls below ``localization.min_cosine``
+(thresholds.yaml, each with a basis) is the first divergence: layer index, layer type (DeltaNet /
+attention / MoE), tensor name, first position over the bound, and the numbers. A run that
+compared no tensor is UNMEASURED, never clean. ``chunks`` feeds the prompt in pieces so faults in
+state carried between calls are localized too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from harness import metrics
+from harness.errors import InvalidInput, Verdict
+from harness.gguf_model import Qwen35HParams
+
+MOE_OPS = ("ffn_moe", "ffn_shexp", "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_out", "post_moe")
+
+
+@dataclass
+class Divergence:
+    """The first tensor over the bounds."""
+
+    name: str
+    layer: int
+    layer_type: str
+    op: str
+    position: int | None
+    nmse: float | None
+    cosine: float | None
+    max_abs: float | None
+    status: str
+
+    def describe(self) -> str:
+        where = f"layer {self.layer} ({self.layer_type})" if self.layer >= 0 else "model output"
+        nums = f"NMSE {self.nmse:.3g}, cosine {self.cosine:.6f}, max |Δ| {self.max_abs:.3g}" if self.nmse is not None else self.status
+        pos = f" at position {self.position}" if self.position is not None else ""
+        return f"first divergence: {where}, tensor {self.name}{pos}: {nums}"
+
+
+@dataclass
+class Localization:
+    """A localization run: every comparison row (forward order), per-layer counts, the first
+    divergence (None if all within bounds), and the verdict (PASS clean, FAIL divergence,
+    UNMEASURED nothing compared)."""
+
+    rows: list[dict[str, Any]]
+    per_layer: list[dict[str, Any]]
+    first: Divergence | None
+    verdict: Verdict
+    bounds: dict[str, float]
+    compared: int
+    candidate: str
+    tokens: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict.value,
+            "candidate": self.candidate,
+            "bounds": self.bounds,
+            "compared": self.compared,
+            "first_divergence": None if self.first is None else dict(self.first.__dict__),
+            "per_layer": self.per_layer,
+            "rows": self.rows,
+        }
+
+
+def layer_type(hp: Qwen35HParams, layer: int, op: str) -> str:
+    """``DeltaNet``, ``attention`` or ``MoE`` for a tensor of ``layer`` (``model`` for -1)."""
+    if layer < 0:
+        return "model"
+    if hp.is_moe and op.startswith(MOE_OPS):
+        return "MoE"
+    return "DeltaNet" if hp.is_recurrent(layer) else "attention"
+
+
+def _first_bad_position(ref: np.ndarray, cand: np.ndarray, max_nmse: float, min_cosine: float) -> int | None:
+    r = np.asarray(ref, np.float64).reshape(ref.shape[0], -1)
+    c = np.asarray(cand, np.float64).reshape(cand.shape[0], -1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        nm = ((c - r) ** 2).sum(1) / np.maximum((r * r).sum(1), 1e-300)
+        cos = (r * c).sum(1) / np.maximum(np.linalg.norm(r, axis=1) * np.linalg.norm(c, axis=1), 1e-300)
+    bad = np.flatnonzero(~np.isfinite(c).all(1) | (nm > max_nmse) | (cos < min_cosine))
+    return int(bad[0]) if bad.size else None
+
+
+def localize_activations(
+    hp: Qwen35HParams, oracle_acts: dict[str, np.ndarray], cand_acts: dict[str, np.ndarray], max_nmse: float, min_cosine: float, candidate: str = ""
+) -> Localization:
+    """Compare named activations in the oracle's forward order and find the first divergence."""
+    rows = metrics.compare_activations(oracle_acts, cand_acts)
+    first = None
+    per: dict[int, dict[str, Any]] = {}
+    compared = 0
+    for row in rows:
+        layer = row["layer"]
+        lt = layer_type(hp, layer, row["op"])
+        row["layer_type"] = lt
+        entry = per.setdefault(layer, {"layer": layer, "type": "DeltaNet" if layer >= 0 and hp.is_recurrent(layer) else ("attention" if layer >= 0 else "model"),
+                                       "compared": 0, "missing": 0, "over": 0, "max_nmse": 0.0, "min_cosine": 1.0})
+        if row["status"] == "missing":
+            entry["missing"] += 1
+            continue
+        if row["status"] == "shape":
+            entry["missing"] += 1
+            continue
+        compared += 1
+        entry["compared"] += 1
+        over = row["status"] == "nonfinite" or (row["nmse"] is not None and (row["nmse"] > max_nmse or row["cosine"] < min_cosine))
+        if row["nmse"] is not None:
+            entry["max_nmse"] = max(entry["max_nmse"], float(row["nmse"]))
+            entry["min_cosine"] = min(entry["min_cosine"], float(row["cosine"]))
+        row["over"] = bool(over)
+        if over:
+            entry["over"] += 1
+            if first is None:
+                name = row["name"]
+                pos = _first_bad_position(oracle_acts[name], cand_acts[name], max_nmse, min_cosine)
+                first = Divergence(name, layer, lt, row["op"], pos, row["nmse"], row["cosine"], row["max_abs"], row["status"])
+    per_layer = [per[k] for k in sorted(per, key=lambda x: (x < 0, x))]
+    if compared == 0:
+        verdict = Verdict.UNMEASURED
+    else:
+        verdict = Verdict.FAIL if first else Verdict.PASS
+    return Localization(rows, per_layer, first, verdict, {"max_nmse": max_nmse, "min_cosine": min_cosine}, compared, candidate)
+
+
+@dataclass
+class LocalizeRequest:
+    """Inputs of ``harness localize``."""
+
+    model: str
+    candidate: str
+    prompt: str | None = None
+    prompts: str | None = None
+    chunks: list[int] | None = None
+    max_tokens: int = 128
+    thresholds: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def run_localize(req: LocalizeRequest) -> Localization:
+    """Localize ``req.candidate`` against the oracle on one prompt (default: the first).
+
+    Raises ``InvalidInput`` (unknown prompt, an engine without activations, bounds without a
+    basis) and ``EngineError``.
+    """
+    from harness.engines.llamacpp import LlamaCppEngine
+    from harness.engines.registry import resolve_engine
+    from harness.fixtures import resolve_model
+    from harness.gguf_model import GGUFModel, parse_overrides
+    from harness.parity import model_display_name, resolve_thresholds_path, tokenize_prompts
+    from harness.prompts import load_prompt_set
+    from harness.thresholds import load_thresholds
+
+    overrides = parse_overrides(req.overrides)
+    th = load_thresholds(resolve_thresholds_path(req.thresholds))
+    path = resolve_model(req.model)
+    model = GGUFModel(path, overrides)
+    hp = model.hparams
+    resolved = th.for_model(model.sha256, req.model, model_display_name(req.model))
+    max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)
+    min_cos = float(resolved.gate("localize_min_cosine", "probes").value)
+    pset = load_prompt_set(req.prompts)
+    chosen = [p for p in pset if req.prompt is None or p.id == req.prompt]
+    if not chosen:
+        raise InvalidInput(f"no prompt {req.prompt!r} in {pset.path}; prompts: {', '.join(p.id for p in pset)}")
+    pset.prompts = chosen[:1]
+    tokens = tokenize_prompts(pset, LlamaCppEngine(path, overrides))[0].tokens[: req.max_tokens]
+    chunks = req.chunks
+    if chunks is not None and sum(chunks) != len(tokens):
+        if sum(chunks) < len(tokens):
+            chunks = list(chunks) + [len(tokens) - sum(chunks)]
+        else:
+            raise InvalidInput(f"--chunks {chunks} sum past the prompt's {len(tokens)} tokens")
+    oracle = resolve_engine("oracle", path, overrides)
+    cand = resolve_engine(req.candidate, path, overrides)
+    if not hasattr(cand, "activations"):
+        raise InvalidInput(f"candidate {req.candidate} does not expose activations; localization needs them")
+    ref_acts = oracle.activations(tokens, chunks)
+    cand_acts = cand.activations(tokens, chunks)
+    loc = localize_activations(hp, ref_acts, cand_acts, max_nmse, min_cos, req.candidate)
+    loc.tokens = tokens
+    return loc
