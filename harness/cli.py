@@ -203,10 +203,17 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             verdicts.append(e.verdict.value)
             continue
         verdicts.append(outcome.result.verdict.value)
+        report_path = None
+        if outcome.receipt_path is not None:
+            from harness.report import write_report
+
+            report_path = write_report(outcome.receipt_path)
         if as_json:
             _echo_json(outcome.receipt)
         else:
             _render_parity(outcome)
+            if report_path:
+                click.echo(f"report:  {report_path}")
             if outcome.result.verdict.value == "FAIL":
                 click.echo(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}")
     worst = min(verdicts, key=_VERDICT_PRIORITY.index)
@@ -320,6 +327,27 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     sys.exit(loc.verdict.exit_code)
 
 
+# -- report ----------------------------------------------------------------------------------
+@cli.command()
+@click.argument("receipt", type=click.Path())
+@click.option("--out", "out_dir", default=None, type=click.Path(), help="Output directory (default: reports/<id>/ beside the receipts).")
+@click.option("--localize", "do_localize", is_flag=True, help="Also localize the receipt's candidate against the oracle and plot the per-layer profile.")
+def report(receipt, out_dir, do_localize) -> None:
+    """Write a Markdown report with PNG plots for a parity receipt."""
+    from harness.receipts import load_receipt
+    from harness.report import write_report
+
+    loc = None
+    if do_localize:
+        from harness.localize import LocalizeRequest, run_localize
+
+        rec = load_receipt(receipt).receipt
+        m = rec["model"]
+        loc = run_localize(LocalizeRequest(model=m["path"], candidate=rec["engines"]["candidate"]["name"], overrides=m.get("overrides", []))).to_dict()
+    md = write_report(receipt, out_dir, loc)
+    click.echo(f"report: {md}")
+
+
 # -- ledger ----------------------------------------------------------------------------------
 @cli.group()
 def ledger() -> None:
@@ -371,6 +399,101 @@ def ledger_show(ledger_path, as_json) -> None:
             click.echo(f"report-only {field_name}: no threshold proposed (fewer than 20 records)")
         else:
             click.echo(f"report-only {field_name}: proposed {prop} (not applied; edit thresholds.yaml to adopt it)")
+
+
+# -- mutants, contracts, discharge, status ----------------------------------------------------
+@cli.group()
+def mutants() -> None:
+    """Mutant engines (mutant:NAME): the oracle with one planted fault, named after a bug class."""
+
+
+@mutants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def mutants_list(as_json: bool) -> None:
+    """List every mutant and planted output fault with its bug class and the obligations it breaks."""
+    from harness.discharge import render_table
+    from harness.engines.mutants import mutant_rows
+
+    rows = mutant_rows()
+    if as_json:
+        _echo_json(rows)
+        return
+    render_table(f"{sum(r['kind'] == 'mutant' for r in rows)} mutants, {sum(r['kind'] == 'plant' for r in rows)} plants",
+                 ("name", "bug class", "archs", "breaks", "fault"),
+                 [(r["name"], r["bug_class"], ",".join(r["archs"]), " ".join(r["breaks"]), r["description"]) for r in rows])
+
+
+@cli.group()
+def contracts() -> None:
+    """Contracts: equations tied to the oracle, obligations bound to tests."""
+
+
+@contracts.command("validate")
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
+    """Validate contracts (default contracts/): schema, ids, oracle functions, reds, and that
+    pytest collects every bound test. Exit 0 valid, 2 invalid (every error with file:line)."""
+    from harness.contracts import ContractsInvalid, load_contracts, summary_rows
+    from harness.discharge import render_table
+
+    try:
+        loaded = load_contracts(paths or ["contracts"])
+    except ContractsInvalid as e:
+        if as_json:
+            _echo_json({"valid": False, "errors": [vars(x) for x in e.errors]})
+        else:
+            for err in e.errors:
+                click.echo(f"harness: INVALID: {err}", err=True)
+        sys.exit(2)
+    rows = summary_rows(loaded)
+    if as_json:
+        _echo_json({"valid": True, "contracts": rows})
+        return
+    render_table("contracts: valid", ("id", "version", "subject", "equations", "obligations", "bound", "tests"),
+                 [(r["id"], r["version"], r["subject"], str(r["equations"]), str(r["obligations"]), str(r["bound"]), str(r["tests"])) for r in rows])
+
+
+@cli.command()
+@click.argument("contract", type=click.Path())
+@click.option("--candidate", default="oracle", show_default=True, help="The GREEN subject (any engine name).")
+@click.option("--obligation", "obligation_ids", multiple=True, metavar="ID", help="Discharge only these obligations (repeatable).")
+@click.option("--evidence-dir", default=None, type=click.Path(), help="Where records go (default <repo>/evidence/discharge).")
+@click.option("--jobs", default=None, type=int, help="Parallel pytest processes (default: CPU count).")
+@click.option("--no-write", is_flag=True, help="Do not write evidence records.")
+@click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
+def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write, as_json) -> None:
+    """Run each obligation's tests on its RED subject (must fail by assertion) then on the
+    candidate (must pass), write the evidence, exit 0 only if every selected one is DISCHARGED."""
+    from harness import discharge as dis
+
+    results = dis.discharge(contract, candidate, obligation_ids, evidence_dir, jobs, write=not no_write)
+    if as_json:
+        _echo_json([r.record for r in results])
+    else:
+        dis.print_discharge(results)
+        done = sum(r.result == dis.DISCHARGED for r in results)
+        click.echo(f"{done}/{len(results)} obligations DISCHARGED")
+    sys.exit(0 if results and all(r.result == dis.DISCHARGED for r in results) else 1)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED.")
+@click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default <repo>/evidence/discharge).")
+@click.option("--json", "as_json", is_flag=True)
+def status(paths, check, evidence_dir, as_json) -> None:
+    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) and
+    coverage per contract (default contracts/)."""
+    from harness import discharge as dis
+
+    rows, coverage = dis.status(paths or ["contracts"], evidence_dir)
+    if as_json:
+        _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
+    else:
+        dis.print_status(rows, coverage)
+    if check and any(r.status != dis.DISCHARGED for r in rows):
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
