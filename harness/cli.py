@@ -157,6 +157,9 @@ def _render_parity(outcome) -> None:
     if th.get("basis_model_differs"):
         note += " (measured on another model than this one)"
     con.print(f"gate: per-position cosine >= {th['value']} over >= {rec['gated']['min_positions']} positions ({note})")
+    for g in rec["gated"].get("distribution_gates", []):
+        obs = "-" if g["observed"] is None else f"{g['observed']:.3g}"
+        con.print(f"gate: {g['label']} {obs} <= {g['threshold']:.3g} ({g['name']}): {'ok' if g['ok'] else 'FAILED'}")
     ro = rec["report_only"]
     aa = ro["argmax_agreement"]
     if aa["rate"] is not None:
@@ -346,6 +349,60 @@ def report(receipt, out_dir, do_localize) -> None:
         loc = run_localize(LocalizeRequest(model=m["path"], candidate=rec["engines"]["candidate"]["name"], overrides=m.get("overrides", []))).to_dict()
     md = write_report(receipt, out_dir, loc)
     click.echo(f"report: {md}")
+
+
+# -- calibrate -------------------------------------------------------------------------------
+@cli.command()
+@click.option("--model", "base_model", default="fixture:trained-qwen35", show_default=True, help="F32 trained model for the default gates.")
+@click.option("--moe-model", default="fixture:trained-qwen35moe", show_default=True)
+@click.option("--ladder", multiple=True, help="Quantized models for per-quant rows (default: the trained-qwen35-256 ladder).")
+@click.option("--mutant", "mutants", multiple=True, help="Only these mutants (default: all).")
+@click.option("--out", default="thresholds.yaml", show_default=True, type=click.Path(), help="Where to write the measured thresholds.")
+@click.option("--dry-run", is_flag=True, help="Measure and print; do not write.")
+@click.option("--json", "as_json", is_flag=True)
+def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> None:
+    """Measure known-good and known-bad pairs; write thresholds with measured bases (exit 1 and
+    write nothing when a good pair spreads past a threshold or a mutant passes every gate)."""
+    from harness.calibrate import GATES, CalibrationPlan, CalibrationRefused, calibrate as run, thresholds_document, write_thresholds
+    from harness.receipts import harness_info
+
+    plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None)
+    if ladder:
+        plan.ladder = tuple(ladder)
+    con = _console(stderr=True)
+    res = run(plan, log=lambda m: con.print(m))
+    from rich.table import Table
+
+    t = Table(title="known-bad pairs x gates (X = caught)")
+    t.add_column("known-bad pair")
+    for g in GATES:
+        t.add_column(g, justify="center")
+    for label, row in res.matrix.items():
+        t.add_row(label, *("X" if row[g] else "." for g in GATES))
+    if not as_json:
+        _console().print(t)
+        for g in res.goods:
+            click.echo(f"good: {g.label} on {g.model}: min cos {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g}")
+        for name, v in res.gates.items():
+            click.echo(f"proposed {name}: {v['value']} (known-good floor {v['floor']:.8g}, CI {v['ci']:.8g})")
+        for model, gm in res.per_model.items():
+            click.echo(f"proposed for {model}: " + ", ".join(f"{k} {v['value']}" for k, v in gm.items()))
+        for k, v in {**res.probes, **res.localization}.items():
+            click.echo(f"proposed probes.{k}: {v['value']} (floor {v['floor']:.8g})")
+        missed = {g: [b for b, row in res.matrix.items() if not row[g]] for g in ("cosine",)}
+        click.echo(f"the cosine gate alone misses {len(missed['cosine'])} of {len(res.matrix)} known-bad pairs: {', '.join(missed['cosine'])}")
+        for s_ in res.skipped:
+            click.echo(f"skipped: {s_}")
+    else:
+        _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads], "gates": res.gates,
+                    "per_model": res.per_model, "probes": res.probes, "localization": res.localization, "matrix": res.matrix,
+                    "skipped": res.skipped, "problems": res.problems})
+    if res.problems:
+        raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
+    if not dry_run:
+        doc = thresholds_document(res, "harness " + " ".join(sys.argv[1:]), harness_info().get("git_commit"))
+        write_thresholds(doc, out)
+        click.echo(f"wrote {out}")
 
 
 # -- ledger ----------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def run_localize(req: LocalizeRequest) -> Localization:
     path = resolve_model(req.model)
     model = GGUFModel(path, overrides)
     hp = model.hparams
-    resolved = th.for_model(model.sha256, req.model, model_display_name(req.model))
+    resolved = th.for_model(model.sha256, req.model, model_display_name(req.model), f"quant:{model.file_type}")
     max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)
     min_cos = float(resolved.gate("localize_min_cosine", "probes").value)
     pset = load_prompt_set(req.prompts)

@@ -23,7 +23,7 @@ import numpy as np
 
 from harness import metrics
 from harness.engines.base import Engine, LogitBlock
-from harness.errors import EngineError, HarnessError, NotComparable, Verdict
+from harness.errors import EngineError, HarnessError, InvalidInput, NotComparable, Verdict
 from harness.gguf_model import GGUFModel, Override
 from harness.prompts import PromptSet
 
@@ -64,7 +64,7 @@ def tokenize_prompts(prompt_set: PromptSet, tokenizer: Any) -> list[PromptTokens
     tokenizes to nothing."""
     texts = [p.text for p in prompt_set if p.tokens is None]
     many = getattr(tokenizer, "tokenize_many", None)
-    ids = iter(many(texts) if many else [tokenizer.tokenize(t) for t in texts])
+    ids = iter(many(texts) if many and texts else [tokenizer.tokenize(t) for t in texts])  # no texts: no tokenizer run
     out = []
     for p in prompt_set:
         if p.tokens is not None:
@@ -140,6 +140,11 @@ def same_engine(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+KLD_GATES = {"max_kld_mean": ("mean", "KLD mean"), "max_kld_p99": ("p99", "KLD p99")}
+"""Optional distribution gates (added by calibration): gate name → (summary key, label)."""
+PARITY_GATES = ("min_cosine", "min_positions", *KLD_GATES)
+
+
 def run_cell(
     model: GGUFModel,
     reference: Engine,
@@ -149,9 +154,13 @@ def run_cell(
     min_positions: int,
     near_tie_margin: float = metrics.NEAR_TIE_MARGIN,
     progress: Progress | None = None,
+    kld_gates: dict[str, float] | None = None,
 ) -> CellResult:
-    """Run both engines over ``prompts`` and judge the cosine gate.
+    """Run both engines over ``prompts`` and judge the gates.
 
+    The cosine gate is per position; ``kld_gates`` (``max_kld_mean``, ``max_kld_p99``: KL(P_ref ‖
+    P_cand) in nats over all positions), when given, are judged on the whole prompt set and FAIL
+    the cell when exceeded — they see scale errors that cosine cannot.
     Raises ``NotComparable`` (vocab sizes differ, token id out of range) and ``EngineError``.
     """
     n_vocab_ref, n_vocab_cand = int(reference.n_vocab), int(candidate.n_vocab)
@@ -221,13 +230,26 @@ def run_cell(
         "nonfinite_positions": summary["nonfinite_positions"],
         "first_nonfinite": where(summary["first_nonfinite_index"]),
     }
-    if fails.size:
+    kld_results = []
+    for name, value in (kld_gates or {}).items():
+        key, label = KLD_GATES[name]
+        observed = (summary.get("kld") or {}).get(key)
+        ok = observed is not None and observed <= value
+        kld_results.append({"name": name, "label": label, "threshold": float(value), "observed": observed, "ok": bool(ok)})
+    gate["distribution_gates"] = kld_results
+    kld_failed = [g for g in kld_results if not g["ok"] and g["observed"] is not None]
+    if fails.size or kld_failed:
         verdict = Verdict.FAIL
-        f, w = gate["first_failing"], gate["worst"]
-        msg = (
-            f"{fails.size} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} position {f['position']}; "
-            f"worst: prompt {w['prompt']!r} position {w['position']} (cosine {gate['worst_cosine'] if gate['worst_cosine'] is not None else 'non-finite'})"
-        )
+        parts = []
+        if fails.size:
+            f, w = gate["first_failing"], gate["worst"]
+            parts.append(
+                f"{fails.size} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} position {f['position']}; "
+                f"worst: prompt {w['prompt']!r} position {w['position']} (cosine {gate['worst_cosine'] if gate['worst_cosine'] is not None else 'non-finite'})"
+            )
+        for g in kld_failed:
+            parts.append(f"{g['label']} {g['observed']:.3g} > {g['threshold']:.3g} ({g['name']})")
+        msg = "; ".join(parts)
     elif n_pos < min_positions:
         verdict = Verdict.UNMEASURED
         msg = f"only {n_pos} positions compared; the gate needs at least {min_positions}"
@@ -336,14 +358,18 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     path = resolve_model(req.model)
     model = GGUFModel(path, overrides)
     model.hparams  # validates arch and required keys (InvalidInput) before any engine runs
-    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model))
+    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model), f"quant:{model.file_type}")
     prompt_set = load_prompt_set(req.prompts)
     reference = resolve_engine(req.reference, path, overrides)
     candidate = resolve_engine(req.candidate, path, overrides)
     tokenizer = reference if hasattr(reference, "tokenize") else LlamaCppEngine(path, overrides)
     prompts = tokenize_prompts(prompt_set, tokenizer)
+    unknown = [g for g in resolved.gates if g not in PARITY_GATES]
+    if unknown:
+        raise InvalidInput(f"{resolved.path}: unknown gate {unknown[0]!r}; parity gates: {', '.join(PARITY_GATES)}")
+    kld_gates = {g: float(resolved.gates[g].value) for g in KLD_GATES if g in resolved.gates}
     result = run_cell(model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
-                      thresholds.near_tie_margin, progress)
+                      thresholds.near_tie_margin, progress, kld_gates)
     receipt = build_receipt(req, model, prompt_set, resolved, result)
     if not req.write_evidence:
         return ParityOutcome(result, receipt, None, None, None)

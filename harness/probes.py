@@ -298,7 +298,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     path = resolve_model(req.model)
     model = GGUFModel(path, overrides)
     model.hparams
-    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model))
+    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model), f"quant:{model.file_type}")
     tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
     engine = resolve_engine(req.candidate, path, overrides)
     tokenizer = LlamaCppEngine(path, overrides)
