@@ -1,0 +1,618 @@
+"""Discharge: turn contract obligations into recorded RED→GREEN evidence, and compute status.
+
+For each obligation, its bound tests run (in pytest subprocesses, through the harness plugin)
+
+* against each RED subject its contract names (``red``): the candidate ``mutant:NAME``, the
+  defective model ``fixture:NAME`` under the GREEN candidate, or the GREEN candidate with a fault
+  planted in its output (``--plant NAME``). RED means at least one bound test FAILED BY
+  ASSERTION; an error, a crash, a skip or nothing run is not RED; every test passing is
+  ``VACUOUS`` (the test cannot see the fault) and the obligation is not discharged;
+* against the GREEN subject (the candidate, default ``oracle``, on the obligation's model): every
+  bound test must pass (a skip is not a pass).
+
+Both must hold for ``DISCHARGED``. Each obligation's record goes to
+``evidence/discharge/<contract-id>/<obligation-id>.json`` (schema ``harness-discharge/v1``):
+the contract's version and sha256, the bound node ids with the sha256 of their file and of the
+test function's source, the support files (conftest.py, helpers), what the result depends on
+(each engine's source files, the models' sha256, thresholds.yaml when the reference ran), both
+runs (subject, outcome, assertion message, time, duration, command, git commit).
+
+Status is computed, never declared (``status``): UNBOUND (no tests), BOUND (tests, no passing
+record), RED-SEEN (RED shown, GREEN not), DISCHARGED, STALE (anything hashed changed since).
+
+Speed: the runs of one contract are planned into as few pytest processes as possible (each costs
+an import of the stack): every subject sharing a model and plant runs in one session with
+``--candidate a,b,c``, every defective fixture under one candidate in one session with
+``--model x,y,z``; sessions run in parallel.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from harness.contracts import Contract, Obligation, Red, load_contract, load_contracts, pytest_command
+from harness.errors import InvalidInput
+
+SCHEMA_ID = "harness-discharge/v1"
+DEFAULT_CANDIDATE = "oracle"
+SESSION_TIMEOUT_S = 1200
+
+UNBOUND, BOUND, RED_SEEN, DISCHARGED, STALE = "UNBOUND", "BOUND", "RED-SEEN", "DISCHARGED", "STALE"
+STATUSES = (UNBOUND, BOUND, RED_SEEN, DISCHARGED, STALE)
+# outcomes of one side of a discharge
+RED, GREEN, VACUOUS, FAIL, ERROR, SKIPPED, NOT_RUN = "RED", "GREEN", "VACUOUS", "FAIL", "ERROR", "SKIPPED", "NOT-RUN"
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What one run judges: a candidate engine on a model, optionally with a planted fault."""
+
+    candidate: str
+    model: str
+    plant: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.candidate}{'+planted:' + self.plant if self.plant else ''} on {self.model}"
+
+
+def red_subject(red: Red, ob: Obligation, candidate: str) -> Subject:
+    """The subject that shows ``red`` for ``ob`` when the GREEN candidate is ``candidate``."""
+    if red.kind == "mutant":
+        return Subject(f"mutant:{red.name}", ob.model)
+    if red.kind == "fixture":
+        return Subject(candidate, f"fixture:{red.name}")
+    return Subject(candidate, ob.model, red.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running pytest
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """One pytest process: ``tests`` × ``candidates`` × ``models`` (those the tests use)."""
+
+    candidates: list[str]
+    models: list[str]
+    plant: str | None
+    tests: list[str]
+
+
+@dataclass
+class SessionRun:
+    """The outcome of one session: per-item records from the plugin (``--harness-outcomes``)."""
+
+    session: Session
+    items: list[dict[str, Any]]
+    command: list[str]
+    started: str
+    duration_s: float
+    returncode: int
+    output_tail: str
+    git: dict[str, Any]
+
+
+def plan_sessions(requests: Iterable[tuple[Subject, Sequence[str]]]) -> list[Session]:
+    """Group ``(subject, tests)`` requests into sessions: subjects sharing a model and plant in
+    one session (candidates listed), and sessions left with a single candidate merged across
+    models (models listed)."""
+    by_model: dict[tuple[str | None, str], tuple[list[str], set[str]]] = {}
+    for subj, tests in requests:
+        cands, ts = by_model.setdefault((subj.plant, subj.model), ([], set()))
+        if subj.candidate not in cands:
+            cands.append(subj.candidate)
+        ts.update(tests)
+    sessions: list[Session] = []
+    single: dict[tuple[str | None, str], Session] = {}
+    for (plant, model), (cands, ts) in by_model.items():
+        if len(cands) == 1:
+            s = single.setdefault((plant, cands[0]), Session(cands, [], plant, []))
+            s.models.append(model)
+            s.tests = sorted(set(s.tests) | ts)
+        else:
+            sessions.append(Session(cands, [model], plant, sorted(ts)))
+    return sessions + list(single.values())
+
+
+def git_state(root: Path) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the repository at ``root``."""
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def run_session(root: Path, session: Session, timeout_s: float = SESSION_TIMEOUT_S) -> SessionRun:
+    """Run one session's tests in a pytest subprocess from ``root``; never raises for test
+    failures (they are data). Raises ``InvalidInput`` when pytest could not run at all."""
+    with tempfile.TemporaryDirectory(prefix="harness-discharge-") as d:
+        out = Path(d) / "outcomes.json"
+        args = ["-q", "--harness-outcomes", str(out), "--candidate", ",".join(session.candidates), "--model", ",".join(session.models)]
+        if session.plant:
+            args += ["--plant", session.plant]
+        cmd, env = pytest_command(root, args + list(session.tests))
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+            rc, tail = proc.returncode, "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        except subprocess.TimeoutExpired as e:
+            rc, tail = -1, f"pytest timed out after {timeout_s:.0f} s: {e}"
+        duration = time.monotonic() - t0
+        items = json.loads(out.read_text())["items"] if out.exists() else []
+    if not items and rc not in (0, 1, 5):
+        raise InvalidInput(f"pytest could not run {' '.join(session.tests)} (exit {rc}):\n{tail}")
+    shown = ["python", *("OUTCOMES.json" if a == str(out) else "." if a == str(root) else a for a in cmd[1:])]
+    return SessionRun(session, items, shown, started, round(duration, 3), rc, tail, git_state(root))
+
+
+def run_sessions(root: Path, sessions: Sequence[Session], jobs: int | None = None) -> list[SessionRun]:
+    """Run sessions in parallel (``jobs`` processes, default the CPU count)."""
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=min(jobs, max(1, len(sessions)))) as pool:
+        return list(pool.map(lambda s: run_session(root, s), sessions))
+
+
+def _matches(item: dict[str, Any], subject: Subject) -> bool:
+    """An item judged ``subject`` if it used (or did not need) that candidate, model and plant."""
+    return (
+        item["candidate"] in (None, subject.candidate)
+        and item["model"] in (None, subject.model)
+        and (item["candidate"] is None or item["plant"] == subject.plant)
+    )
+
+
+def judge(runs: Sequence[SessionRun], tests: Sequence[str], subject: Subject, expect: str) -> dict[str, Any]:
+    """The outcome of ``tests`` on ``subject`` across ``runs``.
+
+    ``expect`` RED: RED if any item failed by assertion, else ERROR (an error or crash), VACUOUS
+    (something passed), SKIPPED or NOT-RUN. ``expect`` GREEN: GREEN if every item passed (at
+    least one ran), else FAIL, ERROR, SKIPPED or NOT-RUN. Returns ``{outcome, message, items,
+    run}`` (``run``: the session's command, start, duration, git).
+    """
+    wanted = set(tests)
+    found = [(r, it) for r in runs for it in r.items if it["function"] in wanted and _matches(it, subject)]
+    items = [it for _, it in found]
+    outcomes = {it["outcome"] for it in items}
+    first = lambda o: next((it for it in items if it["outcome"] == o), None)  # noqa: E731
+    if not items:
+        outcome, msg = NOT_RUN, f"no bound test ran on {subject}"
+    elif expect == RED:
+        if "failed" in outcomes:
+            outcome, msg = RED, first("failed")["message"]
+        elif "error" in outcomes:
+            it = first("error")
+            outcome, msg = ERROR, f"{it['exception']} in {it['phase']} (not an assertion): {it['message']}"
+        elif "passed" in outcomes:
+            outcome, msg = VACUOUS, f"every bound test passed on {subject}: the tests cannot see this fault"
+        else:
+            outcome, msg = SKIPPED, first("skipped")["message"]
+    else:
+        if outcomes == {"passed"}:
+            outcome, msg = GREEN, f"{len(items)} bound test item(s) passed"
+        elif "failed" in outcomes:
+            outcome, msg = FAIL, first("failed")["message"]
+        elif "error" in outcomes:
+            it = first("error")
+            outcome, msg = ERROR, f"{it['exception']} in {it['phase']}: {it['message']}"
+        else:
+            outcome, msg = SKIPPED, (first("skipped") or {"message": "skipped"})["message"]
+    run = found[0][0] if found else None
+    return {
+        "subject": asdict(subject),
+        "outcome": outcome,
+        "message": msg,
+        "items": [{k: it[k] for k in ("nodeid", "outcome", "exception", "phase", "duration_s", "message")} for it in items],
+        "run": None if run is None else {"command": run.command, "started": run.started, "duration_s": run.duration_s,
+                                         "returncode": run.returncode, "git": run.git},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# What a result depends on
+# ---------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str | None:
+    """sha256 of a file's bytes, or None when it does not exist."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def function_source(path: Path, qualname: str) -> str | None:
+    """Source of the test function ``qualname`` (``test_x`` or ``Class::test_x``) in ``path``,
+    decorators included, via ``ast``; None when absent or unparsable."""
+    try:
+        text = path.read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError):
+        return None
+    body: list[ast.stmt] = tree.body
+    parts = qualname.split("::")
+    for i, name in enumerate(parts):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name), None)
+        if node is None:
+            return None
+        if i == len(parts) - 1:
+            lines = text.splitlines(keepends=True)
+            start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+            return "".join(lines[start - 1 : node.end_lineno])
+        body = node.body
+    return None
+
+
+def test_hashes(root: Path, tests: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
+    """Per bound test: file, file sha256, function-source sha256; and the support files the
+    tests load (every conftest.py from the test's folder up to ``root``, and the non-test
+    modules beside it)."""
+    out, support = [], {}
+    for t in tests:
+        rel, func = t.split("::", 1)
+        path = root / rel
+        src = function_source(path, func)
+        out.append({"nodeid": t, "file": rel, "file_sha256": sha256_file(path),
+                    "function_sha256": hashlib.sha256(src.encode()).hexdigest() if src is not None else None})
+        folder = path.parent
+        for p in sorted(folder.glob("*.py")):
+            if not p.name.startswith("test_"):
+                support[p.relative_to(root).as_posix()] = sha256_file(p)
+        while folder != root and root in folder.parents:
+            folder = folder.parent
+            if (folder / "conftest.py").exists():
+                support[(folder / "conftest.py").relative_to(root).as_posix()] = sha256_file(folder / "conftest.py")
+    return out, dict(sorted(support.items()))
+
+
+def _package_root() -> Path:
+    import harness
+
+    return Path(harness.__file__).resolve().parent.parent
+
+
+def engine_source_files(name: str) -> list[str]:
+    """The harness source files (relative to the package's parent) an engine's numbers come
+    from: ``oracle`` its per-arch files, the model reader and the protocol; ``mutant:NAME`` those
+    plus ``mutants.py``; ``llama.cpp`` its wrapper and worker; ``command:NAME`` the command
+    protocol; ``planted:NAME`` ``mutants.py``."""
+    oracle = ["harness/engines/oracle/__init__.py", "harness/engines/oracle/qwen35.py", "harness/engines/oracle/qwen35moe.py",
+              "harness/engines/base.py", "harness/gguf_model.py"]
+    if name == "oracle":
+        return oracle
+    if name.startswith("mutant:"):
+        return oracle + ["harness/engines/mutants.py"]
+    if name.startswith("planted:"):
+        return ["harness/engines/mutants.py"]
+    if name in ("llama.cpp", "llamacpp", "llama-cpp"):
+        return ["harness/engines/llamacpp.py", "harness/engines/_llamacpp_worker.py", "harness/engines/base.py"]
+    if name.startswith("command:"):
+        return ["harness/engines/command.py", "harness/engines/base.py", "harness/config.py"]
+    if name == "transformers":
+        return ["harness/engines/transformers_engine.py", "harness/engines/base.py"]
+    return []
+
+
+def engine_hashes(name: str) -> dict[str, Any]:
+    """``{file: sha256}`` of ``engine_source_files(name)``, plus the llama-cpp-python version for
+    llama.cpp (its compiled library is the rest of that engine's source)."""
+    base = _package_root()
+    out: dict[str, Any] = {f: sha256_file(base / f) for f in engine_source_files(name)}
+    if name in ("llama.cpp", "llamacpp", "llama-cpp"):
+        try:
+            from importlib.metadata import version
+
+            out["llama-cpp-python"] = version("llama-cpp-python")
+        except Exception:  # pragma: no cover - metadata missing
+            out["llama-cpp-python"] = None
+    return out
+
+
+def model_sha256(spec: str) -> str | None:
+    """sha256 of the model ``spec`` names (fixtures and defective fixtures are built if needed);
+    None when it cannot be resolved."""
+    from harness.errors import HarnessError
+    from harness.pytest_plugin import resolve_subject_model
+
+    try:
+        return sha256_file(resolve_subject_model(spec))
+    except HarnessError:
+        return None
+
+
+def _depends(root: Path, subjects: Sequence[Subject], reference: str | None, uses_candidate: bool = True) -> dict[str, Any]:
+    engines: dict[str, Any] = {}
+    for s in subjects if uses_candidate else ():
+        engines[s.candidate] = engine_hashes(s.candidate)
+        if s.plant:
+            engines[f"planted:{s.plant}"] = engine_hashes(f"planted:{s.plant}")
+    if reference:
+        engines[reference] = engine_hashes(reference)
+    models = {m: model_sha256(m) for m in sorted({s.model for s in subjects})}
+    thr = root / "thresholds.yaml"
+    thresholds = {"path": "thresholds.yaml", "sha256": sha256_file(thr)} if reference and thr.exists() else None
+    return {"engines": engines, "models": models, "thresholds": thresholds}
+
+
+# ---------------------------------------------------------------------------------------------
+# Discharge
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ObligationResult:
+    """One obligation's discharge: ``result`` DISCHARGED, VACUOUS, NOT-RED or GREEN-FAILED;
+    ``record`` the evidence written (or that would be)."""
+
+    contract: str
+    obligation: str
+    result: str
+    red: list[dict[str, Any]]
+    green: dict[str, Any]
+    record: dict[str, Any]
+    path: Path | None = None
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _result(reds: list[dict[str, Any]], green: dict[str, Any]) -> str:
+    if any(r["outcome"] == VACUOUS for r in reds):
+        return VACUOUS
+    if not reds or any(r["outcome"] != RED for r in reds):
+        return "NOT-RED"
+    return DISCHARGED if green["outcome"] == GREEN else "GREEN-FAILED"
+
+
+def default_evidence_dir(contract: Contract) -> Path:
+    """``<repo>/evidence/discharge`` for a contract in ``<repo>/contracts``."""
+    return contract.root / "evidence" / "discharge"
+
+
+def discharge(
+    path: str | os.PathLike,
+    candidate: str = DEFAULT_CANDIDATE,
+    obligation_ids: Sequence[str] = (),
+    evidence_dir: str | os.PathLike | None = None,
+    jobs: int | None = None,
+    write: bool = True,
+) -> list[ObligationResult]:
+    """Discharge the obligations of the contract at ``path`` (all, or ``obligation_ids``).
+
+    The contract is validated first (schema, ids, oracle functions, reds, test collection). RED
+    subjects come from each obligation's ``red``; GREEN is ``candidate`` on the obligation's
+    model. With ``write`` each record is written atomically to
+    ``evidence_dir/<contract>/<obligation>.json`` (default ``<repo>/evidence/discharge``).
+    Raises ``InvalidInput`` (exit 2) for an invalid contract or an unknown obligation id.
+    """
+    contract = load_contract(path)
+    root = contract.root
+    obs = [contract.obligation(o) for o in obligation_ids] if obligation_ids else list(contract.obligations)
+    bound = [ob for ob in obs if ob.tests]
+    requests: list[tuple[Subject, Sequence[str]]] = []
+    for ob in bound:
+        requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
+        requests.append((Subject(candidate, ob.model), ob.tests))
+    runs = run_sessions(root, plan_sessions(requests), jobs) if requests else []
+    out_dir = Path(evidence_dir) if evidence_dir else default_evidence_dir(contract)
+    results = []
+    for ob in obs:
+        if not ob.tests:
+            results.append(ObligationResult(contract.id, ob.id, UNBOUND, [], {}, {}))
+            continue
+        reds = []
+        for r in ob.reds:
+            j = judge(runs, ob.tests, red_subject(r, ob, candidate), RED)
+            reds.append({"shown_by": str(r), **j})
+        green = judge(runs, ob.tests, Subject(candidate, ob.model), GREEN)
+        mine = [it for run in runs for it in run.items if it["function"] in ob.tests]
+        used_reference = next((it["reference"] for it in mine if it.get("reference")), None)
+        uses_candidate = any(it["candidate"] is not None for it in mine)  # model-only tests do not depend on an engine
+        subjects = [red_subject(r, ob, candidate) for r in ob.reds] + [Subject(candidate, ob.model)]
+        tests, support = test_hashes(root, ob.tests)
+        result = _result(reds, green)
+        record = {
+            "schema": SCHEMA_ID,
+            "result": result,
+            "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "contract": {"id": contract.id, "version": contract.version, "path": _rel(contract.path, root), "sha256": contract.sha256},
+            "obligation": {"id": ob.id, "kind": ob.kind, "property": ob.property, "model": ob.model, "sha256": ob.sha256},
+            "tests": tests,
+            "support_files": support,
+            "depends_on": _depends(root, subjects, used_reference, uses_candidate),
+            "red": reds,
+            "green": {"shown_by": candidate, **green},
+        }
+        written = None
+        if write:
+            written = out_dir / contract.id / f"{ob.id}.json"
+            written.parent.mkdir(parents=True, exist_ok=True)
+            tmp = written.with_name(f".{written.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+            os.replace(tmp, written)
+        results.append(ObligationResult(contract.id, ob.id, result, reds, green, record, written))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Status
+# ---------------------------------------------------------------------------------------------
+
+
+def staleness(record: dict[str, Any], contract: Contract) -> list[str]:
+    """What changed since ``record`` was written (empty when nothing did): the contract, a
+    bound test's file or function, a support file, an engine's source, a model, thresholds.yaml,
+    or the obligation's test list."""
+    root, why = contract.root, []
+    if record.get("contract", {}).get("sha256") != contract.sha256:
+        why.append(f"contract {contract.path.name} changed")
+    ob = next((o for o in contract.obligations if o.id == record.get("obligation", {}).get("id")), None)
+    if ob is not None and sorted(ob.tests) != sorted(t["nodeid"] for t in record.get("tests", [])):
+        why.append("bound tests changed")
+    for t in record.get("tests", []):
+        path = root / t["file"]
+        if sha256_file(path) != t["file_sha256"]:
+            src = function_source(path, t["nodeid"].split("::", 1)[1])
+            fn = hashlib.sha256(src.encode()).hexdigest() if src is not None else None
+            why.append(f"test {t['nodeid']} changed" if fn != t["function_sha256"] else f"test file {t['file']} changed")
+    for f, sha in record.get("support_files", {}).items():
+        if sha256_file(root / f) != sha:
+            why.append(f"support file {f} changed")
+    deps = record.get("depends_on", {})
+    for name, files in deps.get("engines", {}).items():
+        now = engine_hashes(name)
+        changed = [f for f, sha in files.items() if now.get(f) != sha]
+        if changed:
+            why.append(f"engine {name} source changed: {', '.join(changed)}")
+    for spec, sha in deps.get("models", {}).items():
+        if model_sha256(spec) != sha:
+            why.append(f"model {spec} changed")
+    thr = deps.get("thresholds")
+    if thr and sha256_file(root / thr["path"]) != thr["sha256"]:
+        why.append("thresholds.yaml changed")
+    return why
+
+
+@dataclass
+class StatusRow:
+    """The computed status of one obligation; ``detail`` says why."""
+
+    contract: str
+    obligation: str
+    status: str
+    detail: str
+    evidence: str | None
+
+
+def obligation_status(contract: Contract, ob: Obligation, evidence_dir: Path) -> StatusRow:
+    """Status of one obligation from its record (if any) and the current files."""
+    path = evidence_dir / contract.id / f"{ob.id}.json"
+    if not ob.tests:
+        return StatusRow(contract.id, ob.id, UNBOUND, "no tests bound", None)
+    if not path.exists():
+        return StatusRow(contract.id, ob.id, BOUND, "never discharged", None)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return StatusRow(contract.id, ob.id, BOUND, f"unreadable record: {e}", str(path))
+    if record.get("schema") != SCHEMA_ID:
+        return StatusRow(contract.id, ob.id, BOUND, f"record schema {record.get('schema')!r} is not {SCHEMA_ID}", str(path))
+    why = staleness(record, contract)
+    if why:
+        return StatusRow(contract.id, ob.id, STALE, "; ".join(why), str(path))
+    result = record.get("result")
+    if result == DISCHARGED and all(r.get("outcome") == RED for r in record.get("red", [])) and record.get("green", {}).get("outcome") == GREEN:
+        return StatusRow(contract.id, ob.id, DISCHARGED, f"{record['recorded_at']}: RED on {', '.join(r['shown_by'] for r in record['red'])}, GREEN on {record['green']['shown_by']}", str(path))
+    if record.get("red") and all(r.get("outcome") == RED for r in record["red"]):
+        return StatusRow(contract.id, ob.id, RED_SEEN, f"GREEN {record.get('green', {}).get('outcome')}: {record.get('green', {}).get('message', '')[:200]}", str(path))
+    return StatusRow(contract.id, ob.id, BOUND, f"last discharge {result}", str(path))
+
+
+def status(paths: Sequence[str | os.PathLike], evidence_dir: str | os.PathLike | None = None) -> tuple[list[StatusRow], list[dict[str, Any]]]:
+    """Computed status of every obligation of the contracts at ``paths`` and coverage per
+    contract (``{contract, version, obligations, counts per status, discharged_fraction}``).
+    Contracts are schema-validated (tests are not re-collected). Raises ``InvalidInput``."""
+    contracts = load_contracts(paths, check_tests=False)
+    rows, coverage = [], []
+    for c in contracts:
+        ev = Path(evidence_dir) if evidence_dir else default_evidence_dir(c)
+        cr = [obligation_status(c, ob, ev) for ob in c.obligations]
+        rows += cr
+        counts = {s: sum(1 for r in cr if r.status == s) for s in STATUSES}
+        coverage.append({"contract": c.id, "version": c.version, "obligations": len(cr), **counts,
+                         "discharged_fraction": counts[DISCHARGED] / len(cr) if cr else 0.0})
+    return rows, coverage
+
+
+# ---------------------------------------------------------------------------------------------
+# The mutant matrix
+# ---------------------------------------------------------------------------------------------
+
+
+def mutant_matrix(contracts: Sequence[Contract], mutants: Sequence[str], jobs: int | None = None, split: int = 2) -> dict[str, dict[str, str]]:
+    """``{mutant: {obligation: RED | GREEN | ERROR | SKIPPED | VACUOUS...}}``: every bound test
+    of ``contracts`` run on every ``mutant:NAME`` on each obligation's model (one session per
+    model and per ``split`` share of the mutants). RED: a bound test failed by assertion; GREEN:
+    all passed."""
+    by_model: dict[str, set[str]] = {}
+    for c in contracts:
+        for ob in c.obligations:
+            by_model.setdefault(ob.model, set()).update(ob.tests)
+    cands = [f"mutant:{m}" for m in mutants]
+    sessions = []
+    for model, tests in by_model.items():
+        n = split if len(tests) > 4 else 1  # a model with a few tests is not worth a second import
+        sessions += [Session(cands[i::n], [model], None, sorted(tests)) for i in range(n) if cands[i::n]]
+    root = contracts[0].root
+    runs = run_sessions(root, sessions, jobs)
+    out: dict[str, dict[str, str]] = {}
+    for m in mutants:
+        row = out.setdefault(m, {})
+        for c in contracts:
+            for ob in c.obligations:
+                j = judge(runs, ob.tests, Subject(f"mutant:{m}", ob.model), RED)
+                row[ob.id] = {RED: "RED", VACUOUS: "GREEN"}.get(j["outcome"], j["outcome"])
+    return out
+
+
+def render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None) -> None:
+    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else v for v in r])
+    Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0))).print(t)
+
+
+STATUS_STYLES = {DISCHARGED: "green", RED_SEEN: "yellow", BOUND: "yellow", UNBOUND: "red", STALE: "red", VACUOUS: "red",
+                 "NOT-RED": "red", "GREEN-FAILED": "red", RED: "green", GREEN: "green", FAIL: "red", ERROR: "red", SKIPPED: "yellow"}
+
+
+def _short(msg: str, n: int = 140) -> str:
+    line = " ".join(str(msg).split())
+    return line if len(line) <= n else line[: n - 1] + "…"
+
+
+def print_discharge(results: Sequence[ObligationResult]) -> None:
+    """The discharge table: obligation, RED subject and outcome (with the assertion), GREEN
+    outcome, result."""
+    rows = []
+    for r in results:
+        red = "; ".join(f"{x['shown_by']}: {x['outcome']}" for x in r.red) or "-"
+        msg = _short(next((x["message"] for x in r.red if x["outcome"] != RED), r.red[0]["message"] if r.red else ""))
+        rows.append((r.obligation, red, msg, r.green.get("outcome", "-") if r.green else "-", r.result))
+    render_table(f"discharge {results[0].contract if results else ''}", ("obligation", "RED subject: outcome", "RED message", "GREEN", "result"), rows, STATUS_STYLES)
+
+
+def print_status(rows: Sequence[StatusRow], coverage: Sequence[dict[str, Any]]) -> None:
+    """The status table and the coverage line per contract."""
+    render_table("obligation status", ("contract", "obligation", "status", "detail"),
+                 [(r.contract, r.obligation, r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
+    render_table("coverage", ("contract", "version", "obligations", *STATUSES),
+                 [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in STATUSES)) for c in coverage])

@@ -1,0 +1,671 @@
+"""Mutant engines (``mutant:NAME``): the float64 oracle with one small, documented fault planted.
+
+Each mutant models a real bug class seen in Qwen3.5 / Qwen3-Next ports. It subclasses the oracle of
+the model's arch (``harness.engines.oracle.ORACLES``) and overrides exactly one step, in one of
+three ways the oracle allows (every step is called through ``self``):
+
+* a pure step replaced (``tile_k_heads``, ``gdn_gate``, ``rope``, ``causal_conv1d`` ...);
+* one named op's output replaced inside a layer method (the ``emit`` callback of
+  ``gated_attention`` / ``gated_delta_net`` / ``block`` is wrapped, so the mutant's activations
+  record what the faulty engine computed under llama.cpp's graph names);
+* the weights the engine reads (a view of the model that edits a tensor as it is loaded).
+
+``MUTANTS[name].breaks`` lists the contract obligations the fault violates: the bound tests of
+those obligations must fail on the mutant by assertion (RED) and every other bound test must pass
+(GREEN). ``tests/data/mutant_matrix.yaml`` commits the full matrix and ``tests/test_contracts.py``
+checks it. ``harness mutants list`` prints the table.
+
+Planted faults at the protocol boundary (``PLANTS``) corrupt what any engine returns (a NaN, a
+dropped row); the pytest plugin applies one with ``--plant NAME`` to show RED for obligations that
+no runnable in-engine fault can break (finite values, shapes, recorded fields).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator, Sequence
+
+import numpy as np
+
+from harness.engines.base import EngineInfo, LogitBlock, gather, iter_blocks
+from harness.engines.oracle import ORACLES
+from harness.engines.oracle.qwen35 import (
+    Qwen35Oracle,
+    causal_attention,
+    causal_conv1d,
+    gated_delta_rule_chunked,
+    rope_neox_partial,
+    softplus,
+    split_query_gate,
+)
+from harness.engines.oracle.qwen35moe import moe
+from harness.errors import InvalidInput
+from harness.gguf_model import GGUFModel, Override
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted fault. ``breaks``: the obligation ids it must turn RED; ``archs``: the GGUF
+    archs on which the fault changes anything (an MoE fault is a no-op on a dense model)."""
+
+    name: str
+    bug_class: str
+    description: str
+    breaks: tuple[str, ...]
+    mixin: type
+    archs: tuple[str, ...] = ("qwen35", "qwen35moe")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plumbing shared by the mutants
+# ---------------------------------------------------------------------------------------------
+
+
+class _Intercept:
+    """Wraps an ``emit`` callback: ``fault(name, il, x, seen)`` may replace an op's output before
+    it is recorded and returned; ``seen`` holds this call's earlier outputs by op name."""
+
+    def __init__(self, emit: Callable, fault: Callable):
+        self.emit, self.fault, self.seen = emit, fault, {}
+
+    def __call__(self, name: str, il: int, x: np.ndarray) -> np.ndarray:
+        x = self.fault(name, il, x, self.seen)
+        self.seen[name] = x
+        return self.emit(name, il, x)
+
+
+class _MutantBase:
+    """Common to every mutant: the engine name ``mutant:NAME`` and the fault in ``info``."""
+
+    mutant_name = "?"
+
+    @property
+    def info(self) -> EngineInfo:
+        base = super().info  # type: ignore[misc]
+        m = MUTANTS[self.mutant_name]
+        return EngineInfo(
+            name=f"mutant:{m.name}",
+            version=base.version,
+            settings=base.settings,
+            capabilities=base.capabilities,
+            build={**base.build, "mutant": m.name, "bug_class": m.bug_class, "fault": m.description},
+        )
+
+
+class _ModelView:
+    """A ``GGUFModel`` whose ``tensor(name)`` passes through ``edit(name, array)``."""
+
+    def __init__(self, model: GGUFModel, edit: Callable[[str, np.ndarray], np.ndarray]):
+        self._model, self._edit = model, edit
+
+    def tensor(self, name: str, dtype: Any = np.float64) -> np.ndarray:
+        return self._edit(name, self._model.tensor(name, dtype))
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._model, attr)
+
+
+class _WeightFault(_MutantBase):
+    """The engine reads some weights wrongly: ``edit_weight(name, w)`` returns what it uses."""
+
+    def __init__(self, model: Any):
+        super().__init__(model)  # type: ignore[call-arg]
+        self.model = _ModelView(self.model, self.edit_weight)
+
+    def edit_weight(self, name: str, w: np.ndarray) -> np.ndarray:
+        return w
+
+
+class _HookedBlock(_MutantBase):
+    """``Qwen35Oracle.block`` with two hooks: which mixer a layer runs, and what the attention
+    residual adds the mixer output to. Otherwise the same steps in the same order."""
+
+    def mixer_kind(self, il: int, w: dict[str, np.ndarray]) -> str | None:
+        return "recurrent" if self.hp.is_recurrent(il) else "attention"
+
+    def residual_input(self, x: np.ndarray, normed: np.ndarray) -> np.ndarray:
+        return x
+
+    def block(self, il, w, x, state, pos, emit):
+        eps = self.hp.rms_eps
+        cur = emit("attn_norm", il, self.rmsnorm(x, w["attn_norm"], eps))
+        kind = self.mixer_kind(il, w)
+        if kind == "recurrent":
+            mixed = self.gated_delta_net(il, w, cur, state, emit)
+        elif kind == "attention":
+            mixed = self.gated_attention(il, w, cur, state, pos, emit)
+        else:
+            mixed = np.zeros_like(cur)
+        resid = emit("attn_residual", il, mixed + self.residual_input(x, cur))
+        post = emit("attn_post_norm", il, self.rmsnorm(resid, w["post_attention_norm"], eps))
+        ffn = emit("ffn_out", il, self.ffn(il, w, post, emit))
+        out = emit(self.post_ffn_name, il, ffn + resid)
+        return emit("l_out", il, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated attention faults
+# ---------------------------------------------------------------------------------------------
+
+
+class AttnOutputGateDropped(_MutantBase):
+    """``attn_gated`` = ``attn_pregate``: the sigmoid output gate is never applied (ports of
+    plain Qwen3 attention that ignore the gate half of ``attn_q``)."""
+
+    def gated_attention(self, il, w, x, state, pos, emit):
+        def fault(name, il_, v, seen):
+            return seen["attn_pregate"] if name == "attn_gated" else v
+
+        return super().gated_attention(il, w, x, state, pos, _Intercept(emit, fault))
+
+
+class QKNormSkipped(_MutantBase):
+    """``Qcur_normed`` / ``Kcur_normed`` are the raw query and key: the per-head RMSNorm with
+    ``attn_q_norm`` / ``attn_k_norm`` is skipped."""
+
+    def gated_attention(self, il, w, x, state, pos, emit):
+        hp = self.hp
+
+        def fault(name, il_, v, seen):
+            if name == "Qcur_normed":
+                return self.split_query_gate(seen["Qcur_full"], hp.n_head, hp.head_dim)[0]
+            if name == "Kcur_normed":
+                if "attn_qkv" in w:
+                    k = (x @ w["attn_qkv"].T)[:, 2 * hp.n_head * hp.head_dim :][:, : hp.n_head_kv * hp.head_dim]
+                else:
+                    k = x @ w["attn_k"].T + w.get("attn_k.bias", 0.0)
+                return k.reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+            return v
+
+        return super().gated_attention(il, w, x, state, pos, _Intercept(emit, fault))
+
+
+def _rope_full_head(x: np.ndarray, pair_pos: np.ndarray, n_rot: int, freq_base: float) -> np.ndarray:
+    """NeoX rope over all head_dim dims (n_rot ignored); positions from the first pair."""
+    pos = pair_pos[:, 0] if np.ndim(pair_pos) == 2 else pair_pos
+    return rope_neox_partial(x, pos, x.shape[-1], freq_base)
+
+
+class RopeFullHead(_MutantBase):
+    """RoPE rotates all head_dim dims instead of the first ``rope.dimension_count`` (partial
+    rotary factor 0.25 ignored)."""
+
+    rope = staticmethod(_rope_full_head)
+
+
+def _split_halves(q_full: np.ndarray, n_head: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Query = first half of ``attn_q``'s output, gate = second half (wrong: they interleave)."""
+    t = q_full.shape[0]
+    half = n_head * head_dim
+    return q_full[:, :half].reshape(t, n_head, head_dim), q_full[:, half:].reshape(t, n_head, head_dim)
+
+
+class QGateSplitHalves(_MutantBase):
+    """The joint ``attn_q`` output is split first-half/second-half instead of per head
+    [query | gate]."""
+
+    split_query_gate = staticmethod(_split_halves)
+
+
+def _attention_kv_tiled(q, k, v, q_pos, k_pos, scale):
+    """GQA with query head i reading KV head i % n_kv (tiled) instead of i // (n_head / n_kv)."""
+    reps = q.shape[1] // k.shape[1]
+    return causal_attention(q, np.tile(k, (1, reps, 1)), np.tile(v, (1, reps, 1)), q_pos, k_pos, scale)
+
+
+class GqaKvTiled(_MutantBase):
+    """Attention head i uses KV head i % n_kv instead of i // (n_head / n_kv)."""
+
+    causal_attention = staticmethod(_attention_kv_tiled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet faults
+# ---------------------------------------------------------------------------------------------
+
+
+def _repeat_grouped(x: np.ndarray, n_v: int) -> np.ndarray:
+    """Key heads repeated grouped: v-head h reads k-head h // (n_v / n_k) (the HF order)."""
+    return np.repeat(x, n_v // x.shape[1], axis=1)
+
+
+class GdnHeadsGrouped(_MutantBase):
+    """v-head h reads k-head h // (n_v/n_k) (HF / qwen3next order) instead of h % n_k, the tiled
+    order the qwen35 converter writes."""
+
+    tile_k_heads = staticmethod(_repeat_grouped)
+
+
+def _gate_ssm_a_as_a_log(alpha, dt_bias, ssm_a):
+    """g = −exp(ssm_a) · softplus(alpha + dt_bias): ssm_a taken for A_log."""
+    return softplus(alpha + dt_bias) * -np.exp(ssm_a)
+
+
+class SsmAAsALog(_MutantBase):
+    """The decay uses −exp(ssm_a), as if the GGUF stored A_log; it stores −exp(A_log)."""
+
+    gdn_gate = staticmethod(_gate_ssm_a_as_a_log)
+
+
+def _gate_no_dt_bias(alpha, dt_bias, ssm_a):
+    """g = ssm_a · softplus(alpha): ``ssm_dt.bias`` not added."""
+    return softplus(alpha) * ssm_a
+
+
+class DtBiasDropped(_MutantBase):
+    """``ssm_dt.bias`` is not added before the softplus of the decay."""
+
+    gdn_gate = staticmethod(_gate_no_dt_bias)
+
+
+class GdnL2NormSkipped(_MutantBase):
+    """q and k enter the delta rule without L2 normalisation."""
+
+    l2norm = staticmethod(lambda x, eps: x)
+
+
+class BetaSigmoidDropped(_MutantBase):
+    """The write strength is the raw ``ssm_beta`` projection, not its sigmoid."""
+
+    def gated_delta_net(self, il, w, x, state, emit):
+        def fault(name, il_, v, seen):
+            return seen["beta"] if name == "beta_sigmoid" else v
+
+        return super().gated_delta_net(il, w, x, state, _Intercept(emit, fault))
+
+
+class ConvKernelFlipped(_MutantBase):
+    """The depthwise conv taps are applied in reverse: ``ssm_conv1d[:, 0]`` multiplies the
+    current token instead of ``[:, K-1]``."""
+
+    causal_conv1d = staticmethod(lambda x, weight, conv_state: causal_conv1d(x, weight[:, ::-1], conv_state))
+
+
+class ConvStateDropped(_MutantBase):
+    """Each call starts the causal conv from zeros: the last K−1 inputs of the previous piece are
+    lost (the prompt fed in pieces differs from the prompt fed whole)."""
+
+    causal_conv1d = staticmethod(lambda x, weight, conv_state: causal_conv1d(x, weight, np.zeros_like(conv_state)))
+
+
+class SsmStateReset(_MutantBase):
+    """The delta-rule state S is zeroed at the start of every call instead of carried."""
+
+    def gated_delta_rule(self, q, k, v, g, beta, s):
+        return super().gated_delta_rule(q, k, v, g, beta, np.zeros_like(s))
+
+
+def _chunked_state_not_carried(q, k, v, g, beta, state, scale=None, chunk_size=64):
+    """The chunked form with each chunk after the first starting from a zero state."""
+    outs, s = [], state
+    for start in range(0, q.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        o, s = gated_delta_rule_chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], state if start == 0 else np.zeros_like(state), scale, chunk_size)
+        outs.append(o)
+    return np.concatenate(outs, axis=0), s
+
+
+class GdnChunkStateNotCarried(_MutantBase):
+    """The chunk-parallel kernel does not pass the state from one 64-token chunk to the next
+    (prompts under one chunk, fed by the recurrent form, are unaffected)."""
+
+    gated_delta_rule_chunked = staticmethod(_chunked_state_not_carried)
+
+
+def _delta_rule_read_before_decay(q, k, v, g, beta, state, scale=None):
+    """Delta rule that reads Sᵀk before the decay: δ = β(v − Sᵀk); S ← exp(g)S + kδᵀ."""
+    t_len, _, d_k = q.shape
+    scale = 1.0 / np.sqrt(d_k) if scale is None else scale
+    s = state.copy()
+    o = np.empty(v.shape, dtype=np.float64)
+    for t in range(t_len):
+        delta = beta[t][:, None] * (v[t] - np.einsum("hk,hkv->hv", k[t], s))
+        s = np.exp(g[t])[:, None, None] * s + k[t][:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hk,hkv->hv", q[t] * scale, s)
+    return o, s
+
+
+class GdnReadBeforeDecay(_MutantBase):
+    """The delta rule reads the state's prediction Sᵀk before decaying S (llama.cpp and
+    transformers decay first), in both the token-by-token and the chunked path."""
+
+    def gated_delta_rule(self, q, k, v, g, beta, s):
+        return _delta_rule_read_before_decay(q, k, v, g, beta, s)
+
+
+class GdnStatePerKHead(_MutantBase):
+    """One state per key head ([n_k, d_k, d_v]) shared by the value heads that read that key
+    head, instead of one per value head ([n_v, d_k, d_v])."""
+
+    def init_state(self, il, w):
+        st = super().init_state(il, w)
+        if "ssm" in st:
+            st["ssm"] = np.zeros((self.hp.ssm_n_group, self.hp.ssm_d_state, self.hp.head_v_dim))
+        return st
+
+    def gated_delta_rule(self, q, k, v, g, beta, s):
+        n_k, d_k = s.shape[0], q.shape[2]
+        s = s.copy()
+        o = np.empty(v.shape, dtype=np.float64)
+        for t in range(q.shape[0]):
+            for h in range(v.shape[1]):
+                j = h % n_k
+                s[j] *= np.exp(g[t, h])
+                delta = beta[t, h] * (v[t, h] - k[t, h] @ s[j])
+                s[j] += np.outer(k[t, h], delta)
+                o[t, h] = (q[t, h] / np.sqrt(d_k)) @ s[j]
+        return o, s
+
+
+class SsmNormShifted(_WeightFault):
+    """The gated output norm uses 1 + ``ssm_norm`` (the converter does not shift ssm_norm)."""
+
+    def edit_weight(self, name, w):
+        return w + 1.0 if name.endswith(".ssm_norm.weight") else w
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer schedule, norms, residual stream
+# ---------------------------------------------------------------------------------------------
+
+
+class ScheduleOffByOne(_HookedBlock):
+    """Full attention where il % interval == 0 instead of (il + 1) % interval == 0. A layer whose
+    file tensors do not fit the kind it dispatches to runs no mixer (an engine that treats missing
+    tensors as optional: llama.cpp marks attn_qkv / attn_gate TENSOR_NOT_REQUIRED)."""
+
+    def mixer_kind(self, il, w):
+        interval = self.hp.full_attention_interval or 4
+        kind = "attention" if il % interval == 0 else "recurrent"
+        needs = "attn_q" if kind == "attention" else "ssm_a"
+        return kind if needs in w else None
+
+
+class ResidualAfterNorm(_HookedBlock):
+    """The attention residual adds the mixer output to the normed input ``attn_norm`` instead of
+    the block input (residual taken after the pre-norm)."""
+
+    def residual_input(self, x, normed):
+        return normed
+
+
+_SHIFTED_NORMS = (".attn_norm.weight", ".post_attention_norm.weight", ".attn_q_norm.weight", ".attn_k_norm.weight")
+
+
+class NormShiftTwice(_WeightFault):
+    """Every shifted RMSNorm applies 1 + w to a weight the converter already stored as 1 + w
+    (``attn_norm``, ``post_attention_norm``, ``attn_q_norm``, ``attn_k_norm``, ``output_norm``)."""
+
+    def edit_weight(self, name, w):
+        return w + 1.0 if name.endswith(_SHIFTED_NORMS) or name == "output_norm.weight" else w
+
+
+class FinalNormShiftMissing(_WeightFault):
+    """The final ``output_norm`` is applied without its +1 (w − 1 of the stored 1 + w)."""
+
+    def edit_weight(self, name, w):
+        return w - 1.0 if name == "output_norm.weight" else w
+
+
+class Nondeterministic(_MutantBase):
+    """Run-to-run nondeterministic reductions (thread-count or atomic-order dependent sums),
+    modelled as relative noise of 1e-6 on ``linear_attn_out`` from an unseeded generator."""
+
+    _rng = np.random.default_rng()
+
+    def gated_delta_net(self, il, w, x, state, emit):
+        def fault(name, il_, v, seen):
+            return v * (1.0 + 1e-6 * self._rng.standard_normal(v.shape)) if name == "linear_attn_out" else v
+
+        return super().gated_delta_net(il, w, x, state, _Intercept(emit, fault))
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE faults (qwen35moe)
+# ---------------------------------------------------------------------------------------------
+
+
+class MoeWeightsUnnormalized(_MutantBase):
+    """The top-k router weights are used as softmax probabilities without renormalising them to
+    sum 1 (llama.cpp's qwen35moe graph passes norm_w = true)."""
+
+    moe_norm_w = False
+
+
+def _moe_shexp_ungated(x, router, gate_exps, up_exps, down_exps, n_expert_used, shared=None, norm_w=True):
+    """``moe`` with the shared expert added without its sigmoid gate."""
+    out, parts = moe(x, router, gate_exps, up_exps, down_exps, n_expert_used, shared, norm_w)
+    if shared is not None:
+        out = out - parts["ffn_shexp_gated"] + parts["ffn_shexp"]
+        parts["ffn_shexp_gated"] = parts["ffn_shexp"]
+    return out, parts
+
+
+class ShexpGateIgnored(_MutantBase):
+    """The shared expert's output is added ungated: sigmoid(``ffn_gate_inp_shexp`` · x) ignored."""
+
+    moe = staticmethod(_moe_shexp_ungated)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+
+_DENSE_AND_MOE = ("qwen35", "qwen35moe")
+# name, bug class, the fault (the mixin's docstring), the obligations it turns RED
+# (tests/data/mutant_matrix.yaml holds the full observed matrix), the mixin, the archs it affects
+_M = [
+    Mutant("attn-output-gate-dropped", "attention output gate dropped", AttnOutputGateDropped.__doc__,
+           ("QHF-EQ-005", "QHF-EQ-009", "QE2E-PAR-001"),
+           AttnOutputGateDropped),
+    Mutant("qk-norm-skipped", "QK-norm skipped", QKNormSkipped.__doc__,
+           ("QHF-EQ-006", "QHF-EQ-009"),
+           QKNormSkipped),
+    Mutant("rope-full-head", "rope over the full head instead of n_rot", RopeFullHead.__doc__,
+           ("QHF-EQ-007", "QHF-EQ-009", "QE2E-PAR-001"),
+           RopeFullHead),
+    Mutant("q-gate-split-halves", "query/gate split as halves instead of interleaved per head", QGateSplitHalves.__doc__,
+           ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001"),
+           QGateSplitHalves),
+    Mutant("gqa-kv-tiled", "GQA head map tiled instead of grouped", GqaKvTiled.__doc__,
+           ("QHF-EQ-008", "QHF-EQ-009", "QE2E-PAR-001"),
+           GqaKvTiled),
+    Mutant("gdn-heads-grouped", "v→k head mapping grouped instead of tiled", GdnHeadsGrouped.__doc__,
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001"),
+           GdnHeadsGrouped),
+    Mutant("ssm-a-as-a-log", "decay computed from ssm_a as if it were A_log", SsmAAsALog.__doc__,
+           ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001"),
+           SsmAAsALog),
+    Mutant("dt-bias-dropped", "DeltaNet dt bias dropped", DtBiasDropped.__doc__,
+           ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001"),
+           DtBiasDropped),
+    Mutant("gdn-l2norm-skipped", "L2 norm of q/k skipped", GdnL2NormSkipped.__doc__,
+           ("GDN-INV-007", "QHF-EQ-009", "QE2E-PAR-001"),
+           GdnL2NormSkipped),
+    Mutant("beta-sigmoid-dropped", "DeltaNet beta sigmoid dropped", BetaSigmoidDropped.__doc__,
+           ("GDN-BND-004", "QHF-EQ-009", "QE2E-PAR-001"),
+           BetaSigmoidDropped),
+    Mutant("conv-kernel-flipped", "causal conv taps reversed", ConvKernelFlipped.__doc__,
+           ("GDN-EQV-010", "GDN-INV-006", "QHF-EQ-009", "QE2E-PAR-001"),
+           ConvKernelFlipped),
+    Mutant("conv-state-dropped", "conv state dropped between chunks", ConvStateDropped.__doc__,
+           ("GDN-EQV-010", "QE2E-EQV-003"),
+           ConvStateDropped),
+    Mutant("ssm-state-reset", "recurrent state reset between chunks", SsmStateReset.__doc__,
+           ("GDN-EQV-009", "QE2E-EQV-003"),
+           SsmStateReset),
+    Mutant("gdn-chunk-state-not-carried", "chunked delta rule drops the state between chunks", GdnChunkStateNotCarried.__doc__,
+           ("GDN-EQV-008", "QE2E-EQV-003", "QE2E-PAR-001"),
+           GdnChunkStateNotCarried),
+    Mutant("gdn-read-before-decay", "delta rule reads the state before decaying it", GdnReadBeforeDecay.__doc__,
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "QHF-EQ-009", "QE2E-PAR-001"),
+           GdnReadBeforeDecay),
+    Mutant("gdn-state-per-k-head", "DeltaNet state kept per key head instead of per value head", GdnStatePerKHead.__doc__,
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001"),
+           GdnStatePerKHead),
+    Mutant("ssm-norm-shifted", "ssm_norm given a +1 it does not have", SsmNormShifted.__doc__,
+           ("GDN-EQ-012", "QHF-EQ-009", "QE2E-PAR-001"),
+           SsmNormShifted),
+    Mutant("schedule-off-by-one", "layer schedule off by one", ScheduleOffByOne.__doc__,
+           ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-007", "QHF-EQ-008", "QHF-EQ-009", "QHF-INV-001", "QE2E-PAR-001"),
+           ScheduleOffByOne),
+    Mutant("norm-shift-twice", "norm +1 applied twice", NormShiftTwice.__doc__,
+           ("QHF-EQ-006", "QHF-EQ-009", "QHF-EQ-013", "QHF-INV-003", "QE2E-PAR-001"),
+           NormShiftTwice),
+    Mutant("final-norm-shift-missing", "final norm's +1 missing", FinalNormShiftMissing.__doc__,
+           ("QHF-EQ-009", "QHF-EQ-013", "QE2E-PAR-001"),
+           FinalNormShiftMissing),
+    Mutant("residual-after-norm", "residual taken after the pre-norm", ResidualAfterNorm.__doc__,
+           ("QHF-CON-004", "QHF-EQ-009", "QE2E-PAR-001"),
+           ResidualAfterNorm),
+    Mutant("nondeterministic", "run-to-run nondeterministic reduction", Nondeterministic.__doc__,
+           ("QE2E-DET-002",),
+           Nondeterministic),
+    Mutant("moe-weights-unnormalized", "MoE top-k weights not renormalized", MoeWeightsUnnormalized.__doc__,
+           ("QHF-MOE-010",),
+           MoeWeightsUnnormalized, ("qwen35moe",)),
+    Mutant("shexp-gate-ignored", "shared-expert gate ignored", ShexpGateIgnored.__doc__,
+           ("QHF-MOE-011",),
+           ShexpGateIgnored, ("qwen35moe",)),
+]
+MUTANTS: dict[str, Mutant] = {m.name: m for m in _M}
+"""Mutant name → ``Mutant``; the engine ``mutant:NAME`` (``harness.engines.registry``)."""
+del _M
+
+
+def _clean_doc(doc: str | None) -> str:
+    return " ".join((doc or "").replace("``", "").split())
+
+
+for _m in MUTANTS.values():
+    object.__setattr__(_m, "description", _clean_doc(_m.description))
+del _m
+
+_CLASSES: dict[tuple[str, str], type] = {}
+
+
+def mutant_class(name: str, arch: str) -> type:
+    """The engine class of mutant ``name`` for ``arch``: ``(fault mixin, ORACLES[arch])``.
+
+    Raises ``InvalidInput`` for an unknown mutant or arch.
+    """
+    if name not in MUTANTS:
+        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    if arch not in ORACLES:
+        raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
+    key = (name, arch)
+    if key not in _CLASSES:
+        m = MUTANTS[name]
+        _CLASSES[key] = type(f"{m.mixin.__name__}_{arch}", (m.mixin, ORACLES[arch]), {"mutant_name": name, "__doc__": m.mixin.__doc__})
+    return _CLASSES[key]
+
+
+def load_mutant(name: str, path: str | os.PathLike | GGUFModel, overrides: Sequence[Override] = ()) -> Qwen35Oracle:
+    """The engine ``mutant:NAME`` bound to the GGUF at ``path`` (info name ``mutant:NAME``).
+
+    Raises ``InvalidInput`` (exit 2) for an unknown mutant, an unreadable file or an unsupported
+    arch. A mutant whose ``archs`` exclude the model's arch loads and equals the oracle.
+    """
+    model = path if isinstance(path, GGUFModel) else GGUFModel(path, overrides)
+    return mutant_class(name, model.require_supported())(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planted faults at the protocol boundary
+# ---------------------------------------------------------------------------------------------
+
+PLANT_POSITION = 5
+"""The position (clipped to the prompt) at which value plants corrupt an engine's output."""
+
+
+@dataclass(frozen=True)
+class Plant:
+    """A fault planted in what an engine returns: ``logits(array [T, V]) -> array`` and
+    ``activations(dict) -> dict`` (identity where None). ``breaks``: obligation ids."""
+
+    name: str
+    description: str
+    breaks: tuple[str, ...]
+    logits: Callable[[np.ndarray], np.ndarray] | None = None
+    activations: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+
+
+def _nan_row(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, copy=True)
+    a[min(PLANT_POSITION, a.shape[0] - 1)] = np.nan
+    return a
+
+
+def _nan_activation(acts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = dict(acts)
+    for name in [n for n in out if n.startswith("l_out-")][:1]:
+        out[name] = _nan_row(out[name].astype(np.float64))
+    return out
+
+
+def _drop_last_row(acts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: (a[:-1] if n.startswith(("attn_residual-", "l_out-", "ffn_out-")) else a) for n, a in acts.items()}
+
+
+PLANTS: dict[str, Plant] = {
+    p.name: p
+    for p in [
+        Plant("nan-logits", f"logit row {PLANT_POSITION} is NaN", ("QE2E-PAR-001", "QE2E-REP-004"), logits=_nan_row),
+        Plant("nan-activation", f"row {PLANT_POSITION} of the first l_out-N activation is NaN", ("QHF-BND-013",), activations=_nan_activation),
+        Plant("drop-last-row", "residual-stream activations (attn_residual, ffn_out, l_out) lose their last position", ("QHF-INV-014",), activations=_drop_last_row),
+    ]
+}
+"""Plant name → ``Plant``; applied to the candidate by the pytest plugin's ``--plant NAME``."""
+
+
+class PlantedEngine:
+    """``engine`` with ``plant`` applied to its logits and activations; info name
+    ``NAME+planted:PLANT``. Everything else is delegated."""
+
+    def __init__(self, engine: Any, plant: str):
+        if plant not in PLANTS:
+            raise InvalidInput(f"unknown plant {plant!r}; known: {', '.join(PLANTS)}")
+        self.engine, self.plant = engine, PLANTS[plant]
+
+    @property
+    def info(self) -> EngineInfo:
+        i = self.engine.info
+        return EngineInfo(f"{i.name}+planted:{self.plant.name}", i.version, i.settings, i.capabilities,
+                          {**i.build, "plant": self.plant.description})
+
+    @property
+    def n_vocab(self) -> int:
+        return self.engine.n_vocab
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
+        """The engine's ``(start, float32 [B, V])`` blocks with the plant applied (gathered first
+        when the plant edits logits)."""
+        if self.plant.logits is None:
+            yield from self.engine.logits(tokens, chunks)
+            return
+        yield from iter_blocks(self.plant.logits(gather(self.engine.logits(tokens, chunks), len(tokens))))
+
+    def activations(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """The engine's named activations ``{name: [T, ...]}`` with the plant applied."""
+        acts = self.engine.activations(tokens, chunks, names) if names is not None else self.engine.activations(tokens, chunks)
+        return acts if self.plant.activations is None else self.plant.activations(acts)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.engine, attr)
+
+
+def mutant_rows() -> list[dict[str, Any]]:
+    """One row per mutant and plant for ``harness mutants list``: name, kind, bug class,
+    archs, breaks, description."""
+    rows = [
+        {"name": f"mutant:{m.name}", "kind": "mutant", "bug_class": m.bug_class, "archs": list(m.archs),
+         "breaks": list(m.breaks), "description": m.description}
+        for m in MUTANTS.values()
+    ]
+    rows += [
+        {"name": f"planted:{p.name}", "kind": "plant", "bug_class": "planted output fault", "archs": list(_DENSE_AND_MOE),
+         "breaks": list(p.breaks), "description": p.description}
+        for p in PLANTS.values()
+    ]
+    return rows
