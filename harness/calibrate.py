@@ -119,7 +119,8 @@ def _round_up(x: float, digits: int = 2) -> float:
     if x <= 0:
         return x
     e = math.floor(math.log10(x)) - digits + 1
-    return math.ceil(x / 10**e) * 10**e
+    q = x / 10**e
+    return float(f"{math.ceil(q - 1e-9 * q) * 10**e:.{digits}g}")  # 1e-9: float noise is not a digit
 
 
 def propose(goods: list[PairStats]) -> dict[str, dict[str, Any]]:
@@ -153,7 +154,7 @@ class CalibrationPlan:
 
     base_model: str = "fixture:trained-qwen35"
     moe_model: str = "fixture:trained-qwen35moe"
-    ladder: tuple[str, ...] = ("fixture:trained-qwen35-256-Q8_0", "fixture:trained-qwen35-256-Q6_K", "fixture:trained-qwen35-256-Q4_K_M")
+    ladder: tuple[str, ...] = ("fixture:trained-qwen35-256", "fixture:trained-qwen35-256-Q8_0", "fixture:trained-qwen35-256-Q6_K", "fixture:trained-qwen35-256-Q4_K_M")
     mutants: tuple[str, ...] | None = None  # None: all
     include_transformers: bool = True
 

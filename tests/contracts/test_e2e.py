@@ -90,13 +90,17 @@ def cell_prompts(probe_tokens) -> list[PromptTokens]:
 @pytest.fixture(scope="session")
 def parity_cell(memo_candidate, memo_reference, harness_model_path, cell_prompts, gate):
     """One parity cell of the candidate against the reference on the cell prompts."""
+    from harness.parity import KLD_GATES
+
+    kld = {g: float(gate.gates[g].value) for g in KLD_GATES if g in gate.gates}
     return run_cell(GGUFModel(harness_model_path), memo_reference, memo_candidate, cell_prompts,
-                    gate.min_cosine, gate.min_positions, gate.near_tie_margin)
+                    gate.min_cosine, gate.min_positions, gate.near_tie_margin, kld_gates=kld)
 
 
 def test_logit_parity(parity_cell, gate):
     """QE2E-PAR-001: per-position logit cosine against llama.cpp ≥ the thresholds.yaml gate at
-    every position, over at least min_positions positions."""
+    every position, over at least min_positions positions, and (once calibrated) KLD mean and
+    p99 within their gates."""
     r = parity_cell
     assert r.verdict == Verdict.PASS, (
         f"QE2E-PAR-001: parity {r.verdict.value} against {r.reference_info['name']}: {r.message} "
@@ -130,7 +134,10 @@ def test_report_only_fields_recorded(parity_cell, memo_candidate, memo_reference
         f"QE2E-REP-004: recorded flips {r.summary['flips']} != recount near-tie {int(near.sum())}, hard {int((~agree & ~near).sum())}"
     )
     cosine_ok = bool(np.all(np.asarray(pp["cosine"]) >= gate.min_cosine)) and n >= gate.min_positions
-    assert (r.verdict == Verdict.PASS) == cosine_ok, f"QE2E-REP-004: verdict {r.verdict.value} does not follow the cosine gate alone (cosine ok: {cosine_ok})"
+    kld_ok = all(g["ok"] for g in r.gate.get("distribution_gates", []))
+    assert (r.verdict == Verdict.PASS) == (cosine_ok and kld_ok), (
+        f"QE2E-REP-004: verdict {r.verdict.value} does not follow the gated numbers alone (cosine ok: {cosine_ok}, KLD gates ok: {kld_ok}); "
+        "report-only fields must never decide it")
 
 
 def test_deterministic(candidate_engine, probe_tokens, whole_logits, where):
@@ -160,4 +167,44 @@ def test_pieces_equal_whole(candidate_engine, probe_tokens, whole_logits, tolera
         f"QE2E-EQV-003: fed as pieces {list(PIECES)} (boundaries {boundaries}), {bad.size} of {LONG} positions differ from the whole "
         f"prompt by more than {tol['rel']:g} (relative max |Δlogit|), first at {int(bad[0])}, worst {float(np.nanmax(err)):.3g} ({where}); "
         "likely cause: conv state or recurrent state not carried across calls, or KV positions restarted"
+    )
+
+
+@pytest.fixture(scope="session")
+def probe_tolerance(request, harness_model_path, harness_model_spec):
+    """The probe tolerances of thresholds.yaml (``probes.min_cosine``, ``probes.max_kld``)."""
+    from harness.fixtures import sha256_of
+    from harness.probes import ProbeTolerance
+    from harness.thresholds import load_thresholds
+
+    r = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_of(harness_model_path), harness_model_spec)
+    return ProbeTolerance(min_cosine=float(r.gate("min_cosine", "probes").value), max_kld=float(r.gate("max_kld", "probes").value))
+
+
+def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
+    """QE2E-PRB-005: the split-prompt probe passes: fed whole vs in two pieces split at 1-5
+    (conv kernel), 63-65 (delta-rule chunk boundary) and seeded random points."""
+    from harness.probes import probe_split
+
+    r = probe_split(candidate_engine, probe_tokens, probe_tolerance, seed=0)
+    if r.verdict is Verdict.UNMEASURED:
+        pytest.skip(r.reason)
+    assert r.verdict is Verdict.PASS, (
+        f"QE2E-PRB-005: split-prompt probe FAIL: {r.summary()} (tolerance cosine >= {probe_tolerance.min_cosine}, "
+        f"KLD <= {probe_tolerance.max_kld}; {where}); likely cause: conv state (last conv_kernel-1 inputs) or recurrent "
+        "state not carried across calls"
+    )
+
+
+def test_probe_decode(candidate_engine, probe_tokens, probe_tolerance, where):
+    """QE2E-PRB-006: the decode probe passes: a prefill of k tokens then one token per call
+    equals the prompt fed whole."""
+    from harness.probes import probe_decode
+
+    r = probe_decode(candidate_engine, probe_tokens[:40], probe_tolerance, prefill=(1, 16))
+    if r.verdict is Verdict.UNMEASURED:
+        pytest.skip(r.reason)
+    assert r.verdict is Verdict.PASS, (
+        f"QE2E-PRB-006: decode probe FAIL: {r.summary()} ({where}); likely cause: single-token calls take a different "
+        "path (recurrent form) whose state handling differs from the prefill's"
     )

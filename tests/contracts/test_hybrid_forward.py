@@ -185,7 +185,7 @@ def test_layers_agree_with_oracle(subject_acts, harness_model_path, probe_tokens
 
 def _moe_layers(hp) -> list[int]:
     if not hp.is_moe:
-        pytest.skip(f"{hp.arch} has no MoE FFN")
+        pytest.skip(f"{hp.arch} has no MoE FFN; run on a MoE model: pytest tests/contracts --model fixture:trained-qwen35moe (harness discharge runs it on fixture:tiny-qwen35moe)")
     return list(range(hp.n_layer))
 
 

@@ -1,0 +1,75 @@
+"""Calibration arithmetic on synthetic pairs: bootstrap by prompt, margins, the catch matrix,
+refusals, and a thresholds document that validates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness.calibrate import (
+    CalibrationResult,
+    PairStats,
+    bootstrap_by_prompt,
+    caught,
+    propose,
+    thresholds_document,
+    write_thresholds,
+)
+from harness.thresholds import load_thresholds
+
+
+def pair(label, good, cos_mins, kld_level, n=50, seed=0, **extra):
+    rng = np.random.default_rng(seed)
+    klds = [np.abs(rng.normal(kld_level, kld_level / 3, n)) for _ in cos_mins]
+    allk = np.concatenate(klds)
+    return PairStats(label, good, "fixture:trained-qwen35", float(min(cos_mins)), float(allk.mean()), float(np.quantile(allk, 0.99)),
+                     np.array(cos_mins, float), klds, dict(extra))
+
+
+def test_bootstrap_is_by_prompt_and_brackets_the_point():
+    p = pair("g", True, [0.9999990, 0.9999995, 0.9999999, 0.9999997, 0.9999993], 1e-7)
+    lo, hi = bootstrap_by_prompt(p, "min_cosine")
+    assert lo == pytest.approx(0.9999990) and hi <= 0.9999999  # a min over resampled prompts
+    klo, khi = bootstrap_by_prompt(p, "kld_mean")
+    assert klo <= p.kld_mean <= khi
+
+
+def test_proposed_thresholds_sit_outside_the_good_floor_with_margin():
+    goods = [pair("a", True, [0.99999] * 5, 1e-7, seed=1), pair("b", True, [0.999995] * 5, 2e-7, seed=2)]
+    g = propose(goods)
+    assert g["min_cosine"]["value"] == pytest.approx(1 - 2e-5)  # 1 - 2 x (1 - 0.99999)
+    assert g["max_kld_mean"]["value"] >= 2 * max(x.kld_mean for x in goods)
+    assert g["max_kld_p99"]["value"] >= 2 * max(x.kld_p99 for x in goods)
+    for x in goods:
+        assert not any(caught(x, g).values())
+
+
+def test_catch_matrix_distinguishes_gates():
+    goods = [pair("a", True, [0.999999] * 5, 1e-8)]
+    g = propose(goods)
+    scale = pair("scale", False, [0.9999995] * 5, 1.0)  # cosine blind, KLD sees it
+    state = pair("state", False, [0.9999995] * 5, 1e-8, probe_split=True)
+    m1, m2 = caught(scale, g), caught(state, g)
+    assert not m1["cosine"] and m1["kld_mean"]
+    assert not any(m2[k] for k in ("cosine", "kld_mean", "kld_p99")) and m2["probe_split"]
+
+
+def test_thresholds_document_validates(tmp_path):
+    goods = [pair("oracle vs llama.cpp", True, [0.9999999] * 6, 3e-8)]
+    bads = [pair("mutant:x", False, [0.5] * 6, 2.0, localize=True, first_divergence="attn_gated-3")]
+    gates = propose(goods)
+    q = pair("oracle vs llama.cpp", True, [0.998] * 6, 7e-4)
+    q.model, q.extra["quant_key"] = "fixture:trained-qwen35-256-Q4_K_M", "quant:Q4_K_M"
+    res = CalibrationResult(goods + [q], bads, gates, {"quant:Q4_K_M": propose([q])},
+                            {"min_cosine": {"value": 0.999999, "floor": 0.99999999}, "max_kld": {"value": 1e-5, "floor": 2e-7}},
+                            {"localize_max_nmse": {"value": 1e-5, "floor": 8e-8, "n": 160}, "localize_min_cosine": {"value": 0.9999, "floor": 0.99999996, "n": 160}},
+                            {"mutant:x": caught(bads[0], gates)}, [], [])
+    doc = thresholds_document(res, "harness calibrate", "abc123")
+    path = write_thresholds(doc, tmp_path / "thresholds.yaml")
+    th = load_thresholds(path)
+    r = th.for_model("0" * 64, "fixture:other", "quant:Q4_K_M")
+    assert r.gates["min_cosine"].value == pytest.approx(1 - 2 * 2e-3)
+    assert r.gates["min_cosine"].basis["kind"] == "measured" and r.gates["min_cosine"].basis_model_differs
+    d = th.for_model("0" * 64, "fixture:trained-qwen35")
+    assert d.gates["max_kld_mean"].basis["known_bad"][0]["what"] == "mutant:x"
+    assert not d.gates["min_cosine"].basis_model_differs
