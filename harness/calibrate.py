@@ -324,8 +324,18 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
     return CalibrationResult(goods, bads, gates, per_model, probes, localization, matrix, skipped, problems)
 
 
-def _basis(command: str, n: int, model: str, floor: float, bads: list[tuple[float, str]], note: str) -> dict[str, Any]:
-    known_bad = [{"value": float(v), "what": w} for v, w in bads if v is not None and math.isfinite(v)][:12]
+def _basis(command: str, n: int, model: str, floor: float, bads: list[tuple[float, str]], note: str,
+           threshold: float | None = None, lower_is_bad: bool = True) -> dict[str, Any]:
+    """A measured basis. ``known_bad`` lists the known-bad values this gate separates (beyond
+    ``threshold``), closest first; the ones it misses are named in the note."""
+    vals = [(float(v), w) for v, w in bads if v is not None and math.isfinite(v)]
+    if threshold is not None:
+        sep = [(v, w) for v, w in vals if (v < threshold if lower_is_bad else v > threshold)]
+        missed = [w for v, w in vals if (v, w) not in sep]
+        if missed:
+            note += f" Missed by this gate alone (caught by another): {', '.join(missed)}."
+        vals = sep
+    known_bad = [{"value": v, "what": w} for v, w in vals][:12]
     if not known_bad:
         known_bad = [{"value": float(floor), "what": "no known-bad value separated by this gate alone (see note)"}]
     return {"kind": "measured", "command": command, "n": int(n), "model": model, "date": datetime.date.today().isoformat(),
@@ -350,11 +360,14 @@ def thresholds_document(res: CalibrationResult, command: str, commit: str | None
                                                       "why": "Fewest positions over the whole prompt set for a cosine minimum to mean anything; below it the cell is UNMEASURED, not PASS.",
                                                       "date": "2026-11-29"}},
             "min_cosine": {"value": g["min_cosine"]["value"], "basis": _basis(command, n_pos, base, g["min_cosine"]["floor"], bad_cos,
-                           f"1 - {MARGIN}x(1 - lower 95% bootstrap CI by prompt {g['min_cosine']['ci']:.8f}) of the known-good floor over F32 trained models. Known-good: {goods_txt}.{commit_txt}")},
+                           f"1 - {MARGIN}x(1 - lower 95% bootstrap CI by prompt {g['min_cosine']['ci']:.8f}) of the known-good floor over F32 trained models. Known-good: {goods_txt}.{commit_txt}",
+                           g["min_cosine"]["value"], True)},
             "max_kld_mean": {"value": g["max_kld_mean"]["value"], "basis": _basis(command, n_pos, base, g["max_kld_mean"]["floor"], bad_km,
-                             f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_mean']['ci']:.3g}) of the known-good KLD mean; catches scale errors cosine cannot see.{commit_txt}")},
+                             f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_mean']['ci']:.3g}) of the known-good KLD mean; catches scale errors cosine cannot see.{commit_txt}",
+                             g["max_kld_mean"]["value"], False)},
             "max_kld_p99": {"value": g["max_kld_p99"]["value"], "basis": _basis(command, n_pos, base, g["max_kld_p99"]["floor"], bad_kp,
-                            f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_p99']['ci']:.3g}) of the known-good KLD p99 (tail).{commit_txt}")},
+                            f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_p99']['ci']:.3g}) of the known-good KLD p99 (tail).{commit_txt}",
+                            g["max_kld_p99"]["value"], False)},
         },
         "probes": {
             "min_cosine": {"value": res.probes["min_cosine"]["value"], "basis": _basis(command, 1, base, res.probes["min_cosine"]["floor"],
@@ -378,11 +391,12 @@ def thresholds_document(res: CalibrationResult, command: str, commit: str | None
         n = int(sum(k.size for k in good.per_prompt_kld))
         doc["models"][key] = {"gates": {
             "min_cosine": {"value": gm["min_cosine"]["value"], "basis": _basis(command, n, model, gm["min_cosine"]["floor"], bad_cos,
-                           f"per-quant row for every {key.split(':')[1]} model, measured on {model}: oracle (exact dequantized weights) vs llama.cpp, which quantizes activations; 1 - {MARGIN}x(1 - lower CI {gm['min_cosine']['ci']:.8f}).{commit_txt}")},
+                           f"per-quant row for every {key.split(':')[1]} model, measured on {model}: oracle (exact dequantized weights) vs llama.cpp, which quantizes activations; 1 - {MARGIN}x(1 - lower CI {gm['min_cosine']['ci']:.8f}). Known-bad values are the mutants' on {base} (F32).{commit_txt}",
+                           gm["min_cosine"]["value"], True)},
             "max_kld_mean": {"value": gm["max_kld_mean"]["value"], "basis": _basis(command, n, model, gm["max_kld_mean"]["floor"], bad_km,
-                             f"per-quant row, {MARGIN}x upper CI {gm['max_kld_mean']['ci']:.3g}.{commit_txt}")},
+                             f"per-quant row, {MARGIN}x upper CI {gm['max_kld_mean']['ci']:.3g}.{commit_txt}", gm["max_kld_mean"]["value"], False)},
             "max_kld_p99": {"value": gm["max_kld_p99"]["value"], "basis": _basis(command, n, model, gm["max_kld_p99"]["floor"], bad_kp,
-                            f"per-quant row, {MARGIN}x upper CI {gm['max_kld_p99']['ci']:.3g}.{commit_txt}")},
+                            f"per-quant row, {MARGIN}x upper CI {gm['max_kld_p99']['ci']:.3g}.{commit_txt}", gm["max_kld_p99"]["value"], False)},
         }}
     return doc
 
