@@ -63,7 +63,7 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
     rows = []
     for name in fx.fixture_names():
         d = fx.describe(name)
-        path = fx.cache_dir() / f"{name}.gguf" if name in fx.SPECS else fx.trained_fixtures()[name]
+        path = fx.fixture_path(name)
         if not no_build:
             path = fx.build(name)
         d["path"] = str(path)
@@ -99,6 +99,24 @@ def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
         name = name.removeprefix("fixture:")
         path = fx.build(name, force=force)
         click.echo(f"fixture:{name}  {path}  {fx.sha256_of(path)}")
+
+
+@fixtures.command("train")
+@click.option("--arch", type=click.Choice(["qwen35", "qwen35moe"]), default="qwen35", show_default=True)
+@click.option("--name", default=None, help="Fixture name (default: trained-ARCH, or a recipe name such as trained-qwen35-256).")
+@click.option("--steps", type=int, default=None, help="Training steps (default: the recipe's).")
+@click.option("--seed", type=int, default=None, help="Seed (default: the recipe's).")
+@click.option("--out-dir", type=click.Path(), default=None, help="Where to write NAME.gguf and NAME.recipe.json (default: the committed fixtures dir).")
+def fixtures_train(arch, name, steps, seed, out_dir) -> None:
+    """Train a small Qwen3.5 on the Python standard library with transformers + torch (the hf
+    extra), convert it to GGUF and write it with its recipe."""
+    try:
+        from harness import training
+    except ImportError as e:
+        raise InvalidInput(f"training needs the hf extra: pip install -e .[hf] ({e})") from None
+    kwargs = {k: v for k, v in {"arch": arch, "name": name, "steps": steps, "seed": seed, "out_dir": out_dir}.items() if v is not None}
+    result = training.train(**kwargs)
+    click.echo(result if isinstance(result, str) else json.dumps(result, indent=2, default=str))
 
 
 # -- lint ------------------------------------------------------------------------------------

@@ -485,7 +485,19 @@ def trained_fixtures() -> dict[str, Path]:
 
 
 def fixture_names() -> list[str]:
-    return list(SPECS) + [n for n in trained_fixtures() if n not in SPECS]
+    """Every fixture name: synthetic specs, committed trained fixtures, the trained quant ladder."""
+    return list(SPECS) + [n for n in trained_fixtures() if n not in SPECS] + list(TRAINED_LADDER)
+
+
+def fixture_path(name: str) -> Path:
+    """Where fixture ``name`` lives (or will, once built), without building it."""
+    trained = trained_fixtures()
+    if name in trained:
+        return trained[name]
+    if name in TRAINED_LADDER:
+        base = trained.get(TRAINED_LADDER[name][0])
+        return cache_dir() / (f"{name}-{sha256_of(base)[:12]}.gguf" if base else f"{name}.gguf")
+    return cache_dir() / f"{name}.gguf"
 
 
 def build(name: str, force: bool = False) -> Path:
@@ -496,6 +508,8 @@ def build(name: str, force: bool = False) -> Path:
     trained = trained_fixtures()
     if name in trained:
         return trained[name]
+    if name in TRAINED_LADDER:
+        return build_trained_quant(name, force)
     if name not in SPECS:
         raise InvalidInput(f"unknown fixture {name!r}; known: {', '.join(fixture_names())}")
     spec = SPECS[name]
@@ -543,6 +557,9 @@ def describe(name: str) -> dict[str, Any]:
     if name in SPECS:
         s = SPECS[name]
         d: dict[str, Any] = {"name": name, "description": s.description, "arch": s.arch, "quant": s.quant or "F32", "seed": s.seed}
+    elif name in TRAINED_LADDER:
+        base, q = TRAINED_LADDER[name]
+        d = {"name": name, "description": f"{base} quantized to {q} by llama.cpp (built on demand)", "arch": "qwen35", "quant": q, "seed": None}
     else:
         recipe = trained_fixtures()[name].with_suffix(".recipe.json")
         info = json.loads(recipe.read_text()) if recipe.exists() else {}
@@ -553,3 +570,33 @@ def describe(name: str) -> dict[str, Any]:
 
 def spec_as_dict(spec: FixtureSpec) -> dict[str, Any]:
     return dataclasses.asdict(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized ladder of the committed trained-qwen35-256 (built on demand by llama.cpp's quantizer)
+# ---------------------------------------------------------------------------------------------
+TRAINED_LADDER: dict[str, tuple[str, str]] = {
+    f"trained-qwen35-256-{q}": ("trained-qwen35-256", q) for q in ("Q8_0", "Q6_K", "Q4_K_M")
+}
+"""``NAME -> (committed trained base, llama.cpp file type)``; every matmul input width of the base
+is a multiple of 256, so the K-quants really apply (no silent fallback)."""
+
+
+def build_trained_quant(name: str, force: bool = False) -> Path:
+    """Quantize the committed base of ``TRAINED_LADDER[name]`` into the cache (path keyed by the
+    base's sha256, so a retrained base never meets a stale quant). Raises ``InvalidInput`` when
+    the base is not committed, ``EngineError`` when llama.cpp's quantizer fails."""
+    base, qtype = TRAINED_LADDER[name]
+    src = trained_fixtures().get(base)
+    if src is None:
+        raise InvalidInput(f"fixture {name!r} needs the committed trained fixture {base!r}, which is missing")
+    path = cache_dir() / f"{name}-{sha256_of(src)[:12]}.gguf"
+    if path.exists() and not force:
+        return path
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if force or not path.exists():
+            quantize(src, path, qtype)
+    return path

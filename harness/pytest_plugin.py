@@ -50,7 +50,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "parity: end-to-end parity of a candidate against the reference (pytest -m parity)",
         "contract: a test bound to a contract obligation",
         "slow: long-running; kept out of the default run (make test-slow runs them)",
-        "hf: needs the transformers extra (pip install -e .[hf]); run with pytest -m hf",
     ):
         config.addinivalue_line("markers", line)
 

@@ -63,5 +63,5 @@ def resolve_engine(name: str, model_path: str | os.PathLike, overrides: Sequence
     if name == "transformers":
         from harness.engines.transformers_engine import load_transformers
 
-        return load_transformers(path, overrides)
+        return load_transformers(path, overrides, **settings)
     raise InvalidInput(f"unknown engine {name!r}; known: {', '.join(known_engine_names())}")
