@@ -52,7 +52,7 @@ def test_rows_chain_and_render(paths, three):
     assert lines(ledger_path)[0] == canonical_json(three[0]) + b"\n"
     r = three[1]
     assert (r["kind"], r["model"], r["quant"], r["candidate"], r["reference"], r["verdict"], r["basis_kind"]) == (
-        "parity", "fixture:tiny", "F32", "oracle 0.1.0", "llama.cpp b7000", "PASS", "declared")
+        "parity", "fixture:tiny", "F32", "oracle 0.1.0", "llama.cpp b7000", "PASS", "measured")  # the shipped gate's basis
     assert r["positions"] == 64 and 0.99 < r["min_cosine"] < 1 and r["argmax_agreement"] == 1.0
     assert (receipts_dir / f"{r['receipt_id']}.json").exists()
 

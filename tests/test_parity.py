@@ -175,7 +175,8 @@ def test_cli_parity_writes_receipt_and_ledger_and_verify_detects_edit(tmp_path):
     assert len(receipts) == 1 and len(list((tmp_path / "ev" / "receipts").glob("*.npz"))) == 1
     rec = json.loads(receipts[0].read_text())
     assert rec["gated"]["verdict"] == "PASS" and rec["kind"] == "parity"
-    assert rec["thresholds"]["gates"]["min_cosine"]["basis"]["kind"] == "declared"
+    assert rec["thresholds"]["gates"]["min_cosine"]["basis"]["kind"] == "measured"
+    assert {g["name"] for g in rec["gated"]["distribution_gates"]} == {"max_kld_mean", "max_kld_p99"}
     assert rec["prompts"]["positions"] >= 512
     v = run_cli("ledger", "verify", "--ledger", str(ledger))
     assert v.returncode == 0, v.stdout + v.stderr

@@ -36,14 +36,22 @@ def base(extra: str = "", min_cosine: str = f"{{value: 0.98, basis: {DECLARED}}}
     )
 
 
-def test_shipped_file_loads_with_declared_defaults():
+def test_shipped_file_carries_calibrated_gates():
+    """The shipped thresholds come from `harness calibrate`: measured on the trained model, with
+    per-quant rows that apply to any model of that type (flagged when measured on another)."""
     t = load_thresholds(REPO / "thresholds.yaml")
     r = t.for_model("fixture:trained-qwen35")
-    assert (r.min_positions, r.min_cosine, r.near_tie_margin) == (64, 0.98, 0.25)
-    assert r.gates["min_cosine"].basis_kind == "declared"
-    assert r.gates["min_cosine"].basis_model_differs is None
+    assert (r.min_positions, r.near_tie_margin) == (64, 0.25)
+    assert 0.98 <= r.min_cosine < 1
+    g = r.gates["min_cosine"]
+    assert g.basis_kind == "measured" and g.basis["model"] == "fixture:trained-qwen35" and g.basis_model_differs is False
+    assert g.basis["known_good_floor"] >= r.min_cosine > max(k["value"] for k in g.basis["known_bad"])
+    assert {"max_kld_mean", "max_kld_p99"} <= set(r.gates)
     assert r.basis_mismatches == []
     assert len(t.sha256) == 64
+    q = t.for_model("0" * 64, "fixture:someone-else", "quant:Q4_K_M")
+    assert q.min_cosine < r.min_cosine  # activation quantization: a looser per-quant row
+    assert "gates.min_cosine" not in q.basis_mismatches or q.gates["min_cosine"].basis_model_differs
 
 
 @pytest.mark.parametrize(
