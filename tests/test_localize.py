@@ -55,3 +55,62 @@ def test_cli_localize_llamacpp_prints_counts():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tensors compared" in r.stdout and "no tensor over the bounds" in r.stdout
+
+
+# mutant -> (model, layer type, op of the first divergent tensor, layer). Faults in state carried
+# between calls are localized with the prompt fed in two pieces; "nondeterministic" is not a
+# forward fault (the determinism probe catches it) and localizes clean.
+LOCALIZATION_MATRIX = {
+    "attn-output-gate-dropped": ("tiny-qwen35", "attention", "attn_gated", 3),
+    "qk-norm-skipped": ("tiny-qwen35", "attention", "Qcur_normed", 3),
+    "rope-full-head": ("tiny-qwen35", "attention", "Qcur", 3),
+    "q-gate-split-halves": ("tiny-qwen35", "attention", "Qcur_normed", 3),
+    "gqa-kv-tiled": ("tiny-qwen35", "attention", "attn_pregate", 3),
+    "gdn-heads-grouped": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
+    "ssm-a-as-a-log": ("tiny-qwen35", "DeltaNet", "gate", 0),
+    "dt-bias-dropped": ("tiny-qwen35", "DeltaNet", "gate", 0),
+    "gdn-l2norm-skipped": ("tiny-qwen35", "DeltaNet", "q_conv_predelta", 0),
+    "beta-sigmoid-dropped": ("tiny-qwen35", "DeltaNet", "beta_sigmoid", 0),
+    "conv-kernel-flipped": ("tiny-qwen35", "DeltaNet", "conv_output_raw", 0),
+    "conv-state-dropped": ("tiny-qwen35", "DeltaNet", "conv_output_raw", 0),
+    "ssm-state-reset": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
+    "gdn-chunk-state-not-carried": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
+    "gdn-read-before-decay": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
+    "gdn-state-per-k-head": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
+    "ssm-norm-shifted": ("tiny-qwen35", "DeltaNet", "final_output", 0),
+    "schedule-off-by-one": ("tiny-qwen35", "DeltaNet", "attn_residual", 0),
+    "norm-shift-twice": ("tiny-qwen35", "DeltaNet", "attn_norm", 0),
+    "final-norm-shift-missing": ("tiny-qwen35", "model", "result_norm", -1),
+    "residual-after-norm": ("tiny-qwen35", "DeltaNet", "attn_residual", 0),
+    "nondeterministic": ("tiny-qwen35", None, None, None),
+    "moe-weights-unnormalized": ("tiny-qwen35moe", "MoE", "ffn_moe_out", 0),
+    "shexp-gate-ignored": ("tiny-qwen35moe", "MoE", "ffn_shexp_gated", 0),
+}
+CHUNKED = {"conv-state-dropped", "ssm-state-reset"}
+
+
+@pytest.fixture(scope="module")
+def oracle_acts():
+    toks = list(range(40, 128))  # 88 > 64: the chunk-parallel delta rule spans a chunk boundary
+    out = {}
+    for fxn in ("tiny-qwen35", "tiny-qwen35moe"):
+        o = resolve_engine("oracle", fx.build(fxn))
+        out[fxn] = (o.activations(toks), o.activations(toks, [40, 48]))
+    return toks, out
+
+
+def test_every_mutant_is_localized_to_its_layer_type_and_op(oracle_acts):
+    from harness.engines.mutants import MUTANTS
+
+    assert set(LOCALIZATION_MATRIX) == set(MUTANTS)
+    toks, acts = oracle_acts
+    got = {}
+    for name, (fxn, *_rest) in LOCALIZATION_MATRIX.items():
+        path = fx.build(fxn)
+        chunks = [40, 48] if name in CHUNKED else None
+        ref = acts[fxn][1] if chunks else acts[fxn][0]
+        loc = localize_activations(GGUFModel(path).hparams, ref, resolve_engine(f"mutant:{name}", path).activations(toks, chunks), 1e-4, 0.999, name)
+        f = loc.first
+        got[name] = (fxn, None, None, None) if f is None else (fxn, f.layer_type, f.op, f.layer)
+    wrong = {k: (got[k], v) for k, v in LOCALIZATION_MATRIX.items() if got[k] != v}
+    assert not wrong, f"localized (got, expected): {wrong}"
