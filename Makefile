@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-slow parity-tests bench clean
+.PHONY: setup run test test-slow parity-tests bench fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,14 @@ test-slow: setup
 
 parity-tests: setup
 	$(PY) -m pytest -q -m parity
+
+## the benchmark suite (heavy: tens of minutes, several GB; not CI): writes docs/benchmarks.md
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+## a longer, randomly seeded fuzzing campaign (the default suite runs 60 fixed-seed examples per fuzz test)
+fuzz: setup
+	HARNESS_FUZZ_EXAMPLES=2000 HARNESS_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -44,6 +44,35 @@ def best_of_interleaved(repeat: int, *fns) -> list[float]:
     return best
 
 
+def measure(vocab: int = 248_320, positions: int = 256, block: int = 64, repeat: int = 5) -> dict:
+    """Best-of-``repeat`` times of the plain pass and of ``position_metrics`` over the same blocks."""
+    ref, cand = make_logits(positions, vocab)
+    starts = range(0, positions, block)
+
+    def plain() -> None:
+        for s in starts:
+            ref[s : s + block].sum(axis=1)
+            cand[s : s + block].sum(axis=1)
+
+    def run_metrics() -> None:
+        for s in starts:
+            metrics.position_metrics(ref[s : s + block], cand[s : s + block])
+
+    run_metrics()  # warm-up: scratch buffers, lazy imports
+    t_plain, t_metrics = best_of_interleaved(repeat, plain, run_metrics)
+    return {
+        "vocab": vocab,
+        "positions": positions,
+        "block": block,
+        "plain_positions_per_s": positions / t_plain,
+        "metrics_positions_per_s": positions / t_metrics,
+        "metrics_us_per_position": 1e6 * t_metrics / positions,
+        "plain_us_per_position": 1e6 * t_plain / positions,
+        "ratio": t_metrics / t_plain,
+        "target_ratio": 8.0,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=248_320)
@@ -52,32 +81,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = ap.parse_args()
-
-    ref, cand = make_logits(args.positions, args.vocab)
-    starts = range(0, args.positions, args.block)
-
-    def plain() -> None:
-        for s in starts:
-            ref[s : s + args.block].sum(axis=1)
-            cand[s : s + args.block].sum(axis=1)
-
-    def run_metrics() -> None:
-        for s in starts:
-            metrics.position_metrics(ref[s : s + args.block], cand[s : s + args.block])
-
-    run_metrics()  # warm-up: scratch buffers, lazy imports
-    t_plain, t_metrics = best_of_interleaved(args.repeat, plain, run_metrics)
-    result = {
-        "vocab": args.vocab,
-        "positions": args.positions,
-        "block": args.block,
-        "plain_positions_per_s": args.positions / t_plain,
-        "metrics_positions_per_s": args.positions / t_metrics,
-        "metrics_us_per_position": 1e6 * t_metrics / args.positions,
-        "plain_us_per_position": 1e6 * t_plain / args.positions,
-        "ratio": t_metrics / t_plain,
-        "target_ratio": 8.0,
-    }
+    result = measure(args.vocab, args.positions, args.block, args.repeat)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -205,12 +205,20 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, yaml.Node | None, bytes, l
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return None, None, b"", [ContractError(p, 1, "(file)", f"cannot read contract: {e}")]
+    from harness.thresholds import _check_size as check_yaml_size  # one bounded-YAML rule for every file we read
+
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            check_yaml_size(path, root)  # alias bombs, recursive aliases, deep nesting: refused before any walk
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         return None, None, raw, [ContractError(p, (mark.line + 1) if mark else 1, "(yaml)", f"YAML syntax error: {getattr(e, 'problem', None) or e}")]
+    except InvalidInput as e:
+        return None, None, raw, [ContractError(p, 1, "(yaml)", str(e).split(": ", 1)[-1])]
+    except RecursionError:
+        return None, None, raw, [ContractError(p, 1, "(yaml)", "YAML nested too deeply")]
     errors: list[ContractError] = []
     if root is not None:
         _duplicate_keys(p, root, [], errors)
@@ -368,7 +376,8 @@ def _binding_errors(contracts: Sequence[Contract], roots: dict[str, yaml.Node | 
     for c in contracts:
         by_root.setdefault(c.root, []).append(c)
     for root, cs in by_root.items():
-        files = {t.split("::", 1)[0] for c in cs for ob in c.obligations for t in ob.tests}
+        files = {f for c in cs for ob in c.obligations for t in ob.tests
+                 if (root / (f := t.split("::", 1)[0])).resolve().is_relative_to(root.resolve())}  # never collect outside the repo
         try:
             found = collect_tests(root, files)
         except InvalidInput as e:
@@ -379,7 +388,10 @@ def _binding_errors(contracts: Sequence[Contract], roots: dict[str, yaml.Node | 
                 for j, t in enumerate(ob.tests):
                     line = _line_of(roots[str(c.path)], ["obligations", i, "tests", j])
                     where = f"obligations[{i}].tests[{j}]"
-                    if not (root / t.split("::", 1)[0]).exists():
+                    target = (root / t.split("::", 1)[0]).resolve()
+                    if not target.is_relative_to(root.resolve()):
+                        errors.append(ContractError(str(c.path), line, where, f"{ob.id}: test path {t} points outside the repository"))
+                    elif not (root / t.split("::", 1)[0]).exists():
                         errors.append(ContractError(str(c.path), line, where, f"{ob.id}: test file of {t} does not exist"))
                     elif t not in found:
                         errors.append(ContractError(str(c.path), line, where, f"{ob.id}: pytest collects no test {t}"))

@@ -210,9 +210,13 @@ def load_thresholds(path: str | Path) -> Thresholds:
         raise InvalidInput(f"{path}: thresholds file is not UTF-8 text (byte {e.start})") from e
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            _check_size(path, root)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise InvalidInput(_yaml_error_message(path, e)) from e
+    except RecursionError:  # the YAML composer recurses once per nesting level
+        raise InvalidInput(f"{path}: YAML nested too deeply (a thresholds file is a few levels deep)") from None
     if root is not None:
         _check_duplicate_keys(path, root)
     data = _dates_as_text(data)
@@ -248,6 +252,41 @@ def _yaml_error_message(path: Path, e: yaml.YAMLError) -> str:
     problem = getattr(e, "problem", None) or str(e)
     context = getattr(e, "context", None)
     return f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
+
+
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
+
+
+def _check_size(path: Path, root: yaml.Node) -> None:
+    """Refuse a document whose aliases form a cycle or expand it past ``MAX_YAML_NODES`` nodes,
+    or that nests deeper than ``MAX_YAML_DEPTH`` (a thresholds file has a few hundred nodes, eight
+    levels deep), so every later walk of the data is bounded. One iterative pass over the node
+    tree as the aliases expand it, stopping at the first limit."""
+    count, on_path = 0, set()
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(node))
+            continue
+        count += 1
+        where = f"{path}:{node.start_mark.line + 1}"
+        if id(node) in on_path:
+            raise InvalidInput(f"{where}: recursive YAML alias (a node that contains itself)")
+        if count > MAX_YAML_NODES:
+            raise InvalidInput(f"{where}: YAML expands to more than {MAX_YAML_NODES:,} nodes through aliases")
+        if depth > MAX_YAML_DEPTH:
+            raise InvalidInput(f"{where}: YAML nested more than {MAX_YAML_DEPTH} levels deep")
+        if isinstance(node, yaml.MappingNode):
+            children = [n for kv in node.value for n in kv]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            continue
+        on_path.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((c, depth + 1, False) for c in children)
 
 
 def _check_duplicate_keys(path: Path, node: yaml.Node) -> None:

@@ -103,6 +103,20 @@ def gather(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.ndar
     return np.concatenate(parts, axis=0)
 
 
+def npy_rows(arr: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a ``[T, V]`` array from ``np.load(..., mmap_mode="r")``, as float32.
+
+    A memory-mapped C-order file is read with a plain file read, not through the mapping: pages
+    touched through a mapping count in this process's RSS until it is closed, and an engine's
+    logits file at Qwen3.5's vocab is 1 MB per position (2 GB for 2,048 positions).
+    """
+    if isinstance(arr, np.memmap) and arr.filename and arr.ndim == 2 and arr.flags.c_contiguous:
+        n = max(0, min(stop, arr.shape[0]) - start)
+        rows = np.fromfile(arr.filename, dtype=arr.dtype, count=n * arr.shape[1], offset=arr.offset + start * arr.strides[0])
+        return rows.reshape(n, arr.shape[1]).astype(np.float32, copy=False)
+    return np.array(arr[start:stop], dtype=np.float32)
+
+
 def iter_blocks(array: np.ndarray, block_size: int = 256) -> Iterator[LogitBlock]:
     """Yield ``(start, array[start:start+block_size])`` float32 blocks of a ``[T, V]`` array."""
     for start in range(0, array.shape[0], block_size):

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.config import HarnessConfig, load_config
-from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.gguf_model import GGUFModel, Override
 
@@ -190,7 +190,7 @@ class CommandEngine:
             out_dir = self._run(tokens, pieces, ["logits"], Path(d))
             arr = self._load_logits(out_dir, len(tokens), _tail(Path(d) / "stderr.txt"))
             for start in range(0, len(tokens), self.block_size):
-                yield start, np.array(arr[start : start + self.block_size], dtype=np.float32)
+                yield start, npy_rows(arr, start, start + self.block_size)
             del arr
 
     def activations(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> dict[str, np.ndarray]:

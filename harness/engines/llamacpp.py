@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
 from harness.errors import EngineError
 from harness.gguf_model import Override
 
@@ -117,6 +117,9 @@ class LlamaCppEngine:
                     stderr=err,
                     stdin=subprocess.DEVNULL,
                     timeout=self.timeout_s,
+                    # ggml's abort() otherwise attaches gdb for a backtrace: seconds to minutes
+                    # (or a hang under load) before the worker dies, and gdb's lines bury the assert
+                    env={**os.environ, "GGML_NO_BACKTRACE": "1"},
                 )
                 rc = proc.returncode
             except subprocess.TimeoutExpired:
@@ -175,7 +178,7 @@ class LlamaCppEngine:
             if arr.ndim != 2 or arr.shape[0] != n_rows:
                 raise EngineError(f"llama.cpp worker wrote logits of shape {arr.shape}, expected [{n_rows}, V]")
             for start in range(0, n_rows, self.block_size):
-                yield start, np.array(arr[start : start + self.block_size], dtype=np.float32)
+                yield start, npy_rows(arr, start, start + self.block_size)
             del arr
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:

@@ -1,0 +1,104 @@
+"""Run ``harness parity ARGS`` in this process with the engines' forward passes timed; print JSON.
+
+    python benchmarks/_parity_probe.py [--profile OUT.prof] -- parity --model ... (harness args)
+
+Used by ``benchmarks/run_all.py``; one process per measurement so peak RSS is this run's own.
+Engine time is the wall time inside an engine's forward pass: the llama.cpp worker runs for
+``info`` and ``logits`` (process start, model load, decode; the worker's ``tokenize`` run is
+tokenization and counted as harness time, as is reading its logits back), and the oracle's
+``logits`` generator while it computes (trunk, lm_head, float32 conversion). Everything else in ``harness.cli.main`` is the harness's own time:
+tokenization, metrics, the receipt, the ledger row, the report. Printed fields: ``main_s``,
+``engine_s`` (per engine), ``tokenize_s``, ``import_s``, ``maxrss_mb`` (this process: the harness
+and the in-process oracle), ``worker_peak_rss_mb`` (the largest llama.cpp worker, polled), ``exit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import time
+
+t0 = time.perf_counter()
+from harness import metrics, parity, report  # noqa: E402,F401  (what a parity run imports; timed as import_s)
+from harness.cli import main  # noqa: E402
+from harness.engines.llamacpp import LlamaCppEngine  # noqa: E402
+from harness.engines.oracle.qwen35 import Qwen35Oracle  # noqa: E402
+
+from _rss import ChildPeakRSS, self_peak_mb  # noqa: E402
+
+import_s = time.perf_counter() - t0
+timers = {"llama.cpp": 0.0, "oracle": 0.0, "tokenize": 0.0}
+
+
+def _timed(cls, name: str, key) -> None:
+    real = getattr(cls, name)
+
+    def wrapper(self, *a, **k):
+        bucket = key(a) if callable(key) else key
+        t = time.perf_counter()
+        try:
+            return real(self, *a, **k)
+        finally:
+            timers[bucket] += time.perf_counter() - t
+
+    setattr(cls, name, wrapper)
+
+
+def _timed_stream(cls, name: str, key: str) -> None:
+    """Time an engine's ``logits`` generator while it runs (between a resume and its yield)."""
+    real = getattr(cls, name)
+
+    def wrapper(self, *a, **k):
+        it = real(self, *a, **k)
+        while True:
+            t = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                timers[key] += time.perf_counter() - t
+                return
+            timers[key] += time.perf_counter() - t
+            yield item
+
+    setattr(cls, name, wrapper)
+
+
+_timed(LlamaCppEngine, "_run", lambda a: "tokenize" if a[0].get("op") == "tokenize" else "llama.cpp")
+_timed_stream(Qwen35Oracle, "logits", "oracle")
+
+
+def run() -> None:
+    argv = sys.argv[1:]
+    prof_out = None
+    if argv and argv[0] == "--profile":
+        prof_out, argv = argv[1], argv[2:]
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    out = io.StringIO()
+    t = time.perf_counter()
+    with ChildPeakRSS() as workers, contextlib.redirect_stdout(out):
+        if prof_out:
+            import cProfile
+
+            prof = cProfile.Profile()
+            code = prof.runcall(main, argv)
+            prof.dump_stats(prof_out)
+        else:
+            code = main(argv)
+    main_s = time.perf_counter() - t
+    print(json.dumps({
+        "exit": code,
+        "main_s": main_s,
+        "import_s": import_s,
+        "engine_s": {"llama.cpp": timers["llama.cpp"], "oracle": timers["oracle"]},
+        "tokenize_s": timers["tokenize"],
+        "maxrss_mb": self_peak_mb(),
+        "worker_peak_rss_mb": workers.peak_mb,
+        "stdout_tail": out.getvalue()[-600:],
+    }))
+
+
+if __name__ == "__main__":
+    run()
