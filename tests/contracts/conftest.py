@@ -65,7 +65,7 @@ def subject_acts(candidate_engine, probe_tokens) -> Callable[..., dict[str, np.n
         key = (n, tuple(chunks) if chunks else None)
         if key not in cache:
             if "activations" not in candidate_engine.info.capabilities:
-                pytest.skip(f"{candidate_engine.info.name} does not expose activations")
+                pytest.skip(f"{candidate_engine.info.name} does not expose activations; this obligation is checked on a candidate that does: pytest tests/contracts --candidate oracle (or llama.cpp, transformers)")
             acts = candidate_engine.activations(probe_tokens[:n], list(chunks) if chunks else None)
             cache[key] = {k: np.asarray(v, dtype=np.float64) for k, v in acts.items()}
         return cache[key]

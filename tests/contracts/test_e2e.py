@@ -157,7 +157,7 @@ def test_pieces_equal_whole(candidate_engine, probe_tokens, whole_logits, tolera
     prompt fed whole."""
     tol = tolerance("QE2E-EQV-003")
     if "chunks" not in candidate_engine.info.capabilities:
-        pytest.skip(f"{candidate_engine.info.name} cannot feed a prompt in pieces (no 'chunks' capability)")
+        pytest.skip(f"{candidate_engine.info.name} cannot feed a prompt in pieces (no 'chunks' capability); checked on candidates that can: pytest tests/contracts --candidate oracle")
     whole = whole_logits.astype(np.float64)
     pieces = gather(candidate_engine.logits(probe_tokens, list(PIECES)), LONG).astype(np.float64)
     err = np.abs(pieces - whole).max(axis=1) / max(float(np.abs(whole).max()), 1e-30)
@@ -188,7 +188,7 @@ def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
 
     r = probe_split(candidate_engine, probe_tokens, probe_tolerance, seed=0)
     if r.verdict is Verdict.UNMEASURED:
-        pytest.skip(r.reason)
+        pytest.skip(f"{r.reason}; checked on candidates that can: pytest tests/contracts --candidate oracle")
     assert r.verdict is Verdict.PASS, (
         f"QE2E-PRB-005: split-prompt probe FAIL: {r.summary()} (tolerance cosine >= {probe_tolerance.min_cosine}, "
         f"KLD <= {probe_tolerance.max_kld}; {where}); likely cause: conv state (last conv_kernel-1 inputs) or recurrent "
@@ -203,7 +203,7 @@ def test_probe_decode(candidate_engine, probe_tokens, probe_tolerance, where):
 
     r = probe_decode(candidate_engine, probe_tokens[:40], probe_tolerance, prefill=(1, 16))
     if r.verdict is Verdict.UNMEASURED:
-        pytest.skip(r.reason)
+        pytest.skip(f"{r.reason}; checked on candidates that can: pytest tests/contracts --candidate oracle")
     assert r.verdict is Verdict.PASS, (
         f"QE2E-PRB-006: decode probe FAIL: {r.summary()} ({where}); likely cause: single-token calls take a different "
         "path (recurrent form) whose state handling differs from the prefill's"

@@ -209,7 +209,7 @@ def test_tiled_head_mapping(subject_acts, hp, where):
     the recurrence with the tiled map fits the candidate's output better than the grouped one."""
     n_k, n_v = hp.ssm_n_group, hp.ssm_dt_rank
     if n_v == n_k:
-        pytest.skip(f"n_v == n_k == {n_k}: tiled and grouped orders coincide on this model")
+        pytest.skip(f"n_v == n_k == {n_k}: tiled and grouped orders coincide on this model; run on a model with n_v > n_k: pytest tests/contracts --model fixture:tiny-qwen35")
     acts = subject_acts(SHORT)
     for il in recurrent_layers(acts, hp):
         tiled, grouped = _recurrence_error(acts, hp, il, SHORT, tile_k_heads), _recurrence_error(acts, hp, il, SHORT, _grouped)
