@@ -42,6 +42,7 @@ import jsonschema
 import yaml
 
 from harness.errors import InvalidInput
+from harness.yamlnodes import check_size, line_of
 
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "contract.schema.json"
 CONTRACT_MARKER = "contract"
@@ -139,27 +140,6 @@ class ContractsInvalid(InvalidInput):
 # ---------------------------------------------------------------------------------------------
 
 
-def _line_of(root: yaml.Node | None, keys: Sequence[Any]) -> int:
-    """1-based line of the node at ``keys`` (a mapping key's own line), or of its deepest
-    existing ancestor."""
-    node, line = root, 1
-    for key in keys:
-        if node is None:
-            break
-        line = node.start_mark.line + 1
-        nxt = None
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == str(key):
-                    nxt, line = v, k.start_mark.line + 1
-                    break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            nxt = node.value[key]
-            line = nxt.start_mark.line + 1
-        node = nxt
-    return line
-
-
 def _dotted(keys: Sequence[Any]) -> str:
     out = ""
     for k in keys:
@@ -205,12 +185,10 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, yaml.Node | None, bytes, l
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return None, None, b"", [ContractError(p, 1, "(file)", f"cannot read contract: {e}")]
-    from harness.thresholds import _check_size as check_yaml_size  # one bounded-YAML rule for every file we read
-
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
-            check_yaml_size(path, root)  # alias bombs, recursive aliases, deep nesting: refused before any walk
+            check_size(path, root)  # alias bombs, recursive aliases, deep nesting: refused before any walk
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -229,9 +207,9 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, yaml.Node | None, bytes, l
         keys = list(e.absolute_path)
         if e.validator == "required":  # point at the object, name the missing field
             missing = e.message.split("'")[1] if "'" in e.message else "?"
-            errors.append(ContractError(p, _line_of(root, keys), _dotted(keys + [missing]), "required field missing"))
+            errors.append(ContractError(p, line_of(root, keys), _dotted(keys + [missing]), "required field missing"))
         else:
-            errors.append(ContractError(p, _line_of(root, keys), _dotted(keys), _schema_message(e)))
+            errors.append(ContractError(p, line_of(root, keys), _dotted(keys), _schema_message(e)))
     return data, root, raw, errors
 
 
@@ -247,7 +225,7 @@ def _build(path: Path, data: dict[str, Any], root: yaml.Node | None, raw: bytes)
             Obligation(
                 id=ob["id"], kind=ob["kind"], property=ob["property"], formal=ob["formal"], source=ob["source"],
                 tests=tuple(ob["tests"]), reds=_as_reds(ob["red"]), if_fails=ob["if_fails"],
-                model=ob.get("model", data["model"]), contract_id=data["id"], line=_line_of(root, ["obligations", i]),
+                model=ob.get("model", data["model"]), contract_id=data["id"], line=line_of(root, ["obligations", i]),
                 tolerance=ob.get("tolerance"), equation=ob.get("equation"), data=ob,
             )
         )
@@ -292,31 +270,31 @@ def known_red_names() -> dict[str, set[str]]:
 def _semantic_errors(c: Contract, root: yaml.Node | None, names: dict[str, set[str]]) -> list[ContractError]:
     p, errors = str(c.path), []
     if c.id != c.path.stem:
-        errors.append(ContractError(p, _line_of(root, ["id"]), "id", f"contract id {c.id!r} must equal the file name {c.path.stem!r}"))
+        errors.append(ContractError(p, line_of(root, ["id"]), "id", f"contract id {c.id!r} must equal the file name {c.path.stem!r}"))
     for name, eq in c.data["equations"].items():
         try:
             obj = resolve_attribute(eq["oracle"])
             if not callable(obj) and not isinstance(obj, property):
                 raise LookupError(f"{eq['oracle']} is not a function")
         except LookupError as e:
-            errors.append(ContractError(p, _line_of(root, ["equations", name, "oracle"]), f"equations.{name}.oracle", f"{e}"))
+            errors.append(ContractError(p, line_of(root, ["equations", name, "oracle"]), f"equations.{name}.oracle", f"{e}"))
     models = [(["model"], c.data["model"])]
     models += [(["obligations", i, "model"], ob["model"]) for i, ob in enumerate(c.data["obligations"]) if "model" in ob]
     for keys, spec in models:
         if spec.removeprefix("fixture:") not in names["fixture"]:
-            errors.append(ContractError(p, _line_of(root, keys), _dotted(keys), f"unknown model {spec!r}"))
+            errors.append(ContractError(p, line_of(root, keys), _dotted(keys), f"unknown model {spec!r}"))
     seen: dict[str, int] = {}
     for i, ob in enumerate(c.obligations):
         if ob.id in seen:
             errors.append(ContractError(p, ob.line, f"obligations[{i}].id", f"duplicate obligation id {ob.id} (first at line {seen[ob.id]})"))
         seen[ob.id] = ob.line
         if ob.equation is not None and ob.equation not in c.data["equations"]:
-            errors.append(ContractError(p, _line_of(root, ["obligations", i, "equation"]), f"obligations[{i}].equation",
+            errors.append(ContractError(p, line_of(root, ["obligations", i, "equation"]), f"obligations[{i}].equation",
                                         f"unknown equation {ob.equation!r}; this contract defines {', '.join(c.data['equations'])}"))
         for j, red in enumerate(ob.reds):
             if red.name not in names[red.kind]:
                 keys = ["obligations", i, "red"] + ([j] if isinstance(ob.data["red"], list) else []) + [red.kind]
-                errors.append(ContractError(p, _line_of(root, keys), _dotted(keys),
+                errors.append(ContractError(p, line_of(root, keys), _dotted(keys),
                                             f"unknown {red.kind} {red.name!r}; known: {', '.join(sorted(names[red.kind]))}"))
     return errors
 
@@ -386,7 +364,7 @@ def _binding_errors(contracts: Sequence[Contract], roots: dict[str, yaml.Node | 
         for c in cs:
             for i, ob in enumerate(c.obligations):
                 for j, t in enumerate(ob.tests):
-                    line = _line_of(roots[str(c.path)], ["obligations", i, "tests", j])
+                    line = line_of(roots[str(c.path)], ["obligations", i, "tests", j])
                     where = f"obligations[{i}].tests[{j}]"
                     target = (root / t.split("::", 1)[0]).resolve()
                     if not target.is_relative_to(root.resolve()):
@@ -451,7 +429,7 @@ def load_contracts(paths: Iterable[str | os.PathLike], check_tests: bool = True)
     ob_ids: dict[str, tuple[Path, int]] = {}
     for c in contracts:
         if c.id in ids and ids[c.id] != c.path:
-            errors.append(ContractError(str(c.path), _line_of(roots[str(c.path)], ["id"]), "id", f"contract id {c.id} also used by {ids[c.id]}"))
+            errors.append(ContractError(str(c.path), line_of(roots[str(c.path)], ["id"]), "id", f"contract id {c.id} also used by {ids[c.id]}"))
         ids[c.id] = c.path
         for ob in c.obligations:
             if ob.id in ob_ids and ob_ids[ob.id][0] != c.path:
@@ -461,7 +439,7 @@ def load_contracts(paths: Iterable[str | os.PathLike], check_tests: bool = True)
     for c in contracts:
         for i, dep in enumerate(c.data.get("depends_on", [])):
             if dep not in ids:
-                errors.append(ContractError(str(c.path), _line_of(roots[str(c.path)], ["depends_on", i]), f"depends_on[{i}]", f"unknown contract {dep!r}"))
+                errors.append(ContractError(str(c.path), line_of(roots[str(c.path)], ["depends_on", i]), f"depends_on[{i}]", f"unknown contract {dep!r}"))
     selected = [c for c in contracts if c.path in named]
     if check_tests and not errors:
         errors += _binding_errors(selected, roots)

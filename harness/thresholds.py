@@ -32,6 +32,7 @@ import jsonschema
 import yaml
 
 from harness.errors import InvalidInput, Unmeasured
+from harness.yamlnodes import check_size, line_of
 
 SCHEMA_ID = "harness-thresholds/v1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "thresholds.schema.json"
@@ -211,7 +212,7 @@ def load_thresholds(path: str | Path) -> Thresholds:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
-            _check_size(path, root)
+            check_size(path, root)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise InvalidInput(_yaml_error_message(path, e)) from e
@@ -254,41 +255,6 @@ def _yaml_error_message(path: Path, e: yaml.YAMLError) -> str:
     return f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
 
 
-MAX_YAML_NODES = 100_000
-MAX_YAML_DEPTH = 64
-
-
-def _check_size(path: Path, root: yaml.Node) -> None:
-    """Refuse a document whose aliases form a cycle or expand it past ``MAX_YAML_NODES`` nodes,
-    or that nests deeper than ``MAX_YAML_DEPTH`` (a thresholds file has a few hundred nodes, eight
-    levels deep), so every later walk of the data is bounded. One iterative pass over the node
-    tree as the aliases expand it, stopping at the first limit."""
-    count, on_path = 0, set()
-    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
-    while stack:
-        node, depth, leaving = stack.pop()
-        if leaving:
-            on_path.discard(id(node))
-            continue
-        count += 1
-        where = f"{path}:{node.start_mark.line + 1}"
-        if id(node) in on_path:
-            raise InvalidInput(f"{where}: recursive YAML alias (a node that contains itself)")
-        if count > MAX_YAML_NODES:
-            raise InvalidInput(f"{where}: YAML expands to more than {MAX_YAML_NODES:,} nodes through aliases")
-        if depth > MAX_YAML_DEPTH:
-            raise InvalidInput(f"{where}: YAML nested more than {MAX_YAML_DEPTH} levels deep")
-        if isinstance(node, yaml.MappingNode):
-            children = [n for kv in node.value for n in kv]
-        elif isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        else:
-            continue
-        on_path.add(id(node))
-        stack.append((node, depth, True))
-        stack.extend((c, depth + 1, False) for c in children)
-
-
 def _check_duplicate_keys(path: Path, node: yaml.Node) -> None:
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
@@ -303,30 +269,6 @@ def _check_duplicate_keys(path: Path, node: yaml.Node) -> None:
     elif isinstance(node, yaml.SequenceNode):
         for v in node.value:
             _check_duplicate_keys(path, v)
-
-
-def _line_of(root: yaml.Node | None, keys: Iterable[Any]) -> int:
-    """1-based line of the node at ``keys`` (or of its deepest existing ancestor)."""
-    node = root
-    line = 1
-    for key in keys:
-        if node is None:
-            break
-        line = node.start_mark.line + 1
-        nxt = None
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == str(key):
-                    nxt = v
-                    line = k.start_mark.line + 1
-                    break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            nxt = node.value[key]
-        node = nxt
-    else:
-        if node is not None:
-            line = node.start_mark.line + 1
-    return line
 
 
 def _is_gate_path(p: list[Any]) -> bool:
@@ -347,7 +289,7 @@ def _most_useful(errors: list[jsonschema.ValidationError]) -> jsonschema.Validat
 def _schema_error_message(path: Path, root: yaml.Node | None, e: jsonschema.ValidationError) -> str:
     p = list(e.absolute_path)
     dotted = ".".join(str(k) for k in p) or "(top level)"
-    where = f"{path}:{_line_of(root, p)}"
+    where = f"{path}:{line_of(root, p)}"
     if _is_gate_path(p) and (
         (e.validator == "required" and "'basis'" in e.message) or (e.validator == "type" and not isinstance(e.instance, dict))
     ):
@@ -364,7 +306,7 @@ def _schema_error_message(path: Path, root: yaml.Node | None, e: jsonschema.Vali
 def _check_finite(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> None:
     def check(keys: list[Any], value: Any) -> None:
         if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidInput(f"{path}:{_line_of(root, keys)}: {'.'.join(map(str, keys))} is {value}; gates need finite numbers")
+            raise InvalidInput(f"{path}:{line_of(root, keys)}: {'.'.join(map(str, keys))} is {value}; gates need finite numbers")
 
     for section in SECTIONS:
         for name, g in data.get(section, {}).items():

@@ -1,0 +1,68 @@
+"""Bounded, line-aware reading of YAML node trees (``yaml.compose`` output), shared by every
+YAML file the harness reads (thresholds.yaml, contracts): refuse alias bombs, recursive aliases
+and deep nesting before any walk of the data, and find the line of a field for error messages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from harness.errors import InvalidInput
+
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
+
+
+def check_size(path: Path, root: yaml.Node) -> None:
+    """Refuse a document whose aliases form a cycle or expand it past ``MAX_YAML_NODES`` nodes,
+    or that nests deeper than ``MAX_YAML_DEPTH`` (a thresholds file has a few hundred nodes, eight
+    levels deep), so every later walk of the data is bounded. One iterative pass over the node
+    tree as the aliases expand it, stopping at the first limit."""
+    count, on_path = 0, set()
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(node))
+            continue
+        count += 1
+        where = f"{path}:{node.start_mark.line + 1}"
+        if id(node) in on_path:
+            raise InvalidInput(f"{where}: recursive YAML alias (a node that contains itself)")
+        if count > MAX_YAML_NODES:
+            raise InvalidInput(f"{where}: YAML expands to more than {MAX_YAML_NODES:,} nodes through aliases")
+        if depth > MAX_YAML_DEPTH:
+            raise InvalidInput(f"{where}: YAML nested more than {MAX_YAML_DEPTH} levels deep")
+        if isinstance(node, yaml.MappingNode):
+            children = [n for kv in node.value for n in kv]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            continue
+        on_path.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((c, depth + 1, False) for c in children)
+
+
+def line_of(root: yaml.Node | None, keys: Sequence[Any]) -> int:
+    """1-based line of the node at ``keys`` (a mapping key's own line), or of its deepest
+    existing ancestor."""
+    node, line = root, 1
+    for key in keys:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        nxt = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(key):
+                    nxt, line = v, k.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            nxt = node.value[key]
+            line = nxt.start_mark.line + 1
+        node = nxt
+    return line
