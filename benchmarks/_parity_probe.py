@@ -21,12 +21,12 @@ import sys
 import time
 
 t0 = time.perf_counter()
-from harness import metrics, parity, report  # noqa: E402,F401  (what a parity run imports; timed as import_s)
+from _rss import ChildPeakRSS, self_peak_mb  # noqa: E402
+
 from harness.cli import main  # noqa: E402
 from harness.engines.llamacpp import LlamaCppEngine  # noqa: E402
 from harness.engines.oracle.qwen35 import Qwen35Oracle  # noqa: E402
-
-from _rss import ChildPeakRSS, self_peak_mb  # noqa: E402
+from harness.evidence import report  # noqa: E402,F401  (what a parity run imports; timed as import_s)
 
 import_s = time.perf_counter() - t0
 timers = {"llama.cpp": 0.0, "oracle": 0.0, "tokenize": 0.0}

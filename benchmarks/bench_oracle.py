@@ -14,7 +14,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 CHILD = r"""
@@ -50,7 +49,7 @@ def main() -> None:
     ap.add_argument("--model", default="fixture:small-qwen35")
     ap.add_argument("--tokens", type=int, default=512)
     a = ap.parse_args()
-    from harness.fixtures import resolve_model
+    from harness.fixtures.synthetic import resolve_model
 
     path = resolve_model(a.model)
     size_mb = path.stat().st_size / 1e6

@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
 
-from harness import fixtures as fx  # noqa: E402
+from harness.fixtures import synthetic as fx  # noqa: E402
 
 PY = sys.executable
 
@@ -125,8 +125,8 @@ def build_prompts(path: Path, positions: int, work: Path) -> tuple[Path, list[li
     """The shipped prompts' texts (tokenized by the run itself, as users' are) topped up with one
     prompt of token ids so the run compares exactly ``positions`` positions. Returns the file,
     every prompt's token ids (for the oracle-alone run) and how many came from text."""
+    from harness.compare.prompts import load_prompt_set
     from harness.engines.llamacpp import LlamaCppEngine
-    from harness.prompts import load_prompt_set
 
     texts = [p for p in load_prompt_set(None) if p.text]
     ids = LlamaCppEngine(path).tokenize_many([p.text for p in texts])
@@ -150,17 +150,17 @@ CATEGORIES = [
     ("harness/engines/llamacpp.py", "_run", "engine: llama.cpp worker (incl. tokenize run)"),
     ("harness/engines/oracle/qwen35.py", "_forward", "engine: oracle trunk"),
     ("harness/engines/oracle/qwen35.py", "_lm_head", "engine: oracle lm_head"),
-    ("harness/gguf_model.py", "__init__", "opening the GGUF (gguf-py parse; shared with the oracle)"),
-    ("harness/metrics.py", "position_metrics", "metrics per position"),
-    ("harness/metrics.py", "summarize", "metric summaries (per prompt + whole set)"),
-    ("harness/metrics.py", "cosine_failures", "gate evaluation"),
+    ("harness/model/gguf_model.py", "__init__", "opening the GGUF (gguf-py parse; shared with the oracle)"),
+    ("harness/compare/metrics.py", "position_metrics", "metrics per position"),
+    ("harness/compare/metrics.py", "summarize", "metric summaries (per prompt + whole set)"),
+    ("harness/compare/metrics.py", "cosine_failures", "gate evaluation"),
     ("harness/engines/base.py", "npy_rows", "reading llama.cpp's logits file"),
-    ("harness/receipts.py", "write_receipt", "receipt (JSON + npz, atomic)"),
-    ("harness/ledger.py", "append_row", "ledger row + LEDGER render"),
-    ("harness/report.py", "write_report", "report (Markdown + PNG plots)"),
-    ("harness/thresholds.py", "load_thresholds", "thresholds.yaml"),
-    ("harness/gguf_model.py", "sha256", "model sha256"),
-    ("harness/prompts.py", "load_prompt_set", "prompt file"),
+    ("harness/evidence/receipts.py", "write_receipt", "receipt (JSON + npz, atomic)"),
+    ("harness/evidence/ledger.py", "append_row", "ledger row + LEDGER render"),
+    ("harness/evidence/report.py", "write_report", "report (Markdown + PNG plots)"),
+    ("harness/gates/thresholds.py", "load_thresholds", "thresholds.yaml"),
+    ("harness/model/gguf_model.py", "sha256", "model sha256"),
+    ("harness/compare/prompts.py", "load_prompt_set", "prompt file"),
 ]
 
 
@@ -297,7 +297,7 @@ def render(r: dict) -> str:
         "",
         "## 1. Metrics throughput at V = 248,320",
         "",
-        f"`harness.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
+        f"`harness.compare.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
         f"positions in blocks of {met['block']}, against a plain pass (`sum(axis=1)` of both arrays: reads the same bytes once).",
         "",
         "| | positions/s | µs/position |",
@@ -400,7 +400,7 @@ FIXES = [
     "- **The GGUF was parsed twice, slowly** (96 s of a 178 s profiled run): gguf-py's reader slices its `np.memmap` "
     "once per metadata value, and each `np.memmap` slice runs Python code; a 248,320-token vocab is about a million "
     "slices, about 15 s and 470 MB per parse here, and `harness parity` opened the model once for itself and once for "
-    "the oracle. `harness.gguf_model` now parses with the same gguf-py code on a plain ndarray view of the map "
+    "the oracle. `harness.model.gguf_model` now parses with the same gguf-py code on a plain ndarray view of the map "
     "(3× faster, half the memory; `tests/test_fuzz.py` checks it parses every mutant exactly as `gguf.GGUFReader` "
     "does) and reuses the last two parses of an unchanged file (same inode, size, mtime and bytes up to the tensor data).",
     "- **llama.cpp's logits were read through a memory map** (`np.load(mmap_mode='r')` then slicing): every page touched "
@@ -410,7 +410,7 @@ FIXES = [
     "command engines.",
     "- **A tokenizer worker ran when there was nothing to tokenize**: `tokenize_prompts` called llama.cpp's "
     "`tokenize_many([])` when every prompt carried token ids, which starts a worker and loads the 248,320-token "
-    "vocabulary (3.5 s). `harness/parity.py`: no texts, no tokenizer run.",
+    "vocabulary (3.5 s). `harness/compare/parity.py`: no texts, no tokenizer run.",
     "",
     "What remains of the harness's share at the tiny trunk is proportional to the vocabulary, not to the model: the "
     "GGUF metadata parse (one million gguf-py slices), reading llama.cpp's 1 MB-per-position logits back, the "

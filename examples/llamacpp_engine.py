@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import llama_cpp
+import numpy as np
 
 
 def parse_override(text):

@@ -58,7 +58,7 @@ def fixtures() -> None:
 @click.option("--no-build", is_flag=True, help="Do not build missing fixtures; show sha256 only for built ones.")
 def fixtures_list(as_json: bool, no_build: bool) -> None:
     """List fixtures with their sha256 (building any that are missing)."""
-    from harness import fixtures as fx
+    from harness.fixtures import synthetic as fx
 
     rows = []
     for name in fx.fixture_names():
@@ -73,7 +73,6 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
     if as_json:
         _echo_json(rows)
         return
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title="fixtures", show_lines=False)
@@ -91,7 +90,7 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
 @click.option("--force", is_flag=True, help="Rebuild even when cached.")
 def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
     """Build fixtures into the cache and print NAME PATH SHA256."""
-    from harness import fixtures as fx
+    from harness.fixtures import synthetic as fx
 
     if not names and not all_:
         raise InvalidInput("name one or more fixtures, or pass --all (see `harness fixtures list`)")
@@ -111,7 +110,7 @@ def fixtures_train(arch, name, steps, seed, out_dir) -> None:
     """Train a small Qwen3.5 on the Python standard library with transformers + torch (the hf
     extra), convert it to GGUF and write it with its recipe."""
     try:
-        from harness import training
+        from harness.fixtures import training
     except ImportError as e:
         raise InvalidInput(f"training needs the hf extra: pip install -e .[hf] ({e})") from None
     kwargs = {k: v for k, v in {"arch": arch, "name": name, "steps": steps, "seed": seed, "out_dir": out_dir}.items() if v is not None}
@@ -126,7 +125,7 @@ def fixtures_train(arch, name, steps, seed, out_dir) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def lint(model: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Static checks of a qwen35/qwen35moe GGUF (exit 0 clean, 1 errors found, 2 unreadable)."""
-    from harness.lint import lint_path
+    from harness.model.lint import lint_path
 
     report = lint_path(model, list(overrides))
     if as_json:
@@ -156,7 +155,6 @@ def _parity_defaults() -> dict[str, Any]:
 
 
 def _render_parity(outcome) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     r, rec = outcome.result, outcome.receipt
@@ -204,7 +202,7 @@ def _render_parity(outcome) -> None:
 @click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence) -> None:
     """Run a candidate and the reference on the same token ids; gate on per-position logit cosine."""
-    from harness.parity import ParityRequest, run_parity
+    from harness.compare.parity import ParityRequest, run_parity
 
     d = _parity_defaults()
     specs = list(models) or [d["model"]]
@@ -226,7 +224,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
         verdicts.append(outcome.result.verdict.value)
         report_path = None
         if outcome.receipt_path is not None:
-            from harness.report import write_report
+            from harness.evidence.report import write_report
 
             report_path = write_report(outcome.receipt_path)
         if as_json:
@@ -248,7 +246,13 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
 def _with_progress(fn, quiet: bool = False):
     """Run ``fn(progress_callback)`` under a rich progress bar on stderr (positions compared)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     if quiet:
         return fn(None)
@@ -276,7 +280,7 @@ def _with_progress(fn, quiet: bool = False):
 def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
-    from harness.probes import ProbeRequest, run_probes
+    from harness.compare.probes import ProbeRequest, run_probes
 
     d = _parity_defaults()
     req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
@@ -315,7 +319,7 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
 def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, thresholds, overrides, as_json) -> None:
     """Compare a candidate's named activations with the oracle's, in forward order, and name the
     first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
-    from harness.localize import LocalizeRequest, run_localize
+    from harness.compare.localize import LocalizeRequest, run_localize
 
     d = _parity_defaults()
     try:
@@ -355,12 +359,12 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 @click.option("--localize", "do_localize", is_flag=True, help="Also localize the receipt's candidate against the oracle and plot the per-layer profile.")
 def report(receipt, out_dir, do_localize) -> None:
     """Write a Markdown report with PNG plots for a parity receipt."""
-    from harness.receipts import load_receipt
-    from harness.report import write_report
+    from harness.evidence.receipts import load_receipt
+    from harness.evidence.report import write_report
 
     loc = None
     if do_localize:
-        from harness.localize import LocalizeRequest, run_localize
+        from harness.compare.localize import LocalizeRequest, run_localize
 
         rec = load_receipt(receipt).receipt
         m = rec["model"]
@@ -381,8 +385,15 @@ def report(receipt, out_dir, do_localize) -> None:
 def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> None:
     """Measure known-good and known-bad pairs; write thresholds with measured bases (exit 1 and
     write nothing when a good pair spreads past a threshold or a mutant passes every gate)."""
-    from harness.calibrate import GATES, CalibrationPlan, CalibrationRefused, calibrate as run, thresholds_document, write_thresholds
-    from harness.receipts import harness_info
+    from harness.evidence.receipts import harness_info
+    from harness.gates.calibrate import (
+        GATES,
+        CalibrationPlan,
+        CalibrationRefused,
+        thresholds_document,
+        write_thresholds,
+    )
+    from harness.gates.calibrate import calibrate as run
 
     plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None)
     if ladder:
@@ -437,7 +448,7 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
     """Check the hash chain, every row against its receipt, and the rendered head (exit 1 on any problem)."""
     from pathlib import Path
 
-    from harness.ledger import read_rows, verify_ledger
+    from harness.evidence.ledger import read_rows, verify_ledger
 
     lp = Path(ledger_path)
     if not lp.exists():
@@ -458,7 +469,11 @@ def ledger_show(ledger_path, as_json) -> None:
     """Summarize the ledger with pandas; print proposed report-only thresholds once 20 records exist."""
     from pathlib import Path
 
-    from harness.ledger import ledger_frame, proposed_report_only_thresholds, summarize_ledger
+    from harness.evidence.ledger import (
+        ledger_frame,
+        proposed_report_only_thresholds,
+        summarize_ledger,
+    )
 
     lp = Path(ledger_path)
     if not lp.exists():
@@ -486,7 +501,7 @@ def mutants() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def mutants_list(as_json: bool) -> None:
     """List every mutant and planted output fault with its bug class and the obligations it breaks."""
-    from harness.discharge import render_table
+    from harness.contracts.discharge import render_table
     from harness.engines.mutants import mutant_rows
 
     rows = mutant_rows()
@@ -509,8 +524,8 @@ def contracts() -> None:
 def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
     """Validate contracts (default contracts/): schema, ids, oracle functions, reds, and that
     pytest collects every bound test. Exit 0 valid, 2 invalid (every error with file:line)."""
-    from harness.contracts import ContractsInvalid, load_contracts, summary_rows
-    from harness.discharge import render_table
+    from harness.contracts.discharge import render_table
+    from harness.contracts.loader import ContractsInvalid, load_contracts, summary_rows
 
     try:
         loaded = load_contracts(paths or ["contracts"])
@@ -540,7 +555,7 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
 def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write, as_json) -> None:
     """Run each obligation's tests on its RED subject (must fail by assertion) then on the
     candidate (must pass), write the evidence, exit 0 only if every selected one is DISCHARGED."""
-    from harness import discharge as dis
+    from harness.contracts import discharge as dis
 
     results = dis.discharge(contract, candidate, obligation_ids, evidence_dir, jobs, write=not no_write)
     if as_json:
@@ -560,7 +575,7 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
 def status(paths, check, evidence_dir, as_json) -> None:
     """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) and
     coverage per contract (default contracts/)."""
-    from harness import discharge as dis
+    from harness.contracts import discharge as dis
 
     rows, coverage = dis.status(paths or ["contracts"], evidence_dir)
     if as_json:

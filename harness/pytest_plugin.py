@@ -7,11 +7,11 @@ to contract obligations), ``slow`` (kept out of the default run), ``hf`` (need t
 transformers extra). Fixtures: ``harness_model_path``, ``candidate_engine``,
 ``reference_engine``: bound tests receive their subject only through these.
 
-For contract discharge (``harness.discharge``): ``--candidate`` and ``--model`` take
+For contract discharge (``harness.contracts.discharge``): ``--candidate`` and ``--model`` take
 comma-separated lists, and every test that uses the candidate (or the model) then runs once per
 entry (session-scoped parametrization, ids ``c=NAME`` / ``m=SPEC``); ``--plant NAME`` wraps the
 candidate in a planted output fault (``harness.engines.mutants.PLANTS``); ``fixture:NAME`` also
-names the defective fixtures of ``harness.defects``; ``--harness-outcomes PATH`` writes every
+names the defective fixtures of ``harness.fixtures.defects``; ``--harness-outcomes PATH`` writes every
 collected and run item (outcome, exception type, assertion message, subject) as JSON.
 """
 
@@ -30,7 +30,7 @@ DEFAULT_REFERENCE = "llama.cpp"
 def default_model() -> str:
     """The model used where none is named: the committed trained dense model when present,
     else ``fixture:tiny-qwen35``."""
-    from harness.fixtures import trained_fixtures
+    from harness.fixtures.synthetic import trained_fixtures
 
     return "fixture:trained-qwen35" if "trained-qwen35" in trained_fixtures() else "fixture:tiny-qwen35"
 
@@ -79,11 +79,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def resolve_subject_model(spec: str):
-    """``fixture:NAME`` → path for the fixtures of ``harness.fixtures`` and the defective
-    fixtures of ``harness.defects`` (built once into the fixture cache, in a folder keyed by the
+    """``fixture:NAME`` → path for the fixtures of ``harness.fixtures.synthetic`` and the defective
+    fixtures of ``harness.fixtures.defects`` (built once into the fixture cache, in a folder keyed by the
     defects module's hash); any other spec is a file path. Raises ``InvalidInput``."""
-    from harness import defects
-    from harness import fixtures as fx
+    from harness.fixtures import defects
+    from harness.fixtures import synthetic as fx
 
     name = spec[len(fx.FIXTURE_PREFIX):] if spec.startswith(fx.FIXTURE_PREFIX) else None
     if name is None or name in fx.fixture_names() or name not in defects.DEFECTS:

@@ -43,18 +43,18 @@ ENGINE = textwrap.dedent(f"""
 os.environ["HARNESS_CONFIG"] = str(WORK / "harness.toml")
 os.environ["MPLBACKEND"] = "Agg"
 
-import harness.ledger  # noqa: E402  (warm every module a run touches before forking)
-import harness.parity  # noqa: E402
-import harness.receipts  # noqa: E402
-import harness.report  # noqa: E402
-from harness import fixtures as fx  # noqa: E402
+import harness.compare.parity  # noqa: E402
+import harness.evidence.ledger  # noqa: E402  (warm every module a run touches before forking)
+import harness.evidence.receipts  # noqa: E402
+import harness.evidence.report  # noqa: E402
 from harness.cli import main  # noqa: E402
 from harness.errors import InvalidInput  # noqa: E402
-from harness.ledger import read_rows, verify_ledger  # noqa: E402
-from harness.receipts import load_receipt  # noqa: E402
+from harness.evidence.ledger import read_rows, verify_ledger  # noqa: E402
+from harness.evidence.receipts import load_receipt  # noqa: E402
+from harness.fixtures import synthetic as fx  # noqa: E402
 
-harness.report._plt()
-harness.receipts.harness_info(Path(harness.parity.__file__).resolve().parent.parent)  # git calls, cached for the children
+harness.evidence.report._plt()
+harness.evidence.receipts.harness_info(Path(harness.compare.parity.__file__).resolve().parent.parent)  # git calls, cached for the children
 fx.build("tiny-qwen35")
 LEDGER = WORK / "ev" / "ledger.jsonl"
 RECEIPTS = LEDGER.parent / "receipts"
@@ -81,9 +81,9 @@ HOOKS = {
     "npz-temp-written": lambda: _replace_hook(".npz", after=False),
     "npz-renamed-no-json": lambda: _replace_hook(".npz", after=True),
     "json-temp-written": lambda: _replace_hook(".json", after=False),
-    "receipt-written-no-ledger-row": lambda: setattr(harness.ledger, "append_row", _die),
-    "row-appended-markdown-not-rendered": lambda: setattr(harness.ledger, "_write_text_atomic", _die),
-    "report-half-written": lambda: setattr(harness.report, "plot_margins", _die),
+    "receipt-written-no-ledger-row": lambda: setattr(harness.evidence.ledger, "append_row", _die),
+    "row-appended-markdown-not-rendered": lambda: setattr(harness.evidence.ledger, "_write_text_atomic", _die),
+    "report-half-written": lambda: setattr(harness.evidence.report, "plot_margins", _die),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.fixtures import build
+from harness.fixtures.synthetic import build
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.fixtures import synthetic as fx
 
 REPO = Path(__file__).resolve().parents[1]
 V = 515  # tiny-qwen35's vocab
@@ -344,7 +343,7 @@ CONTRACT_BAD = {
     "duplicate-key": (lambda t: t.replace("version: 1.0.0\n", "version: 1.0.0\nversion: 1.0.1\n", 1), "version: duplicate key"),
     "id-not-file-name": (lambda t: t.replace("id: qwen35-shapes-v1", "id: qwen35-shapes-v2", 1), "must equal the file name"),
     "unknown-red": (lambda t: t.replace("{fixture: missing-key}", "{fixture: no-such-defect}", 1), "unknown fixture 'no-such-defect'"),
-    "unknown-oracle": (lambda t: t.replace("oracle: harness.lint.check_tensors", "oracle: harness.lint.no_such_check", 1), "has no attribute 'no_such_check'"),
+    "unknown-oracle": (lambda t: t.replace("oracle: harness.model.lint.check_tensors", "oracle: harness.model.lint.no_such_check", 1), "has no attribute 'no_such_check'"),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.calibrate import (
+from harness.gates.calibrate import (
     CalibrationResult,
     PairStats,
     bootstrap_by_prompt,
@@ -15,7 +15,7 @@ from harness.calibrate import (
     thresholds_document,
     write_thresholds,
 )
-from harness.thresholds import load_thresholds
+from harness.gates.thresholds import load_thresholds
 
 
 def pair(label, good, cos_mins, kld_level, n=50, seed=0, **extra):

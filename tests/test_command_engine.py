@@ -8,12 +8,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.compare.metrics import cosine
 from harness.engines.base import gather
 from harness.engines.command import configured_commands, load_command_engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import EngineError, InvalidInput, NotComparable
-from harness.metrics import cosine
+from harness.fixtures import synthetic as fx
 
 TOKENS = list(range(30, 90))
 

@@ -1,5 +1,5 @@
-"""Contracts, mutants and the per-activation comparison (harness/contracts.py,
-harness/engines/mutants.py, harness.metrics.compare_activations).
+"""Contracts, mutants and the per-activation comparison (harness/contracts/loader.py,
+harness/engines/mutants.py, harness.compare.metrics.compare_activations).
 
 The committed contracts validate; a contract citing a test pytest cannot collect is invalid (exit
 2) naming file, line and field; schema and cross-contract errors name theirs too; every mutant is
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import yaml
 
-from harness import fixtures as fx
 from harness.cli import main
-from harness.contracts import ContractsInvalid, load_contracts
+from harness.compare.metrics import compare_activations
+from harness.contracts.loader import ContractsInvalid, load_contracts
 from harness.engines.base import gather
 from harness.engines.mutants import MUTANTS, PLANTS, PlantedEngine, load_mutant
 from harness.engines.oracle import load_oracle
 from harness.engines.registry import known_engine_names, resolve_engine
-from harness.metrics import compare_activations
+from harness.fixtures import synthetic as fx
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "contracts"
@@ -95,7 +95,7 @@ def test_schema_and_semantic_errors_name_file_line_field(tmp_path):
     lines[1] = 'version: "1.0"'  # not semver
     text = "\n".join(lines) + "\n"
     text = text.replace("red: {mutant: nondeterministic}", "red: {mutant: no-such-mutant}")
-    text = text.replace("oracle: harness.metrics.cosine", "oracle: harness.metrics.no_such_function")
+    text = text.replace("oracle: harness.compare.metrics.cosine", "oracle: harness.compare.metrics.no_such_function")
     text = text.replace("id: QE2E-EQV-003", "id: GDN-EQ-001")  # duplicate across contracts
     text = text.replace("    if_fails: \"Thread-count", "    iff_fails: \"Thread-count")
     path.write_text(text)
@@ -163,7 +163,7 @@ def _observed_matrix_yaml(observed: dict, order: list[str]) -> str:
 def test_mutant_matrix_matches():
     """Every mutant is RED exactly on the obligations it breaks and GREEN on all others; no
     obligation is RED on every mutant (a check that fails everything tells nothing)."""
-    from harness.discharge import mutant_matrix
+    from harness.contracts.discharge import mutant_matrix
 
     expected = yaml.safe_load(MATRIX.read_text())
     contracts = load_contracts([CONTRACTS], check_tests=False)

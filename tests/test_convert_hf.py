@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import convert
-from harness import fixtures as fx
 from harness.errors import InvalidInput
+from harness.fixtures import convert
+from harness.fixtures import synthetic as fx
 
 MIN_COSINE = 0.99999
 ARGMAX_MARGIN = 1e-3
@@ -151,7 +151,7 @@ def source_tokens() -> list[int]:
 
 
 def _agreement(ref: np.ndarray, cand: np.ndarray, where: str) -> None:
-    from harness.metrics import cosine, reference_margin
+    from harness.compare.metrics import cosine, reference_margin
 
     cos = cosine(ref, cand)
     assert cos.min() >= MIN_COSINE, f"{where}: min cosine {cos.min():.8f} at position {int(cos.argmin())}"
@@ -182,7 +182,7 @@ def test_transformers_and_oracle_agree_with_llamacpp(name, source_tokens):
 @pytest.mark.hf
 @pytest.mark.parametrize("name", ["trained-qwen35", "trained-qwen35moe", "trained-qwen35-256"])
 def test_round_trip_gguf_transformers_gguf_reproduces_every_tensor(name, tmp_path):
-    from harness.gguf_model import GGUFModel
+    from harness.model.gguf_model import GGUFModel
 
     src = GGUFModel(fx.build(name))
     lm = convert.to_transformers(src)
@@ -209,10 +209,10 @@ def test_round_trip_gguf_transformers_gguf_reproduces_every_tensor(name, tmp_pat
 
 @pytest.mark.hf
 def test_transformers_engine_chunks_activations_and_float64(source_tokens):
+    from harness.compare.metrics import cosine
     from harness.engines.base import gather
     from harness.engines.registry import resolve_engine
     from harness.engines.transformers_engine import load_transformers
-    from harness.metrics import cosine
 
     path = fx.build("trained-qwen35")
     toks = source_tokens

@@ -1,4 +1,4 @@
-"""Discharge and status (harness/discharge.py), run in a temporary copy of the repository.
+"""Discharge and status (harness/contracts/discharge.py), run in a temporary copy of the repository.
 
 A deliberately vacuous test is reported VACUOUS (not discharged, exit 1); a RED subject that
 crashes is not RED; a discharged obligation becomes STALE when its bound test, its contract or
@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_contracts import ALL, repo_copy
 
 from harness.cli import main
-from harness.discharge import (
+from harness.contracts.discharge import (
     BOUND,
     DISCHARGED,
     ERROR,
@@ -28,8 +29,6 @@ from harness.discharge import (
     plan_sessions,
     status,
 )
-
-from test_contracts import ALL, repo_copy
 
 DEMO = """\
 id: demo-v1

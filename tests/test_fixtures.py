@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
-from harness.gguf_model import GGUFModel
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
 
 
 def test_same_seed_same_sha256(tmp_path):

@@ -30,11 +30,11 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from harness import fixtures as fx
 from harness.errors import InvalidInput, Unmeasured
-from harness.gguf_model import GGUFModel
-from harness.lint import lint_model
-from harness.thresholds import load_thresholds
+from harness.fixtures import synthetic as fx
+from harness.gates.thresholds import load_thresholds
+from harness.model.gguf_model import GGUFModel
+from harness.model.lint import lint_model
 
 EXAMPLES = int(os.environ.get("HARNESS_FUZZ_EXAMPLES", "60"))
 RANDOM = os.environ.get("HARNESS_FUZZ_RANDOM") == "1"
@@ -161,7 +161,7 @@ def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
     arrays there, and on an array whose length runs past the end it never stops."""
     from gguf import GGUFReader
 
-    from harness.gguf_model import _reader_class
+    from harness.model.gguf_model import _reader_class
 
     scratch.write_bytes(mutate(TINY_BYTES, ops))
     ours = _parse(_reader_class(), scratch)
@@ -176,7 +176,7 @@ def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
 def test_harness_reader_parses_fixtures_exactly_as_gguf_py(name):
     from gguf import GGUFReader
 
-    from harness.gguf_model import _reader_class
+    from harness.model.gguf_model import _reader_class
 
     assert _parse(_reader_class(), fx.build(name)) == _parse(GGUFReader, fx.build(name))
 
@@ -301,7 +301,7 @@ def contract_scratch(tmp_path_factory) -> Path:
 def test_contract_loader_on_generated_yaml(contract_scratch, doc):
     """``load_contracts`` (schema and semantic checks; test collection off) raises only
     ``InvalidInput`` (``ContractsInvalid``), each error naming its file."""
-    from harness.contracts import ContractsInvalid, load_contracts
+    from harness.contracts.loader import ContractsInvalid, load_contracts
 
     contract_scratch.write_text(doc, encoding="utf-8", errors="surrogatepass")
     try:
@@ -315,7 +315,7 @@ def test_contract_loader_on_generated_yaml(contract_scratch, doc):
 @pytest.mark.parametrize("text", ["id: x-v1\nobligations: &a [*a]\n", "id: x-v1\nequations: " + "[" * 3000 + "]" * 3000 + "\n"],
                          ids=["self-list", "deep-3000"])
 def test_contract_alias_bombs_and_deep_nesting_are_invalid(tmp_path, text):
-    from harness.contracts import load_contracts
+    from harness.contracts.loader import load_contracts
 
     (tmp_path / "contracts").mkdir()
     p = tmp_path / "contracts" / "x-v1.yaml"

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
 from harness.errors import InvalidInput
-from harness.gguf_model import GGUFModel
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

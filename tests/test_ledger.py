@@ -7,11 +7,11 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
-
-from harness import ledger as L
-from harness.errors import InvalidInput
-from harness.receipts import canonical_json, write_receipt
 from test_receipts import make_receipt
+
+from harness.errors import InvalidInput
+from harness.evidence import ledger as L
+from harness.evidence.receipts import canonical_json, write_receipt
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from harness.defects import DEFECTS, build_defect
 from harness.errors import InvalidInput
-from harness.lint import CODES, SEVERITY, lint_path
+from harness.fixtures.defects import DEFECTS, build_defect
+from harness.model.lint import CODES, SEVERITY, lint_path
 
 GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp"]
 REMEDY = ["qwen35.block_count=int:8", "qwen35.nextn_predict_layers=int:0"]
@@ -110,7 +110,13 @@ def test_memory_line_tiny_qwen35():
 
 
 def test_unsupported_arch_and_bad_override_raise(tmp_path):
-    from harness.fixtures import SPECS, build_vocab, make_metadata, make_tensors, write_gguf
+    from harness.fixtures.synthetic import (
+        SPECS,
+        build_vocab,
+        make_metadata,
+        make_tensors,
+        write_gguf,
+    )
 
     spec = SPECS["tiny-qwen35"]
     tokens, types, merges = build_vocab(0)

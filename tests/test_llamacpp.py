@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.compare.metrics import cosine
+from harness.compare.prompts import load_prompts
 from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from harness.errors import EngineError
-from harness.gguf_model import GGUFModel, parse_overrides
-from harness.metrics import cosine
-from harness.prompts import load_prompts
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel, parse_overrides
 
 TOKENS = list(range(30, 130))
 GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp", "small-qwen35-F16", "small-qwen35-Q8_0", "small-qwen35-Q4_K_M"]

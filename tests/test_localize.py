@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.compare.localize import LocalizeRequest, localize_activations, run_localize
 from harness.engines.registry import resolve_engine
 from harness.errors import Verdict
-from harness.gguf_model import GGUFModel
-from harness.localize import LocalizeRequest, localize_activations, run_localize
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
 
 
 @pytest.fixture(scope="module")

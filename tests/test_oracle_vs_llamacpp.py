@@ -10,12 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
-from harness import fixtures as fx
+from harness.compare.metrics import cosine, reference_margin
+from harness.compare.prompts import load_prompt_set
 from harness.engines.base import gather
 from harness.engines.registry import resolve_engine
-from harness.metrics import cosine, reference_margin
-from harness.prompts import load_prompt_set
+from harness.fixtures import synthetic as fx
 
 MIN_COSINE = 0.9999
 ARGMAX_MARGIN = 1e-3

@@ -7,19 +7,18 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.compare.parity import run_cell
+from harness.compare.prompts import PromptTokens, load_prompt_set, tokenize_prompts
 from harness.engines.base import EngineInfo
 from harness.engines.registry import resolve_engine
 from harness.errors import EngineError, NotComparable, Verdict
-from harness.gguf_model import GGUFModel
-from harness.parity import PromptTokens, run_cell, tokenize_prompts
-from harness.prompts import load_prompt_set
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
 
 pytestmark = pytest.mark.parity
 

@@ -9,11 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
-from harness.engines.base import EngineInfo, gather
-from harness.engines.registry import resolve_engine
-from harness.errors import Verdict
-from harness.probes import (
+from harness.compare.probes import (
     ProbeTolerance,
     overall_verdict,
     probe_decode,
@@ -23,6 +19,10 @@ from harness.probes import (
     probe_ubatch,
     split_points,
 )
+from harness.engines.base import EngineInfo
+from harness.engines.registry import resolve_engine
+from harness.errors import Verdict
+from harness.fixtures import synthetic as fx
 
 TOL = ProbeTolerance(min_cosine=0.9999, max_kld=1e-3)
 
@@ -30,7 +30,7 @@ TOL = ProbeTolerance(min_cosine=0.9999, max_kld=1e-3)
 @pytest.fixture(scope="module")
 def tokens():
     eng = resolve_engine("llama.cpp", fx.build("tiny-qwen35"))
-    from harness.prompts import load_prompts
+    from harness.compare.prompts import load_prompts
 
     return eng.tokenize(load_prompts(None)[0].text)[:130]
 
@@ -110,7 +110,7 @@ def test_nondeterministic_engine_fails_determinism(tokens):
 
 
 def test_overall_verdict_rules():
-    from harness.probes import ProbeResult
+    from harness.compare.probes import ProbeResult
 
     ok = lambda n: ProbeResult(n, Verdict.PASS)
     un = lambda n: ProbeResult(n, Verdict.UNMEASURED, reason="x")

@@ -9,10 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import metrics, receipts
+from harness.compare import metrics
 from harness.errors import InvalidInput
-from harness.receipts import file_sha256, load_receipt, receipt_id, write_receipt
-from harness.thresholds import load_thresholds
+from harness.evidence import receipts
+from harness.evidence.receipts import (
+    file_sha256,
+    load_receipt,
+    receipt_id,
+    write_receipt,
+)
+from harness.gates.thresholds import load_thresholds
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_SHA = "3" * 64

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.compare.inputs import resolve_inputs
+from harness.compare.parity import ParityRequest, build_receipt, run_cell
+from harness.compare.prompts import load_prompt_set, tokenize_prompts
 from harness.engines.registry import resolve_engine
-from harness.gguf_model import GGUFModel
-from harness.ledger import append_row, row_from_receipt
-from harness.parity import ParityRequest, build_receipt, run_cell, tokenize_prompts
-from harness.prompts import load_prompt_set
-from harness.receipts import write_receipt
-from harness.report import write_report
-from harness.thresholds import load_thresholds
-from harness.parity import shipped_thresholds
+from harness.evidence.receipts import write_receipt
+from harness.evidence.report import write_report
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +39,9 @@ def fail_receipt(tmp_path_factory):
 
     model = GGUFModel(path)
     res = run_cell(model, ref, Broken(), prompts, 0.98, 64)
-    resolved = load_thresholds(shipped_thresholds()).for_model(model.sha256, "fixture:tiny-qwen35")
-    rec = build_receipt(ParityRequest(model="fixture:tiny-qwen35"), model, pset, resolved, res)
+    inputs = resolve_inputs("fixture:tiny-qwen35")
+    inputs.prompt_set = pset
+    rec = build_receipt(ParityRequest(model="fixture:tiny-qwen35"), inputs, res)
     d = tmp_path_factory.mktemp("ev")
     jp, _ = write_receipt(rec, res.per_position, d / "receipts")
     return jp

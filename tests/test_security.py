@@ -16,7 +16,7 @@ cannot inject arguments into engines.
 - Paths named in contracts stay inside the repository: a contract citing
   ``tests/../../outside/test_x.py::test_x`` is refused without pytest importing that file.
   Currently it is imported (code outside the repository runs during ``harness contracts
-  validate``): refused by ``harness/contracts.py`` (the file is never collected).
+  validate``): refused by ``harness/contracts/loader.py`` (the file is never collected).
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
-from harness import fixtures as fx
+from harness.fixtures import synthetic as fx
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [REPO / "harness", REPO / "examples"]

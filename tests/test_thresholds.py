@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import InvalidInput, Unmeasured
-from harness.thresholds import load_thresholds
+from harness.gates.thresholds import load_thresholds
 
 REPO = Path(__file__).resolve().parents[1]
 SHA_A = "a" * 64

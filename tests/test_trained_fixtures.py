@@ -14,13 +14,13 @@ import json
 import numpy as np
 import pytest
 
-from harness import fixtures as fx
+from harness.compare.metrics import cosine, kl_divergence, reference_margin
 from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import resolve_engine
-from harness.gguf_model import GGUFModel
-from harness.lint import lint_path
-from harness.metrics import cosine, kl_divergence, reference_margin
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
+from harness.model.lint import lint_path
 
 TRAINED = ["trained-qwen35", "trained-qwen35moe", "trained-qwen35-256"]
 MIN_TOP1_PROB = 0.45  # issue 4: "aim for ≥ 0.45" mean top-1 probability on held-out text
@@ -60,15 +60,15 @@ def recipe(name: str) -> dict:
 
 
 def recorded_spec(r: dict):
-    from harness.training import TrainSpec
+    from harness.fixtures.training import TrainSpec
 
     return TrainSpec(**{**r["spec"], "mrope_section": tuple(r["spec"]["mrope_section"])})
 
 
 @pytest.mark.parametrize("name", TRAINED)
 def test_recipe_is_the_current_training_spec(name):
-    """``harness.training.SPECS`` must still produce what is committed (else retrain and commit)."""
-    from harness.training import SPECS
+    """``harness.fixtures.training.SPECS`` must still produce what is committed (else retrain and commit)."""
+    from harness.fixtures.training import SPECS
 
     assert recorded_spec(recipe(name)) == SPECS[name]
 
@@ -177,7 +177,7 @@ def test_retraining_reaches_the_recorded_loss(name, tmp_path):
     """Re-run the committed recipe (same spec, seed, steps) and check the held-out loss reaches
     the recorded bound. A different Python has a different stdlib corpus: then the corpus hash
     differs and the recorded loss is not a bound for it, which is reported as a skip."""
-    from harness.training import stdlib_corpus, train_spec
+    from harness.fixtures.training import stdlib_corpus, train_spec
 
     r = recipe(name)
     if stdlib_corpus().sha256 != r["corpus"]["files_sha256"]:

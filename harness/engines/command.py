@@ -31,7 +31,7 @@ import numpy as np
 from harness.config import HarnessConfig, load_config
 from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
 from harness.errors import EngineError, InvalidInput, NotComparable
-from harness.gguf_model import GGUFModel, Override
+from harness.model.gguf_model import GGUFModel, Override
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
 PLACEHOLDERS = ("{request}", "{out_dir}", "{model}", "{python}")

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -28,7 +28,7 @@ import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
 from harness.errors import EngineError
-from harness.gguf_model import Override
+from harness.model.gguf_model import Override
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _ERROR_LINE = re.compile(r"(error loading model[^\n]*|llama_model_load: error[^\n]*|GGML_ASSERT[^\n]*|failed to[^\n]*|missing tensor[^\n]*|error:[^\n]*)", re.I)

@@ -37,11 +37,10 @@ from harness.engines.oracle.qwen35 import (
     gated_delta_rule_chunked,
     rope_neox_partial,
     softplus,
-    split_query_gate,
 )
 from harness.engines.oracle.qwen35moe import moe
 from harness.errors import InvalidInput
-from harness.gguf_model import GGUFModel, Override
+from harness.model.gguf_model import GGUFModel, Override
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from harness.engines.base import Engine
 from harness.errors import InvalidInput
-from harness.gguf_model import Override
+from harness.model.gguf_model import Override
 
 BUILTIN = ("llama.cpp", "oracle")
 

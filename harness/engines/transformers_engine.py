@@ -1,7 +1,7 @@
 """transformers as a candidate engine: a third, independently written Qwen3.5 forward pass.
 
 The GGUF is turned back into a transformers ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``
-by the inverse conversion (``harness.convert.to_transformers``) and run on CPU in float32
+by the inverse conversion (``harness.fixtures.convert.to_transformers``) and run on CPU in float32
 (float64 on request). Where the oracle and transformers agree and a candidate does not, the
 candidate is wrong.
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError, InvalidInput
-from harness.gguf_model import GGUFModel, Override
+from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "float64")
 
@@ -75,7 +75,7 @@ class TransformersEngine:
     @cached_property
     def lm(self) -> Any:
         """The transformers model (built on first use; InvalidInput if it cannot be)."""
-        from harness.convert import to_transformers
+        from harness.fixtures.convert import to_transformers
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never look for hub kernels
         if self.threads:
@@ -101,7 +101,7 @@ class TransformersEngine:
                 "overrides": [o.to_flag() for o in self.overrides],
             },
             capabilities=["chunks", "activations"],
-            build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.convert.to_transformers"},
+            build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.fixtures.convert.to_transformers"},
         )
 
     # -- forward --------------------------------------------------------------------------

@@ -16,10 +16,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import pytest
-
-from harness.gguf_model import GGUFModel
-
 from contract_helpers import LONG, PROBE_SEED
+
+from harness.model.gguf_model import GGUFModel
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +75,7 @@ def subject_acts(candidate_engine, probe_tokens) -> Callable[..., dict[str, np.n
 @pytest.fixture(scope="session")
 def tolerance(request) -> Callable[[str], dict[str, Any]]:
     """``tolerance(obligation_id)``: the obligation's tolerance from contracts/*.yaml."""
-    from harness.contracts import load_contracts
+    from harness.contracts.loader import load_contracts
 
     root = Path(request.config.rootpath)
     table = {ob.id: ob.tolerance for c in load_contracts([root / "contracts"], check_tests=False) for ob in c.obligations}

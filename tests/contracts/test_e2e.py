@@ -1,6 +1,6 @@
 """Bound tests of contracts/qwen35-e2e-verification-v1.yaml: the candidate end to end.
 
-Parity against the reference (llama.cpp) through the parity cell (``harness.parity.run_cell``)
+Parity against the reference (llama.cpp) through the parity cell (``harness.compare.parity.run_cell``)
 with the gate numbers of thresholds.yaml; the report-only fields the cell records; determinism
 and pieces ≡ whole through the candidate's own ``logits(tokens, chunks)``. Subjects:
 ``candidate_engine``, ``reference_engine`` on ``harness_model_path``.
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from contract_helpers import LONG, PIECES
 
+from harness.compare.parity import run_cell
+from harness.compare.prompts import PromptTokens
 from harness.engines.base import gather
 from harness.errors import Verdict
-from harness.gguf_model import GGUFModel
-from harness.parity import PromptTokens, run_cell
+from harness.model.gguf_model import GGUFModel
 
 pytestmark = pytest.mark.contract
 
@@ -76,8 +77,8 @@ def whole_logits(memo_candidate, probe_tokens) -> np.ndarray:
 @pytest.fixture(scope="session")
 def gate(request, harness_model_path, harness_model_spec):
     """The thresholds.yaml gates resolved for the subject model (fails closed without a basis)."""
-    from harness.fixtures import sha256_of
-    from harness.thresholds import load_thresholds
+    from harness.fixtures.synthetic import sha256_of
+    from harness.gates.thresholds import load_thresholds
 
     return load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_of(harness_model_path), harness_model_spec)
 
@@ -90,7 +91,7 @@ def cell_prompts(probe_tokens) -> list[PromptTokens]:
 @pytest.fixture(scope="session")
 def parity_cell(memo_candidate, memo_reference, harness_model_path, cell_prompts, gate):
     """One parity cell of the candidate against the reference on the cell prompts."""
-    from harness.parity import KLD_GATES
+    from harness.compare.parity import KLD_GATES
 
     kld = {g: float(gate.gates[g].value) for g in KLD_GATES if g in gate.gates}
     return run_cell(GGUFModel(harness_model_path), memo_reference, memo_candidate, cell_prompts,
@@ -173,9 +174,9 @@ def test_pieces_equal_whole(candidate_engine, probe_tokens, whole_logits, tolera
 @pytest.fixture(scope="session")
 def probe_tolerance(request, harness_model_path, harness_model_spec):
     """The probe tolerances of thresholds.yaml (``probes.min_cosine``, ``probes.max_kld``)."""
-    from harness.fixtures import sha256_of
-    from harness.probes import ProbeTolerance
-    from harness.thresholds import load_thresholds
+    from harness.compare.probes import ProbeTolerance
+    from harness.fixtures.synthetic import sha256_of
+    from harness.gates.thresholds import load_thresholds
 
     r = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_of(harness_model_path), harness_model_spec)
     return ProbeTolerance(min_cosine=float(r.gate("min_cosine", "probes").value), max_kld=float(r.gate("max_kld", "probes").value))
@@ -184,7 +185,7 @@ def probe_tolerance(request, harness_model_path, harness_model_spec):
 def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
     """QE2E-PRB-005: the split-prompt probe passes: fed whole vs in two pieces split at 1-5
     (conv kernel), 63-65 (delta-rule chunk boundary) and seeded random points."""
-    from harness.probes import probe_split
+    from harness.compare.probes import probe_split
 
     r = probe_split(candidate_engine, probe_tokens, probe_tolerance, seed=0)
     if r.verdict is Verdict.UNMEASURED:
@@ -199,7 +200,7 @@ def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
 def test_probe_decode(candidate_engine, probe_tokens, probe_tolerance, where):
     """QE2E-PRB-006: the decode probe passes: a prefill of k tokens then one token per call
     equals the prompt fed whole."""
-    from harness.probes import probe_decode
+    from harness.compare.probes import probe_decode
 
     r = probe_decode(candidate_engine, probe_tokens[:40], probe_tolerance, prefill=(1, 16))
     if r.verdict is Verdict.UNMEASURED:

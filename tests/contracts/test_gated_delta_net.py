@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from contract_helpers import LONG, PIECES, SHORT, assert_close, need, recurrent_layers, rel_err
+from contract_helpers import (
+    LONG,
+    PIECES,
+    SHORT,
+    assert_close,
+    need,
+    recurrent_layers,
+    rel_err,
+)
 
 from harness.engines.oracle.qwen35 import (
     causal_conv1d,

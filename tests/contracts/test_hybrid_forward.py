@@ -2,7 +2,7 @@
 
 The layer schedule, pre-norm residual blocks, gated attention (output gate, QK-norm, partial
 rope, GQA), MoE routing and the shared expert, finiteness and shapes, the final norm, and
-per-layer agreement with the float64 oracle (``harness.metrics.compare_activations``). Each op is
+per-layer agreement with the float64 oracle (``harness.compare.metrics.compare_activations``). Each op is
 recomputed from the candidate's own inputs to it and the file's weights. Subject:
 ``candidate_engine`` on ``harness_model_path``.
 """
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from contract_helpers import SHORT, assert_close, attention_layers, need
 
+from harness.compare.metrics import compare_activations
 from harness.engines.oracle.qwen35 import (
     causal_attention,
     imrope_positions,
@@ -22,7 +23,6 @@ from harness.engines.oracle.qwen35 import (
     split_query_gate,
 )
 from harness.engines.oracle.qwen35moe import moe_experts
-from harness.metrics import compare_activations
 
 pytestmark = pytest.mark.contract
 

@@ -1,7 +1,7 @@
 """Bound tests of contracts/qwen35-shapes-v1.yaml: the model file's metadata, inventory, shapes
 and values. Subject: the model file ``harness_model_path`` (no engine runs).
 
-Each test asserts that the static check of its rule (``harness.lint``, one table-driven pass)
+Each test asserts that the static check of its rule (``harness.model.lint``, one table-driven pass)
 reports none of the rule's finding codes, and re-checks the rule's core directly where that is a
 line of arithmetic on the file.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.gguf_model import GGUFModel
-from harness.lint import lint_model
+from harness.model.gguf_model import GGUFModel
+from harness.model.lint import lint_model
 
 pytestmark = pytest.mark.contract
 

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from harness.engines.oracle.qwen35 import Qwen35Oracle
 from harness.engines.oracle.qwen35moe import Qwen35MoeOracle
-from harness.gguf_model import GGUFModel, Override
+from harness.model.gguf_model import GGUFModel, Override
 
 ORACLES = {"qwen35": Qwen35Oracle, "qwen35moe": Qwen35MoeOracle}
 

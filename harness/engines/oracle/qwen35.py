@@ -379,7 +379,7 @@ class _Recorder:
 class Qwen35Oracle:
     """Exact float64 forward of a ``qwen35`` GGUF; an engine named ``oracle``.
 
-    model: a ``harness.gguf_model.GGUFModel`` (or a path to one). Weights are dequantized by
+    model: a ``harness.model.gguf_model.GGUFModel`` (or a path to one). Weights are dequantized by
     ``gguf.quants`` one layer at a time and released after it, so peak memory is about one layer
     in float64 plus the [T, n_embd] residual stream (the output matrix is read in vocab slices when
     it is large). The prompt is processed layer by layer over the whole sequence; with ``chunks``
@@ -415,7 +415,7 @@ class Qwen35Oracle:
     output_slice_rows = 16384
 
     def __init__(self, model: Any):
-        from harness.gguf_model import GGUFModel
+        from harness.model.gguf_model import GGUFModel
 
         self.model = model if isinstance(model, GGUFModel) else GGUFModel(model)
         self.hp = self.model.hparams

@@ -41,8 +41,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from harness.contracts import Contract, Obligation, Red, load_contract, load_contracts, pytest_command
+from harness.contracts.loader import (
+    Contract,
+    Obligation,
+    Red,
+    load_contract,
+    load_contracts,
+    pytest_command,
+)
 from harness.errors import InvalidInput
+from harness.paths import SOURCE_ROOT
 
 SCHEMA_ID = "harness-discharge/v1"
 DEFAULT_CANDIDATE = "oracle"
@@ -284,9 +292,7 @@ def test_hashes(root: Path, tests: Sequence[str]) -> tuple[list[dict[str, Any]],
 
 
 def _package_root() -> Path:
-    import harness
-
-    return Path(harness.__file__).resolve().parent.parent
+    return SOURCE_ROOT
 
 
 def engine_source_files(name: str) -> list[str]:
@@ -295,7 +301,7 @@ def engine_source_files(name: str) -> list[str]:
     plus ``mutants.py``; ``llama.cpp`` its wrapper and worker; ``command:NAME`` the command
     protocol; ``planted:NAME`` ``mutants.py``."""
     oracle = ["harness/engines/oracle/__init__.py", "harness/engines/oracle/qwen35.py", "harness/engines/oracle/qwen35moe.py",
-              "harness/engines/base.py", "harness/gguf_model.py"]
+              "harness/engines/base.py", "harness/model/gguf_model.py"]
     if name == "oracle":
         return oracle
     if name.startswith("mutant:"):

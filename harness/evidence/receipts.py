@@ -32,13 +32,14 @@ import jsonschema
 import numpy as np
 
 from harness.errors import InvalidInput
+from harness.paths import SCHEMA_DIR, SOURCE_ROOT
 
 SCHEMA_ID = "harness-parity-receipt/v1"
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "receipt.schema.json"
+SCHEMA_PATH = SCHEMA_DIR / "receipt.schema.json"
 PROBE_SCHEMA_ID = "harness-probe-receipt/v1"
 SCHEMAS = {
     SCHEMA_ID: SCHEMA_PATH,
-    PROBE_SCHEMA_ID: Path(__file__).parent / "schemas" / "probe-receipt.schema.json",
+    PROBE_SCHEMA_ID: SCHEMA_DIR / "probe-receipt.schema.json",
 }
 """Receipt kinds by ``schema`` field: parity cells and self-consistency probe runs."""
 HASH_EXCLUDED = ("id", "created")
@@ -172,7 +173,7 @@ def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
         version = metadata.version("qwen35-harness")
     except metadata.PackageNotFoundError:
         version = "0+unknown"
-    repo = Path(repo_dir) if repo_dir else Path(__file__).resolve().parents[1]
+    repo = Path(repo_dir) if repo_dir else SOURCE_ROOT
     commit, dirty = _git(repo)
     return {"version": version, "git_commit": commit, "git_dirty": dirty}
 

@@ -16,7 +16,7 @@ line and the field (lines come from the YAML node marks of ``yaml.compose``):
   contract's equations;
 * every equation's ``oracle`` resolves to an attribute (``harness.engines.oracle.qwen35.gdn_gate``);
 * every ``red`` names a known mutant (``harness.engines.mutants.MUTANTS``), plant (``PLANTS``) or
-  fixture (``harness.fixtures`` or the defective fixtures of ``harness.defects``);
+  fixture (``harness.fixtures.synthetic`` or the defective fixtures of ``harness.fixtures.defects``);
 * every test exists: pytest collects the cited files in a subprocess (once per process and file
   set) and each cited ``file::function`` must be a collected test marked ``contract``.
 
@@ -42,9 +42,10 @@ import jsonschema
 import yaml
 
 from harness.errors import InvalidInput
+from harness.paths import SCHEMA_DIR
 from harness.yamlnodes import check_size, line_of
 
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "contract.schema.json"
+SCHEMA_PATH = SCHEMA_DIR / "contract.schema.json"
 CONTRACT_MARKER = "contract"
 RED_KINDS = ("mutant", "fixture", "planted")
 
@@ -261,8 +262,9 @@ def resolve_attribute(dotted: str) -> Any:
 
 def known_red_names() -> dict[str, set[str]]:
     """The names each kind of ``red`` accepts: mutants, plants, fixtures (incl. defects)."""
-    from harness import defects, fixtures
     from harness.engines.mutants import MUTANTS, PLANTS
+    from harness.fixtures import defects
+    from harness.fixtures import synthetic as fixtures
 
     return {"mutant": set(MUTANTS), "planted": set(PLANTS), "fixture": set(fixtures.fixture_names()) | set(defects.DEFECTS)}
 

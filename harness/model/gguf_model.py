@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -447,7 +447,7 @@ class GGUFModel:
 
 def open_model(spec: str | os.PathLike, overrides: Iterable[Override] = ()) -> GGUFModel:
     """Open ``spec`` (a path or ``fixture:NAME``, built on demand) as a ``GGUFModel``."""
-    from harness.fixtures import resolve_model
+    from harness.fixtures.synthetic import resolve_model
 
     return GGUFModel(resolve_model(spec), overrides)
 

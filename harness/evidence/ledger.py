@@ -31,7 +31,13 @@ import pandas as pd
 from filelock import FileLock, Timeout
 
 from harness.errors import InvalidInput
-from harness.receipts import canonical_json, file_sha256, load_receipt, sha256_hex, utc_now
+from harness.evidence.receipts import (
+    canonical_json,
+    file_sha256,
+    load_receipt,
+    sha256_hex,
+    utc_now,
+)
 
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""

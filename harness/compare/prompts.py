@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.errors import InvalidInput
+from harness.errors import InvalidInput, NotComparable
+from harness.paths import DATA_DIR
 
-DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts" / "default.jsonl"
+DEFAULT_PROMPTS = DATA_DIR / "prompts" / "default.jsonl"
 
 
 @dataclass
@@ -89,3 +90,31 @@ def load_prompt_set(path: str | Path | None) -> PromptSet:
 def load_prompts(path: str | Path | None) -> list[Prompt]:
     """The prompts of ``load_prompt_set(path)``."""
     return load_prompt_set(path).prompts
+
+
+@dataclass
+class PromptTokens:
+    """A prompt's id and the token ids both engines receive."""
+
+    id: str
+    tokens: list[int]
+    source: str  # "text" (tokenized by the reference) or "ids"
+
+
+def tokenize_prompts(prompt_set: PromptSet, tokenizer: Any) -> list[PromptTokens]:
+    """Token ids per prompt: given ``tokens`` as they are, ``text`` through
+    ``tokenizer.tokenize`` (the reference's tokenizer). Raises ``NotComparable`` when a text
+    tokenizes to nothing."""
+    texts = [p.text for p in prompt_set if p.tokens is None]
+    many = getattr(tokenizer, "tokenize_many", None)
+    ids = iter(many(texts) if many and texts else [tokenizer.tokenize(t) for t in texts])  # no texts: no tokenizer run
+    out = []
+    for p in prompt_set:
+        if p.tokens is not None:
+            out.append(PromptTokens(p.id, list(p.tokens), "ids"))
+        else:
+            toks = next(ids)
+            if not toks:
+                raise NotComparable(f"prompt {p.id!r} tokenizes to no tokens")
+            out.append(PromptTokens(p.id, toks, "text"))
+    return out

@@ -25,9 +25,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from harness import metrics
+from harness.compare import metrics
 from harness.engines.base import Engine, gather
-from harness.errors import Verdict
+from harness.errors import InvalidInput, Verdict
+from harness.paths import SOURCE_ROOT
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 UBATCH_SIZES = (1, 2, 7, 64, 512)
@@ -278,31 +279,17 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
 
     Raises ``InvalidInput`` (unknown probe, bad inputs, tolerance without basis), ``EngineError``.
     """
-    from pathlib import Path
-
-    from harness.engines.llamacpp import LlamaCppEngine
-    from harness.engines.registry import resolve_engine
-    from harness.errors import InvalidInput
-    from harness.fixtures import resolve_model
-    from harness.gguf_model import GGUFModel, parse_overrides
-    from harness.parity import DEFAULT_LEDGER, model_display_name, resolve_thresholds_path, tokenize_prompts
-    from harness.prompts import load_prompt_set
-    from harness.thresholds import load_thresholds
+    from harness.compare.inputs import resolve_inputs
 
     names = list(req.only) or list(PROBE_NAMES)
     unknown = [n for n in names if n not in PROBE_NAMES]
     if unknown:
         raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
-    overrides = parse_overrides(req.overrides)
-    thresholds = load_thresholds(resolve_thresholds_path(req.thresholds))
-    path = resolve_model(req.model)
-    model = GGUFModel(path, overrides)
-    model.hparams
-    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model), f"quant:{model.file_type}")
+    inputs = resolve_inputs(req.model, thresholds=req.thresholds, overrides=req.overrides, prompts=req.prompts)
+    resolved = inputs.resolved
     tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
-    engine = resolve_engine(req.candidate, path, overrides)
-    tokenizer = LlamaCppEngine(path, overrides)
-    prompts = [p.tokens for p in tokenize_prompts(load_prompt_set(req.prompts), tokenizer)]
+    engine = inputs.engine(req.candidate)
+    prompts = [p.tokens for p in inputs.tokens()]
     main = max(prompts, key=len)[:160]  # spans the 63/64/65 chunk boundary
     short = main[:80]
     runs: dict[str, Callable[[], ProbeResult]] = {
@@ -311,7 +298,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         "ubatch": lambda: probe_ubatch(engine, main, tol),
         "multiseq": lambda: probe_multiseq(engine, [p[:60] for p in sorted(prompts, key=len, reverse=True)[:3]], tol),
         "determinism": lambda: probe_determinism(engine, main),
-        "long": lambda: probe_long(engine, resolve_engine(req.reference, path, overrides), long_tokens(prompts), resolved.min_cosine),
+        "long": lambda: probe_long(engine, inputs.engine(req.reference), long_tokens(prompts), resolved.min_cosine),
     }
     results = []
     for n in names:
@@ -319,24 +306,22 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
             progress(n)
         results.append(runs[n]())
     verdict, message = overall_verdict(results)
-    d = model.describe()
-    from harness.receipts import harness_info, host_info
+    from harness.evidence.receipts import harness_info, host_info
 
     ref_info = None
     if "long" in names:
-        ref_info = resolve_engine(req.reference, path, overrides).info.to_dict()
+        ref_info = inputs.engine(req.reference).info.to_dict()
     cosines = [c.min_cosine for r in results for c in r.comparisons if c.min_cosine is not None]
     kinds = {resolved.gate(g, "probes").basis_kind for g in ("min_cosine", "max_kld")}
     receipt = {
         "schema": "harness-probe-receipt/v1",
         "kind": "probe",
         "host": host_info(),
-        "harness": harness_info(Path(__file__).resolve().parent.parent),
+        "harness": harness_info(SOURCE_ROOT),
         "command": list(req.argv) or ["harness", "probe"],
-        "model": {"path": d["path"], "name": model_display_name(req.model), "sha256": d["sha256"], "arch": d["arch"],
-                  "file_type": d["file_type"], "overrides": d["overrides"]},
+        "model": inputs.model_record(),
         "engines": {"candidate": engine.info.to_dict(), "reference": ref_info},
-        "prompts": {"path": str(load_prompt_set(req.prompts).path), "main_tokens": main},
+        "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main},
         "thresholds": resolved.to_receipt(),
         "probes": [r.to_dict() for r in results],
         "verdict": verdict.value,
@@ -348,13 +333,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     }
     if not req.write_evidence:
         return ProbeRun(results, verdict, message, receipt)
-    import json
+    from harness.evidence.record import record_evidence
 
-    from harness.ledger import append_row, row_from_receipt
-    from harness.receipts import write_receipt
-
-    ledger_path = Path(req.ledger) if req.ledger else DEFAULT_LEDGER
-    json_path, _ = write_receipt(receipt, {}, ledger_path.parent / "receipts")
-    written = json.loads(json_path.read_text())
-    row = append_row(ledger_path, row_from_receipt(written), json_path)
-    return ProbeRun(results, verdict, message, written, json_path, row)
+    rec = record_evidence(receipt, {}, req.ledger)
+    return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row)

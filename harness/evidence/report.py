@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.receipts import load_receipt
+from harness.evidence.receipts import load_receipt
 
 
 def _plt():

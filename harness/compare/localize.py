@@ -14,13 +14,13 @@ state carried between calls are localized too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from harness import metrics
+from harness.compare import metrics
 from harness.errors import InvalidInput, Verdict
-from harness.gguf_model import Qwen35HParams
+from harness.model.gguf_model import Qwen35HParams
 
 MOE_OPS = ("ffn_moe", "ffn_shexp", "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_out", "post_moe")
 
@@ -153,36 +153,27 @@ def run_localize(req: LocalizeRequest) -> Localization:
     Raises ``InvalidInput`` (unknown prompt, an engine without activations, bounds without a
     basis) and ``EngineError``.
     """
-    from harness.engines.llamacpp import LlamaCppEngine
-    from harness.engines.registry import resolve_engine
-    from harness.fixtures import resolve_model
-    from harness.gguf_model import GGUFModel, parse_overrides
-    from harness.parity import model_display_name, resolve_thresholds_path, tokenize_prompts
-    from harness.prompts import load_prompt_set
-    from harness.thresholds import load_thresholds
+    from harness.compare.inputs import resolve_inputs
 
-    overrides = parse_overrides(req.overrides)
-    th = load_thresholds(resolve_thresholds_path(req.thresholds))
-    path = resolve_model(req.model)
-    model = GGUFModel(path, overrides)
-    hp = model.hparams
-    resolved = th.for_model(model.sha256, req.model, model_display_name(req.model), f"quant:{model.file_type}")
+    inputs = resolve_inputs(req.model, thresholds=req.thresholds, overrides=req.overrides, prompts=req.prompts)
+    hp = inputs.model.hparams
+    resolved = inputs.resolved
     max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)
     min_cos = float(resolved.gate("localize_min_cosine", "probes").value)
-    pset = load_prompt_set(req.prompts)
+    pset = inputs.prompt_set
     chosen = [p for p in pset if req.prompt is None or p.id == req.prompt]
     if not chosen:
         raise InvalidInput(f"no prompt {req.prompt!r} in {pset.path}; prompts: {', '.join(p.id for p in pset)}")
     pset.prompts = chosen[:1]
-    tokens = tokenize_prompts(pset, LlamaCppEngine(path, overrides))[0].tokens[: req.max_tokens]
+    tokens = inputs.tokens()[0].tokens[: req.max_tokens]
     chunks = req.chunks
     if chunks is not None and sum(chunks) != len(tokens):
         if sum(chunks) < len(tokens):
             chunks = list(chunks) + [len(tokens) - sum(chunks)]
         else:
             raise InvalidInput(f"--chunks {chunks} sum past the prompt's {len(tokens)} tokens")
-    oracle = resolve_engine("oracle", path, overrides)
-    cand = resolve_engine(req.candidate, path, overrides)
+    oracle = inputs.engine("oracle")
+    cand = inputs.engine(req.candidate)
     if not hasattr(cand, "activations"):
         raise InvalidInput(f"candidate {req.candidate} does not expose activations; localization needs them")
     ref_acts = oracle.activations(tokens, chunks)

@@ -51,7 +51,12 @@ import numpy as np
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from harness.errors import InvalidInput
-from harness.gguf_model import HPARAM_KEYS, GGUFModel, Qwen35HParams, parse_overrides
+from harness.model.gguf_model import (
+    HPARAM_KEYS,
+    GGUFModel,
+    Qwen35HParams,
+    parse_overrides,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Codes
@@ -653,6 +658,6 @@ def lint_path(spec: str, overrides: list[str] | None = None) -> LintReport:
     Raises ``InvalidInput`` (exit 2) for a bad override, a missing, unreadable or truncated file,
     or an unsupported architecture.
     """
-    from harness.fixtures import resolve_model
+    from harness.fixtures.synthetic import resolve_model
 
     return lint_model(GGUFModel(resolve_model(spec), parse_overrides(overrides)))

@@ -14,30 +14,29 @@ NOT-COMPARABLE; an engine that fails is ENGINE-ERROR.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness import metrics
+from harness.compare import metrics
+from harness.compare.inputs import RunInputs, resolve_inputs
+from harness.compare.prompts import PromptTokens
 from harness.engines.base import Engine, LogitBlock
-from harness.errors import EngineError, HarnessError, InvalidInput, NotComparable, Verdict
-from harness.gguf_model import GGUFModel, Override
-from harness.prompts import PromptSet
+from harness.errors import (
+    EngineError,
+    HarnessError,
+    InvalidInput,
+    NotComparable,
+    Verdict,
+)
+from harness.evidence.record import record_evidence
+from harness.model.gguf_model import GGUFModel
+from harness.paths import SOURCE_ROOT
 
 Progress = Callable[[str, int, int], None]
 """``progress(prompt_id, positions_done, positions_total)``."""
-
-
-@dataclass
-class PromptTokens:
-    """A prompt's id and the token ids both engines receive."""
-
-    id: str
-    tokens: list[int]
-    source: str  # "text" (tokenized by the reference) or "ids"
 
 
 @dataclass
@@ -56,25 +55,6 @@ class CellResult:
     reference_info: dict[str, Any]
     n_vocab: int
     message: str = ""
-
-
-def tokenize_prompts(prompt_set: PromptSet, tokenizer: Any) -> list[PromptTokens]:
-    """Token ids per prompt: given ``tokens`` as they are, ``text`` through
-    ``tokenizer.tokenize`` (the reference's tokenizer). Raises ``NotComparable`` when a text
-    tokenizes to nothing."""
-    texts = [p.text for p in prompt_set if p.tokens is None]
-    many = getattr(tokenizer, "tokenize_many", None)
-    ids = iter(many(texts) if many and texts else [tokenizer.tokenize(t) for t in texts])  # no texts: no tokenizer run
-    out = []
-    for p in prompt_set:
-        if p.tokens is not None:
-            out.append(PromptTokens(p.id, list(p.tokens), "ids"))
-        else:
-            toks = next(ids)
-            if not toks:
-                raise NotComparable(f"prompt {p.id!r} tokenizes to no tokens")
-            out.append(PromptTokens(p.id, toks, "text"))
-    return out
 
 
 def _guarded(name: str, blocks: Iterator[LogitBlock]) -> Iterator[LogitBlock]:
@@ -264,10 +244,6 @@ def run_cell(
 # ---------------------------------------------------------------------------------------------
 # The main job: resolve inputs, run the cell, write the receipt and the ledger row
 # ---------------------------------------------------------------------------------------------
-DEFAULT_LEDGER = Path("evidence/parity/ledger.jsonl")
-DEFAULT_THRESHOLDS = Path("thresholds.yaml")
-
-
 @dataclass
 class ParityRequest:
     """Inputs of one ``harness parity`` cell. ``model`` is a path or ``fixture:NAME``;
@@ -296,33 +272,17 @@ class ParityOutcome:
     ledger_path: Path | None
 
 
-def shipped_thresholds() -> Path:
-    """thresholds.yaml of the harness checkout/package (used when ./thresholds.yaml is absent)."""
-    return Path(__file__).resolve().parent.parent / "thresholds.yaml"
-
-
-def resolve_thresholds_path(given: str | None) -> Path:
-    if given:
-        return Path(given)
-    return DEFAULT_THRESHOLDS if DEFAULT_THRESHOLDS.is_file() else shipped_thresholds()
-
-
-def model_display_name(spec: str) -> str:
-    return spec if str(spec).startswith("fixture:") else Path(spec).name
-
-
-def build_receipt(req: ParityRequest, model: GGUFModel, prompt_set: PromptSet, resolved, result: CellResult) -> dict[str, Any]:
+def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult) -> dict[str, Any]:
     """The receipt dict (schema ``harness-parity-receipt/v1``, before id/arrays are added)."""
-    from harness.receipts import harness_info, host_info
+    from harness.evidence.receipts import harness_info, host_info
 
-    d = model.describe()
+    prompt_set = inputs.prompt_set
     return {
         "kind": result.kind,
         "host": host_info(),
-        "harness": harness_info(Path(__file__).resolve().parent.parent),
+        "harness": harness_info(SOURCE_ROOT),
         "command": list(req.argv) or ["harness", "parity"],
-        "model": {"path": d["path"], "name": model_display_name(req.model), "sha256": d["sha256"], "arch": d["arch"],
-                  "file_type": d["file_type"], "overrides": d["overrides"]},
+        "model": inputs.model_record(),
         "engines": {"reference": result.reference_info, "candidate": result.candidate_info},
         "prompts": {
             "id": prompt_set.id,
@@ -332,7 +292,7 @@ def build_receipt(req: ParityRequest, model: GGUFModel, prompt_set: PromptSet, r
             "positions": sum(len(p.tokens) for p in result.prompts),
             "items": [{"id": p.id, "source": p.source, "tokens": p.tokens} for p in result.prompts],
         },
-        "thresholds": resolved.to_receipt(),
+        "thresholds": inputs.resolved.to_receipt(),
         "gated": {"verdict": result.verdict.value, "message": result.message, **result.gate},
         "report_only": result.summary,
         "per_prompt": result.per_prompt,
@@ -343,45 +303,23 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     """Run one parity cell end to end and write its evidence.
 
     Order matters for honest failures: inputs (thresholds, model, prompts) are validated before
-    any engine runs, so a threshold without a basis refuses to gate (``InvalidInput``) without
-    spending engine time. Raises ``InvalidInput``, ``EngineError``, ``NotComparable``.
+    any engine runs (``resolve_inputs``), so a threshold without a basis refuses to gate
+    (``InvalidInput``) without spending engine time. Raises ``InvalidInput``, ``EngineError``,
+    ``NotComparable``.
     """
-    from harness.engines.llamacpp import LlamaCppEngine
-    from harness.engines.registry import resolve_engine
-    from harness.fixtures import resolve_model
-    from harness.gguf_model import parse_overrides
-    from harness.prompts import load_prompt_set
-    from harness.thresholds import load_thresholds
-
-    overrides = parse_overrides(req.overrides)
-    thresholds = load_thresholds(resolve_thresholds_path(req.thresholds))
-    path = resolve_model(req.model)
-    model = GGUFModel(path, overrides)
-    model.hparams  # validates arch and required keys (InvalidInput) before any engine runs
-    resolved = thresholds.for_model(model.sha256, req.model, model_display_name(req.model), f"quant:{model.file_type}")
-    prompt_set = load_prompt_set(req.prompts)
-    reference = resolve_engine(req.reference, path, overrides)
-    candidate = resolve_engine(req.candidate, path, overrides)
-    tokenizer = reference if hasattr(reference, "tokenize") else LlamaCppEngine(path, overrides)
-    prompts = tokenize_prompts(prompt_set, tokenizer)
+    inputs = resolve_inputs(req.model, thresholds=req.thresholds, overrides=req.overrides, prompts=req.prompts)
+    resolved = inputs.resolved
     unknown = [g for g in resolved.gates if g not in PARITY_GATES]
     if unknown:
         raise InvalidInput(f"{resolved.path}: unknown gate {unknown[0]!r}; parity gates: {', '.join(PARITY_GATES)}")
+    reference = inputs.engine(req.reference)
+    candidate = inputs.engine(req.candidate)
+    prompts = inputs.tokens(reference)
     kld_gates = {g: float(resolved.gates[g].value) for g in KLD_GATES if g in resolved.gates}
-    result = run_cell(model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
-                      thresholds.near_tie_margin, progress, kld_gates)
-    receipt = build_receipt(req, model, prompt_set, resolved, result)
+    result = run_cell(inputs.model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
+                      inputs.thresholds.near_tie_margin, progress, kld_gates)
+    receipt = build_receipt(req, inputs, result)
     if not req.write_evidence:
         return ParityOutcome(result, receipt, None, None, None)
-    from harness.ledger import append_row, row_from_receipt
-    from harness.receipts import write_receipt
-
-    ledger_path = Path(req.ledger) if req.ledger else DEFAULT_LEDGER
-    receipts_dir = ledger_path.parent / "receipts"
-    arrays = {k: np.asarray(v) for k, v in result.per_position.items()}
-    json_path, _ = write_receipt(receipt, arrays, receipts_dir)
-    import json as _json
-
-    written = _json.loads(json_path.read_text())
-    row = append_row(ledger_path, row_from_receipt(written), json_path)
-    return ParityOutcome(result, written, json_path, row, ledger_path)
+    rec = record_evidence(receipt, result.per_position, req.ledger)
+    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path)

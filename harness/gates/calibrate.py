@@ -32,7 +32,7 @@ import numpy as np
 import yaml
 from scipy import stats
 
-from harness import metrics
+from harness.compare import metrics
 from harness.engines.base import gather
 from harness.errors import HarnessError, Verdict
 
@@ -175,9 +175,8 @@ class CalibrationResult:
 
 
 def _prompts(model_path, n_max_tokens: int = 256) -> list[list[int]]:
+    from harness.compare.prompts import load_prompt_set, tokenize_prompts
     from harness.engines.llamacpp import LlamaCppEngine
-    from harness.parity import tokenize_prompts
-    from harness.prompts import load_prompt_set
 
     ps = tokenize_prompts(load_prompt_set(None), LlamaCppEngine(model_path))
     return [p.tokens[:n_max_tokens] for p in ps]
@@ -185,13 +184,18 @@ def _prompts(model_path, n_max_tokens: int = 256) -> list[list[int]]:
 
 def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> CalibrationResult:
     """Run every pair of ``plan`` and propose thresholds (does not write them)."""
+    from harness.compare.localize import localize_activations
+    from harness.compare.probes import (
+        ProbeTolerance,
+        probe_decode,
+        probe_determinism,
+        probe_split,
+    )
     from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
     from harness.engines.mutants import MUTANTS
     from harness.engines.registry import resolve_engine
-    from harness.fixtures import resolve_model
-    from harness.gguf_model import GGUFModel
-    from harness.localize import localize_activations
-    from harness.probes import ProbeTolerance, probe_decode, probe_determinism, probe_split
+    from harness.fixtures.synthetic import resolve_model
+    from harness.model.gguf_model import GGUFModel
 
     goods: list[PairStats] = []
     bads: list[PairStats] = []
@@ -407,12 +411,12 @@ def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
     import os
     import tempfile
 
-    from harness.thresholds import load_thresholds
+    from harness.gates.thresholds import load_thresholds
 
     path = Path(path)
     header = (
         "# Every number that gates a verdict, each with its basis (../shared/DESIGN.md, \"Thresholds\").\n"
-        "# Written by `harness calibrate` (harness/calibrate.py): measured bases name the command, n, the\n"
+        "# Written by `harness calibrate` (harness/gates/calibrate.py): measured bases name the command, n, the\n"
         "# known-good floor and the known-bad values each threshold separates. Schema:\n"
         "# harness/schemas/thresholds.schema.json. Edit by re-running calibration, or replace a value with a\n"
         "# declared basis (who, why) — a number without a basis refuses to gate (exit 2).\n"

@@ -26,16 +26,17 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import jsonschema
 import yaml
 
 from harness.errors import InvalidInput, Unmeasured
+from harness.paths import SCHEMA_DIR
 from harness.yamlnodes import check_size, line_of
 
 SCHEMA_ID = "harness-thresholds/v1"
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "thresholds.schema.json"
+SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
 SECTIONS = ("gates", "probes")
 DEFAULT_NEAR_TIE_MARGIN = 0.25
 

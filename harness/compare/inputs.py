@@ -1,0 +1,111 @@
+"""Inputs of every command that runs engines, resolved once, in one order.
+
+``harness parity``, ``probe``, ``localize`` (and the pytest plugin) all need the same things
+before an engine runs: ``--override-kv`` flags parsed, thresholds loaded (a gate without a basis
+refuses here, before engine time is spent), the model resolved (path or ``fixture:NAME``) and its
+hyperparameters validated, the thresholds resolved for that model (by sha256, fixture name and
+``quant:FILE_TYPE``), the prompt set loaded, and engines named the same way everywhere.
+``resolve_inputs`` does that once; ``RunInputs`` then hands out engines, the reference tokenizer
+and token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.compare.prompts import (
+    PromptSet,
+    PromptTokens,
+    load_prompt_set,
+    tokenize_prompts,
+)
+from harness.engines.base import Engine
+from harness.fixtures.synthetic import resolve_model
+from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
+from harness.model.gguf_model import GGUFModel, Override, parse_overrides
+from harness.paths import SOURCE_ROOT
+
+DEFAULT_THRESHOLDS = Path("thresholds.yaml")
+
+
+def shipped_thresholds() -> Path:
+    """thresholds.yaml of the harness checkout/package (used when ./thresholds.yaml is absent)."""
+    return SOURCE_ROOT / "thresholds.yaml"
+
+
+def resolve_thresholds_path(given: str | Path | None) -> Path:
+    """``given``; else ./thresholds.yaml when present; else the shipped copy."""
+    if given:
+        return Path(given)
+    return DEFAULT_THRESHOLDS if DEFAULT_THRESHOLDS.is_file() else shipped_thresholds()
+
+
+def model_display_name(spec: str) -> str:
+    """``fixture:NAME`` as given, a path by its file name (receipts keep the full path too)."""
+    return spec if str(spec).startswith("fixture:") else Path(spec).name
+
+
+@dataclass
+class RunInputs:
+    """Validated inputs of one run (see the module docstring).
+
+    ``model_spec`` is what the user gave (path or ``fixture:NAME``); ``path`` the file it resolved
+    to; ``overrides`` the parsed ``--override-kv`` flags, applied to every engine the run makes.
+    """
+
+    model_spec: str
+    path: Path
+    overrides: list[Override]
+    model: GGUFModel
+    thresholds: Thresholds
+    resolved: ResolvedThresholds
+    prompt_set: PromptSet
+
+    @property
+    def display_name(self) -> str:
+        return model_display_name(self.model_spec)
+
+    def engine(self, name: str) -> Engine:
+        """A new instance of the engine ``name`` (registry names) on this model, with the run's
+        overrides. Raises ``InvalidInput`` (unknown name) or ``EngineError`` (cannot load)."""
+        from harness.engines.registry import resolve_engine
+
+        return resolve_engine(name, self.path, self.overrides)
+
+    def tokenizer(self, reference: Engine | None = None) -> Any:
+        """The reference's tokenizer: ``reference`` itself when it tokenizes, else llama.cpp on
+        the same file (token ids always come from llama.cpp's vocabulary)."""
+        if reference is not None and hasattr(reference, "tokenize"):
+            return reference
+        from harness.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(self.path, self.overrides)
+
+    def tokens(self, reference: Engine | None = None, prompt_set: PromptSet | None = None) -> list[PromptTokens]:
+        """Token ids of every prompt of ``prompt_set`` (default: the run's), tokenized by
+        ``tokenizer(reference)``. Raises ``NotComparable`` for a text with no tokens."""
+        return tokenize_prompts(prompt_set or self.prompt_set, self.tokenizer(reference))
+
+    def model_record(self) -> dict[str, Any]:
+        """The receipt's ``model`` field: path, display name, sha256, arch, file type, overrides."""
+        d = self.model.describe()
+        return {"path": d["path"], "name": self.display_name, "sha256": d["sha256"], "arch": d["arch"],
+                "file_type": d["file_type"], "overrides": d["overrides"]}
+
+
+def resolve_inputs(model: str, *, thresholds: str | Path | None = None, overrides: list[str] | None = None,
+                   prompts: str | Path | None = None) -> RunInputs:
+    """Resolve a run's inputs in the order that makes failures cheap (module docstring).
+
+    Raises ``InvalidInput`` (bad override, thresholds without basis, unreadable or unsupported
+    model, bad prompt file) before any engine runs.
+    """
+    ov = parse_overrides(overrides or [])
+    th = load_thresholds(resolve_thresholds_path(thresholds))
+    path = resolve_model(model)
+    gm = GGUFModel(path, ov)
+    gm.hparams  # validates arch and required keys (InvalidInput) before any engine runs
+    resolved = th.for_model(gm.sha256, model, model_display_name(model), f"quant:{gm.file_type}")
+    return RunInputs(model, path, ov, gm, th, resolved, load_prompt_set(prompts))

@@ -1,0 +1,46 @@
+"""Recording a run's evidence: its receipt (JSON + array sidecar) and its ledger row, in that
+order, the one path every command that writes evidence takes (parity, probe, and what builds on
+them).
+
+Layout: ``<ledger dir>/receipts/<id>.json`` and ``<id>.npz`` beside the ledger
+(``evidence/parity/ledger.jsonl`` by default, relative to the current directory).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from harness.evidence.ledger import append_row, row_from_receipt
+from harness.evidence.receipts import write_receipt
+
+DEFAULT_LEDGER = Path("evidence/parity/ledger.jsonl")
+
+
+@dataclass
+class Recorded:
+    """What ``record_evidence`` wrote: the receipt as on disk, its path, the ledger row and the
+    ledger it was appended to."""
+
+    receipt: dict[str, Any]
+    receipt_path: Path
+    row: dict[str, Any]
+    ledger_path: Path
+
+
+def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | None) -> Recorded:
+    """Write ``receipt`` (and ``arrays``, per-position float/int arrays) into the receipts folder
+    beside ``ledger`` (None: ``DEFAULT_LEDGER``), then append its row to the ledger.
+
+    Raises ``InvalidInput`` (receipt breaks its schema, an unwritable folder) and whatever
+    ``append_row`` raises (a ledger that does not verify, a lock not obtained in time).
+    """
+    ledger_path = Path(ledger) if ledger else DEFAULT_LEDGER
+    json_path, _ = write_receipt(receipt, {k: np.asarray(v) for k, v in arrays.items()}, ledger_path.parent / "receipts")
+    written = json.loads(json_path.read_text())
+    row = append_row(ledger_path, row_from_receipt(written), json_path)
+    return Recorded(written, json_path, row, ledger_path)
