@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from harness.errors import HarnessError, InvalidInput
+from harness.provenance import sha256_file
 
 INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the harness, not a verdict
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -67,7 +68,7 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
         if not no_build:
             path = fx.build(name)
         d["path"] = str(path)
-        d["sha256"] = fx.sha256_of(path) if path.exists() else None
+        d["sha256"] = sha256_file(path) if path.exists() else None
         d["bytes"] = path.stat().st_size if path.exists() else None
         rows.append(d)
     if as_json:
@@ -97,7 +98,7 @@ def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
     for name in fx.fixture_names() if all_ else names:
         name = name.removeprefix("fixture:")
         path = fx.build(name, force=force)
-        click.echo(f"fixture:{name}  {path}  {fx.sha256_of(path)}")
+        click.echo(f"fixture:{name}  {path}  {sha256_file(path)}")
 
 
 @fixtures.command("train")

@@ -66,3 +66,28 @@ def line_of(root: yaml.Node | None, keys: Sequence[Any]) -> int:
             line = nxt.start_mark.line + 1
         node = nxt
     return line
+
+
+def duplicate_keys(root: yaml.Node | None) -> list[tuple[list[Any], int, int]]:
+    """Every repeated mapping key in the node tree (``yaml.safe_load`` silently keeps the last
+    one): ``(keys, line, first_line)`` with ``keys`` the path to the repeated key (sequence
+    indices as ints), ``line`` its 1-based line and ``first_line`` the line of its first
+    occurrence, in document order. Iterative; bounded by ``check_size`` run before it."""
+    out: list[tuple[list[Any], int, int]] = []
+    stack: list[tuple[yaml.Node, list[Any]]] = [(root, [])] if root is not None else []
+    while stack:
+        node, keys = stack.pop()
+        children: list[tuple[yaml.Node, list[Any]]] = []
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for k, v in node.value:
+                line = k.start_mark.line + 1
+                if k.value in seen:
+                    out.append((keys + [k.value], line, seen[k.value]))
+                else:
+                    seen[k.value] = line
+                children.append((v, keys + [k.value]))
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(v, keys + [i]) for i, v in enumerate(node.value)]
+        stack.extend(children)
+    return sorted(out, key=lambda d: d[1])

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from harness.errors import InvalidInput
 from harness.fixtures import convert
 from harness.fixtures import synthetic as fx
+from harness.provenance import sha256_file
 
 MIN_COSINE = 0.99999
 ARGMAX_MARGIN = 1e-3
@@ -173,7 +174,7 @@ def test_transformers_and_oracle_agree_with_llamacpp(name, source_tokens):
     assert hf_engine.info.name == "transformers" and hf_engine.n_vocab == ref.shape[1]
     hf = gather(hf_engine.logits(source_tokens))
     oracle = gather(resolve_engine("oracle", path).logits(source_tokens))
-    where = f"{name} sha256={fx.sha256_of(path)[:12]} n={len(source_tokens)}"
+    where = f"{name} sha256={sha256_file(path)[:12]} n={len(source_tokens)}"
     _agreement(ref, hf, f"transformers vs llama.cpp on {where}")
     _agreement(ref, oracle, f"oracle vs llama.cpp on {where}")
     _agreement(oracle, hf, f"transformers vs oracle on {where}")

@@ -7,15 +7,16 @@ import pytest
 
 from harness.fixtures import synthetic as fx
 from harness.model.gguf_model import GGUFModel
+from harness.provenance import sha256_file
 
 
 def test_same_seed_same_sha256(tmp_path):
     spec = fx.SPECS["tiny-qwen35"]
     a = fx.build_fixture(spec, tmp_path / "a.gguf")
     b = fx.build_fixture(spec, tmp_path / "b.gguf")
-    assert fx.sha256_of(a) == fx.sha256_of(b)
+    assert sha256_file(a) == sha256_file(b)
     # and the cached copy is the same bytes
-    assert fx.sha256_of(fx.build("tiny-qwen35")) == fx.sha256_of(a)
+    assert sha256_file(fx.build("tiny-qwen35")) == sha256_file(a)
 
 
 def test_other_seed_other_bytes(tmp_path):
@@ -24,14 +25,14 @@ def test_other_seed_other_bytes(tmp_path):
     spec = fx.SPECS["tiny-qwen35"]
     a = fx.build_fixture(spec, tmp_path / "a.gguf")
     b = fx.build_fixture(replace(spec, seed=spec.seed + 100), tmp_path / "b.gguf")
-    assert fx.sha256_of(a) != fx.sha256_of(b)
+    assert sha256_file(a) != sha256_file(b)
 
 
 def test_quantized_ladder_is_deterministic(tmp_path):
     src = fx.build("small-qwen35")
     a = fx.quantize(src, tmp_path / "a.gguf", "Q4_K_M")
     b = fx.quantize(src, tmp_path / "b.gguf", "Q4_K_M")
-    assert fx.sha256_of(a) == fx.sha256_of(b) == fx.sha256_of(fx.build("small-qwen35-Q4_K_M"))
+    assert sha256_file(a) == sha256_file(b) == sha256_file(fx.build("small-qwen35-Q4_K_M"))
 
 
 def test_quantized_ladder_really_uses_k_quants():

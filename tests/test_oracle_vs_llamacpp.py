@@ -15,6 +15,7 @@ from harness.compare.prompts import load_prompt_set
 from harness.engines.base import gather
 from harness.engines.registry import resolve_engine
 from harness.fixtures import synthetic as fx
+from harness.provenance import sha256_file
 
 MIN_COSINE = 0.9999
 ARGMAX_MARGIN = 1e-3
@@ -31,7 +32,7 @@ def test_oracle_matches_llamacpp_on_shipped_prompts(fixture):
         a = gather(ref.logits(tokens), len(tokens))
         b = gather(oracle.logits(tokens), len(tokens))
         cos = cosine(a, b)
-        where = f"{fixture} sha256={fx.sha256_of(path)[:12]} prompt={prompt.id} n={len(tokens)}"
+        where = f"{fixture} sha256={sha256_file(path)[:12]} prompt={prompt.id} n={len(tokens)}"
         max_abs = float(np.abs(a.astype(np.float64) - b).max())
         assert cos.min() >= MIN_COSINE, f"{where}: min cosine {cos.min():.8f} at position {int(cos.argmin())}; max |Δlogit| {max_abs:.3g}"
         decisive = reference_margin(a) > ARGMAX_MARGIN

@@ -13,12 +13,12 @@ from harness.compare import metrics
 from harness.errors import InvalidInput
 from harness.evidence import receipts
 from harness.evidence.receipts import (
-    file_sha256,
     load_receipt,
     receipt_id,
     write_receipt,
 )
 from harness.gates.thresholds import load_thresholds
+from harness.provenance import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_SHA = "3" * 64
@@ -103,9 +103,9 @@ def test_id_excludes_created_and_covers_everything_else():
 def test_same_measurement_twice_keeps_the_first_file(tmp_path):
     r, arrays = make_receipt()
     jp1, _ = write_receipt(dict(r, created="2026-01-01T00:00:00Z"), arrays, tmp_path)
-    before = file_sha256(jp1)
+    before = sha256_file(jp1)
     jp2, _ = write_receipt(dict(r, created="2026-02-02T00:00:00Z"), arrays, tmp_path)
-    assert jp1 == jp2 and file_sha256(jp2) == before  # a ledger row's receipt hash stays valid
+    assert jp1 == jp2 and sha256_file(jp2) == before  # a ledger row's receipt hash stays valid
 
 
 def test_npz_is_renamed_into_place_before_json(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from harness.engines.registry import resolve_engine
 from harness.fixtures import synthetic as fx
 from harness.model.gguf_model import GGUFModel
 from harness.model.lint import lint_path
+from harness.provenance import sha256_file
 
 TRAINED = ["trained-qwen35", "trained-qwen35moe", "trained-qwen35-256"]
 MIN_TOP1_PROB = 0.45  # issue 4: "aim for ≥ 0.45" mean top-1 probability on held-out text
@@ -92,7 +93,7 @@ def test_fixture_matches_its_recipe(name):
     path = fx.build(name)
     r = recipe(name)
     assert r["name"] == name
-    assert fx.sha256_of(path) == r["gguf_sha256"], f"{path} differs from its recipe's sha256"
+    assert sha256_file(path) == r["gguf_sha256"], f"{path} differs from its recipe's sha256"
     assert path.stat().st_size == r["gguf_bytes"] <= MAX_BYTES
     for field in ("files_sha256", "python_version", "train_tokens", "heldout_tokens", "source"):
         assert r["corpus"][field], field
@@ -126,7 +127,7 @@ def test_oracle_matches_llamacpp_on_trained_fixture(name, source_tokens):
     a = gather(resolve_engine("llama.cpp", path).logits(source_tokens))
     b = gather(resolve_engine("oracle", path).logits(source_tokens))
     cos = cosine(a, b)
-    where = f"{name} sha256={fx.sha256_of(path)[:12]} n={len(source_tokens)}"
+    where = f"{name} sha256={sha256_file(path)[:12]} n={len(source_tokens)}"
     assert cos.min() >= ORACLE_MIN_COSINE, f"{where}: min cosine {cos.min():.8f} at {int(cos.argmin())}"
     decisive = reference_margin(a) > ARGMAX_MARGIN
     differ = np.flatnonzero(decisive & (a.argmax(1) != b.argmax(1)))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ast
 import datetime
-import hashlib
 import json
 import os
 import subprocess
@@ -50,7 +49,8 @@ from harness.contracts.loader import (
     pytest_command,
 )
 from harness.errors import InvalidInput
-from harness.paths import SOURCE_ROOT
+from harness.engines.registry import engine_source_hashes
+from harness.provenance import git_state, sha256_bytes, sha256_file
 
 SCHEMA_ID = "harness-discharge/v1"
 DEFAULT_CANDIDATE = "oracle"
@@ -132,20 +132,6 @@ def plan_sessions(requests: Iterable[tuple[Subject, Sequence[str]]]) -> list[Ses
         else:
             sessions.append(Session(cands, [model], plant, sorted(ts)))
     return sessions + list(single.values())
-
-
-def git_state(root: Path) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` of the repository at ``root``."""
-    def git(*args: str) -> str | None:
-        try:
-            p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return p.stdout.strip() if p.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
 def run_session(root: Path, session: Session, timeout_s: float = SESSION_TIMEOUT_S) -> SessionRun:
@@ -239,11 +225,11 @@ def judge(runs: Sequence[SessionRun], tests: Sequence[str], subject: Subject, ex
 # ---------------------------------------------------------------------------------------------
 
 
-def sha256_file(path: Path) -> str | None:
-    """sha256 of a file's bytes, or None when it does not exist."""
+def _sha256_or_none(path: Path) -> str | None:
+    """sha256 of a file, or None when it cannot be read (a file deleted since is a change)."""
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
+        return sha256_file(path)
+    except InvalidInput:
         return None
 
 
@@ -278,58 +264,17 @@ def test_hashes(root: Path, tests: Sequence[str]) -> tuple[list[dict[str, Any]],
         rel, func = t.split("::", 1)
         path = root / rel
         src = function_source(path, func)
-        out.append({"nodeid": t, "file": rel, "file_sha256": sha256_file(path),
-                    "function_sha256": hashlib.sha256(src.encode()).hexdigest() if src is not None else None})
+        out.append({"nodeid": t, "file": rel, "file_sha256": _sha256_or_none(path),
+                    "function_sha256": sha256_bytes(src.encode()) if src is not None else None})
         folder = path.parent
         for p in sorted(folder.glob("*.py")):
             if not p.name.startswith("test_"):
-                support[p.relative_to(root).as_posix()] = sha256_file(p)
+                support[p.relative_to(root).as_posix()] = _sha256_or_none(p)
         while folder != root and root in folder.parents:
             folder = folder.parent
             if (folder / "conftest.py").exists():
-                support[(folder / "conftest.py").relative_to(root).as_posix()] = sha256_file(folder / "conftest.py")
+                support[(folder / "conftest.py").relative_to(root).as_posix()] = _sha256_or_none(folder / "conftest.py")
     return out, dict(sorted(support.items()))
-
-
-def _package_root() -> Path:
-    return SOURCE_ROOT
-
-
-def engine_source_files(name: str) -> list[str]:
-    """The harness source files (relative to the package's parent) an engine's numbers come
-    from: ``oracle`` its per-arch files, the model reader and the protocol; ``mutant:NAME`` those
-    plus ``mutants.py``; ``llama.cpp`` its wrapper and worker; ``command:NAME`` the command
-    protocol; ``planted:NAME`` ``mutants.py``."""
-    oracle = ["harness/engines/oracle/__init__.py", "harness/engines/oracle/qwen35.py", "harness/engines/oracle/qwen35moe.py",
-              "harness/engines/base.py", "harness/model/gguf_model.py"]
-    if name == "oracle":
-        return oracle
-    if name.startswith("mutant:"):
-        return oracle + ["harness/engines/mutants.py"]
-    if name.startswith("planted:"):
-        return ["harness/engines/mutants.py"]
-    if name in ("llama.cpp", "llamacpp", "llama-cpp"):
-        return ["harness/engines/llamacpp.py", "harness/engines/_llamacpp_worker.py", "harness/engines/base.py"]
-    if name.startswith("command:"):
-        return ["harness/engines/command.py", "harness/engines/base.py", "harness/config.py"]
-    if name == "transformers":
-        return ["harness/engines/transformers_engine.py", "harness/engines/base.py"]
-    return []
-
-
-def engine_hashes(name: str) -> dict[str, Any]:
-    """``{file: sha256}`` of ``engine_source_files(name)``, plus the llama-cpp-python version for
-    llama.cpp (its compiled library is the rest of that engine's source)."""
-    base = _package_root()
-    out: dict[str, Any] = {f: sha256_file(base / f) for f in engine_source_files(name)}
-    if name in ("llama.cpp", "llamacpp", "llama-cpp"):
-        try:
-            from importlib.metadata import version
-
-            out["llama-cpp-python"] = version("llama-cpp-python")
-        except Exception:  # pragma: no cover - metadata missing
-            out["llama-cpp-python"] = None
-    return out
 
 
 def model_sha256(spec: str) -> str | None:
@@ -339,7 +284,7 @@ def model_sha256(spec: str) -> str | None:
     from harness.pytest_plugin import resolve_subject_model
 
     try:
-        return sha256_file(resolve_subject_model(spec))
+        return _sha256_or_none(resolve_subject_model(spec))
     except HarnessError:
         return None
 
@@ -347,14 +292,14 @@ def model_sha256(spec: str) -> str | None:
 def _depends(root: Path, subjects: Sequence[Subject], reference: str | None, uses_candidate: bool = True) -> dict[str, Any]:
     engines: dict[str, Any] = {}
     for s in subjects if uses_candidate else ():
-        engines[s.candidate] = engine_hashes(s.candidate)
+        engines[s.candidate] = engine_source_hashes(s.candidate)
         if s.plant:
-            engines[f"planted:{s.plant}"] = engine_hashes(f"planted:{s.plant}")
+            engines[f"planted:{s.plant}"] = engine_source_hashes(f"planted:{s.plant}")
     if reference:
-        engines[reference] = engine_hashes(reference)
+        engines[reference] = engine_source_hashes(reference)
     models = {m: model_sha256(m) for m in sorted({s.model for s in subjects})}
     thr = root / "thresholds.yaml"
-    thresholds = {"path": "thresholds.yaml", "sha256": sha256_file(thr)} if reference and thr.exists() else None
+    thresholds = {"path": "thresholds.yaml", "sha256": _sha256_or_none(thr)} if reference and thr.exists() else None
     return {"engines": engines, "models": models, "thresholds": thresholds}
 
 
@@ -479,16 +424,16 @@ def staleness(record: dict[str, Any], contract: Contract) -> list[str]:
         why.append("bound tests changed")
     for t in record.get("tests", []):
         path = root / t["file"]
-        if sha256_file(path) != t["file_sha256"]:
+        if _sha256_or_none(path) != t["file_sha256"]:
             src = function_source(path, t["nodeid"].split("::", 1)[1])
-            fn = hashlib.sha256(src.encode()).hexdigest() if src is not None else None
+            fn = sha256_bytes(src.encode()) if src is not None else None
             why.append(f"test {t['nodeid']} changed" if fn != t["function_sha256"] else f"test file {t['file']} changed")
     for f, sha in record.get("support_files", {}).items():
-        if sha256_file(root / f) != sha:
+        if _sha256_or_none(root / f) != sha:
             why.append(f"support file {f} changed")
     deps = record.get("depends_on", {})
     for name, files in deps.get("engines", {}).items():
-        now = engine_hashes(name)
+        now = engine_source_hashes(name)
         changed = [f for f, sha in files.items() if now.get(f) != sha]
         if changed:
             why.append(f"engine {name} source changed: {', '.join(changed)}")
@@ -496,7 +441,7 @@ def staleness(record: dict[str, Any], contract: Contract) -> list[str]:
         if model_sha256(spec) != sha:
             why.append(f"model {spec} changed")
     thr = deps.get("thresholds")
-    if thr and sha256_file(root / thr["path"]) != thr["sha256"]:
+    if thr and _sha256_or_none(root / thr["path"]) != thr["sha256"]:
         why.append("thresholds.yaml changed")
     return why
 

@@ -26,7 +26,6 @@ contract's numbers and its tests cannot drift apart.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -34,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -43,11 +41,12 @@ import yaml
 
 from harness.errors import InvalidInput
 from harness.paths import SCHEMA_DIR
-from harness.yamlnodes import check_size, line_of
+from harness.provenance import sha256_bytes
+from harness.validation import schema_validator
+from harness.yamlnodes import check_size, duplicate_keys, line_of
 
 SCHEMA_PATH = SCHEMA_DIR / "contract.schema.json"
 CONTRACT_MARKER = "contract"
-RED_KINDS = ("mutant", "fixture", "planted")
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ class Obligation:
     @property
     def sha256(self) -> str:
         """sha256 of the obligation's canonical JSON (its text, tests, red and tolerance)."""
-        return hashlib.sha256(json.dumps(self.data, sort_keys=True).encode()).hexdigest()
+        return sha256_bytes(json.dumps(self.data, sort_keys=True).encode())
 
 
 @dataclass(frozen=True)
@@ -148,28 +147,6 @@ def _dotted(keys: Sequence[Any]) -> str:
     return out or "(top level)"
 
 
-def _duplicate_keys(path: str, node: yaml.Node, keys: list[Any], errors: list[ContractError]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for k, v in node.value:
-            if k.value in seen:
-                errors.append(ContractError(path, k.start_mark.line + 1, _dotted(keys + [k.value]),
-                                            f"duplicate key (first at line {seen[k.value]}); YAML would keep only the last"))
-            seen[k.value] = k.start_mark.line + 1
-            _duplicate_keys(path, v, keys + [k.value], errors)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            _duplicate_keys(path, v, keys + [i], errors)
-
-
-@lru_cache(maxsize=1)
-def _validator() -> jsonschema.protocols.Validator:
-    schema = json.loads(SCHEMA_PATH.read_text())
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
-
-
 def _schema_message(e: jsonschema.ValidationError) -> str:
     if e.validator == "oneOf" and list(e.absolute_path)[-1:] == ["red"]:
         return "red must be one of {mutant: NAME}, {fixture: NAME}, {planted: NAME}, or a list of them"
@@ -198,13 +175,12 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, yaml.Node | None, bytes, l
         return None, None, raw, [ContractError(p, 1, "(yaml)", str(e).split(": ", 1)[-1])]
     except RecursionError:
         return None, None, raw, [ContractError(p, 1, "(yaml)", "YAML nested too deeply")]
-    errors: list[ContractError] = []
-    if root is not None:
-        _duplicate_keys(p, root, [], errors)
+    errors = [ContractError(p, line, _dotted(keys), f"duplicate key (first at line {first}); YAML would keep only the last")
+              for keys, line, first in duplicate_keys(root)]
     if not isinstance(data, dict):
         errors.append(ContractError(p, 1, "(top level)", "a contract is a YAML mapping"))
         return None, root, raw, errors
-    for e in sorted(_validator().iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
+    for e in sorted(schema_validator(SCHEMA_PATH.name).iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
         keys = list(e.absolute_path)
         if e.validator == "required":  # point at the object, name the missing field
             missing = e.message.split("'")[1] if "'" in e.message else "?"
@@ -231,7 +207,7 @@ def _build(path: Path, data: dict[str, Any], root: yaml.Node | None, raw: bytes)
             )
         )
     return Contract(
-        id=data["id"], version=data["version"], path=path, sha256=hashlib.sha256(raw).hexdigest(),
+        id=data["id"], version=data["version"], path=path, sha256=sha256_bytes(raw),
         subject=data["subject"], model=data["model"], data=data, obligations=tuple(obligations),
     )
 

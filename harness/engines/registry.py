@@ -1,67 +1,127 @@
-"""Resolve engine names to engines bound to one model file.
+"""Engine names, how each is loaded, and which source files its numbers come from: one table.
 
 Names: ``llama.cpp`` (the reference, in a worker process), ``oracle`` (exact float64 NumPy
 forward), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
 engine configured in ``[tool.harness.engines.NAME]``), ``transformers`` (optional extra).
+``planted:NAME`` is no engine of its own: it names a fault planted into another engine's output
+(the pytest plugin's ``--plant``), listed here for its source files only.
+
+``resolve_engine`` loads an engine through its row; contract discharge hashes a row's
+``source_files`` (``engine_source_hashes``) so evidence goes STALE when an engine's code changes.
 Unknown names raise ``InvalidInput`` (exit 2) listing the known ones.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Sequence
+from types import ModuleType
+from typing import Any, Callable, Sequence
 
+from harness import config
+from harness.engines import _llamacpp_worker, base, command, llamacpp, mutants, oracle, transformers_engine
 from harness.engines.base import Engine
 from harness.errors import InvalidInput
+from harness.model import gguf_model
 from harness.model.gguf_model import Override
+from harness.paths import SOURCE_ROOT
+from harness.provenance import sha256_file
 
-BUILTIN = ("llama.cpp", "oracle")
+Loader = Callable[[str, Path, Sequence[Override], dict[str, Any]], Engine]
+"""``loader(rest, model_path, overrides, settings)``: ``rest`` is what follows a prefix
+(``NAME`` of ``mutant:NAME``), empty for a plain name; ``settings`` are engine-specific."""
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One row of the engine table.
+
+    ``name`` is the engine name, or a prefix ending in ``:`` (``mutant:``) for a family;
+    ``aliases`` other accepted spellings; ``load`` None for a name that is not an engine by
+    itself (``planted:``); ``modules`` the harness modules (a package: all its files) whose code
+    computes the engine's numbers; ``distributions`` installed packages whose version is part of
+    the engine (llama.cpp's compiled library ships in llama-cpp-python).
+    """
+
+    name: str
+    load: Loader | None
+    modules: tuple[ModuleType, ...]
+    aliases: tuple[str, ...] = ()
+    distributions: tuple[str, ...] = ()
+
+    @property
+    def is_family(self) -> bool:
+        return self.name.endswith(":")
+
+    def matches(self, name: str) -> bool:
+        return name.startswith(self.name) if self.is_family else name in (self.name, *self.aliases)
+
+    def source_files(self) -> list[str]:
+        """The modules' files relative to the checkout (``harness/engines/base.py``), sorted."""
+        files: set[Path] = set()
+        for m in self.modules:
+            f = Path(m.__file__).resolve()
+            files |= set(f.parent.glob("*.py")) if f.name == "__init__.py" else {f}
+        return sorted(p.relative_to(SOURCE_ROOT).as_posix() for p in files)
+
+
+def _llamacpp(rest: str, path: Path, overrides: Sequence[Override], settings: dict[str, Any]) -> Engine:
+    return llamacpp.LlamaCppEngine(path, overrides, llamacpp.LlamaCppSettings(**settings) if settings else None)
+
+
+_ORACLE = (oracle, base, gguf_model)
+ENGINES: tuple[EngineEntry, ...] = (
+    EngineEntry("llama.cpp", _llamacpp, (llamacpp, _llamacpp_worker, base), aliases=("llamacpp", "llama-cpp"),
+                distributions=("llama-cpp-python",)),
+    EngineEntry("oracle", lambda rest, path, ov, s: oracle.load_oracle(path, ov), _ORACLE),
+    EngineEntry("mutant:", lambda rest, path, ov, s: mutants.load_mutant(rest, path, ov), _ORACLE + (mutants,)),
+    EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, base, config)),
+    EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),
+                (transformers_engine, base)),
+    EngineEntry("planted:", None, (mutants,)),
+)
+"""Every engine name the harness knows; see ``EngineEntry``."""
+
+
+def engine_entry(name: str) -> EngineEntry | None:
+    """The row ``name`` belongs to, or None."""
+    return next((e for e in ENGINES if e.matches(name)), None)
 
 
 def known_engine_names() -> list[str]:
-    """Every name ``resolve_engine`` accepts now (mutants and command engines included)."""
-    names = list(BUILTIN)
-    try:
-        from harness.engines.mutants import MUTANTS
-
-        names += [f"mutant:{m}" for m in MUTANTS]
-    except ImportError:
-        pass
-    try:
-        from harness.engines.command import configured_commands
-
-        names += [f"command:{c}" for c in configured_commands()]
-    except ImportError:
-        pass
+    """Every name ``resolve_engine`` accepts now: plain names, each mutant, each configured
+    command engine. Raises ``InvalidInput`` for a malformed ``[tool.harness.engines]`` table."""
+    names = [e.name for e in ENGINES if e.load is not None and not e.is_family]
+    names += [f"mutant:{m}" for m in mutants.MUTANTS]
+    names += [f"command:{c}" for c in command.configured_commands()]
     return names
 
 
-def resolve_engine(name: str, model_path: str | os.PathLike, overrides: Sequence[Override] = (), **settings) -> Engine:
+def resolve_engine(name: str, model_path: str | os.PathLike, overrides: Sequence[Override] = (), **settings: Any) -> Engine:
     """Return the engine called ``name`` bound to ``model_path``.
 
     ``settings`` are engine-specific (e.g. ``LlamaCppSettings`` fields for ``llama.cpp``).
     Raises ``InvalidInput`` for an unknown name.
     """
-    path = Path(model_path)
-    if name in ("llama.cpp", "llamacpp", "llama-cpp"):
-        from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+    entry = engine_entry(name)
+    if entry is None or entry.load is None:
+        raise InvalidInput(f"unknown engine {name!r}; known: {', '.join(known_engine_names())}")
+    rest = name[len(entry.name):] if entry.is_family else ""
+    return entry.load(rest, Path(model_path), overrides, settings)
 
-        return LlamaCppEngine(path, overrides, LlamaCppSettings(**settings) if settings else None)
-    if name == "oracle":
-        from harness.engines.oracle import load_oracle
 
-        return load_oracle(path, overrides)
-    if name.startswith("mutant:"):
-        from harness.engines.mutants import load_mutant
-
-        return load_mutant(name.split(":", 1)[1], path, overrides)
-    if name.startswith("command:"):
-        from harness.engines.command import load_command_engine
-
-        return load_command_engine(name.split(":", 1)[1], path, overrides)
-    if name == "transformers":
-        from harness.engines.transformers_engine import load_transformers
-
-        return load_transformers(path, overrides, **settings)
-    raise InvalidInput(f"unknown engine {name!r}; known: {', '.join(known_engine_names())}")
+def engine_source_hashes(name: str) -> dict[str, Any]:
+    """``{file: sha256}`` of the source files of ``name``'s row (none for an unknown name), plus
+    ``{distribution: version}`` of its ``distributions`` (None when not installed)."""
+    entry = engine_entry(name)
+    if entry is None:
+        return {}
+    out: dict[str, Any] = {f: sha256_file(SOURCE_ROOT / f) for f in entry.source_files()}
+    for dist in entry.distributions:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out

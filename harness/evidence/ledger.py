@@ -25,19 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import jsonschema
 import numpy as np
 import pandas as pd
 from filelock import FileLock, Timeout
 
 from harness.errors import InvalidInput
-from harness.evidence.receipts import (
-    canonical_json,
-    file_sha256,
-    load_receipt,
-    sha256_hex,
-    utc_now,
-)
+from harness.evidence.receipts import canonical_json, load_receipt, utc_now
+from harness.provenance import sha256_bytes, sha256_file
+from harness.validation import best_error, make_validator
 
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
@@ -130,7 +125,7 @@ ROW_SCHEMA: dict[str, Any] = {
         }
     ],
 }
-_ROW_VALIDATOR = jsonschema.Draft202012Validator(ROW_SCHEMA)
+_ROW_VALIDATOR = make_validator(ROW_SCHEMA)
 
 _HEAD_RE = re.compile(r"^Head: seq (\d+) · row_hash `([0-9a-f]{64})`$", re.M)
 _EMPTY_HEAD = "Head: none (empty ledger)"
@@ -159,7 +154,7 @@ class Problem:
 
 def row_hash(row: Mapping[str, Any]) -> str:
     """sha256 of the canonical JSON of ``row`` without its ``row_hash`` field."""
-    return sha256_hex(canonical_json({k: v for k, v in row.items() if k != "row_hash"}))
+    return sha256_bytes(canonical_json({k: v for k, v in row.items() if k != "row_hash"}))
 
 
 def _engine_label(info: Mapping[str, Any]) -> str:
@@ -227,12 +222,8 @@ def _complete(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _validate_row(row: Mapping[str, Any]) -> str | None:
-    errors = list(_ROW_VALIDATOR.iter_errors(row))
-    if not errors:
-        return None
-    e = jsonschema.exceptions.best_match(errors)
-    field = ".".join(str(k) for k in e.absolute_path) or "row"
-    return f"{field}: {e.message}"
+    err = best_error(_ROW_VALIDATOR.iter_errors(row))
+    return None if err is None else f"{err[0] or 'row'}: {err[1]}"
 
 
 # ----------------------------------------------------------------------------- paths and reading
@@ -322,7 +313,7 @@ def append_row(
             new["receipt_id"] = receipt_path.stem
         elif new["receipt_id"] != receipt_path.stem:
             raise InvalidInput(f"row names receipt {new['receipt_id']} but the receipt file is {receipt_path.name}")
-        new["receipt_sha256"] = file_sha256(receipt_path)
+        new["receipt_sha256"] = sha256_file(receipt_path)
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
@@ -577,7 +568,7 @@ def _check_receipts(receipts_dir: Path, rows: list[dict[str, Any]]) -> list[Prob
         if not path.exists():
             problems.append(Problem("RECEIPT-MISSING", f"receipt {path} does not exist (forged row?)", seq, line))
             continue
-        if file_sha256(path) != r.get("receipt_sha256"):
+        if sha256_file(path) != r.get("receipt_sha256"):
             problems.append(Problem("RECEIPT-HASH", f"{path.name} does not hash to the row's receipt_sha256 (receipt or row altered)", seq, line))
             continue
         try:

@@ -21,18 +21,18 @@ import math
 import os
 import platform
 import socket
-import subprocess
 import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-import jsonschema
 import numpy as np
 
 from harness.errors import InvalidInput
 from harness.paths import SCHEMA_DIR, SOURCE_ROOT
+from harness.provenance import git_state, sha256_bytes
+from harness.validation import best_error, schema_validator
 
 SCHEMA_ID = "harness-parity-receipt/v1"
 SCHEMA_PATH = SCHEMA_DIR / "receipt.schema.json"
@@ -102,26 +102,9 @@ def canonical_json(obj: Any) -> bytes:
         raise InvalidInput(f"cannot serialise to JSON: {e}") from e
 
 
-def sha256_hex(data: bytes) -> str:
-    """Hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks. Raises ``InvalidInput`` if unreadable."""
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except OSError as e:
-        raise InvalidInput(f"{path}: cannot read: {e.strerror or e}") from e
-    return h.hexdigest()
-
-
 def receipt_id(receipt: Mapping[str, Any]) -> str:
     """Content hash of a receipt: sha256 of ``canonical_json`` without ``id`` and ``created``."""
-    return sha256_hex(canonical_json({k: v for k, v in receipt.items() if k not in HASH_EXCLUDED}))
+    return sha256_bytes(canonical_json({k: v for k, v in receipt.items() if k not in HASH_EXCLUDED}))
 
 
 def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
@@ -173,25 +156,12 @@ def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
         version = metadata.version("qwen35-harness")
     except metadata.PackageNotFoundError:
         version = "0+unknown"
-    repo = Path(repo_dir) if repo_dir else SOURCE_ROOT
-    commit, dirty = _git(repo)
-    return {"version": version, "git_commit": commit, "git_dirty": dirty}
+    git = _cached_git_state(Path(repo_dir) if repo_dir else SOURCE_ROOT)
+    return {"version": version, "git_commit": git["commit"], "git_dirty": git["dirty"]}
 
 
-@lru_cache(maxsize=8)
-def _git(repo: Path) -> tuple[str | None, bool | None]:
-    def run(*args: str) -> str | None:
-        try:
-            p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return p.stdout.strip() if p.returncode == 0 else None
-
-    commit = run("rev-parse", "HEAD")
-    if commit is None:
-        return None, None
-    status = run("status", "--porcelain", "--untracked-files=no")
-    return commit, (bool(status) if status is not None else None)
+_cached_git_state = lru_cache(maxsize=8)(git_state)
+"""``git_state`` once per checkout and process: a run writes several receipts from one tree."""
 
 
 def utc_now() -> str:
@@ -202,25 +172,16 @@ def utc_now() -> str:
 # ------------------------------------------------------------------------------ schema
 
 
-@lru_cache(maxsize=4)
-def _validator(schema_id: str = SCHEMA_ID) -> jsonschema.protocols.Validator:
-    schema = json.loads(SCHEMAS[schema_id].read_text())
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
-
-
 def validate_receipt(receipt: Mapping[str, Any], where: str = "receipt") -> None:
     """Check a receipt against the schema its ``schema`` field names (parity receipts by
     default); ``InvalidInput`` names the first bad field."""
     schema_id = receipt.get("schema", SCHEMA_ID) if isinstance(receipt, Mapping) else SCHEMA_ID
     if schema_id not in SCHEMAS:
         raise InvalidInput(f"{where}: unknown receipt schema {schema_id!r}; known: {', '.join(SCHEMAS)}")
-    errors = list(_validator(schema_id).iter_errors(receipt))
-    if errors:
-        e = jsonschema.exceptions.best_match(errors)
-        field = ".".join(str(k) for k in e.absolute_path) or "(top level)"
-        raise InvalidInput(f"{where}: {field}: {e.message} (schema {schema_id})")
+    err = best_error(schema_validator(SCHEMAS[schema_id].name).iter_errors(receipt))
+    if err:
+        field, message = err
+        raise InvalidInput(f"{where}: {field or '(top level)'}: {message} (schema {schema_id})")
 
 
 # ------------------------------------------------------------------------------ write / load

@@ -20,11 +20,8 @@ that was measured on a different model than the subject (DESIGN.md, "Thresholds"
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,20 +30,14 @@ import yaml
 
 from harness.errors import InvalidInput, Unmeasured
 from harness.paths import SCHEMA_DIR
-from harness.yamlnodes import check_size, line_of
+from harness.provenance import sha256_bytes
+from harness.validation import schema_validator
+from harness.yamlnodes import check_size, duplicate_keys, line_of
 
 SCHEMA_ID = "harness-thresholds/v1"
 SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
 SECTIONS = ("gates", "probes")
 DEFAULT_NEAR_TIE_MARGIN = 0.25
-
-
-@lru_cache(maxsize=1)
-def _validator() -> jsonschema.protocols.Validator:
-    schema = json.loads(SCHEMA_PATH.read_text())
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
 
 
 @dataclass(frozen=True)
@@ -219,12 +210,12 @@ def load_thresholds(path: str | Path) -> Thresholds:
         raise InvalidInput(_yaml_error_message(path, e)) from e
     except RecursionError:  # the YAML composer recurses once per nesting level
         raise InvalidInput(f"{path}: YAML nested too deeply (a thresholds file is a few levels deep)") from None
-    if root is not None:
-        _check_duplicate_keys(path, root)
+    for keys, line, first in duplicate_keys(root)[:1]:
+        raise InvalidInput(f"{path}:{line}: duplicate key {keys[-1]!r} (first at line {first}); YAML would silently keep the last one")
     data = _dates_as_text(data)
     if not isinstance(data, dict):
         raise InvalidInput(f"{path}:1: thresholds file must be a mapping with `schema: {SCHEMA_ID}`")
-    errors = sorted(_validator().iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    errors = sorted(schema_validator(SCHEMA_PATH.name).iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         first = _most_useful(errors)
         # Name every missing field of the same object at once, not one per run.
@@ -234,7 +225,7 @@ def load_thresholds(path: str | Path) -> Thresholds:
         ] if first.validator == "required" else []
         raise InvalidInput(_schema_error_message(path, root, first) + "".join(f"; {m}" for m in missing))
     _check_finite(path, root, data)
-    return Thresholds(path=str(path), sha256=hashlib.sha256(raw).hexdigest(), data=data)
+    return Thresholds(path=str(path), sha256=sha256_bytes(raw), data=data)
 
 
 def _dates_as_text(obj: Any) -> Any:
@@ -254,22 +245,6 @@ def _yaml_error_message(path: Path, e: yaml.YAMLError) -> str:
     problem = getattr(e, "problem", None) or str(e)
     context = getattr(e, "context", None)
     return f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
-
-
-def _check_duplicate_keys(path: Path, node: yaml.Node) -> None:
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for k, v in node.value:
-            if k.value in seen:
-                raise InvalidInput(
-                    f"{path}:{k.start_mark.line + 1}: duplicate key {k.value!r} "
-                    f"(first at line {seen[k.value]}); YAML would silently keep the last one"
-                )
-            seen[k.value] = k.start_mark.line + 1
-            _check_duplicate_keys(path, v)
-    elif isinstance(node, yaml.SequenceNode):
-        for v in node.value:
-            _check_duplicate_keys(path, v)
 
 
 def _is_gate_path(p: list[Any]) -> bool:

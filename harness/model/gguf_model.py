@@ -11,17 +11,17 @@ Sources: llama.cpp ``src/models/qwen35.cpp`` / ``qwen35moe.cpp`` (``load_arch_hp
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import numpy as np
 
 from harness.errors import InvalidInput
+from harness.provenance import sha256_file
 
 SUPPORTED_ARCHES = ("qwen35", "qwen35moe")
 
@@ -159,14 +159,6 @@ HPARAM_KEYS: list[tuple[str, str, type, bool]] = [
     ("n_ff_shexp", "expert_shared_feed_forward_length", int, False),
     ("context_length", "context_length", int, False),
 ]
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -416,7 +408,7 @@ class GGUFModel:
     @cached_property
     def sha256(self) -> str:
         """sha256 of the file's bytes (hex)."""
-        return _file_sha256(self.path)
+        return sha256_file(self.path)
 
     @property
     def file_type(self) -> str:
@@ -443,15 +435,3 @@ class GGUFModel:
             "n_tensors": len(self._tensors),
             "overrides": [o.to_flag() for o in self.overrides.values()],
         }
-
-
-def open_model(spec: str | os.PathLike, overrides: Iterable[Override] = ()) -> GGUFModel:
-    """Open ``spec`` (a path or ``fixture:NAME``, built on demand) as a ``GGUFModel``."""
-    from harness.fixtures.synthetic import resolve_model
-
-    return GGUFModel(resolve_model(spec), overrides)
-
-
-def overrides_as_kv(overrides: Iterable[Override]) -> Mapping[str, Any]:
-    """``{key: value}`` as llama-cpp-python's ``kv_overrides`` takes it."""
-    return {o.key: o.value for o in overrides}

@@ -19,6 +19,7 @@ from harness.compare.prompts import PromptTokens
 from harness.engines.base import gather
 from harness.errors import Verdict
 from harness.model.gguf_model import GGUFModel
+from harness.provenance import sha256_file
 
 pytestmark = pytest.mark.contract
 
@@ -77,10 +78,9 @@ def whole_logits(memo_candidate, probe_tokens) -> np.ndarray:
 @pytest.fixture(scope="session")
 def gate(request, harness_model_path, harness_model_spec):
     """The thresholds.yaml gates resolved for the subject model (fails closed without a basis)."""
-    from harness.fixtures.synthetic import sha256_of
     from harness.gates.thresholds import load_thresholds
 
-    return load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_of(harness_model_path), harness_model_spec)
+    return load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_file(harness_model_path), harness_model_spec)
 
 
 @pytest.fixture(scope="session")
@@ -175,10 +175,9 @@ def test_pieces_equal_whole(candidate_engine, probe_tokens, whole_logits, tolera
 def probe_tolerance(request, harness_model_path, harness_model_spec):
     """The probe tolerances of thresholds.yaml (``probes.min_cosine``, ``probes.max_kld``)."""
     from harness.compare.probes import ProbeTolerance
-    from harness.fixtures.synthetic import sha256_of
     from harness.gates.thresholds import load_thresholds
 
-    r = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_of(harness_model_path), harness_model_spec)
+    r = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").for_model(sha256_file(harness_model_path), harness_model_spec)
     return ProbeTolerance(min_cosine=float(r.gate("min_cosine", "probes").value), max_kld=float(r.gate("max_kld", "probes").value))
 
 
