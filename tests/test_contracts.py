@@ -3,8 +3,8 @@ harness/engines/mutants.py, harness.compare.metrics.compare_activations).
 
 The committed contracts validate; a contract citing a test pytest cannot collect is invalid (exit
 2) naming file, line and field; schema and cross-contract errors name theirs too; every mutant is
-an engine named ``mutant:NAME``; and the committed mutant × obligation matrix
-(tests/data/mutant_matrix.yaml) is what the bound tests observe.
+an engine named ``mutant:NAME``; and the mutant × obligation matrix the mutants declare
+(``Mutant.breaks``) agrees with the contracts and is what the bound tests observe.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from harness.cli import main
 from harness.compare.metrics import compare_activations
@@ -28,7 +27,6 @@ from harness.fixtures import synthetic as fx
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "contracts"
-MATRIX = REPO / "tests" / "data" / "mutant_matrix.yaml"
 ISSUE_BUG_CLASSES = [
     "attention output gate dropped", "QK-norm skipped", "rope over the full head instead of n_rot",
     "v→k head mapping grouped instead of tiled", "decay computed from ssm_a as if it were A_log", "L2 norm of q/k skipped",
@@ -152,34 +150,39 @@ def test_planted_engine_corrupts_only_its_output(tiny_path):
     assert eng.info.name == "oracle+planted:nan-logits" and set(PLANTS) == {"nan-logits", "nan-activation", "drop-last-row"}
 
 
-def _observed_matrix_yaml(observed: dict, order: list[str]) -> str:
-    rows = []
-    for name, row in observed.items():
-        rows.append(f"  {name}:\n    RED: [{', '.join(o for o in order if row[o] == 'RED')}]\n"
-                    f"    GREEN: [{', '.join(o for o in order if row[o] == 'GREEN')}]")
-    return "\n".join(rows)
+def test_declared_breaks_agree_with_the_contracts():
+    """``Mutant.breaks`` / ``Plant.breaks`` (the one statement of which obligations a fault turns
+    RED) name existing obligations, include every obligation whose contract cites that fault as its
+    RED witness, and leave every obligation GREEN on some mutant (a check that fails everything
+    tells nothing)."""
+    contracts = load_contracts([CONTRACTS], check_tests=False)
+    ids = {ob.id for c in contracts for ob in c.obligations}
+    faults = {"mutant": MUTANTS, "planted": PLANTS}
+    for kind, table in faults.items():
+        for name, f in table.items():
+            assert f.breaks and len(set(f.breaks)) == len(f.breaks), f"{kind}:{name}: breaks must list distinct obligations"
+            assert set(f.breaks) <= ids, f"{kind}:{name} breaks unknown obligations {sorted(set(f.breaks) - ids)}"
+    for c in contracts:
+        for ob in c.obligations:
+            for red in ob.reds:
+                if red.kind in faults:
+                    assert ob.id in faults[red.kind][red.name].breaks, f"{ob.id} cites {red} as RED, whose breaks omit it"
+    for ob_id in ids:
+        assert any(ob_id not in m.breaks for m in MUTANTS.values()), f"{ob_id} is RED on every mutant"
 
 
 def test_mutant_matrix_matches():
-    """Every mutant is RED exactly on the obligations it breaks and GREEN on all others; no
-    obligation is RED on every mutant (a check that fails everything tells nothing)."""
+    """The observed mutant × obligation matrix (every bound test run on every mutant) is RED
+    exactly where ``MUTANTS[name].breaks`` says and GREEN everywhere else."""
     from harness.contracts.discharge import mutant_matrix
 
-    expected = yaml.safe_load(MATRIX.read_text())
     contracts = load_contracts([CONTRACTS], check_tests=False)
     order = [ob.id for c in contracts for ob in c.obligations]
-    assert expected["obligations"] == order, "the matrix file lists other obligations than the contracts"
-    assert set(expected["mutants"]) == set(MUTANTS)
-    for name, row in expected["mutants"].items():
-        assert sorted(row["RED"] + row["GREEN"]) == sorted(order), f"{name}: every obligation must appear exactly once"
-        assert set(row["RED"]) == set(MUTANTS[name].breaks), f"{name}: MUTANTS breaks {MUTANTS[name].breaks} != matrix RED {row['RED']}"
-        assert row["RED"] and row["GREEN"]
-    for ob in order:
-        assert any(ob in r["GREEN"] for r in expected["mutants"].values()), f"{ob} is RED on every mutant"
     observed = mutant_matrix(contracts, list(MUTANTS))
     diff = [(m, ob, observed[m][ob]) for m in MUTANTS for ob in order
-            if observed[m][ob] != ("RED" if ob in expected["mutants"][m]["RED"] else "GREEN")]
-    assert not diff, f"observed matrix differs at {diff[:10]}; observed rows:\n{_observed_matrix_yaml(observed, order)}"
+            if observed[m][ob] != ("RED" if ob in MUTANTS[m].breaks else "GREEN")]
+    rows = "\n".join(f"{m}: {tuple(ob for ob in order if observed[m][ob] == 'RED')}" for m in MUTANTS)
+    assert not diff, f"observed matrix differs at {diff[:10]}; observed RED per mutant:\n{rows}"
 
 
 def test_compare_activations_per_tensor():

@@ -10,10 +10,11 @@ three ways the oracle allows (every step is called through ``self``):
   record what the faulty engine computed under llama.cpp's graph names);
 * the weights the engine reads (a view of the model that edits a tensor as it is loaded).
 
-``MUTANTS[name].breaks`` lists the contract obligations the fault violates: the bound tests of
-those obligations must fail on the mutant by assertion (RED) and every other bound test must pass
-(GREEN). ``tests/data/mutant_matrix.yaml`` commits the full matrix and ``tests/test_contracts.py``
-checks it. ``harness mutants list`` prints the table.
+``MUTANTS[name].breaks`` lists the contract obligations the fault violates, the one statement of
+the mutant × obligation matrix: the bound tests of those obligations must fail on the mutant by
+assertion (RED) and every other bound test must pass (GREEN). ``tests/test_contracts.py`` checks
+it twice: against the contracts (ids exist, each contract's RED witness declares its obligation)
+and against the matrix the bound tests observe. ``harness mutants list`` prints the table.
 
 Planted faults at the protocol boundary (``PLANTS``) corrupt what any engine returns (a NaN, a
 dropped row); the pytest plugin applies one with ``--plant NAME`` to show RED for obligations that
@@ -452,8 +453,8 @@ class ShexpGateIgnored(_MutantBase):
 # ---------------------------------------------------------------------------------------------
 
 _DENSE_AND_MOE = ("qwen35", "qwen35moe")
-# name, bug class, the fault (the mixin's docstring), the obligations it turns RED
-# (tests/data/mutant_matrix.yaml holds the full observed matrix), the mixin, the archs it affects
+# name, bug class, the fault (the mixin's docstring), the obligations it turns RED (GREEN on
+# every other; tests/test_contracts.py compares this with the observed matrix), the mixin, the archs it affects
 _M = [
     Mutant("attn-output-gate-dropped", "attention output gate dropped", AttnOutputGateDropped.__doc__,
            ("QHF-EQ-005", "QHF-EQ-009", "QE2E-PAR-001"),
@@ -611,8 +612,8 @@ PLANTS: dict[str, Plant] = {
     p.name: p
     for p in [
         Plant("nan-logits", f"logit row {PLANT_POSITION} is NaN", ("QE2E-PAR-001", "QE2E-REP-004"), logits=_nan_row),
-        Plant("nan-activation", f"row {PLANT_POSITION} of the first l_out-N activation is NaN", ("QHF-BND-013",), activations=_nan_activation),
-        Plant("drop-last-row", "residual-stream activations (attn_residual, ffn_out, l_out) lose their last position", ("QHF-INV-014",), activations=_drop_last_row),
+        Plant("nan-activation", f"row {PLANT_POSITION} of the first l_out-N activation is NaN", ("QHF-BND-012",), activations=_nan_activation),
+        Plant("drop-last-row", "residual-stream activations (attn_residual, ffn_out, l_out) lose their last position", ("QHF-INV-002",), activations=_drop_last_row),
     ]
 }
 """Plant name → ``Plant``; applied to the candidate by the pytest plugin's ``--plant NAME``."""
