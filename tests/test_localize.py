@@ -41,7 +41,7 @@ def test_planted_fault_is_localized_to_its_layer_and_tensor(tiny):
         cand[k] = cand[k] * 1.1
     loc = localize_activations(hp, acts, cand, 1e-4, 0.999, "planted")
     assert loc.verdict is Verdict.FAIL
-    assert (loc.first.name, loc.first.layer, loc.first.layer_type, loc.first.position) == ("gate-5", 5, "DeltaNet", 30)
+    assert (loc.first.name, loc.first.layer, loc.first.layer_type, loc.first.position) == ("gate-5", 5, "recurrent", 30)
 
 
 def test_nothing_comparable_is_unmeasured(tiny):
@@ -66,25 +66,25 @@ LOCALIZATION_MATRIX = {
     "rope-full-head": ("tiny-qwen35", "attention", "Qcur", 3),
     "q-gate-split-halves": ("tiny-qwen35", "attention", "Qcur_normed", 3),
     "gqa-kv-tiled": ("tiny-qwen35", "attention", "attn_pregate", 3),
-    "gdn-heads-grouped": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
-    "ssm-a-as-a-log": ("tiny-qwen35", "DeltaNet", "gate", 0),
-    "dt-bias-dropped": ("tiny-qwen35", "DeltaNet", "gate", 0),
-    "gdn-l2norm-skipped": ("tiny-qwen35", "DeltaNet", "q_conv_predelta", 0),
-    "beta-sigmoid-dropped": ("tiny-qwen35", "DeltaNet", "beta_sigmoid", 0),
-    "conv-kernel-flipped": ("tiny-qwen35", "DeltaNet", "conv_output_raw", 0),
-    "conv-state-dropped": ("tiny-qwen35", "DeltaNet", "conv_output_raw", 0),
-    "ssm-state-reset": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
-    "gdn-chunk-state-not-carried": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
-    "gdn-read-before-decay": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
-    "gdn-state-per-k-head": ("tiny-qwen35", "DeltaNet", "attn_output", 0),
-    "ssm-norm-shifted": ("tiny-qwen35", "DeltaNet", "final_output", 0),
-    "schedule-off-by-one": ("tiny-qwen35", "DeltaNet", "attn_residual", 0),
-    "norm-shift-twice": ("tiny-qwen35", "DeltaNet", "attn_norm", 0),
-    "final-norm-shift-missing": ("tiny-qwen35", "model", "result_norm", -1),
-    "residual-after-norm": ("tiny-qwen35", "DeltaNet", "attn_residual", 0),
+    "gdn-heads-grouped": ("tiny-qwen35", "recurrent", "attn_output", 0),
+    "ssm-a-as-a-log": ("tiny-qwen35", "recurrent", "gate", 0),
+    "dt-bias-dropped": ("tiny-qwen35", "recurrent", "gate", 0),
+    "gdn-l2norm-skipped": ("tiny-qwen35", "recurrent", "q_conv_predelta", 0),
+    "beta-sigmoid-dropped": ("tiny-qwen35", "recurrent", "beta_sigmoid", 0),
+    "conv-kernel-flipped": ("tiny-qwen35", "recurrent", "conv_output_raw", 0),
+    "conv-state-dropped": ("tiny-qwen35", "recurrent", "conv_output_raw", 0),
+    "ssm-state-reset": ("tiny-qwen35", "recurrent", "attn_output", 0),
+    "gdn-chunk-state-not-carried": ("tiny-qwen35", "recurrent", "attn_output", 0),
+    "gdn-read-before-decay": ("tiny-qwen35", "recurrent", "attn_output", 0),
+    "gdn-state-per-k-head": ("tiny-qwen35", "recurrent", "attn_output", 0),
+    "ssm-norm-shifted": ("tiny-qwen35", "recurrent", "final_output", 0),
+    "schedule-off-by-one": ("tiny-qwen35", "recurrent", "attn_residual", 0),
+    "norm-shift-twice": ("tiny-qwen35", "recurrent", "attn_norm", 0),
+    "final-norm-shift-missing": ("tiny-qwen35", "global", "result_norm", -1),
+    "residual-after-norm": ("tiny-qwen35", "recurrent", "attn_residual", 0),
     "nondeterministic": ("tiny-qwen35", None, None, None),
-    "moe-weights-unnormalized": ("tiny-qwen35moe", "MoE", "ffn_moe_out", 0),
-    "shexp-gate-ignored": ("tiny-qwen35moe", "MoE", "ffn_shexp_gated", 0),
+    "moe-weights-unnormalized": ("tiny-qwen35moe", "moe", "ffn_moe_out", 0),
+    "shexp-gate-ignored": ("tiny-qwen35moe", "moe", "ffn_shexp_gated", 0),
 }
 CHUNKED = {"conv-state-dropped", "ssm-state-reset"}
 

@@ -58,7 +58,7 @@ def test_report_on_fail_receipt_writes_markdown_and_plots(fail_receipt, tmp_path
 
 
 def test_report_with_localization_plots_layers(fail_receipt, tmp_path):
-    loc = {"per_layer": [{"layer": 0, "type": "DeltaNet", "max_nmse": 1e-9, "min_cosine": 0.9999999},
+    loc = {"per_layer": [{"layer": 0, "type": "recurrent", "max_nmse": 1e-9, "min_cosine": 0.9999999},
                          {"layer": -1, "type": "model", "max_nmse": 0.3, "min_cosine": 0.8}],
            "bounds": {"max_nmse": 1e-4, "min_cosine": 0.999},
            "first_divergence": {"name": "result_norm", "layer": -1, "layer_type": "model", "position": 10, "nmse": 0.3, "cosine": 0.8}}

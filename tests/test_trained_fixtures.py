@@ -10,6 +10,7 @@ real K-quants. The slow test re-runs a recipe's training (needs the ``hf`` extra
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import resolve_engine
 from harness.fixtures import synthetic as fx
+from harness.fixtures.training import SPECS, TrainSpec
 from harness.model.gguf_model import GGUFModel
 from harness.model.lint import lint_path
 from harness.provenance import sha256_file
@@ -60,18 +62,20 @@ def recipe(name: str) -> dict:
     return json.loads(fx.trained_fixtures()[name].with_suffix(".recipe.json").read_text())
 
 
-def recorded_spec(r: dict):
-    from harness.fixtures.training import TrainSpec
-
-    return TrainSpec(**{**r["spec"], "mrope_section": tuple(r["spec"]["mrope_section"])})
-
-
 @pytest.mark.parametrize("name", TRAINED)
 def test_recipe_is_the_current_training_spec(name):
-    """``harness.fixtures.training.SPECS`` must still produce what is committed (else retrain and commit)."""
-    from harness.fixtures.training import SPECS
+    """``harness.fixtures.training.SPECS`` must still produce what is committed (else retrain and
+    commit); the committed recipes name rope settings as transformers does, read as llama.cpp's."""
+    assert TrainSpec.from_recipe(recipe(name)["spec"]) == SPECS[name]
 
-    assert recorded_spec(recipe(name)) == SPECS[name]
+
+def test_old_recipe_names_read_as_llamacpp_names():
+    old = {**asdict(SPECS["trained-qwen35-256"]), "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2], "rope_theta": 5e6}
+    for k in ("n_rot", "rope_sections", "rope_freq_base"):
+        del old[k]
+    spec = TrainSpec.from_recipe(old)
+    assert (spec.n_rot, spec.rope_sections, spec.rope_freq_base) == (16, (4, 2, 2, 0), 5e6)
+    assert TrainSpec.from_recipe(json.loads(json.dumps(asdict(spec)))) == spec  # new recipes round-trip
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +187,7 @@ def test_retraining_reaches_the_recorded_loss(name, tmp_path):
     r = recipe(name)
     if stdlib_corpus().sha256 != r["corpus"]["files_sha256"]:
         pytest.skip(f"stdlib corpus differs from the recipe's (Python {r['corpus']['python_version']})")
-    new = train_spec(recorded_spec(r), tmp_path, log=lambda *a: None)
+    new = train_spec(TrainSpec.from_recipe(r["spec"]), tmp_path, log=lambda *a: None)
     assert new["steps"] == r["steps"]
     rec, got = r["results"], new["results"]
     assert got["heldout_loss_nats_per_token"] <= rec["heldout_loss_nats_per_token"] + 0.05

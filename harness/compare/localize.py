@@ -5,8 +5,9 @@ graph names: ``attn_norm-N``, ``conv_output_silu-N``, ``attn_gated-N``, ``l_out-
 compared in the oracle's forward order with ``metrics.compare_activations`` (the one comparison
 function the hybrid-forward contract uses too). The first tensor whose NMSE exceeds
 ``localization.max_nmse`` or whose cosine falls below ``localization.min_cosine``
-(thresholds.yaml, each with a basis) is the first divergence: layer index, layer type (DeltaNet /
-attention / MoE), tensor name, first position over the bound, and the numbers. A run that
+(thresholds.yaml, each with a basis) is the first divergence: layer index, layer type (the layer
+kinds of ``harness.model.gguf_model``: recurrent / attention / global, or ``moe`` for the MoE
+FFN of a layer), tensor name, first position over the bound, and the numbers. A run that
 compared no tensor is UNMEASURED, never clean. ``chunks`` feeds the prompt in pieces so faults in
 state carried between calls are localized too.
 """
@@ -20,8 +21,10 @@ import numpy as np
 
 from harness.compare import metrics
 from harness.errors import InvalidInput, Verdict
-from harness.model.gguf_model import Qwen35HParams
+from harness.model.gguf_model import GLOBAL, Qwen35HParams
 
+MOE = "moe"
+"""The layer type of an MoE FFN op (a part of a layer, not a layer kind)."""
 MOE_OPS = ("ffn_moe", "ffn_shexp", "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_out", "post_moe")
 
 
@@ -73,13 +76,14 @@ class Localization:
         }
 
 
-def layer_type(hp: Qwen35HParams, layer: int, op: str) -> str:
-    """``DeltaNet``, ``attention`` or ``MoE`` for a tensor of ``layer`` (``model`` for -1)."""
+def layer_type(hp: Qwen35HParams, layer: int, op: str | None = None) -> str:
+    """The kind of ``layer`` (``hp.layer_kind``; ``GLOBAL`` for -1, the model output), or
+    ``MOE`` for an MoE FFN op (``op`` in ``MOE_OPS``) of a qwen35moe layer."""
     if layer < 0:
-        return "model"
-    if hp.is_moe and op.startswith(MOE_OPS):
-        return "MoE"
-    return "DeltaNet" if hp.is_recurrent(layer) else "attention"
+        return GLOBAL
+    if op is not None and hp.is_moe and op.startswith(MOE_OPS):
+        return MOE
+    return hp.layer_kind(layer)
 
 
 def _first_bad_position(ref: np.ndarray, cand: np.ndarray, max_nmse: float, min_cosine: float) -> int | None:
@@ -104,7 +108,7 @@ def localize_activations(
         layer = row["layer"]
         lt = layer_type(hp, layer, row["op"])
         row["layer_type"] = lt
-        entry = per.setdefault(layer, {"layer": layer, "type": "DeltaNet" if layer >= 0 and hp.is_recurrent(layer) else ("attention" if layer >= 0 else "model"),
+        entry = per.setdefault(layer, {"layer": layer, "type": layer_type(hp, layer),
                                        "compared": 0, "missing": 0, "over": 0, "max_nmse": 0.0, "min_cosine": 1.0})
         if row["status"] == "missing":
             entry["missing"] += 1

@@ -41,7 +41,7 @@ from harness.engines.oracle.qwen35 import (
 )
 from harness.engines.oracle.qwen35moe import moe
 from harness.errors import InvalidInput
-from harness.model.gguf_model import GGUFModel, Override
+from harness.model.gguf_model import ATTENTION, MTP, RECURRENT, GGUFModel, Override
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class _HookedBlock(_MutantBase):
     residual adds the mixer output to. Otherwise the same steps in the same order."""
 
     def mixer_kind(self, il: int, w: dict[str, np.ndarray]) -> str | None:
-        return "recurrent" if self.hp.is_recurrent(il) else "attention"
+        return self.hp.layer_kind(il)
 
     def residual_input(self, x: np.ndarray, normed: np.ndarray) -> np.ndarray:
         return x
@@ -131,9 +131,9 @@ class _HookedBlock(_MutantBase):
         eps = self.hp.rms_eps
         cur = emit("attn_norm", il, self.rmsnorm(x, w["attn_norm"], eps))
         kind = self.mixer_kind(il, w)
-        if kind == "recurrent":
+        if kind == RECURRENT:
             mixed = self.gated_delta_net(il, w, cur, state, emit)
-        elif kind == "attention":
+        elif kind in (ATTENTION, MTP):
             mixed = self.gated_attention(il, w, cur, state, pos, emit)
         else:
             mixed = np.zeros_like(cur)
@@ -377,8 +377,8 @@ class ScheduleOffByOne(_HookedBlock):
 
     def mixer_kind(self, il, w):
         interval = self.hp.full_attention_interval or 4
-        kind = "attention" if il % interval == 0 else "recurrent"
-        needs = "attn_q" if kind == "attention" else "ssm_a"
+        kind = ATTENTION if il % interval == 0 else RECURRENT
+        needs = "attn_q" if kind == ATTENTION else "ssm_a"
         return kind if needs in w else None
 
 

@@ -75,6 +75,21 @@ def parse_overrides(texts: Iterable[str] | None) -> list[Override]:
     return [parse_override(t) for t in (texts or [])]
 
 
+RECURRENT, ATTENTION, MTP, GLOBAL = "recurrent", "attention", "mtp", "global"
+"""Where a tensor or activation sits, the one vocabulary every module uses (lint's tables,
+fixtures, mutants, localization): a Gated DeltaNet layer (llama.cpp ``hparams.is_recurrent(il)``),
+a gated full-attention layer, an MTP (nextn) block after the trunk (``Qwen35HParams.layer_kind``),
+or outside every block (``token_embd``, ``output_norm``, ``output``, the final logits)."""
+
+
+def interval_schedule(n_layer: int, n_layer_all: int, full_attention_interval: int) -> tuple[bool, ...]:
+    """``recurrent[il]`` for every block when no ``attention.recurrent_layers`` array is given:
+    full attention where ``(il + 1) % full_attention_interval == 0`` (layers 3, 7, ... at 4), Gated
+    DeltaNet elsewhere in the trunk, never recurrent in the ``n_layer_all - n_layer`` MTP blocks
+    (llama.cpp ``src/models/qwen35.cpp`` ``load_arch_hparams``)."""
+    return tuple(il < n_layer and (il + 1) % full_attention_interval != 0 for il in range(n_layer_all))
+
+
 @dataclass(frozen=True)
 class Qwen35HParams:
     """Hyperparameters of a qwen35 / qwen35moe GGUF (names follow llama.cpp's ``llama_hparams``).
@@ -129,6 +144,12 @@ class Qwen35HParams:
     def is_recurrent(self, il: int) -> bool:
         return self.recurrent[il]
 
+    def layer_kind(self, il: int) -> str:
+        """``MTP`` for a block after the trunk, else ``RECURRENT`` or ``ATTENTION``."""
+        if il >= self.n_layer:
+            return MTP
+        return RECURRENT if self.recurrent[il] else ATTENTION
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["n_layer"] = self.n_layer
@@ -159,6 +180,62 @@ HPARAM_KEYS: list[tuple[str, str, type, bool]] = [
     ("n_ff_shexp", "expert_shared_feed_forward_length", int, False),
     ("context_length", "context_length", int, False),
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HParamsSpec:
+    """The hyperparameters one chooses to make a qwen35 / qwen35moe model (the synthetic and the
+    trained fixtures), named as ``Qwen35HParams`` (llama.cpp's ``llama_hparams``); the rest follows
+    from them (``hparams``). Transformers' names appear only where a config crosses into
+    transformers (``harness.fixtures.convert.hparams_to_config``).
+
+    ``n_layer`` counts trunk layers, ``n_layer_nextn`` the MTP blocks after them; ``n_rot`` the
+    rotated dims per head (``rope_sections`` its split, 2 x sum = n_rot); the DeltaNet value head
+    size is ``ssm_d_state`` (as llama.cpp takes it), so ``ssm_d_inner = ssm_dt_rank x ssm_d_state``;
+    ``full_attention_interval`` 4 puts full attention at layers 3, 7, ...; ``n_expert`` > 0 makes a
+    ``qwen35moe``. Sizes are element counts; ``rope_freq_base`` is θ.
+    """
+
+    n_layer: int = 8
+    n_layer_nextn: int = 0
+    n_embd: int = 64
+    n_ff: int = 128
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 32
+    n_rot: int = 8
+    rope_sections: tuple[int, int, int, int] = (2, 1, 1, 0)
+    rope_freq_base: float = 10_000_000.0
+    rms_eps: float = 1e-6
+    full_attention_interval: int = 4
+    ssm_n_group: int = 2
+    ssm_dt_rank: int = 4
+    ssm_d_state: int = 32
+    ssm_d_conv: int = 4
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    context_length: int = 4096
+
+    @property
+    def arch(self) -> str:
+        return "qwen35moe" if self.n_expert > 0 else "qwen35"
+
+    def hparams(self, n_vocab: int) -> Qwen35HParams:
+        """The ``Qwen35HParams`` a GGUF written from this spec reads back, for ``n_vocab`` tokens."""
+        n_all = self.n_layer + self.n_layer_nextn
+        return Qwen35HParams(
+            arch=self.arch, n_vocab=n_vocab, n_embd=self.n_embd, n_layer_all=n_all, n_layer_nextn=self.n_layer_nextn,
+            n_ff=self.n_ff, n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=self.head_dim, n_rot=self.n_rot,
+            rope_sections=tuple(self.rope_sections), rope_freq_base=self.rope_freq_base, rms_eps=self.rms_eps,
+            ssm_d_conv=self.ssm_d_conv, ssm_d_state=self.ssm_d_state, ssm_n_group=self.ssm_n_group,
+            ssm_dt_rank=self.ssm_dt_rank, ssm_d_inner=self.ssm_dt_rank * self.ssm_d_state,
+            recurrent=interval_schedule(self.n_layer, n_all, self.full_attention_interval),
+            full_attention_interval=self.full_attention_interval, n_expert=self.n_expert,
+            n_expert_used=self.n_expert_used, n_ff_exp=self.n_ff_exp, n_ff_shexp=self.n_ff_shexp,
+            context_length=self.context_length,
+        )
 
 
 @dataclass
@@ -359,7 +436,7 @@ class GGUFModel:
             interval = vals.get("full_attention_interval", 4)
             if interval <= 0:
                 raise InvalidInput(f"{self.path}: full_attention_interval must be positive, found {interval}")
-            recurrent = tuple(i < n_trunk and (i + 1) % interval != 0 for i in range(n_all))
+            recurrent = interval_schedule(n_trunk, n_all, interval)
         vals["recurrent"] = recurrent
         tok = self._tensors.get("token_embd.weight")
         n_vocab = len(self.tokens) or (int(tok.shape[1]) if tok is not None and len(tok.shape) > 1 else 0)

@@ -52,7 +52,11 @@ from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from harness.errors import InvalidInput
 from harness.model.gguf_model import (
+    ATTENTION,
+    GLOBAL,
     HPARAM_KEYS,
+    MTP,
+    RECURRENT,
     GGUFModel,
     Qwen35HParams,
     parse_overrides,
@@ -286,7 +290,6 @@ def check_hparams(h: Qwen35HParams, model: GGUFModel) -> list[Finding]:
 # ---------------------------------------------------------------------------------------------
 # Tensor tables
 # ---------------------------------------------------------------------------------------------
-GLOBAL, RECURRENT, ATTENTION, MTP = "global", "recurrent", "attention", "mtp"
 G = frozenset({GLOBAL})
 R = frozenset({RECURRENT})
 AM = frozenset({ATTENTION, MTP})
@@ -365,13 +368,14 @@ _COMMON: list[TensorRule] = [
     TensorRule(T.ATTN_QKV, W, lambda h: (h.n_embd, _conv_dim(h)), R),
     TensorRule(T.ATTN_GATE, W, lambda h: (h.n_embd, _value_dim(h)), R),
     TensorRule(T.SSM_CONV1D, W, lambda h: (h.ssm_d_conv, _conv_dim(h)), R, f32=True),
-    TensorRule(T.SSM_DT, "bias", lambda h: (h.ssm_dt_rank,), R, f32=True),
     TensorRule(T.SSM_A, None, lambda h: (h.ssm_dt_rank,), R, f32=True, negative=True),
-    TensorRule(T.SSM_BETA, W, lambda h: (h.n_embd, h.ssm_dt_rank), R),
+    TensorRule(T.SSM_DT, "bias", lambda h: (h.ssm_dt_rank,), R, f32=True),
     TensorRule(T.SSM_ALPHA, W, lambda h: (h.n_embd, h.ssm_dt_rank), R),
+    TensorRule(T.SSM_BETA, W, lambda h: (h.n_embd, h.ssm_dt_rank), R),
     TensorRule(T.SSM_NORM, W, lambda h: (h.ssm_d_state,), R, f32=True, norm="unshifted"),
     TensorRule(T.SSM_OUT, W, lambda h: (_value_dim(h), h.n_embd), R),
-    # MTP (nextn) block extras
+]
+_MTP: list[TensorRule] = [  # MTP (nextn) block extras
     TensorRule(T.NEXTN_EH_PROJ, W, lambda h: (2 * h.n_embd, h.n_embd), M),
     TensorRule(T.NEXTN_ENORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted"),
     TensorRule(T.NEXTN_HNORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted"),
@@ -398,10 +402,12 @@ _MOE_FFN: list[TensorRule] = [
 del T, W
 
 TENSOR_TABLES: dict[str, list[TensorRule]] = {
-    "qwen35": _COMMON + _DENSE_FFN,
-    "qwen35moe": _COMMON + _MOE_FFN,
+    "qwen35": _COMMON + _DENSE_FFN + _MTP,
+    "qwen35moe": _COMMON + _MOE_FFN + _MTP,
 }
-"""Per arch: every tensor llama.cpp's ``load_arch_tensors`` creates, as ``TensorRule`` rows."""
+"""Per arch: every tensor llama.cpp's ``load_arch_tensors`` creates, as ``TensorRule`` rows, in
+the order a block's tensors are written (global tensors, then per block: norms, mixer, FFN, MTP
+extras); the synthetic fixtures are built from these rows (``harness.fixtures.synthetic``)."""
 
 
 def _markers(table: list[TensorRule], kind: str, other: str) -> set[str]:
@@ -412,12 +418,6 @@ def _markers(table: list[TensorRule], kind: str, other: str) -> set[str]:
 
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
-
-
-def _layer_kind(h: Qwen35HParams, il: int) -> str:
-    if il >= h.n_layer:
-        return MTP
-    return RECURRENT if h.is_recurrent(il) else ATTENTION
 
 
 def _ne4(ne: Iterable[int]) -> tuple[int, ...]:
@@ -503,7 +503,7 @@ def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Fi
     for il in range(h.n_layer):
         if il in skip:
             continue
-        kind = _layer_kind(h, il)
+        kind = h.layer_kind(il)
         other = ATTENTION if kind == RECURRENT else RECURRENT
         held = sorted(n for n in (t.format(bid=il) for t in markers[other]) if n in present)
         if held:
@@ -520,7 +520,7 @@ def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Fi
     expected: set[str] = set()
     for rule in table:
         layers: list[int | None] = [None] if GLOBAL in rule.layers else [
-            il for il in range(h.n_layer_all) if il not in skip and _layer_kind(h, il) in rule.layers
+            il for il in range(h.n_layer_all) if il not in skip and h.layer_kind(il) in rule.layers
         ]
         for il in layers:
             if il in mismatched and not (ALL <= rule.layers):  # kind-specific row in a mismatched layer
