@@ -166,7 +166,7 @@ def _render_parity(outcome) -> None:
     f = lambda v, spec: "-" if v is None else format(v, spec)
     for p in r.per_prompt:
         t.add_row(p["id"], str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
-                  f"{p['flips_near_tie']}/{p['flips_hard']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
+                  f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
     con.print(t)
     th = rec["thresholds"]["gates"]["min_cosine"]
     basis = th["basis"]

@@ -71,3 +71,18 @@ def test_cli_report(fail_receipt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "harness", "report", str(fail_receipt), "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "r" / "report.md").exists()
+
+
+def test_report_reads_old_receipts_flip_fields(fail_receipt, tmp_path):
+    """Receipts written before the flip counts took the ledger's names (``near_tie_flips``,
+    ``hard_flips``) say ``flips_near_tie`` / ``flips_hard``; the report reads both."""
+    import json
+
+    from harness.evidence.receipts import load_receipt, per_prompt_rows
+
+    rec = load_receipt(fail_receipt).receipt
+    old = {**rec, "per_prompt": [{("flips_near_tie" if k == "near_tie_flips" else "flips_hard" if k == "hard_flips" else k): v
+                                  for k, v in p.items()} for p in rec["per_prompt"]]}
+    assert per_prompt_rows(old) == per_prompt_rows(rec) == rec["per_prompt"]
+    assert all("near_tie_flips" in p and "flips_near_tie" not in p for p in per_prompt_rows(old))
+    assert json.dumps(old) != json.dumps(rec)

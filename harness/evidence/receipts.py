@@ -184,6 +184,17 @@ def validate_receipt(receipt: Mapping[str, Any], where: str = "receipt") -> None
         raise InvalidInput(f"{where}: {field or '(top level)'}: {message} (schema {schema_id})")
 
 
+OLD_PER_PROMPT_NAMES = {"flips_near_tie": "near_tie_flips", "flips_hard": "hard_flips"}
+"""Per-prompt fields that parity receipts written before the names were unified (the ledger's
+``near_tie_flips`` / ``hard_flips``) call by their old names; receipts are never rewritten."""
+
+
+def per_prompt_rows(receipt: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The receipt's ``per_prompt`` entries with today's field names (old receipts' names read
+    through ``OLD_PER_PROMPT_NAMES``)."""
+    return [{OLD_PER_PROMPT_NAMES.get(k, k): v for k, v in p.items()} for p in receipt.get("per_prompt", [])]
+
+
 # ------------------------------------------------------------------------------ write / load
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.evidence.receipts import load_receipt
+from harness.evidence.receipts import load_receipt, per_prompt_rows
 
 
 def _plt():
@@ -161,9 +161,9 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
         "| prompt | positions | min cos | mean cos | argmax agr | flips near/hard | KLD mean | failing |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for p in rec["per_prompt"]:
+    for p in per_prompt_rows(rec):
         lines.append(f"| {p['id']} | {p['positions']} | {p.get('min_cosine')} | {p.get('mean_cosine')} | {p.get('argmax_agreement')} | "
-                     f"{p.get('flips_near_tie')}/{p.get('flips_hard')} | {p.get('kld_mean')} | {p.get('failing_positions')} |")
+                     f"{p.get('near_tie_flips')}/{p.get('hard_flips')} | {p.get('kld_mean')} | {p.get('failing_positions')} |")
     lines += ["", "## Plots", ""]
     for png in pngs:
         lines.append(f"![{png.stem}]({png.name})")
