@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--model", default="fixture:small-qwen35")
     ap.add_argument("--tokens", type=int, default=512)
     a = ap.parse_args()
-    from harness.fixtures.synthetic import resolve_model
+    from harness.fixtures.resolve import resolve_model
 
     path = resolve_model(a.model)
     size_mb = path.stat().st_size / 1e6

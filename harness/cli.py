@@ -1,8 +1,13 @@
-"""The ``harness`` command: a thin layer over the library (no logic of its own).
+"""The ``harness`` command: a thin layer over the library (no logic of its own) and the one
+place that renders tables for a terminal.
 
 Every command maps errors to the verdict exit codes of ../shared/DESIGN.md (see
 ``harness.errors``): a ``HarnessError`` prints one line ``harness: VERDICT: message`` to stderr
 and exits with its code; nothing prints a traceback unless ``HARNESS_DEBUG=1``.
+
+Each command imports the library modules it runs inside its own body, marked ``# deferred:
+startup``: together they load NumPy, pandas, gguf and the oracle (seconds), and ``harness
+--help`` or ``harness lint`` should not wait for what they do not use.
 """
 
 from __future__ import annotations
@@ -10,27 +15,58 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
 
-from harness.errors import HarnessError, InvalidInput
+from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
+from harness.errors import HarnessError, InvalidInput, Verdict
 from harness.provenance import sha256_file
 
 INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the harness, not a verdict
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-def _console(stderr: bool = False):
+def _console(stderr: bool = False) -> Console:
     """A rich console; wide enough for the tables when output is not a terminal."""
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     return Console(stderr=stderr) if stream.isatty() else Console(stderr=stderr, width=160)
 
 
 def _echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def _render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None) -> None:
+    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green)."""
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else v for v in r])
+    Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0))).print(t)
+
+
+def _short(msg: str, n: int = 140) -> str:
+    line = " ".join(str(msg).split())
+    return line if len(line) <= n else line[: n - 1] + "…"
+
+
+GREEN_CELLS = ("DISCHARGED", "RED", "GREEN")
+YELLOW_CELLS = ("RED-SEEN", "BOUND", "SKIPPED")
+STATUS_STYLES = {**{v: "green" for v in GREEN_CELLS}, **{v: "yellow" for v in YELLOW_CELLS},
+                 **{v: "red" for v in ("UNBOUND", "STALE", "VACUOUS", "NOT-RED", "GREEN-FAILED", "FAIL", "ERROR")}}
+"""Colours of discharge outcomes and obligation statuses (``harness.contracts.discharge``)."""
 
 
 override_option = click.option(
@@ -59,6 +95,7 @@ def fixtures() -> None:
 @click.option("--no-build", is_flag=True, help="Do not build missing fixtures; show sha256 only for built ones.")
 def fixtures_list(as_json: bool, no_build: bool) -> None:
     """List fixtures with their sha256 (building any that are missing)."""
+    # deferred: startup
     from harness.fixtures import synthetic as fx
 
     rows = []
@@ -74,8 +111,6 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
     if as_json:
         _echo_json(rows)
         return
-    from rich.table import Table
-
     t = Table(title="fixtures", show_lines=False)
     for col in ("name", "arch", "quant", "MB", "sha256", "description"):
         t.add_column(col, overflow="fold")
@@ -91,6 +126,7 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
 @click.option("--force", is_flag=True, help="Rebuild even when cached.")
 def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
     """Build fixtures into the cache and print NAME PATH SHA256."""
+    # deferred: startup
     from harness.fixtures import synthetic as fx
 
     if not names and not all_:
@@ -110,10 +146,9 @@ def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
 def fixtures_train(arch, name, steps, seed, out_dir) -> None:
     """Train a small Qwen3.5 on the Python standard library with transformers + torch (the hf
     extra), convert it to GGUF and write it with its recipe."""
-    try:
-        from harness.fixtures import training
-    except ImportError as e:
-        raise InvalidInput(f"training needs the hf extra: pip install -e .[hf] ({e})") from None
+    # deferred: startup (torch is imported by the training itself)
+    from harness.fixtures import training
+
     kwargs = {k: v for k, v in {"arch": arch, "name": name, "steps": steps, "seed": seed, "out_dir": out_dir}.items() if v is not None}
     result = training.train(**kwargs)
     click.echo(result if isinstance(result, str) else json.dumps(result, indent=2, default=str))
@@ -126,9 +161,11 @@ def fixtures_train(arch, name, steps, seed, out_dir) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def lint(model: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Static checks of a qwen35/qwen35moe GGUF (exit 0 clean, 1 errors found, 2 unreadable)."""
+    # deferred: startup
+    from harness.fixtures.resolve import resolve_model
     from harness.model.lint import lint_path
 
-    report = lint_path(model, list(overrides))
+    report = lint_path(resolve_model(model), list(overrides))
     if as_json:
         _echo_json(report.to_dict())
     else:
@@ -137,18 +174,15 @@ def lint(model: str, overrides: tuple[str, ...], as_json: bool) -> None:
 
 
 # -- parity ----------------------------------------------------------------------------------
-_VERDICT_PRIORITY = ["FAIL", "ENGINE-ERROR", "NOT-COMPARABLE", "INVALID", "UNMEASURED", "PASS"]
-
-
 def _parity_defaults() -> dict[str, Any]:
-    from harness.config import load_config
-    from harness.pytest_plugin import default_model
+    # deferred: startup
+    from harness.fixtures.resolve import default_model
 
     cfg = load_config()
     return {
         "model": cfg.get("model") or default_model(),
-        "candidate": cfg.get("candidate", "oracle"),
-        "reference": cfg.get("reference", "llama.cpp"),
+        "candidate": cfg.get("candidate", DEFAULT_CANDIDATE),
+        "reference": cfg.get("reference", DEFAULT_REFERENCE),
         "prompts": cfg.get("prompts"),
         "thresholds": cfg.get("thresholds"),
         "ledger": cfg.get("ledger"),
@@ -156,8 +190,6 @@ def _parity_defaults() -> dict[str, Any]:
 
 
 def _render_parity(outcome) -> None:
-    from rich.table import Table
-
     r, rec = outcome.result, outcome.receipt
     con = _console()
     t = Table(title=f"parity: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']} on {rec['model']['name']} ({rec['model']['file_type']})")
@@ -203,7 +235,9 @@ def _render_parity(outcome) -> None:
 @click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence) -> None:
     """Run a candidate and the reference on the same token ids; gate on per-position logit cosine."""
+    # deferred: startup
     from harness.compare.parity import ParityRequest, run_parity
+    from harness.evidence.report import write_report
 
     d = _parity_defaults()
     specs = list(models) or [d["model"]]
@@ -220,13 +254,11 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             if len(specs) == 1:
                 raise
             click.echo(f"harness: {e.verdict.value}: {spec}: {e}", err=True)
-            verdicts.append(e.verdict.value)
+            verdicts.append(e.verdict)
             continue
-        verdicts.append(outcome.result.verdict.value)
+        verdicts.append(outcome.result.verdict)
         report_path = None
         if outcome.receipt_path is not None:
-            from harness.evidence.report import write_report
-
             report_path = write_report(outcome.receipt_path)
         if as_json:
             _echo_json(outcome.receipt)
@@ -236,25 +268,14 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
                 click.echo(f"report:  {report_path}")
             if outcome.result.verdict.value == "FAIL":
                 click.echo(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}")
-    worst = min(verdicts, key=_VERDICT_PRIORITY.index)
+    worst = Verdict.worst(verdicts)
     if len(specs) > 1:
-        click.echo(f"{len(specs)} models: " + ", ".join(f"{s}={v}" for s, v in zip(specs, verdicts)) + f" -> {worst}")
-    from harness.errors import Verdict
-
-    sys.exit(Verdict(worst).exit_code)
+        click.echo(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}")
+    sys.exit(worst.exit_code)
 
 
 def _with_progress(fn, quiet: bool = False):
     """Run ``fn(progress_callback)`` under a rich progress bar on stderr (positions compared)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     if quiet:
         return fn(None)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -281,6 +302,7 @@ def _with_progress(fn, quiet: bool = False):
 def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
+    # deferred: startup
     from harness.compare.probes import ProbeRequest, run_probes
 
     d = _parity_defaults()
@@ -292,8 +314,6 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
     if as_json:
         _echo_json(run.receipt)
     else:
-        from rich.table import Table
-
         t = Table(title=f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}")
         for col in ("probe", "verdict", "comparisons", "detail"):
             t.add_column(col)
@@ -320,6 +340,7 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
 def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, thresholds, overrides, as_json) -> None:
     """Compare a candidate's named activations with the oracle's, in forward order, and name the
     first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
+    # deferred: startup
     from harness.compare.localize import LocalizeRequest, run_localize
 
     d = _parity_defaults()
@@ -334,8 +355,6 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     if as_json:
         _echo_json(loc.to_dict())
     else:
-        from rich.table import Table
-
         t = Table(title=f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})")
         for col in ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine"):
             t.add_column(col, justify="right")
@@ -360,13 +379,13 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 @click.option("--localize", "do_localize", is_flag=True, help="Also localize the receipt's candidate against the oracle and plot the per-layer profile.")
 def report(receipt, out_dir, do_localize) -> None:
     """Write a Markdown report with PNG plots for a parity receipt."""
+    # deferred: startup
+    from harness.compare.localize import LocalizeRequest, run_localize
     from harness.evidence.receipts import load_receipt
     from harness.evidence.report import write_report
 
     loc = None
     if do_localize:
-        from harness.compare.localize import LocalizeRequest, run_localize
-
         rec = load_receipt(receipt).receipt
         m = rec["model"]
         loc = run_localize(LocalizeRequest(model=m["path"], candidate=rec["engines"]["candidate"]["name"], overrides=m.get("overrides", []))).to_dict()
@@ -386,29 +405,21 @@ def report(receipt, out_dir, do_localize) -> None:
 def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> None:
     """Measure known-good and known-bad pairs; write thresholds with measured bases (exit 1 and
     write nothing when a good pair spreads past a threshold or a mutant passes every gate)."""
+    # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.gates.calibrate import (
-        GATES,
-        CalibrationPlan,
-        CalibrationRefused,
-        thresholds_document,
-        write_thresholds,
-    )
-    from harness.gates.calibrate import calibrate as run
+    from harness.gates import calibrate as cal
 
-    plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None)
+    plan = cal.CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None)
     if ladder:
         plan.ladder = tuple(ladder)
     con = _console(stderr=True)
-    res = run(plan, log=lambda m: con.print(m))
-    from rich.table import Table
-
+    res = cal.calibrate(plan, log=lambda m: con.print(m))
     t = Table(title="known-bad pairs x gates (X = caught)")
     t.add_column("known-bad pair")
-    for g in GATES:
+    for g in cal.GATES:
         t.add_column(g, justify="center")
     for label, row in res.matrix.items():
-        t.add_row(label, *("X" if row[g] else "." for g in GATES))
+        t.add_row(label, *("X" if row[g] else "." for g in cal.GATES))
     if not as_json:
         _console().print(t)
         for g in res.goods:
@@ -428,10 +439,10 @@ def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> 
                     "per_model": res.per_model, "probes": res.probes, "localization": res.localization, "matrix": res.matrix,
                     "skipped": res.skipped, "problems": res.problems})
     if res.problems:
-        raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
+        raise cal.CalibrationRefused("calibration refused: " + "; ".join(res.problems))
     if not dry_run:
-        doc = thresholds_document(res, "harness " + " ".join(sys.argv[1:]), harness_info().get("git_commit"))
-        write_thresholds(doc, out)
+        doc = cal.thresholds_document(res, "harness " + " ".join(sys.argv[1:]), harness_info().get("git_commit"))
+        cal.write_thresholds(doc, out)
         click.echo(f"wrote {out}")
 
 
@@ -447,8 +458,7 @@ def ledger() -> None:
 @click.option("--markdown", default=None, type=click.Path(), help="Rendered ledger (default: LEDGER.md of the repo).")
 def ledger_verify(ledger_path, receipts, markdown) -> None:
     """Check the hash chain, every row against its receipt, and the rendered head (exit 1 on any problem)."""
-    from pathlib import Path
-
+    # deferred: startup (pandas)
     from harness.evidence.ledger import read_rows, verify_ledger
 
     lp = Path(ledger_path)
@@ -468,13 +478,8 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def ledger_show(ledger_path, as_json) -> None:
     """Summarize the ledger with pandas; print proposed report-only thresholds once 20 records exist."""
-    from pathlib import Path
-
-    from harness.evidence.ledger import (
-        ledger_frame,
-        proposed_report_only_thresholds,
-        summarize_ledger,
-    )
+    # deferred: startup (pandas)
+    from harness.evidence.ledger import ledger_frame, proposed_report_only_thresholds, summarize_ledger
 
     lp = Path(ledger_path)
     if not lp.exists():
@@ -502,14 +507,14 @@ def mutants() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def mutants_list(as_json: bool) -> None:
     """List every mutant and planted output fault with its bug class and the obligations it breaks."""
-    from harness.contracts.discharge import render_table
+    # deferred: startup
     from harness.engines.mutants import mutant_rows
 
     rows = mutant_rows()
     if as_json:
         _echo_json(rows)
         return
-    render_table(f"{sum(r['kind'] == 'mutant' for r in rows)} mutants, {sum(r['kind'] == 'plant' for r in rows)} plants",
+    _render_table(f"{sum(r['kind'] == 'mutant' for r in rows)} mutants, {sum(r['kind'] == 'plant' for r in rows)} plants",
                  ("name", "bug class", "archs", "breaks", "fault"),
                  [(r["name"], r["bug_class"], ",".join(r["archs"]), " ".join(r["breaks"]), r["description"]) for r in rows])
 
@@ -525,7 +530,7 @@ def contracts() -> None:
 def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
     """Validate contracts (default contracts/): schema, ids, oracle functions, reds, and that
     pytest collects every bound test. Exit 0 valid, 2 invalid (every error with file:line)."""
-    from harness.contracts.discharge import render_table
+    # deferred: startup
     from harness.contracts.loader import ContractsInvalid, load_contracts, summary_rows
 
     try:
@@ -541,7 +546,7 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         _echo_json({"valid": True, "contracts": rows})
         return
-    render_table("contracts: valid", ("id", "version", "subject", "equations", "obligations", "bound", "tests"),
+    _render_table("contracts: valid", ("id", "version", "subject", "equations", "obligations", "bound", "tests"),
                  [(r["id"], r["version"], r["subject"], str(r["equations"]), str(r["obligations"]), str(r["bound"]), str(r["tests"])) for r in rows])
 
 
@@ -556,13 +561,20 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
 def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write, as_json) -> None:
     """Run each obligation's tests on its RED subject (must fail by assertion) then on the
     candidate (must pass), write the evidence, exit 0 only if every selected one is DISCHARGED."""
+    # deferred: startup
     from harness.contracts import discharge as dis
 
     results = dis.discharge(contract, candidate, obligation_ids, evidence_dir, jobs, write=not no_write)
     if as_json:
         _echo_json([r.record for r in results])
     else:
-        dis.print_discharge(results)
+        rows = []
+        for r in results:
+            red = "; ".join(f"{x['shown_by']}: {x['outcome']}" for x in r.red) or "-"
+            msg = _short(next((x["message"] for x in r.red if x["outcome"] != dis.RED), r.red[0]["message"] if r.red else ""))
+            rows.append((r.obligation, red, msg, r.green.get("outcome", "-") if r.green else "-", r.result))
+        _render_table(f"discharge {results[0].contract if results else ''}",
+                      ("obligation", "RED subject: outcome", "RED message", "GREEN", "result"), rows, STATUS_STYLES)
         done = sum(r.result == dis.DISCHARGED for r in results)
         click.echo(f"{done}/{len(results)} obligations DISCHARGED")
     sys.exit(0 if results and all(r.result == dis.DISCHARGED for r in results) else 1)
@@ -576,13 +588,17 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
 def status(paths, check, evidence_dir, as_json) -> None:
     """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) and
     coverage per contract (default contracts/)."""
+    # deferred: startup
     from harness.contracts import discharge as dis
 
     rows, coverage = dis.status(paths or ["contracts"], evidence_dir)
     if as_json:
         _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
     else:
-        dis.print_status(rows, coverage)
+        _render_table("obligation status", ("contract", "obligation", "status", "detail"),
+                      [(r.contract, r.obligation, r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
+        _render_table("coverage", ("contract", "version", "obligations", *dis.STATUSES),
+                      [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage])
     if check and any(r.status != dis.DISCHARGED for r in rows):
         sys.exit(1)
 

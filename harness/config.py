@@ -17,6 +17,11 @@ from typing import Any
 
 from harness.errors import InvalidInput
 
+DEFAULT_CANDIDATE = "oracle"
+"""The engine judged where none is named (``candidate`` key, ``--candidate``)."""
+DEFAULT_REFERENCE = "llama.cpp"
+"""The engine judged against where none is named (``reference`` key, ``--reference``)."""
+
 
 @dataclass
 class HarnessConfig:

@@ -16,6 +16,7 @@ a one-line message and its documented exit code, never a traceback.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Iterable
 
 
 class Verdict(str, Enum):
@@ -32,6 +33,16 @@ class Verdict(str, Enum):
     def exit_code(self) -> int:
         return EXIT_CODES[self]
 
+    @staticmethod
+    def worst(verdicts: Iterable[Verdict | str]) -> Verdict:
+        """The most severe of ``verdicts`` (``SEVERITY``): the verdict of a run over several
+        models. Raises ``ValueError`` for an empty sequence."""
+        return min((Verdict(v) for v in verdicts), key=SEVERITY.index)
+
+
+SEVERITY = (Verdict.FAIL, Verdict.ENGINE_ERROR, Verdict.NOT_COMPARABLE, Verdict.INVALID, Verdict.UNMEASURED, Verdict.PASS)
+"""Verdicts from most to least severe: a wrong result beats a failure to produce one, which beats
+bad input, which beats nothing measured."""
 
 EXIT_CODES = {
     Verdict.PASS: 0,

@@ -13,6 +13,10 @@ entry (session-scoped parametrization, ids ``c=NAME`` / ``m=SPEC``); ``--plant N
 candidate in a planted output fault (``harness.engines.mutants.PLANTS``); ``fixture:NAME`` also
 names the defective fixtures of ``harness.fixtures.defects``; ``--harness-outcomes PATH`` writes every
 collected and run item (outcome, exception type, assertion message, subject) as JSON.
+
+The harness modules (engines, fixtures: NumPy, gguf, the oracle) are imported inside the fixtures
+that need them, on purpose: pytest loads this entry point in every test process of the
+environment, also in projects and runs that never ask for an engine.
 """
 
 from __future__ import annotations
@@ -23,16 +27,7 @@ from pathlib import Path
 
 import pytest
 
-DEFAULT_CANDIDATE = "oracle"
-DEFAULT_REFERENCE = "llama.cpp"
-
-
-def default_model() -> str:
-    """The model used where none is named: the committed trained dense model when present,
-    else ``fixture:tiny-qwen35``."""
-    from harness.fixtures.synthetic import trained_fixtures
-
-    return "fixture:trained-qwen35" if "trained-qwen35" in trained_fixtures() else "fixture:tiny-qwen35"
+from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,6 +60,9 @@ def candidate_names(config: pytest.Config) -> list[str]:
 
 def model_specs(config: pytest.Config) -> list[str]:
     """The models named by ``--model`` (default ``[default_model()]``)."""
+    # deferred: see the module docstring
+    from harness.fixtures.resolve import default_model
+
     return _names(config.getoption("harness_model")) or [default_model()]
 
 
@@ -78,31 +76,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             metafunc.parametrize(argname, names, scope="session", ids=[prefix + n for n in names])
 
 
-def resolve_subject_model(spec: str):
-    """``fixture:NAME`` → path for the fixtures of ``harness.fixtures.synthetic`` and the defective
-    fixtures of ``harness.fixtures.defects`` (built once into the fixture cache, in a folder keyed by the
-    defects module's hash); any other spec is a file path. Raises ``InvalidInput``."""
-    from harness.fixtures import defects
-    from harness.fixtures import synthetic as fx
-
-    name = spec[len(fx.FIXTURE_PREFIX):] if spec.startswith(fx.FIXTURE_PREFIX) else None
-    if name is None or name in fx.fixture_names() or name not in defects.DEFECTS:
-        return fx.resolve_model(spec)
-    import hashlib
-
-    from filelock import FileLock
-
-    key = hashlib.sha256(Path(defects.__file__).read_bytes()).hexdigest()[:12]
-    folder = fx.cache_dir() / f"defects-{key}"
-    path = folder / f"{name}.gguf"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
-            if not path.exists():
-                defects.build_defect(name, folder)
-    return path
-
-
 @pytest.fixture(scope="session")
 def harness_model_spec(request: pytest.FixtureRequest) -> str:
     return model_specs(request.config)[0]
@@ -110,7 +83,10 @@ def harness_model_spec(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def harness_model_path(harness_model_spec: str):
-    return resolve_subject_model(harness_model_spec)
+    # deferred: see the module docstring
+    from harness.fixtures.resolve import resolve_model
+
+    return resolve_model(harness_model_spec)
 
 
 @pytest.fixture(scope="session")
@@ -125,19 +101,20 @@ def reference_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def candidate_engine(request: pytest.FixtureRequest, candidate_name: str, harness_model_path):
+    # deferred: see the module docstring
+    from harness.engines.mutants import PlantedEngine
     from harness.engines.registry import resolve_engine
 
     engine = resolve_engine(candidate_name, harness_model_path)
     plant = request.config.getoption("harness_plant")
     if plant:
-        from harness.engines.mutants import PlantedEngine
-
         engine = PlantedEngine(engine, plant)
     return engine
 
 
 @pytest.fixture(scope="session")
 def reference_engine(reference_name: str, harness_model_path):
+    # deferred: see the module docstring
     from harness.engines.registry import resolve_engine
 
     return resolve_engine(reference_name, harness_model_path)

@@ -24,6 +24,7 @@ from harness.engines.mutants import MUTANTS, PLANTS, PlantedEngine, load_mutant
 from harness.engines.oracle import load_oracle
 from harness.engines.registry import known_engine_names, resolve_engine
 from harness.fixtures import synthetic as fx
+from harness.fixtures.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "contracts"
@@ -205,9 +206,7 @@ def test_compare_activations_per_tensor():
 
 
 def test_defective_fixture_names_resolve(tmp_path, monkeypatch):
-    from harness.pytest_plugin import resolve_subject_model
-
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path))
-    p = resolve_subject_model("fixture:ssm-a-positive")
-    assert p.exists() and resolve_subject_model("fixture:ssm-a-positive") == p
-    assert resolve_subject_model("fixture:tiny-qwen35") == fx.build("tiny-qwen35")
+    p = resolve_model("fixture:ssm-a-positive")
+    assert p.exists() and resolve_model("fixture:ssm-a-positive") == p
+    assert resolve_model("fixture:tiny-qwen35") == fx.build("tiny-qwen35")

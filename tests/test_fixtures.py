@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from harness.fixtures import synthetic as fx
+from harness.fixtures.resolve import resolve_model
 from harness.model.gguf_model import GGUFModel
 from harness.provenance import sha256_file
 
@@ -102,6 +103,6 @@ def test_v248k_fixture_has_the_real_vocab():
 def test_fixture_names_resolve_and_unknown_is_invalid():
     from harness.errors import InvalidInput
 
-    assert fx.resolve_model("fixture:tiny-qwen35") == fx.build("tiny-qwen35")
+    assert resolve_model("fixture:tiny-qwen35") == fx.build("tiny-qwen35")
     with pytest.raises(InvalidInput, match="unknown fixture 'nope'.*tiny-qwen35"):
-        fx.resolve_model("fixture:nope")
+        resolve_model("fixture:nope")

@@ -9,6 +9,7 @@ import pytest
 
 from harness.errors import InvalidInput
 from harness.fixtures.defects import DEFECTS, build_defect
+from harness.fixtures.resolve import resolve_model
 from harness.model.lint import CODES, SEVERITY, lint_path
 
 GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp"]
@@ -17,7 +18,7 @@ REMEDY = ["qwen35.block_count=int:8", "qwen35.nextn_predict_layers=int:0"]
 
 @pytest.mark.parametrize("name", GOOD)
 def test_good_fixtures_lint_clean(name):
-    report = lint_path(f"fixture:{name}", [])
+    report = lint_path(resolve_model(f"fixture:{name}"), [])
     assert report.findings == [], report.render()
     assert report.exit_code == 0
     d = json.loads(json.dumps(report.to_dict()))
@@ -25,7 +26,7 @@ def test_good_fixtures_lint_clean(name):
 
 
 def test_mtp_declared_absent_is_flagged_with_remedy():
-    report = lint_path("fixture:mtp-declared-absent", [])
+    report = lint_path(resolve_model("fixture:mtp-declared-absent"), [])
     assert report.exit_code == 1
     assert {f.code for f in report.findings} == {"QL201"}
     (f,) = report.findings
@@ -36,7 +37,7 @@ def test_mtp_declared_absent_is_flagged_with_remedy():
 
 
 def test_mtp_declared_absent_is_clean_with_the_remedy():
-    report = lint_path("fixture:mtp-declared-absent", REMEDY)
+    report = lint_path(resolve_model("fixture:mtp-declared-absent"), REMEDY)
     assert report.findings == [], report.render()
     assert report.exit_code == 0
     assert report.model["overrides"] == REMEDY
@@ -90,7 +91,7 @@ def test_undeclared_mtp_remedy_makes_it_clean(defect):
 
 
 def test_mistyped_override_is_flagged():
-    report = lint_path("fixture:mtp-declared-absent", ["qwen35.block_count=float:8", "qwen35.nextn_predict_layers=int:0"])
+    report = lint_path(resolve_model("fixture:mtp-declared-absent"), ["qwen35.block_count=float:8", "qwen35.nextn_predict_layers=int:0"])
     assert "QL102" in {f.code for f in report.findings}
 
 
@@ -99,7 +100,7 @@ def test_memory_line_tiny_qwen35():
     #   2 layers × 2 (K, V) × 2 × 32 × 2 B = 512 B/token.
     # 6 Gated DeltaNet layers, f32: conv state (4 − 1) × (2·2·32 + 4·32) = 3 × 256 = 768,
     #   delta-rule state n_v × d_v × d_k = 4 × 32 × 32 = 4096; 6 × (768 + 4096) × 4 B = 116,736 B/seq.
-    report = lint_path("fixture:tiny-qwen35", [])
+    report = lint_path(resolve_model("fixture:tiny-qwen35"), [])
     m = report.memory
     assert (m["n_attention_layers"], m["n_recurrent_layers"]) == (2, 6)
     assert m["kv_bytes_per_token"] == 512
@@ -126,4 +127,4 @@ def test_unsupported_arch_and_bad_override_raise(tmp_path):
     with pytest.raises(InvalidInput, match="qwen35, qwen35moe"):
         lint_path(str(path), [])
     with pytest.raises(InvalidInput, match="KEY=TYPE:VALUE"):
-        lint_path("fixture:tiny-qwen35", ["qwen35.block_count"])
+        lint_path(resolve_model("fixture:tiny-qwen35"), ["qwen35.block_count"])

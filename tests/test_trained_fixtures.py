@@ -22,6 +22,7 @@ from harness.engines.registry import resolve_engine
 from harness.fixtures import synthetic as fx
 from harness.fixtures.training import SPECS, TrainSpec
 from harness.model.gguf_model import GGUFModel
+from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
 from harness.provenance import sha256_file
 
@@ -111,7 +112,7 @@ def test_fixture_matches_its_recipe(name):
 
 @pytest.mark.parametrize("name", TRAINED)
 def test_fixture_lints_clean(name):
-    report = lint_path(f"fixture:{name}")
+    report = lint_path(resolve_model(f"fixture:{name}"))
     assert report.exit_code == 0 and not report.warnings, [f.__dict__ for f in report.findings]
 
 

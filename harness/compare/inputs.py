@@ -11,7 +11,7 @@ and token ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,11 @@ from harness.compare.prompts import (
     load_prompt_set,
     tokenize_prompts,
 )
+from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
 from harness.engines.base import Engine
-from harness.fixtures.synthetic import resolve_model
+from harness.engines.llamacpp import LlamaCppEngine
+from harness.engines.registry import resolve_engine
+from harness.fixtures.resolve import resolve_model
 from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
 from harness.model.gguf_model import GGUFModel, Override, parse_overrides
 from harness.paths import SOURCE_ROOT
@@ -70,8 +73,6 @@ class RunInputs:
     def engine(self, name: str) -> Engine:
         """A new instance of the engine ``name`` (registry names) on this model, with the run's
         overrides. Raises ``InvalidInput`` (unknown name) or ``EngineError`` (cannot load)."""
-        from harness.engines.registry import resolve_engine
-
         return resolve_engine(name, self.path, self.overrides)
 
     def tokenizer(self, reference: Engine | None = None) -> Any:
@@ -79,8 +80,6 @@ class RunInputs:
         the same file (token ids always come from llama.cpp's vocabulary)."""
         if reference is not None and hasattr(reference, "tokenize"):
             return reference
-        from harness.engines.llamacpp import LlamaCppEngine
-
         return LlamaCppEngine(self.path, self.overrides)
 
     def tokens(self, reference: Engine | None = None, prompt_set: PromptSet | None = None) -> list[PromptTokens]:
@@ -93,6 +92,35 @@ class RunInputs:
         d = self.model.describe()
         return {"path": d["path"], "name": self.display_name, "sha256": d["sha256"], "arch": d["arch"],
                 "file_type": d["file_type"], "overrides": d["overrides"]}
+
+
+@dataclass(kw_only=True)
+class InputsRequest:
+    """What every command that runs engines is asked for first: ``model`` (a path or
+    ``fixture:NAME``), the prompt file (None: the shipped set), the thresholds file (None:
+    ./thresholds.yaml, else the shipped copy) and ``--override-kv`` strings."""
+
+    model: str
+    prompts: str | None = None
+    thresholds: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    def resolve(self) -> RunInputs:
+        """``resolve_inputs`` of this request (raises as it does)."""
+        return resolve_inputs(self.model, thresholds=self.thresholds, overrides=self.overrides, prompts=self.prompts)
+
+
+@dataclass(kw_only=True)
+class RunRequest(InputsRequest):
+    """A run that judges a candidate against a reference and records evidence (``harness parity``,
+    ``harness probe``): engine names (registry names), the ledger (None: the default; receipts go
+    beside it), the command line recorded in the receipt, and whether to write evidence at all."""
+
+    candidate: str = DEFAULT_CANDIDATE
+    reference: str = DEFAULT_REFERENCE
+    ledger: str | None = None
+    argv: list[str] = field(default_factory=list)
+    write_evidence: bool = True
 
 
 def resolve_inputs(model: str, *, thresholds: str | Path | None = None, overrides: list[str] | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from harness.compare import metrics
+from harness.compare.inputs import InputsRequest
 from harness.errors import InvalidInput, Verdict
 from harness.model.gguf_model import GLOBAL, Qwen35HParams
 
@@ -137,18 +138,15 @@ def localize_activations(
     return Localization(rows, per_layer, first, verdict, {"max_nmse": max_nmse, "min_cosine": min_cosine}, compared, candidate)
 
 
-@dataclass
-class LocalizeRequest:
-    """Inputs of ``harness localize``."""
+@dataclass(kw_only=True)
+class LocalizeRequest(InputsRequest):
+    """Inputs of ``harness localize`` (``InputsRequest``): the ``candidate`` to localize, the
+    prompt id (None: the first), ``chunks`` to feed it in pieces, at most ``max_tokens`` positions."""
 
-    model: str
     candidate: str
     prompt: str | None = None
-    prompts: str | None = None
     chunks: list[int] | None = None
     max_tokens: int = 128
-    thresholds: str | None = None
-    overrides: list[str] = field(default_factory=list)
 
 
 def run_localize(req: LocalizeRequest) -> Localization:
@@ -157,9 +155,7 @@ def run_localize(req: LocalizeRequest) -> Localization:
     Raises ``InvalidInput`` (unknown prompt, an engine without activations, bounds without a
     basis) and ``EngineError``.
     """
-    from harness.compare.inputs import resolve_inputs
-
-    inputs = resolve_inputs(req.model, thresholds=req.thresholds, overrides=req.overrides, prompts=req.prompts)
+    inputs = req.resolve()
     hp = inputs.model.hparams
     resolved = inputs.resolved
     max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)

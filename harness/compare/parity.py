@@ -14,14 +14,14 @@ NOT-COMPARABLE; an engine that fails is ENGINE-ERROR.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from harness.compare import metrics
-from harness.compare.inputs import RunInputs, resolve_inputs
+from harness.compare.inputs import RunInputs, RunRequest
 from harness.compare.prompts import PromptTokens
 from harness.engines.base import Engine, LogitBlock
 from harness.errors import (
@@ -31,6 +31,7 @@ from harness.errors import (
     NotComparable,
     Verdict,
 )
+from harness.evidence.receipts import harness_info, host_info
 from harness.evidence.record import record_evidence
 from harness.model.gguf_model import GGUFModel
 from harness.paths import SOURCE_ROOT
@@ -244,21 +245,9 @@ def run_cell(
 # ---------------------------------------------------------------------------------------------
 # The main job: resolve inputs, run the cell, write the receipt and the ledger row
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class ParityRequest:
-    """Inputs of one ``harness parity`` cell. ``model`` is a path or ``fixture:NAME``;
-    ``thresholds`` None: ./thresholds.yaml, else the shipped copy; ``ledger`` None: no ledger
-    row (receipt only) when ``write_evidence`` is False."""
-
-    model: str
-    candidate: str = "oracle"
-    reference: str = "llama.cpp"
-    prompts: str | None = None
-    thresholds: str | None = None
-    ledger: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    argv: list[str] = field(default_factory=list)
-    write_evidence: bool = True
+@dataclass(kw_only=True)
+class ParityRequest(RunRequest):
+    """Inputs of one ``harness parity`` cell (``RunRequest``)."""
 
 
 @dataclass
@@ -274,8 +263,6 @@ class ParityOutcome:
 
 def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult) -> dict[str, Any]:
     """The receipt dict (schema ``harness-parity-receipt/v1``, before id/arrays are added)."""
-    from harness.evidence.receipts import harness_info, host_info
-
     prompt_set = inputs.prompt_set
     return {
         "kind": result.kind,
@@ -307,7 +294,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     (``InvalidInput``) without spending engine time. Raises ``InvalidInput``, ``EngineError``,
     ``NotComparable``.
     """
-    inputs = resolve_inputs(req.model, thresholds=req.thresholds, overrides=req.overrides, prompts=req.prompts)
+    inputs = req.resolve()
     resolved = inputs.resolved
     unknown = [g for g in resolved.gates if g not in PARITY_GATES]
     if unknown:

@@ -26,8 +26,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from harness.compare import metrics
+from harness.compare.inputs import RunRequest
 from harness.engines.base import Engine, gather
 from harness.errors import InvalidInput, Verdict
+from harness.evidence.receipts import harness_info, host_info
+from harness.evidence.record import record_evidence
 from harness.paths import SOURCE_ROOT
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
@@ -230,21 +233,12 @@ def long_tokens(prompts: Sequence[Sequence[int]], n: int = 1024) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # The probe run: all probes on one engine, a probe receipt and a ledger row
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class ProbeRequest:
-    """Inputs of ``harness probe``: candidate engine and model (path or ``fixture:NAME``);
-    ``only`` restricts the probes run; ``reference`` is used by the ``long`` probe."""
+@dataclass(kw_only=True)
+class ProbeRequest(RunRequest):
+    """Inputs of ``harness probe`` (``RunRequest``): ``only`` restricts the probes run; the
+    ``reference`` is used by the ``long`` probe; ``seed`` draws the probes' random prompts."""
 
-    model: str
-    candidate: str = "oracle"
-    reference: str = "llama.cpp"
     only: list[str] = field(default_factory=list)
-    prompts: str | None = None
-    thresholds: str | None = None
-    ledger: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    argv: list[str] = field(default_factory=list)
-    write_evidence: bool = True
     seed: int = 0
 
 
@@ -279,13 +273,11 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
 
     Raises ``InvalidInput`` (unknown probe, bad inputs, tolerance without basis), ``EngineError``.
     """
-    from harness.compare.inputs import resolve_inputs
-
     names = list(req.only) or list(PROBE_NAMES)
     unknown = [n for n in names if n not in PROBE_NAMES]
     if unknown:
         raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
-    inputs = resolve_inputs(req.model, thresholds=req.thresholds, overrides=req.overrides, prompts=req.prompts)
+    inputs = req.resolve()
     resolved = inputs.resolved
     tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
     engine = inputs.engine(req.candidate)
@@ -306,8 +298,6 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
             progress(n)
         results.append(runs[n]())
     verdict, message = overall_verdict(results)
-    from harness.evidence.receipts import harness_info, host_info
-
     ref_info = None
     if "long" in names:
         ref_info = inputs.engine(req.reference).info.to_dict()
@@ -333,7 +323,5 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     }
     if not req.write_evidence:
         return ProbeRun(results, verdict, message, receipt)
-    from harness.evidence.record import record_evidence
-
     rec = record_evidence(receipt, {}, req.ledger)
     return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row)

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from harness.config import DEFAULT_CANDIDATE
 from harness.contracts.loader import (
     Contract,
     Obligation,
@@ -48,12 +49,12 @@ from harness.contracts.loader import (
     load_contracts,
     pytest_command,
 )
-from harness.errors import InvalidInput
 from harness.engines.registry import engine_source_hashes
+from harness.errors import HarnessError, InvalidInput
+from harness.fixtures.resolve import resolve_model
 from harness.provenance import git_state, sha256_bytes, sha256_file
 
 SCHEMA_ID = "harness-discharge/v1"
-DEFAULT_CANDIDATE = "oracle"
 SESSION_TIMEOUT_S = 1200
 
 UNBOUND, BOUND, RED_SEEN, DISCHARGED, STALE = "UNBOUND", "BOUND", "RED-SEEN", "DISCHARGED", "STALE"
@@ -280,11 +281,8 @@ def test_hashes(root: Path, tests: Sequence[str]) -> tuple[list[dict[str, Any]],
 def model_sha256(spec: str) -> str | None:
     """sha256 of the model ``spec`` names (fixtures and defective fixtures are built if needed);
     None when it cannot be resolved."""
-    from harness.errors import HarnessError
-    from harness.pytest_plugin import resolve_subject_model
-
     try:
-        return _sha256_or_none(resolve_subject_model(spec))
+        return _sha256_or_none(resolve_model(spec))
     except HarnessError:
         return None
 
@@ -526,44 +524,3 @@ def mutant_matrix(contracts: Sequence[Contract], mutants: Sequence[str], jobs: i
                 j = judge(runs, ob.tests, Subject(f"mutant:{m}", ob.model), RED)
                 row[ob.id] = {RED: "RED", VACUOUS: "GREEN"}.get(j["outcome"], j["outcome"])
     return out
-
-
-def render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None) -> None:
-    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=title)
-    for col in columns:
-        t.add_column(col, overflow="fold")
-    for r in rows:
-        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else v for v in r])
-    Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0))).print(t)
-
-
-STATUS_STYLES = {DISCHARGED: "green", RED_SEEN: "yellow", BOUND: "yellow", UNBOUND: "red", STALE: "red", VACUOUS: "red",
-                 "NOT-RED": "red", "GREEN-FAILED": "red", RED: "green", GREEN: "green", FAIL: "red", ERROR: "red", SKIPPED: "yellow"}
-
-
-def _short(msg: str, n: int = 140) -> str:
-    line = " ".join(str(msg).split())
-    return line if len(line) <= n else line[: n - 1] + "…"
-
-
-def print_discharge(results: Sequence[ObligationResult]) -> None:
-    """The discharge table: obligation, RED subject and outcome (with the assertion), GREEN
-    outcome, result."""
-    rows = []
-    for r in results:
-        red = "; ".join(f"{x['shown_by']}: {x['outcome']}" for x in r.red) or "-"
-        msg = _short(next((x["message"] for x in r.red if x["outcome"] != RED), r.red[0]["message"] if r.red else ""))
-        rows.append((r.obligation, red, msg, r.green.get("outcome", "-") if r.green else "-", r.result))
-    render_table(f"discharge {results[0].contract if results else ''}", ("obligation", "RED subject: outcome", "RED message", "GREEN", "result"), rows, STATUS_STYLES)
-
-
-def print_status(rows: Sequence[StatusRow], coverage: Sequence[dict[str, Any]]) -> None:
-    """The status table and the coverage line per contract."""
-    render_table("obligation status", ("contract", "obligation", "status", "detail"),
-                 [(r.contract, r.obligation, r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
-    render_table("coverage", ("contract", "version", "obligations", *STATUSES),
-                 [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in STATUSES)) for c in coverage])

@@ -39,7 +39,9 @@ from typing import Any, Iterable, Sequence
 import jsonschema
 import yaml
 
+from harness.engines.mutants import MUTANTS, PLANTS
 from harness.errors import InvalidInput
+from harness.fixtures.resolve import fixture_names
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.validation import schema_validator
@@ -238,11 +240,7 @@ def resolve_attribute(dotted: str) -> Any:
 
 def known_red_names() -> dict[str, set[str]]:
     """The names each kind of ``red`` accepts: mutants, plants, fixtures (incl. defects)."""
-    from harness.engines.mutants import MUTANTS, PLANTS
-    from harness.fixtures import defects
-    from harness.fixtures import synthetic as fixtures
-
-    return {"mutant": set(MUTANTS), "planted": set(PLANTS), "fixture": set(fixtures.fixture_names()) | set(defects.DEFECTS)}
+    return {"mutant": set(MUTANTS), "planted": set(PLANTS), "fixture": set(fixture_names())}
 
 
 def _semantic_errors(c: Contract, root: yaml.Node | None, names: dict[str, set[str]]) -> list[ContractError]:

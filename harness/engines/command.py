@@ -34,7 +34,6 @@ from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.model.gguf_model import GGUFModel, Override
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
-PLACEHOLDERS = ("{request}", "{out_dir}", "{model}", "{python}")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -30,7 +30,6 @@ from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chun
 from harness.errors import EngineError
 from harness.model.gguf_model import Override
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _ERROR_LINE = re.compile(r"(error loading model[^\n]*|llama_model_load: error[^\n]*|GGML_ASSERT[^\n]*|failed to[^\n]*|missing tensor[^\n]*|error:[^\n]*)", re.I)
 
 
@@ -94,8 +93,6 @@ class LlamaCppEngine:
 
     def with_settings(self, **changes: Any) -> "LlamaCppEngine":
         """The same model with some settings changed (e.g. ``n_ubatch=7``)."""
-        from dataclasses import replace
-
         return LlamaCppEngine(self.model_path, self.overrides, replace(self.settings, **changes), self.timeout_s, self.block_size)
 
     # -- worker plumbing ------------------------------------------------------------------

@@ -21,7 +21,15 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from harness import config
-from harness.engines import _llamacpp_worker, base, command, llamacpp, mutants, oracle, transformers_engine
+from harness.engines import (
+    _llamacpp_worker,
+    base,
+    command,
+    llamacpp,
+    mutants,
+    oracle,
+    transformers_engine,
+)
 from harness.engines.base import Engine
 from harness.errors import InvalidInput
 from harness.model import gguf_model

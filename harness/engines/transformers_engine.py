@@ -25,6 +25,7 @@ import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError, InvalidInput
+from harness.fixtures.convert import to_transformers
 from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "float64")
@@ -75,8 +76,6 @@ class TransformersEngine:
     @cached_property
     def lm(self) -> Any:
         """The transformers model (built on first use; InvalidInput if it cannot be)."""
-        from harness.fixtures.convert import to_transformers
-
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never look for hub kernels
         if self.threads:
             self.torch.set_num_threads(self.threads)

@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
@@ -150,8 +151,6 @@ def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
     """The receipt's ``harness`` field: package version and the git commit of ``repo_dir``
     (default: the checkout this package runs from), with whether the tree has uncommitted
     changes; ``git_commit`` is None outside a git checkout."""
-    from importlib import metadata
-
     try:
         version = metadata.version("qwen35-harness")
     except metadata.PackageNotFoundError:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,10 +35,23 @@ import yaml
 from scipy import stats
 
 from harness.compare import metrics
+from harness.compare.localize import localize_activations
+from harness.compare.probes import (
+    ProbeTolerance,
+    probe_decode,
+    probe_determinism,
+    probe_split,
+)
+from harness.compare.prompts import load_prompt_set, tokenize_prompts
 from harness.engines.base import gather
+from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+from harness.engines.mutants import MUTANTS
+from harness.engines.registry import resolve_engine
 from harness.errors import HarnessError, Verdict
+from harness.fixtures.resolve import resolve_model
+from harness.gates.thresholds import load_thresholds
+from harness.model.gguf_model import GGUFModel
 
-PROMPT_MIN = 5
 MARGIN = 2.0
 GATES = ("cosine", "kld_mean", "kld_p99", "probe_split", "probe_decode", "probe_determinism", "localize")
 
@@ -175,28 +190,12 @@ class CalibrationResult:
 
 
 def _prompts(model_path, n_max_tokens: int = 256) -> list[list[int]]:
-    from harness.compare.prompts import load_prompt_set, tokenize_prompts
-    from harness.engines.llamacpp import LlamaCppEngine
-
     ps = tokenize_prompts(load_prompt_set(None), LlamaCppEngine(model_path))
     return [p.tokens[:n_max_tokens] for p in ps]
 
 
 def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> CalibrationResult:
     """Run every pair of ``plan`` and propose thresholds (does not write them)."""
-    from harness.compare.localize import localize_activations
-    from harness.compare.probes import (
-        ProbeTolerance,
-        probe_decode,
-        probe_determinism,
-        probe_split,
-    )
-    from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
-    from harness.engines.mutants import MUTANTS
-    from harness.engines.registry import resolve_engine
-    from harness.fixtures.synthetic import resolve_model
-    from harness.model.gguf_model import GGUFModel
-
     goods: list[PairStats] = []
     bads: list[PairStats] = []
     skipped: list[str] = []
@@ -266,9 +265,7 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
         for c in r.comparisons:
             tol_probe_floor["min_cosine"] = min(tol_probe_floor["min_cosine"], c.min_cosine)
             tol_probe_floor["max_kld"] = max(tol_probe_floor["max_kld"], c.max_kld)
-    from harness.engines.llamacpp import LlamaCppEngine as _L
-
-    ub = _L(base_path, settings=LlamaCppSettings(n_ubatch=7))
+    ub = LlamaCppEngine(base_path, settings=LlamaCppSettings(n_ubatch=7))
     a = gather(ll.logits(main), len(main))
     b = gather(ub.logits(main), len(main))
     pm = metrics.position_metrics(a, b)
@@ -408,11 +405,6 @@ def thresholds_document(res: CalibrationResult, command: str, commit: str | None
 def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
     """Write ``doc`` as thresholds.yaml (header comment + YAML) atomically, then validate it by
     loading it back (``InvalidInput`` if it does not validate)."""
-    import os
-    import tempfile
-
-    from harness.gates.thresholds import load_thresholds
-
     path = Path(path)
     header = (
         "# Every number that gates a verdict, each with its basis (../shared/DESIGN.md, \"Thresholds\").\n"

@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
+from gguf.quants import dequantize
 
 from harness.errors import InvalidInput
 from harness.provenance import sha256_file
@@ -249,46 +251,41 @@ class TensorInfo:
     data_offset: int
 
 
-@lru_cache(maxsize=1)
-def _reader_class() -> type:
-    from gguf import GGUFReader, GGUFValueType
+class PlainReader(GGUFReader):
+    """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map rather than the
+    ``np.memmap`` object: each ``np.memmap`` slice runs Python code (``__array_finalize__``),
+    and the metadata of a 248,320-token vocab is a million slices. Same parse, same values,
+    about 3x faster and half the memory. A read past the end of the file raises instead of
+    returning a short array: gguf-py would loop forever on an array whose length field
+    points past the end (empty element reads never advance), growing memory until killed."""
 
-    class PlainReader(GGUFReader):
-        """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map rather than the
-        ``np.memmap`` object: each ``np.memmap`` slice runs Python code (``__array_finalize__``),
-        and the metadata of a 248,320-token vocab is a million slices. Same parse, same values,
-        about 3x faster and half the memory. A read past the end of the file raises instead of
-        returning a short array: gguf-py would loop forever on an array whose length field
-        points past the end (empty element reads never advance), growing memory until killed."""
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        need = np.dtype(dtype).itemsize * count
+        raw = plain[offset : offset + need]
+        if raw.nbytes < need:
+            raise ValueError(f"truncated: {need} bytes at offset {offset} run past the end of the file ({plain.nbytes} bytes)")
+        arr = raw.view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
-            count = int(count)
-            need = np.dtype(dtype).itemsize * count
-            raw = plain[offset : offset + need]
-            if raw.nbytes < need:
-                raise ValueError(f"truncated: {need} bytes at offset {offset} run past the end of the file ({plain.nbytes} bytes)")
-            arr = raw.view(dtype=dtype)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        # An array's length is checked against the bytes left before gguf-py walks it element
+        # by element (each element read creates an array: a length field of 2**40 would fill
+        # the memory long before the end of the file is reached).
+        if raw_type == GGUFValueType.ARRAY:
+            itype = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+            alen = int(self._get(orig_offs + 4, np.uint64)[0])
+            scalar = self.gguf_scalar_to_np.get(itype)
+            least = np.dtype(scalar).itemsize if scalar is not None else (8 if itype == GGUFValueType.STRING else 12)
+            left = self._plain.nbytes - (orig_offs + 12)
+            if alen * least > left:
+                raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {orig_offs} needs at least "
+                                 f"{alen * least} bytes; {max(left, 0)} are left in the file")
+        return super()._get_field_parts(orig_offs, raw_type)
 
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-            # An array's length is checked against the bytes left before gguf-py walks it element
-            # by element (each element read creates an array: a length field of 2**40 would fill
-            # the memory long before the end of the file is reached).
-            if raw_type == GGUFValueType.ARRAY:
-                itype = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
-                alen = int(self._get(orig_offs + 4, np.uint64)[0])
-                scalar = self.gguf_scalar_to_np.get(itype)
-                least = np.dtype(scalar).itemsize if scalar is not None else (8 if itype == GGUFValueType.STRING else 12)
-                left = self._plain.nbytes - (orig_offs + 12)
-                if alen * least > left:
-                    raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {orig_offs} needs at least "
-                                     f"{alen * least} bytes; {max(left, 0)} are left in the file")
-            return super()._get_field_parts(orig_offs, raw_type)
-
-    return PlainReader
 
 
 _READERS: OrderedDict[tuple, tuple[bytes, Any]] = OrderedDict()
@@ -308,7 +305,7 @@ def _open_reader(path: Path) -> Any:
             if f.read(len(prefix)) == prefix:
                 _READERS.move_to_end(key)
                 return reader
-    reader = _reader_class()(path, "r")
+    reader = PlainReader(path, "r")
     _READERS[key] = (bytes(reader.data[: reader.data_offset]), reader)
     while len(_READERS) > 2:
         _READERS.popitem(last=False)
@@ -468,9 +465,6 @@ class GGUFModel:
         Raises ``KeyError`` if the tensor is absent and ``InvalidInput`` if the `gguf` package
         cannot dequantize its type.
         """
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         t = self._tensors[name]
         shape = tuple(int(x) for x in reversed(t.shape))
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
@@ -491,8 +485,6 @@ class GGUFModel:
     def file_type(self) -> str:
         """A short name of the weights' type: ``general.file_type`` as llama.cpp names it, else
         the most common tensor type."""
-        from gguf import LlamaFileType
-
         ft = self.raw_metadata("general.file_type")
         if isinstance(ft, int):
             try:

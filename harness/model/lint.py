@@ -43,6 +43,7 @@ QL405  error    SSM scalar, conv kernel or norm weight not stored F32
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -652,12 +653,11 @@ def lint_model(model: GGUFModel) -> LintReport:
     return report
 
 
-def lint_path(spec: str, overrides: list[str] | None = None) -> LintReport:
-    """Open ``spec`` (a path or ``fixture:NAME``) with ``--override-kv`` strings applied and lint it.
+def lint_path(path: str | os.PathLike, overrides: list[str] | None = None) -> LintReport:
+    """Open the GGUF at ``path`` with ``--override-kv`` strings applied and lint it (a
+    ``fixture:NAME`` is resolved to its path by the caller: ``harness.fixtures.resolve``).
 
     Raises ``InvalidInput`` (exit 2) for a bad override, a missing, unreadable or truncated file,
     or an unsupported architecture.
     """
-    from harness.fixtures.synthetic import resolve_model
-
-    return lint_model(GGUFModel(resolve_model(spec), parse_overrides(overrides)))
+    return lint_model(GGUFModel(path, parse_overrides(overrides)))
