@@ -38,7 +38,6 @@ import os
 import struct
 import subprocess
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ import numpy as np
 import pytest
 
 from harness.fixtures import synthetic as fx
+from helpers import fake_engines_config
 
 REPO = Path(__file__).resolve().parents[1]
 V = 515  # tiny-qwen35's vocab
@@ -392,21 +392,8 @@ FAKES = {
 @pytest.fixture()
 def engines_config(tmp_path, monkeypatch) -> Path:
     """A $HARNESS_CONFIG naming one command engine per ``FAKES`` entry."""
-    tables = []
-    for name, body in FAKES.items():
-        script = tmp_path / f"fake_engine_{name}.py"
-        script.write_text(textwrap.dedent(f"""
-            import json, sys
-            import numpy as np
-            req = json.load(open(sys.argv[1])); out = sys.argv[2]; V = {V}
-            good = np.stack([np.random.default_rng(t).standard_normal(V).astype(np.float32) for t in req['tokens']])
-            {body}
-        """))
-        tables.append(f'[engines.{name}]\ncommand = ["{{python}}", "{script}", "{{request}}", "{{out_dir}}"]\ntimeout_s = 20\n')
-    cfg = tmp_path / "harness.toml"
-    cfg.write_text("\n".join(tables))
-    monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
-    return cfg
+    good = "good = np.stack([np.random.default_rng(t).standard_normal(V).astype(np.float32) for t in req['tokens']])\n"
+    return fake_engines_config(tmp_path, monkeypatch, FAKES, V, 20, preamble=good)
 
 
 @pytest.fixture()

@@ -3,7 +3,6 @@ NOT-COMPARABLE with the engine's stderr tail, never a crash of the harness."""
 
 from __future__ import annotations
 
-import textwrap
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from harness.engines.command import configured_commands, load_command_engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.fixtures import synthetic as fx
+from helpers import fake_engines_config
 
 TOKENS = list(range(30, 90))
 
@@ -34,20 +34,7 @@ FAKES = {
 
 @pytest.fixture()
 def fake_config(tmp_path, monkeypatch):
-    lines = []
-    for name, body in FAKES.items():
-        script = tmp_path / f"fake_{name}.py"  # prefixed: a script named pickle.py would shadow the stdlib
-        script.write_text(textwrap.dedent(f"""
-            import json, sys
-            import numpy as np
-            req = json.load(open(sys.argv[1])); out = sys.argv[2]; V = 515
-            {body}
-        """))
-        lines.append(f'[engines.{name}]\ncommand = ["{{python}}", "{script}", "{{request}}", "{{out_dir}}"]\ntimeout_s = 3\n')
-    cfg = tmp_path / "harness.toml"
-    cfg.write_text("\n".join(lines))
-    monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
-    return cfg
+    return fake_engines_config(tmp_path, monkeypatch, FAKES, 515, 3)
 
 
 def _run(name):

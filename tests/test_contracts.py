@@ -10,7 +10,6 @@ an engine named ``mutant:NAME``; and the mutant × obligation matrix the mutants
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from harness.engines.oracle import load_oracle
 from harness.engines.registry import known_engine_names, resolve_engine
 from harness.fixtures import synthetic as fx
 from harness.fixtures.resolve import resolve_model
+from helpers import repo_copy
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "contracts"
@@ -35,20 +35,6 @@ ISSUE_BUG_CLASSES = [
     "norm +1 applied twice", "final norm's +1 missing", "DeltaNet dt bias dropped", "MoE top-k weights not renormalized",
     "shared-expert gate ignored",
 ]
-
-
-def repo_copy(tmp_path: Path, contracts: list[str]) -> Path:
-    """A minimal copy of the repository (pyproject, thresholds, tests/conftest.py, the bound tests
-    and the named contracts) to edit without touching the real one."""
-    root = tmp_path / "repo"
-    (root / "contracts").mkdir(parents=True)
-    for f in ("pyproject.toml", "thresholds.yaml", "tests/conftest.py"):
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / f, root / f)
-    shutil.copytree(REPO / "tests" / "contracts", root / "tests" / "contracts", ignore=shutil.ignore_patterns("__pycache__"))
-    for c in contracts:
-        shutil.copy(CONTRACTS / c, root / "contracts" / c)
-    return root
 
 
 ALL = sorted(p.name for p in CONTRACTS.glob("*.yaml"))

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_contracts import ALL, repo_copy
+from helpers import repo_copy
+from test_contracts import ALL
 
 from harness.cli import main
 from harness.contracts.discharge import (

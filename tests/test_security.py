@@ -31,6 +31,7 @@ import textwrap
 from pathlib import Path
 
 from harness.fixtures import synthetic as fx
+from helpers import repo_copy
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [REPO / "harness", REPO / "examples"]
@@ -221,12 +222,7 @@ def test_names_and_token_data_cannot_inject_arguments(tmp_path):
 # Paths named in contracts stay inside the repository
 # ---------------------------------------------------------------------------------------------
 def test_contract_test_paths_cannot_leave_the_repository(tmp_path):
-    root = tmp_path / "repo"
-    (root / "contracts").mkdir(parents=True)
-    for f in ("pyproject.toml", "thresholds.yaml", "tests/conftest.py"):
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / f, root / f)
-    shutil.copytree(REPO / "tests" / "contracts", root / "tests" / "contracts", ignore=shutil.ignore_patterns("__pycache__"))
+    root = repo_copy(tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     marker = tmp_path / "EXECUTED"

@@ -31,7 +31,7 @@ from harness.errors import (
     NotComparable,
     Verdict,
 )
-from harness.evidence.receipts import harness_info, host_info
+from harness.evidence.receipts import harness_info, host_info, report_only_headline
 from harness.evidence.record import record_evidence
 from harness.model.gguf_model import GGUFModel
 from harness.paths import SOURCE_ROOT
@@ -172,10 +172,7 @@ def run_cell(
                 "min_cosine": s["min_cosine"],
                 "min_cosine_position": s["min_cosine_index"],
                 "mean_cosine": s["mean_cosine"],
-                "argmax_agreement": s["argmax_agreement"]["rate"],
-                "near_tie_flips": s["flips"]["near_tie"],
-                "hard_flips": s["flips"]["hard"],
-                "kld_mean": (s["kld"] or {}).get("mean"),
+                **report_only_headline(s),
                 "failing_positions": int(fails.size),
                 "first_failing_position": int(fails[0]) if fails.size else None,
                 "nonfinite_positions": s["nonfinite_positions"],

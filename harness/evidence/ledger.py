@@ -30,7 +30,7 @@ import pandas as pd
 from filelock import FileLock, Timeout
 
 from harness.errors import InvalidInput
-from harness.evidence.receipts import canonical_json, load_receipt, utc_now
+from harness.evidence.receipts import canonical_json, load_receipt, report_only_headline, utc_now
 from harness.provenance import sha256_bytes, sha256_file
 from harness.validation import best_error, make_validator
 
@@ -38,31 +38,6 @@ GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
 KINDS = ("parity", "self-consistency", "probe", "supersede")
-
-ROW_FIELDS = (
-    "seq",
-    "time",
-    "kind",
-    "model",
-    "quant",
-    "candidate",
-    "reference",
-    "positions",
-    "min_cosine",
-    "verdict",
-    "argmax_agreement",
-    "near_tie_flips",
-    "hard_flips",
-    "kld_mean",
-    "basis_kind",
-    "receipt_id",
-    "receipt_sha256",
-    "prev_hash",
-    "row_hash",
-)
-"""Every row has these (null where not applicable); see ``ROW_SCHEMA``."""
-
-OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -82,6 +57,12 @@ RECEIPT_FIELDS = (
     "receipt_id",
 )
 """Fields a row copies from its receipt (``row_from_receipt``); ``verify_ledger`` re-derives them."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason")
+"""Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows)."""
+
+ROW_FIELDS = ("seq", "time", *(f for f in RECEIPT_FIELDS if f not in OPTIONAL_FIELDS), "receipt_sha256", "prev_hash", "row_hash")
+"""Every row has these (null where not applicable); see ``ROW_SCHEMA``."""
 
 REPORT_ONLY_MIN_RECORDS = 20
 """Records a report-only field needs before the ledger proposes a threshold for it (DESIGN.md)."""
@@ -189,8 +170,6 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
             "receipt_id": receipt["id"],
         }
     gated = receipt["gated"]
-    ro = receipt["report_only"]
-    kld = ro.get("kld") or {}
     return {
         "kind": receipt["kind"],
         "model": model.get("name") or Path(model["path"]).name,
@@ -201,10 +180,7 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
         "positions": gated["positions"],
         "min_cosine": gated["min_cosine_observed"],
         "verdict": gated["verdict"],
-        "argmax_agreement": ro["argmax_agreement"]["rate"],
-        "near_tie_flips": ro["flips"]["near_tie"],
-        "hard_flips": ro["flips"]["hard"],
-        "kld_mean": kld.get("mean"),
+        **report_only_headline(receipt["report_only"]),
         "basis_kind": receipt["thresholds"]["gates"]["min_cosine"]["basis"]["kind"],
         "receipt_id": receipt["id"],
     }

@@ -183,6 +183,18 @@ def validate_receipt(receipt: Mapping[str, Any], where: str = "receipt") -> None
         raise InvalidInput(f"{where}: {field or '(top level)'}: {message} (schema {schema_id})")
 
 
+def report_only_headline(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """One number each for the report-only quantities of a summary (``metrics.summarize``'s output
+    or a receipt's ``report_only``), under the names per-prompt entries and ledger rows use:
+    ``argmax_agreement`` (rate), ``near_tie_flips``, ``hard_flips``, ``kld_mean`` (None without KLD)."""
+    return {
+        "argmax_agreement": summary["argmax_agreement"]["rate"],
+        "near_tie_flips": summary["flips"]["near_tie"],
+        "hard_flips": summary["flips"]["hard"],
+        "kld_mean": (summary.get("kld") or {}).get("mean"),
+    }
+
+
 OLD_PER_PROMPT_NAMES = {"flips_near_tie": "near_tie_flips", "flips_hard": "hard_flips"}
 """Per-prompt fields that parity receipts written before the names were unified (the ledger's
 ``near_tie_flips`` / ``hard_flips``) call by their old names; receipts are never rewritten."""

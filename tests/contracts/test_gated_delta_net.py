@@ -57,21 +57,28 @@ def _recurrence_error(acts, hp, il, t, mapping=tile_k_heads) -> float:
     return rel_err(_heads(need(acts, f"attn_output-{il}")[0], t, hp.ssm_dt_rank), want)
 
 
+def _assert_follows_recurrence(ob: str, acts, hp, t: int, rel: float, differs: str, where: str, cause: str) -> None:
+    """Every recurrent layer's ``attn_output-N`` equals the gated delta rule recomputed from the
+    candidate's own q, k, v, g, β over ``t`` tokens (zero initial state) within ``rel``; the
+    failure names the obligation, the layer, how it ``differs`` ({il} is the layer), the numbers
+    and the likely cause."""
+    for il in recurrent_layers(acts, hp):
+        err = _recurrence_error(acts, hp, il, t)
+        assert err <= rel, (
+            f"{ob} layer {il}: attn_output-{il} {differs.format(il=il)}: max rel err {err:.3g} > {rel:g} ({where}); likely cause: {cause}"
+        )
+
+
 def _grouped(x: np.ndarray, n_v: int) -> np.ndarray:
     return np.repeat(x, n_v // x.shape[1], axis=1)
 
 
 def test_delta_rule_recurrence(subject_acts, hp, tolerance, where):
     """GDN-EQ-001: attn_output-N = the gated delta rule over the candidate's own q, k, v, g, β."""
-    rel = tolerance("GDN-EQ-001")["rel"]
-    acts = subject_acts(SHORT)
-    for il in recurrent_layers(acts, hp):
-        err = _recurrence_error(acts, hp, il, SHORT)
-        assert err <= rel, (
-            f"GDN-EQ-001 layer {il}: attn_output-{il} differs from S ← e^g S; δ = β(v − Sᵀk); S ← S + kδᵀ; o = Sᵀq/√d_k "
-            f"recomputed from the candidate's own inputs (zero initial state, {SHORT} tokens): max rel err {err:.3g} > {rel:g} "
-            f"({where}); likely cause: {CAUSE_RULE}"
-        )
+    _assert_follows_recurrence(
+        "GDN-EQ-001", subject_acts(SHORT), hp, SHORT, tolerance("GDN-EQ-001")["rel"],
+        "differs from S ← e^g S; δ = β(v − Sᵀk); S ← S + kδᵀ; o = Sᵀq/√d_k recomputed from the candidate's own inputs "
+        f"(zero initial state, {SHORT} tokens)", where, CAUSE_RULE)
 
 
 def test_decay_equation(subject_acts, hp, weight, tolerance, where):
@@ -176,27 +183,19 @@ def test_qk_l2_normalized(subject_acts, hp, tolerance, where):
 def test_chunked_equals_recurrent(subject_acts, hp, tolerance, where):
     """GDN-EQV-008: on a prompt longer than one 64-token chunk (chunk-parallel path), the output
     equals the token-by-token recurrence over the same inputs."""
-    rel = tolerance("GDN-EQV-008")["rel"]
-    acts = subject_acts(LONG)
-    for il in recurrent_layers(acts, hp):
-        err = _recurrence_error(acts, hp, il, LONG)
-        assert err <= rel, (
-            f"GDN-EQV-008 layer {il}: attn_output-{il} on {LONG} tokens differs from the recurrence by max rel err {err:.3g} > {rel:g} "
-            f"({where}); likely cause: the chunked kernel (WY/UT form) drops or mis-decays the state between chunks, or masks wrongly"
-        )
+    _assert_follows_recurrence(
+        "GDN-EQV-008", subject_acts(LONG), hp, LONG, tolerance("GDN-EQV-008")["rel"],
+        f"on {LONG} tokens differs from the recurrence", where,
+        "the chunked kernel (WY/UT form) drops or mis-decays the state between chunks, or masks wrongly")
 
 
 def test_state_carried_across_calls(subject_acts, hp, tolerance, where):
     """GDN-EQV-009: the prompt fed as pieces: the delta-rule outputs equal the recurrence over
     the whole concatenated inputs (the state S crosses the calls)."""
-    rel = tolerance("GDN-EQV-009")["rel"]
-    acts = subject_acts(LONG, PIECES)
-    for il in recurrent_layers(acts, hp):
-        err = _recurrence_error(acts, hp, il, LONG)
-        assert err <= rel, (
-            f"GDN-EQV-009 layer {il}: with the prompt fed as pieces {list(PIECES)}, attn_output-{il} differs from one recurrence over "
-            f"all {LONG} tokens by max rel err {err:.3g} > {rel:g} ({where}); likely cause: recurrent state reset or not written back between calls"
-        )
+    _assert_follows_recurrence(
+        "GDN-EQV-009", subject_acts(LONG, PIECES), hp, LONG, tolerance("GDN-EQV-009")["rel"],
+        f"with the prompt fed as pieces {list(PIECES)} differs from one recurrence over all {LONG} tokens", where,
+        "recurrent state reset or not written back between calls")
 
 
 def test_conv_state_carried_across_calls(subject_acts, hp, weight, tolerance, where):
