@@ -22,6 +22,7 @@ from harness.engines.base import gather
 from harness.engines.mutants import MUTANTS, PLANTS, PlantedEngine, load_mutant
 from harness.engines.oracle import load_oracle
 from harness.engines.registry import known_engine_names, resolve_engine
+from harness.errors import InvalidInput
 from harness.fixtures import synthetic as fx
 from harness.fixtures.resolve import resolve_model
 from helpers import repo_copy
@@ -128,6 +129,25 @@ def test_mutants_are_engines_named_after_themselves(tiny_path, tiny_moe_path):
             if arch not in m.archs:
                 assert np.array_equal(out, base[path]), f"{name} changed a {arch} model it does not apply to"
     assert not np.array_equal(gather(load_mutant("dt-bias-dropped", tiny_path).logits(tokens)), base[tiny_path])
+
+
+def test_engine_table_names_loaders_and_hashed_sources(tiny_path):
+    """One row per engine name: every accepted spelling resolves through it, an unknown name lists
+    the known ones, and discharge hashes exactly the row's source files (so editing an engine's
+    code makes its evidence STALE)."""
+    from harness.engines.registry import ENGINES, engine_entry, engine_source_hashes
+
+    assert resolve_engine("llamacpp", tiny_path).info.name == resolve_engine("llama.cpp", tiny_path).info.name == "llama.cpp"
+    assert engine_entry("mutant:dt-bias-dropped").name == "mutant:" and engine_entry("planted:nan-logits").load is None
+    with pytest.raises(InvalidInput, match=r"unknown engine 'planted:nan-logits'; known: llama\.cpp, oracle, transformers, mutant:"):
+        resolve_engine("planted:nan-logits", tiny_path)
+    oracle = engine_source_hashes("oracle")
+    assert set(oracle) == {"harness/engines/base.py", "harness/model/gguf_model.py", "harness/engines/oracle/__init__.py",
+                           "harness/engines/oracle/qwen35.py", "harness/engines/oracle/qwen35moe.py"} | {
+                              f"harness/engines/oracle/{p.name}" for p in (REPO / "harness/engines/oracle").glob("*.py")}
+    assert set(engine_source_hashes("mutant:x")) == set(oracle) | {"harness/engines/mutants.py"}
+    assert engine_source_hashes("llama-cpp")["llama-cpp-python"] and engine_source_hashes("no-such") == {}
+    assert all(len(e.source_files()) >= 1 for e in ENGINES)
 
 
 def test_planted_engine_corrupts_only_its_output(tiny_path):
