@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from harness.errors import InvalidInput, Unmeasured
 from harness.fixtures import synthetic as fx
 from harness.gates.thresholds import load_thresholds
-from harness.model.gguf_model import GGUFModel
+from harness.model.gguf_model import GGUFModel, PlainReader
 from harness.model.lint import lint_model
 
 EXAMPLES = int(os.environ.get("HARNESS_FUZZ_EXAMPLES", "60"))
@@ -161,10 +161,8 @@ def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
     arrays there, and on an array whose length runs past the end it never stops."""
     from gguf import GGUFReader
 
-    from harness.model.gguf_model import _reader_class
-
     scratch.write_bytes(mutate(TINY_BYTES, ops))
-    ours = _parse(_reader_class(), scratch)
+    ours = _parse(PlainReader, scratch)
     event(f"harness reader: {ours if isinstance(ours, str) else 'parsed'}")
     if ours == "PAST-END":
         return
@@ -176,9 +174,7 @@ def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
 def test_harness_reader_parses_fixtures_exactly_as_gguf_py(name):
     from gguf import GGUFReader
 
-    from harness.model.gguf_model import _reader_class
-
-    assert _parse(_reader_class(), fx.build(name)) == _parse(GGUFReader, fx.build(name))
+    assert _parse(PlainReader, fx.build(name)) == _parse(GGUFReader, fx.build(name))
 
 
 # ---------------------------------------------------------------------------------------------
