@@ -393,9 +393,12 @@ class GGUFModel:
             data_offset=int(t.data_offset),
         )
 
-    def tensor(self, name: str, dtype: Any = np.float64) -> np.ndarray:
+    def tensor(self, name: str, dtype: Any = np.float64, rows: np.ndarray | slice | None = None) -> np.ndarray:
         """Dequantized tensor ``name`` in NumPy order (reverse of ggml ``ne``), as ``dtype``.
 
+        ``rows`` (indices or a slice of the first NumPy axis: a matrix's rows, a 3-D expert
+        tensor's experts) reads only those; ggml quantizes along the last NumPy axis, so the
+        selected rows dequantize to exactly the values they have in the whole tensor.
         Raises ``KeyError`` if the tensor is absent and ``InvalidInput`` if the `gguf` package
         cannot dequantize its type.
         """
@@ -404,11 +407,13 @@ class GGUFModel:
 
         t = self._tensors[name]
         shape = tuple(int(x) for x in reversed(t.shape))
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
-            arr = np.asarray(t.data)
-        else:
+        arr = np.asarray(t.data)
+        if rows is not None:
+            arr = arr[rows]
+            shape = (int(arr.shape[0]),) + shape[1:]
+        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
             try:
-                arr = dequantize(np.asarray(t.data), t.tensor_type)
+                arr = dequantize(arr, t.tensor_type)
             except NotImplementedError:
                 raise InvalidInput(f"{self.path}: cannot dequantize {name} of type {t.tensor_type.name}") from None
         return np.asarray(arr, dtype=dtype).reshape(shape)

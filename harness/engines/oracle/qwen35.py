@@ -17,9 +17,16 @@ Conventions (all checked against llama.cpp as vendored in llama-cpp-python 0.3.3
   (``ggml_gated_delta_net``: ``iq1 = iv1 % neq1``); attention heads are grouped over KV heads:
   head ``i`` reads KV head ``i // (n_head / n_kv)`` (``ggml_mul_mat`` broadcast ``i02 = i12 / r2``).
 
-A mutant engine (a later issue) plants a fault by subclassing ``Qwen35Oracle`` and overriding one
-step: every step is called through ``self`` (the pure functions are class attributes), and each
-layer kind is one method (``gated_delta_net``, ``gated_attention``, ``ffn``).
+A mutant engine (``harness/engines/mutants.py``) plants a fault by subclassing ``Qwen35Oracle``
+and overriding one step; the oracle is written so that this needs no copied code:
+
+* every step is called through ``self``: the pure functions are class attributes
+  (``self.rmsnorm``, ``self.sigmoid``, ``self.rope`` ...), each layer kind is one method
+  (``gated_delta_net``, ``gated_attention``, ``ffn``);
+* ``block`` has two hooks: ``mixer`` (which token mixer a layer runs, chosen by ``mixer_kind``)
+  and ``residual_input`` (what the attention residual adds the mixer output to);
+* every weight is read through one method, ``read_tensor`` (dequantized by
+  ``GGUFModel.tensor``, whole or by rows), so a weight fault overrides one method.
 """
 
 from __future__ import annotations
@@ -393,6 +400,9 @@ class Qwen35Oracle:
     """
 
     # Pure steps, called through self so a mutant can replace one (``rmsnorm = staticmethod(f)``).
+    sigmoid = staticmethod(sigmoid)
+    silu = staticmethod(silu)
+    softplus = staticmethod(softplus)
     rmsnorm = staticmethod(rmsnorm)
     rmsnorm_gated = staticmethod(rmsnorm_gated)
     l2norm = staticmethod(l2norm)
@@ -421,8 +431,7 @@ class Qwen35Oracle:
         self.hp = self.model.hparams
         if self.hp.arch != self.arch:
             raise EngineError(f"oracle: {type(self).__name__} computes {self.arch!r}, the model is {self.hp.arch!r}")
-        self._raw = {t.name: t for t in self.model.reader.tensors}
-        self._output_name = "output.weight" if "output.weight" in self._raw else "token_embd.weight"
+        self._output_name = "output.weight" if self.model.has_tensor("output.weight") else "token_embd.weight"
         self._output_cache: np.ndarray | None = None
 
     # -- engine protocol ----------------------------------------------------------------------
@@ -496,7 +505,7 @@ class Qwen35Oracle:
                         f"oracle: floating-point {err} in layer {il} ({kind}) after op {emit.last!r}"
                     ) from None
             try:
-                h = emit("result_norm", -1, self.rmsnorm(h, self.model.tensor("output_norm.weight"), hp.rms_eps))
+                h = emit("result_norm", -1, self.rmsnorm(h, self.read_tensor("output_norm.weight"), hp.rms_eps))
             except FloatingPointError as err:
                 raise EngineError(f"oracle: floating-point {err} in output_norm") from None
         return h
@@ -510,25 +519,48 @@ class Qwen35Oracle:
             bad = int(tokens[(tokens < 0) | (tokens >= n_vocab)][0])
             raise EngineError(f"oracle: token id {bad} is outside the vocabulary [0, {n_vocab})")
         uniq, inv = np.unique(tokens, return_inverse=True)
-        return self._tensor_rows("token_embd.weight", uniq)[inv.reshape(-1)]
+        return self.read_tensor("token_embd.weight", uniq)[inv.reshape(-1)]
 
     def block(
         self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], pos: np.ndarray, emit: _Recorder
     ) -> np.ndarray:
-        """One pre-norm residual block on a piece x [T, n_embd] at positions pos [T]."""
+        """One pre-norm residual block on a piece x [T, n_embd] at positions pos [T].
+
+        Hooks a mutant may override: ``mixer`` (the token mixer) and ``residual_input`` (what
+        the attention residual adds the mixer output to). Source: llama.cpp ``qwen35.cpp``
+        ``build`` (per-layer loop).
+        """
         eps = self.hp.rms_eps
         cur = emit("attn_norm", il, self.rmsnorm(x, w["attn_norm"], eps))
-        if self.hp.is_recurrent(il):
-            cur = self.gated_delta_net(il, w, cur, state, emit)
-        else:
-            cur = self.gated_attention(il, w, cur, state, pos, emit)
-        resid = emit("attn_residual", il, cur + x)
+        mixed = self.mixer(il, w, cur, state, pos, emit)
+        resid = emit("attn_residual", il, mixed + self.residual_input(x, cur))
         post = emit("attn_post_norm", il, self.rmsnorm(resid, w["post_attention_norm"], eps))
         ffn = emit("ffn_out", il, self.ffn(il, w, post, emit))
         out = emit(self.post_ffn_name, il, ffn + resid)
         return emit("l_out", il, out)
 
     post_ffn_name = "post_ffn"  # qwen35moe.cpp calls the same sum "post_moe"
+
+    def mixer_kind(self, il: int, w: dict[str, np.ndarray]) -> str:
+        """``"recurrent"`` (Gated DeltaNet) or ``"attention"`` (gated full attention) for layer il,
+        from the file's schedule (llama.cpp ``hparams.is_recurrent(il)``)."""
+        return "recurrent" if self.hp.is_recurrent(il) else "attention"
+
+    def mixer(
+        self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], pos: np.ndarray, emit: _Recorder
+    ) -> np.ndarray:
+        """The token mixer of layer il (by ``mixer_kind``) on the normed piece x [T, n_embd]."""
+        kind = self.mixer_kind(il, w)
+        if kind == "recurrent":
+            return self.gated_delta_net(il, w, x, state, emit)
+        if kind == "attention":
+            return self.gated_attention(il, w, x, state, pos, emit)
+        raise EngineError(f"oracle: layer {il}: no token mixer of kind {kind!r}")
+
+    def residual_input(self, x: np.ndarray, normed: np.ndarray) -> np.ndarray:
+        """What the attention residual adds the mixer output to: the block input x (not the
+        normed ``attn_norm``). x, normed: [T, n_embd]."""
+        return x
 
     def gated_delta_net(
         self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], emit: _Recorder
@@ -544,13 +576,13 @@ class Qwen35Oracle:
         mixed = emit("linear_attn_qkv_mixed", il, x @ w["attn_qkv"].T)  # [T, conv_dim]
         z = emit("z", il, x @ w["attn_gate"].T)  # [T, n_v·d_v]
         beta = emit("beta", il, x @ w["ssm_beta"].T)  # [T, n_v]
-        beta = emit("beta_sigmoid", il, sigmoid(beta))
+        beta = emit("beta_sigmoid", il, self.sigmoid(beta))
         alpha = emit("alpha", il, x @ w["ssm_alpha"].T)  # [T, n_v]
-        emit("a_softplus", il, softplus(alpha + w["ssm_dt.bias"]))
+        emit("a_softplus", il, self.softplus(alpha + w["ssm_dt.bias"]))
         g = emit("gate", il, self.gdn_gate(alpha, w["ssm_dt.bias"], w["ssm_a"]))  # [T, n_v]
         conv, state["conv"] = self.causal_conv1d(mixed, w["ssm_conv1d"], state["conv"])
         emit("conv_output_raw", il, conv)
-        conv = emit("conv_output_silu", il, silu(conv))
+        conv = emit("conv_output_silu", il, self.silu(conv))
         q = emit("q_conv", il, conv[:, : n_k * d_k].reshape(t, n_k, d_k))
         k = emit("k_conv", il, conv[:, n_k * d_k : 2 * n_k * d_k].reshape(t, n_k, d_k))
         v = emit("v_conv", il, conv[:, 2 * n_k * d_k :].reshape(t, n_v, d_v))
@@ -603,7 +635,7 @@ class Qwen35Oracle:
             q, np.concatenate(state["k"]), np.concatenate(state["v"]), pos, np.concatenate(state["pos"]), 1.0 / np.sqrt(hd)
         )
         attn = emit("attn_pregate", il, attn.reshape(t, n_head * hd))
-        gate = emit("gate_sigmoid", il, sigmoid(gate))
+        gate = emit("gate_sigmoid", il, self.sigmoid(gate))
         attn = emit("attn_gated", il, attn * gate)
         return emit("attn_output", il, attn @ w["attn_output"].T)
 
@@ -612,14 +644,20 @@ class Qwen35Oracle:
         return self.swiglu(x, w["ffn_gate"], w["ffn_up"], w["ffn_down"])
 
     # -- weights and state --------------------------------------------------------------------
+    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None) -> np.ndarray:
+        """Tensor ``name`` dequantized to float64 in NumPy order; with ``rows``, only those rows
+        (indices or a slice of the first NumPy axis). The one path by which the oracle reads
+        weights (``GGUFModel.tensor``). Raises ``KeyError`` for an absent tensor."""
+        return self.model.tensor(name, np.float64, rows=rows)
+
     def load_layer(self, il: int) -> dict[str, np.ndarray]:
         """All ``blk.{il}.*`` tensors dequantized to float64, keyed without ``blk.{il}.`` and
         ``.weight`` (``attn_qkv``, ``ssm_dt.bias``, ``ssm_a`` ...)."""
         prefix = f"blk.{il}."
         w = _LayerWeights(il)
-        for name in self._raw:
+        for name in self.model.tensor_names:
             if name.startswith(prefix):
-                w[name[len(prefix) :].removesuffix(".weight")] = self.model.tensor(name)
+                w[name[len(prefix) :].removesuffix(".weight")] = self.read_tensor(name)
         return w
 
     def init_state(self, il: int, w: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -632,17 +670,6 @@ class Qwen35Oracle:
             }
         return {"k": [], "v": [], "pos": []}
 
-    def _tensor_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` of the 2-D tensor ``name`` (NumPy order), dequantized to float64."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        t = self._raw[name]
-        raw = np.asarray(t.data)[rows]
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
-            raw = dequantize(raw, t.tensor_type)
-        return np.asarray(raw, dtype=np.float64).reshape(len(rows), int(t.shape[0]))
-
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
         """Logits [B, V] float64 for result_norm rows h [B, n_embd] (``output`` or tied
         ``token_embd``)."""
@@ -650,13 +677,13 @@ class Qwen35Oracle:
         with np.errstate(over="raise", invalid="raise"):
             if v * h.shape[1] * 8 <= self.output_cache_bytes:
                 if self._output_cache is None:
-                    self._output_cache = self.model.tensor(self._output_name)
+                    self._output_cache = self.read_tensor(self._output_name)
                 out = h @ self._output_cache.T
             else:
                 out = np.empty((h.shape[0], v))
                 for r in range(0, v, self.output_slice_rows):
                     rows = np.arange(r, min(r + self.output_slice_rows, v))
-                    out[:, rows] = h @ self._tensor_rows(self._output_name, rows).T
+                    out[:, rows] = h @ self.read_tensor(self._output_name, rows).T
         if not np.all(np.isfinite(out)):
             raise EngineError("oracle: non-finite logits in 'result_output' (output projection)")
         return out
