@@ -99,8 +99,8 @@ class _WeightFault(_MutantBase):
     Applied in ``read_tensor``, the oracle's one path for weights; ``w`` is what was read (the
     whole tensor, or the rows asked for), so an edit must be elementwise."""
 
-    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None) -> np.ndarray:
-        return self.edit_weight(name, super().read_tensor(name, rows))  # type: ignore[misc]
+    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None, dtype: Any = np.float64) -> np.ndarray:
+        return self.edit_weight(name, super().read_tensor(name, rows, dtype))  # type: ignore[misc]
 
     def edit_weight(self, name: str, w: np.ndarray) -> np.ndarray:
         return w

@@ -27,6 +27,9 @@ SUPPORTED_ARCHES = ("qwen35", "qwen35moe")
 
 OVERRIDE_TYPES = ("int", "float", "bool", "str")
 
+DEQUANT_CHUNK = 1 << 20
+"""Elements per ``gguf.quants.dequantize`` call in ``GGUFModel.tensor`` (about 4 MB of float32)."""
+
 
 @dataclass(frozen=True)
 class Override:
@@ -399,10 +402,13 @@ class GGUFModel:
         ``rows`` (indices or a slice of the first NumPy axis: a matrix's rows, a 3-D expert
         tensor's experts) reads only those; ggml quantizes along the last NumPy axis, so the
         selected rows dequantize to exactly the values they have in the whole tensor.
-        Raises ``KeyError`` if the tensor is absent and ``InvalidInput`` if the `gguf` package
-        cannot dequantize its type.
+        Quantized data goes through ``gguf.quants.dequantize`` in pieces of about
+        ``DEQUANT_CHUNK`` elements, each written straight into the result (gguf-py dequantizes
+        block by block, so the pieces give the same values as one call, without a float32 copy
+        of the whole tensor or gguf-py's per-16-rows loop). Raises ``KeyError`` if the tensor is
+        absent and ``InvalidInput`` if the `gguf` package cannot dequantize its type.
         """
-        from gguf import GGMLQuantizationType
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import dequantize
 
         t = self._tensors[name]
@@ -411,12 +417,20 @@ class GGUFModel:
         if rows is not None:
             arr = arr[rows]
             shape = (int(arr.shape[0]),) + shape[1:]
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
-            try:
-                arr = dequantize(arr, t.tensor_type)
-            except NotImplementedError:
-                raise InvalidInput(f"{self.path}: cannot dequantize {name} of type {t.tensor_type.name}") from None
-        return np.asarray(arr, dtype=dtype).reshape(shape)
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
+            return np.asarray(arr, dtype=dtype).reshape(shape)
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        raw = np.ascontiguousarray(arr).reshape(-1)
+        out = np.empty(int(np.prod(shape)), dtype=dtype)
+        step = max(1, DEQUANT_CHUNK // block) * type_size  # bytes of whole blocks per piece
+        try:
+            for b0 in range(0, raw.size, step):
+                piece = raw[b0 : b0 + step]
+                e0 = b0 // type_size * block
+                out[e0 : e0 + piece.size // type_size * block] = dequantize(piece.reshape(1, -1), t.tensor_type).reshape(-1)
+        except NotImplementedError:
+            raise InvalidInput(f"{self.path}: cannot dequantize {name} of type {t.tensor_type.name}") from None
+        return out.reshape(shape)
 
     @cached_property
     def sha256(self) -> str:

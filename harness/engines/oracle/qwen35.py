@@ -35,6 +35,7 @@ from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 from scipy.special import expit
+from threadpoolctl import threadpool_limits
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
@@ -420,8 +421,11 @@ class Qwen35Oracle:
     arch = "qwen35"
     gdn_chunk_size = GDN_CHUNK_SIZE
     logit_block = 256
-    # Output matrices up to this many float64 bytes are dequantized once; larger ones in slices.
-    output_cache_bytes = 512 << 20
+    # The output matrix is dequantized once and kept as float32 (exact: every non-F64 GGUF type
+    # dequantizes to float32 values) while it takes at most this many bytes; a larger one is
+    # dequantized slice by slice for every block of positions.
+    output_cache_bytes = 2 << 30
+    # Vocabulary rows per BLAS call of the output projection (one float64 dgemm each).
     output_slice_rows = 16384
 
     def __init__(self, model: Any):
@@ -433,6 +437,7 @@ class Qwen35Oracle:
             raise EngineError(f"oracle: {type(self).__name__} computes {self.arch!r}, the model is {self.hp.arch!r}")
         self._output_name = "output.weight" if self.model.has_tensor("output.weight") else "token_embd.weight"
         self._output_cache: np.ndarray | None = None
+        self._lm_scratch: np.ndarray | None = None
 
     # -- engine protocol ----------------------------------------------------------------------
     @property
@@ -459,8 +464,7 @@ class Qwen35Oracle:
         """Yield ``(start, float32 [B, V])`` logit blocks; row t follows ``tokens[:t+1]``."""
         h = self._forward(tokens, chunks, _Recorder(None))
         for start in range(0, h.shape[0], self.logit_block):
-            block = self._lm_head(h[start : start + self.logit_block])
-            yield start, block.astype(np.float32)
+            yield start, self.lm_head(h[start : start + self.logit_block], np.float32)
 
     def activations(
         self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Collection[str] | None = None
@@ -480,7 +484,7 @@ class Qwen35Oracle:
         rec = _Recorder(_Recorder.ALL if names is None else set(names))
         h = self._forward(tokens, chunks, rec)
         if names is None or "result_output" in names:
-            rec("result_output", -1, self._lm_head(h))
+            rec("result_output", -1, self.lm_head(h, np.float64))
         return rec.result()
 
     # -- forward ------------------------------------------------------------------------------
@@ -596,10 +600,17 @@ class Qwen35Oracle:
         return emit("linear_attn_out", il, final @ w["ssm_out"].T)
 
     def gated_delta_rule(self, q, k, v, g, beta, s):
-        """The chunked form for pieces of at least one chunk, the recurrent form otherwise."""
-        if q.shape[0] >= self.gdn_chunk_size:
-            return self.gated_delta_rule_chunked(q, k, v, g, beta, s, chunk_size=self.gdn_chunk_size)
-        return self.gated_delta_rule_recurrent(q, k, v, g, beta, s)
+        """The chunked form for pieces of at least one chunk, the recurrent form otherwise.
+
+        Runs with one BLAS thread: both forms are many small matrix products (one per head and
+        chunk), where waking a second BLAS thread costs more than it saves (about 20x slower on
+        a loaded 2-core machine at Qwen3.5-0.8B's 16 heads x 128 x 128). The values are the same
+        bit for bit (``tests/test_oracle_pinned.py``).
+        """
+        with threadpool_limits(1, user_api="blas"):
+            if q.shape[0] >= self.gdn_chunk_size:
+                return self.gated_delta_rule_chunked(q, k, v, g, beta, s, chunk_size=self.gdn_chunk_size)
+            return self.gated_delta_rule_recurrent(q, k, v, g, beta, s)
 
     def gated_attention(
         self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], pos: np.ndarray, emit: _Recorder
@@ -644,11 +655,12 @@ class Qwen35Oracle:
         return self.swiglu(x, w["ffn_gate"], w["ffn_up"], w["ffn_down"])
 
     # -- weights and state --------------------------------------------------------------------
-    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None) -> np.ndarray:
-        """Tensor ``name`` dequantized to float64 in NumPy order; with ``rows``, only those rows
-        (indices or a slice of the first NumPy axis). The one path by which the oracle reads
-        weights (``GGUFModel.tensor``). Raises ``KeyError`` for an absent tensor."""
-        return self.model.tensor(name, np.float64, rows=rows)
+    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None, dtype: Any = np.float64) -> np.ndarray:
+        """Tensor ``name`` dequantized in NumPy order, as float64 (``dtype``: float32 only where
+        that is exact, as for the output matrix); with ``rows``, only those rows (indices or a
+        slice of the first NumPy axis). The one path by which the oracle reads weights
+        (``GGUFModel.tensor``). Raises ``KeyError`` for an absent tensor."""
+        return self.model.tensor(name, dtype, rows=rows)
 
     def load_layer(self, il: int) -> dict[str, np.ndarray]:
         """All ``blk.{il}.*`` tensors dequantized to float64, keyed without ``blk.{il}.`` and
@@ -670,23 +682,53 @@ class Qwen35Oracle:
             }
         return {"k": [], "v": [], "pos": []}
 
-    def _lm_head(self, h: np.ndarray) -> np.ndarray:
-        """Logits [B, V] float64 for result_norm rows h [B, n_embd] (``output`` or tied
-        ``token_embd``)."""
-        v = self.n_vocab
+    def lm_head(self, h: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+        """Logits ``result_output`` [B, V] as ``dtype`` for result_norm rows h [B, n_embd] float64.
+
+        The output projection (``output``, or ``token_embd`` when tied) in float64, one BLAS dgemm
+        per slice of ``output_slice_rows`` vocabulary rows into a reused float64 scratch, each
+        slice checked for non-finite values and rounded to ``dtype`` as it is stored. Every
+        logit is the same float64 dot product over n_embd as in ``h @ W.T`` (slicing the
+        vocabulary does not change a row's reduction, and the rows of h are not split), so the
+        result equals ``(h @ W.T).astype(dtype)`` bit for bit: ``tests/test_oracle_math.py``
+        checks that, ``tests/test_oracle_pinned.py`` the whole oracle. The matrix is dequantized
+        once per engine (``_output_weights``). Source: llama.cpp ``qwen35.cpp`` (``build_lora_mm``
+        with ``model.output``). Raises ``EngineError`` on a non-finite logit.
+        """
+        v, n = self.n_vocab, h.shape[0]
+        cache = self._output_weights()
+        step = min(v, self.output_slice_rows)
+        if self._lm_scratch is None or self._lm_scratch.shape[0] < n or self._lm_scratch.shape[1] < step:
+            self._lm_scratch = np.empty((max(n, self.logit_block), step))
+        out = np.empty((n, v), dtype=dtype)
         with np.errstate(over="raise", invalid="raise"):
-            if v * h.shape[1] * 8 <= self.output_cache_bytes:
-                if self._output_cache is None:
-                    self._output_cache = self.read_tensor(self._output_name)
-                out = h @ self._output_cache.T
-            else:
-                out = np.empty((h.shape[0], v))
-                for r in range(0, v, self.output_slice_rows):
-                    rows = np.arange(r, min(r + self.output_slice_rows, v))
-                    out[:, rows] = h @ self.read_tensor(self._output_name, rows).T
-        if not np.all(np.isfinite(out)):
-            raise EngineError("oracle: non-finite logits in 'result_output' (output projection)")
+            for r0 in range(0, v, step):
+                r1 = min(v, r0 + step)
+                w = cache[r0:r1] if cache is not None else self.read_tensor(self._output_name, slice(r0, r1), np.float32)
+                part = self._lm_scratch[:n, : r1 - r0] if r1 - r0 == step else np.empty((n, r1 - r0))
+                np.matmul(h, w.astype(np.float64, copy=False).T, out=part)
+                if not np.isfinite(part).all():
+                    raise EngineError("oracle: non-finite logits in 'result_output' (output projection)")
+                out[:, r0:r1] = part
         return out
+
+    def _output_weights(self) -> np.ndarray | None:
+        """The output matrix [V, n_embd] dequantized once, as float32 (float64 for an F64
+        tensor), or None when it is larger than ``output_cache_bytes`` (then ``lm_head`` reads it
+        slice by slice). Read through ``read_tensor`` in slices, so dequantization's temporaries
+        stay small."""
+        if self._output_cache is None:
+            info = self.model.tensor_info(self._output_name)
+            dtype = np.float64 if info.type == "F64" else np.float32
+            v, d = int(info.ne[1]), int(info.ne[0])
+            if v * d * np.dtype(dtype).itemsize > self.output_cache_bytes:
+                return None
+            cache = np.empty((v, d), dtype=dtype)
+            for r0 in range(0, v, self.output_slice_rows):
+                r1 = min(v, r0 + self.output_slice_rows)
+                cache[r0:r1] = self.read_tensor(self._output_name, slice(r0, r1), dtype)
+            self._output_cache = cache
+        return self._output_cache
 
 
 class _LayerWeights(dict):
