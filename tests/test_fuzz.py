@@ -155,8 +155,9 @@ def _parse(reader_cls, path: Path):
 @FUZZ
 @given(ops=st.lists(mutation, min_size=1, max_size=3))
 def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
-    """``GGUFModel``'s reader (gguf-py's parse on a plain view of the map) and ``gguf.GGUFReader``
-    agree on every mutant: the same fields, parts, tensors and bytes, or both refuse. Where the
+    """``GGUFModel``'s reader (gguf-py's parse on a plain view of the map, long arrays parsed when
+    read) and ``gguf.GGUFReader`` agree on every mutant: the same fields, parts, tensors and
+    bytes, or both refuse. Where the
     harness reader refuses a read past the end of the file, gguf-py is not run: it returns short
     arrays there, and on an array whose length runs past the end it never stops."""
     from gguf import GGUFReader
@@ -178,6 +179,8 @@ def test_harness_reader_parses_fixtures_exactly_as_gguf_py(name):
 
     from harness.model.gguf_model import _reader_class
 
+    lazy = _reader_class()(fx.build(name), "r").fields["tokenizer.ggml.tokens"]
+    assert type(lazy).__name__ == "LazyArrayField" and lazy.length > 64  # parsed only when read
     assert _parse(_reader_class(), fx.build(name)) == _parse(GGUFReader, fx.build(name))
 
 

@@ -183,9 +183,35 @@ class TensorInfo:
     data_offset: int
 
 
+LAZY_ARRAY_MIN = 64
+"""Metadata arrays longer than this are parsed only when read (``_reader_class``)."""
+
+
 @lru_cache(maxsize=1)
 def _reader_class() -> type:
+    import struct
+
     from gguf import GGUFReader, GGUFValueType
+    from gguf.gguf_reader import ReaderField
+
+    class LazyArrayField(ReaderField):
+        """A metadata array whose elements gguf-py parses on first use of ``parts``/``data``
+        (``contents()``), with ``GGUFReader``'s own ``_get_field_parts``: the same parts, data
+        indices and values as an eager parse. ``length`` is the element count from the header."""
+
+        @property
+        def parts(self) -> list:
+            return self._eager()[0]
+
+        @property
+        def data(self) -> list:
+            return self._eager()[1]
+
+        def _eager(self) -> tuple[list, list]:
+            if self.__dict__.get("_parsed") is None:
+                _, parts, idxs, _ = GGUFReader._get_field_parts(self._reader, self._value_offs, GGUFValueType.ARRAY)
+                self._parsed = (self._head + parts, [i + len(self._head) for i in idxs])
+            return self._parsed
 
     class PlainReader(GGUFReader):
         """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map rather than the
@@ -221,6 +247,60 @@ def _reader_class() -> type:
                     raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {orig_offs} needs at least "
                                      f"{alen * least} bytes; {max(left, 0)} are left in the file")
             return super()._get_field_parts(orig_offs, raw_type)
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            # gguf-py's loop over the key-value pairs, except that an array of more than
+            # LAZY_ARRAY_MIN scalars or strings is only measured here (its byte size) and parsed
+            # when read: a 248,320-token vocab is a million gguf-py parts (seconds) that a parity
+            # run never reads. Everything else goes through gguf-py's _get_field_parts.
+            for _ in range(count):
+                orig_offs = offs
+                kv_klen, kv_kdata = self._get_str(offs)
+                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+                raw_kv_type = self._get(offs, np.uint32)
+                offs += int(raw_kv_type.nbytes)
+                head = [kv_klen, kv_kdata, raw_kv_type]
+                name = str(bytes(kv_kdata), encoding="utf-8")
+                lazy = self._lazy_array(offs) if raw_kv_type[0] == GGUFValueType.ARRAY else None
+                if lazy is not None:
+                    size, itype, length = lazy
+                    field = LazyArrayField(orig_offs, name, [], [], [GGUFValueType.ARRAY, itype])
+                    field._reader, field._value_offs, field._head, field.length = self, offs, head, length
+                else:
+                    size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+                    field = ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types)
+                self._push_field(field, skip_sum=True)
+                offs += size
+            return offs
+
+        def _lazy_array(self, offs: int) -> tuple[int, Any, int] | None:
+            """(byte size, element type, length) of a long array of scalars or strings at
+            ``offs``, found without parsing its elements (strings: by stepping over their
+            lengths); None for a short array or one of arrays. Raises ``ValueError`` for an
+            unknown element type or an array that runs past the end of the file."""
+            raw = int(self._get(offs, np.uint32)[0])
+            alen = int(self._get(offs + 4, np.uint64)[0])
+            if alen <= LAZY_ARRAY_MIN or raw == GGUFValueType.ARRAY:
+                return None
+            itype = GGUFValueType(raw)  # ValueError for an unknown type, as gguf-py raises
+            scalar = self.gguf_scalar_to_np.get(itype)
+            start = offs + 12
+            end = self._plain.nbytes
+            if scalar is not None:
+                size = alen * np.dtype(scalar).itemsize
+                if start + size > end:
+                    raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {offs} runs past the end of the file")
+                return 12 + size, itype, alen
+            if itype != GGUFValueType.STRING:
+                raise ValueError(f"Unknown/unhandled field type {itype}")
+            buf, fmt, pos = self._plain, "<Q" if self.byte_order == "I" else ">Q", start
+            for _ in range(alen):
+                if pos + 8 > end:
+                    raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
+                pos += 8 + struct.unpack_from(fmt, buf, pos)[0]
+            if pos > end:
+                raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
+            return pos - offs, itype, alen
 
     return PlainReader
 
@@ -325,6 +405,14 @@ class GGUFModel:
             )
         return self.arch
 
+    def metadata_length(self, key: str) -> int | None:
+        """The element count of array ``key`` as stored (without parsing a lazily read array's
+        elements), or None when the key is absent or not an array."""
+        f = self.reader.get_field(key)
+        if f is None or not f.types or f.types[0].name != "ARRAY":
+            return None
+        return int(getattr(f, "length", None) if hasattr(f, "length") else len(f.data))
+
     @cached_property
     def tokens(self) -> list[str]:
         toks = self.raw_metadata("tokenizer.ggml.tokens")
@@ -373,7 +461,7 @@ class GGUFModel:
             recurrent = tuple(i < n_trunk and (i + 1) % interval != 0 for i in range(n_all))
         vals["recurrent"] = recurrent
         tok = self._tensors.get("token_embd.weight")
-        n_vocab = len(self.tokens) or (int(tok.shape[1]) if tok is not None and len(tok.shape) > 1 else 0)
+        n_vocab = self.metadata_length("tokenizer.ggml.tokens") or (int(tok.shape[1]) if tok is not None and len(tok.shape) > 1 else 0)
         vals["n_vocab"] = n_vocab
         return Qwen35HParams(arch=arch, **vals)
 
