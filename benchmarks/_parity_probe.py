@@ -3,9 +3,10 @@
     python benchmarks/_parity_probe.py [--profile OUT.prof] -- parity --model ... (harness args)
 
 Used by ``benchmarks/run_all.py``; one process per measurement so peak RSS is this run's own.
-Engine time is the wall time inside an engine's forward pass: the llama.cpp worker runs for
-``info`` and ``logits`` (process start, model load, decode; the worker's ``tokenize`` run is
-tokenization and counted as harness time, as is reading its logits back), and the oracle's
+Engine time is the wall time inside an engine's forward pass: the llama.cpp worker's ``info`` run
+and its ``logits`` stream while it runs (process start, model load, decode, and the one copy of
+each row through the pipe, which cannot be told apart from waiting for the decode; the worker's
+``tokenize`` run is tokenization and counted as harness time), and the oracle's
 ``logits`` generator while it computes (trunk, lm_head, float32 conversion). Everything else in ``harness.cli.main`` is the harness's own time:
 tokenization, metrics, the receipt, the ledger row, the report. Printed fields: ``main_s``,
 ``engine_s`` (per engine), ``tokenize_s``, ``import_s``, ``maxrss_mb`` (this process: the harness
@@ -66,6 +67,7 @@ def _timed_stream(cls, name: str, key: str) -> None:
 
 
 _timed(LlamaCppEngine, "_run", lambda a: "tokenize" if a[0].get("op") == "tokenize" else "llama.cpp")
+_timed_stream(LlamaCppEngine, "logits", "llama.cpp")  # the worker streams its logits while it decodes
 _timed_stream(Qwen35Oracle, "logits", "oracle")
 
 

@@ -4,7 +4,7 @@
 
 The plain pass is ``ref.sum(axis=1); cand.sum(axis=1)`` per block: it reads both float32 arrays
 once and does nothing else, so it runs at memory bandwidth. ``harness.compare.metrics.position_metrics``
-is timed over the same blocks. Target (issue 5): ratio ≤ 8. Both run single-threaded in this
+is timed over the same blocks. Target (issue 15): ratio ≤ 6. Both run single-threaded in this
 process; arrays are larger than the last-level cache so neither pass is served from cache alone.
 Logits are synthetic but shaped like a language model's: a Gaussian body, a few leading tokens,
 and a candidate that differs by quantization-sized noise.
@@ -69,7 +69,7 @@ def measure(vocab: int = 248_320, positions: int = 256, block: int = 64, repeat:
         "metrics_us_per_position": 1e6 * t_metrics / positions,
         "plain_us_per_position": 1e6 * t_plain / positions,
         "ratio": t_metrics / t_plain,
-        "target_ratio": 8.0,
+        "target_ratio": 6.0,
     }
 
 
@@ -89,7 +89,7 @@ def main() -> None:
             f"V={args.vocab} positions={args.positions} block={args.block}\n"
             f"plain pass : {result['plain_positions_per_s']:10.0f} positions/s ({result['plain_us_per_position']:.0f} us/pos)\n"
             f"metrics    : {result['metrics_positions_per_s']:10.0f} positions/s ({result['metrics_us_per_position']:.0f} us/pos)\n"
-            f"ratio      : {result['ratio']:.2f}x (target <= 8x)"
+            f"ratio      : {result['ratio']:.2f}x (target <= 6x)"
         )
 
 

@@ -147,14 +147,14 @@ def build_prompts(path: Path, positions: int, work: Path) -> tuple[Path, list[li
 
 # (file suffix, function) -> category of the harness's own time, for the profile summary
 CATEGORIES = [
-    ("harness/engines/llamacpp.py", "_run", "engine: llama.cpp worker (incl. tokenize run)"),
+    ("harness/engines/llamacpp.py", "_run", "engine: llama.cpp worker runs without a stream (info, tokenize)"),
+    ("harness/engines/llamacpp.py", "_stream", "engine: llama.cpp worker streaming logits (start, load, decode, pipe)"),
     ("harness/engines/oracle/qwen35.py", "_forward", "engine: oracle trunk"),
-    ("harness/engines/oracle/qwen35.py", "_lm_head", "engine: oracle lm_head"),
+    ("harness/engines/oracle/qwen35.py", "lm_head", "engine: oracle lm_head"),
     ("harness/model/gguf_model.py", "__init__", "opening the GGUF (gguf-py parse; shared with the oracle)"),
     ("harness/compare/metrics.py", "position_metrics", "metrics per position"),
     ("harness/compare/metrics.py", "summarize", "metric summaries (per prompt + whole set)"),
     ("harness/compare/metrics.py", "cosine_failures", "gate evaluation"),
-    ("harness/engines/base.py", "npy_rows", "reading llama.cpp's logits file"),
     ("harness/evidence/receipts.py", "write_receipt", "receipt (JSON + npz, atomic)"),
     ("harness/evidence/ledger.py", "append_row", "ledger row + LEDGER render"),
     ("harness/evidence/report.py", "write_report", "report (Markdown + PNG plots)"),
@@ -324,7 +324,8 @@ def render(r: dict) -> str:
         f"| of which tokenization (llama.cpp vocab-only worker) | {run['tokenize_s']:.1f} | {100 * run['tokenize_s'] / run['main_s']:.1f} % |",
         f"| interpreter start + imports (before `main`, not in the run) | {run['import_s']:.1f} | |",
         "",
-        f"Harness share: **{100 * run['harness_fraction']:.1f} %** (target ≤ 10 %: {ok(run['harness_fraction'] <= 0.10)}).",
+        f"Harness share: **{100 * run['harness_fraction']:.1f} %** (target ≤ 10 %: {ok(run['harness_fraction'] <= 0.10)}); "
+        f"the harness's own time is **{1000 * run['harness_s'] / par['positions']:.2f} s per 1,000 positions**.",
         "",
         "| peak RSS | MB |",
         "|---|---:|",

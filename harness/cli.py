@@ -479,7 +479,11 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
 def ledger_show(ledger_path, as_json) -> None:
     """Summarize the ledger with pandas; print proposed report-only thresholds once 20 records exist."""
     # deferred: startup (pandas)
-    from harness.evidence.ledger import ledger_frame, proposed_report_only_thresholds, summarize_ledger
+    from harness.evidence.ledger import (
+        ledger_frame,
+        proposed_report_only_thresholds,
+        summarize_ledger,
+    )
 
     lp = Path(ledger_path)
     if not lp.exists():

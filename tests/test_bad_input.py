@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import fake_engines_config
 
 from harness.fixtures import synthetic as fx
-from helpers import fake_engines_config
 
 REPO = Path(__file__).resolve().parents[1]
 V = 515  # tiny-qwen35's vocab

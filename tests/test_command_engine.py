@@ -3,9 +3,9 @@ NOT-COMPARABLE with the engine's stderr tail, never a crash of the harness."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
+from helpers import fake_engines_config
 
 from harness.compare.metrics import cosine
 from harness.engines.base import gather
@@ -13,7 +13,6 @@ from harness.engines.command import configured_commands, load_command_engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.fixtures import synthetic as fx
-from helpers import fake_engines_config
 
 TOKENS = list(range(30, 90))
 

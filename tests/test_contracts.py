@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import repo_copy
 
 from harness.cli import main
 from harness.compare.metrics import compare_activations
@@ -25,7 +26,6 @@ from harness.engines.registry import known_engine_names, resolve_engine
 from harness.errors import InvalidInput
 from harness.fixtures import synthetic as fx
 from harness.fixtures.resolve import resolve_model
-from helpers import repo_copy
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "contracts"

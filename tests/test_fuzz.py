@@ -155,8 +155,9 @@ def _parse(reader_cls, path: Path):
 @FUZZ
 @given(ops=st.lists(mutation, min_size=1, max_size=3))
 def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
-    """``GGUFModel``'s reader (gguf-py's parse on a plain view of the map) and ``gguf.GGUFReader``
-    agree on every mutant: the same fields, parts, tensors and bytes, or both refuse. Where the
+    """``GGUFModel``'s reader (gguf-py's parse on a plain view of the map, long arrays parsed when
+    read) and ``gguf.GGUFReader`` agree on every mutant: the same fields, parts, tensors and
+    bytes, or both refuse. Where the
     harness reader refuses a read past the end of the file, gguf-py is not run: it returns short
     arrays there, and on an array whose length runs past the end it never stops."""
     from gguf import GGUFReader
@@ -174,6 +175,8 @@ def test_harness_reader_parses_exactly_as_gguf_py(scratch, ops):
 def test_harness_reader_parses_fixtures_exactly_as_gguf_py(name):
     from gguf import GGUFReader
 
+    lazy = PlainReader(fx.build(name), "r").fields["tokenizer.ggml.tokens"]
+    assert type(lazy).__name__ == "LazyArrayField" and lazy.length > 64  # parsed only when read
     assert _parse(PlainReader, fx.build(name)) == _parse(GGUFReader, fx.build(name))
 
 
@@ -349,7 +352,7 @@ def test_gguf_array_length_past_the_end_is_refused_at_once(tmp_path, itype, alen
                        preexec_fn=_limit_memory)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "truncated: an array of" in lines[0] and "Traceback" not in r.stderr
+    assert len(lines) == 1 and "truncated:" in lines[0] and "Traceback" not in r.stderr
 _HEAD = "schema: harness-thresholds/v1\n"
 _LAUGHS = _HEAD + 'a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
     f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)) + "gates: *a8\n"

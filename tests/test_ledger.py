@@ -237,3 +237,29 @@ def test_summary_and_report_only_proposals_wait_for_twenty_records(tmp_path):
     assert (row["runs"], row["pass"], row["fail"], row["last_seq"], row["last_verdict"]) == (21, 20, 1, 21, "PASS")
     assert row["min_cosine_worst"] == 0.5
     assert L.verify_ledger(ledger_path) == []
+
+
+def test_rows_carry_their_runs_speed_shown_and_compared(paths):
+    """Each row carries its own run's timings (also when an identical earlier run wrote the
+    receipt), LEDGER.md shows the candidate's speed once rows have it, verify still passes, and
+    ``summarize_ledger`` compares the last run's speed with the median."""
+    from test_receipts import _timing
+
+    ledger_path, receipts_dir, md = paths
+    append_measured(ledger_path, receipts_dir, 0)  # a row from before timings existed
+    assert "tok/s" not in md.read_text()
+    receipt, arrays = make_receipt(seed=1)
+    for wall, tps in ((9.0, 120.0), (10.0, 100.0), (20.0, 50.0)):
+        from harness.evidence.record import record_evidence
+
+        rec = record_evidence(dict(receipt, timings={"reference": _timing(3.0, 900.0), "candidate": _timing(wall, tps)}),
+                              arrays, ledger_path)
+        assert rec.row["candidate_tokens_per_s"] == tps and rec.row["candidate_wall_s"] == wall
+    text = md.read_text()
+    assert "candidate tok/s (wall s)" in text and "| 50 (20.0) |" in text and "| — |" in text
+    assert L.verify_ledger(ledger_path, receipts_dir, md) == []
+    s = L.summarize_ledger(ledger_path)
+    row = s.iloc[0]
+    assert row["runs"] == 4  # the row without timings does not count in the median
+    assert row["candidate_tokens_per_s_last"] == 50.0 and row["candidate_tokens_per_s_median"] == 100.0
+    assert row["candidate_speed_vs_median"] == 0.5 and row["candidate_wall_s_last"] == 20.0

@@ -156,3 +156,31 @@ def test_llamacpp_activations_match_the_oracle_by_name():
     assert ll.last_ops["l_out-0"] == "ADD"
     common = set(a) & set(b)
     assert len(common) > 150
+
+
+def _child_pids() -> set[int]:
+    from pathlib import Path
+
+    out: set[int] = set()
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def test_logits_stream_while_the_worker_runs_and_an_abandoned_stream_ends_it():
+    """Blocks come through the pipe while the worker is alive (logits move once, no file), and a
+    consumer that stops early leaves no worker behind."""
+    before = _child_pids()
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"), block_size=8)
+    it = eng.logits(TOKENS)
+    start, block = next(it)
+    assert start == 0 and block.shape == (8, eng.n_vocab) and block.dtype == np.float32
+    assert _child_pids() - before, "the worker should still be streaming"
+    it.close()
+    assert not (_child_pids() - before)
+    assert "n_tokens" not in eng.timings  # only finished decoding runs are counted
+    gather(eng.logits(TOKENS[:20]))
+    assert eng.timings["n_tokens"] == 20 and eng.timings["decode_s"] > 0 and eng.timings["load_s"] > 0

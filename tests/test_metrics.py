@@ -346,3 +346,26 @@ def test_summarize_with_no_positions_is_all_none():
     s = M.summarize(M.concat_metrics([]))
     assert s["positions"] == 0 and s["min_cosine"] is None and s["argmax_agreement"]["rate"] is None
     assert s["flips"]["total"] == 0
+
+
+def test_metrics_match_plain_float64_at_the_f32_floor():
+    """At the float32 floor (candidate = reference plus rounding-sized noise, KLD ~ 1e-8) the
+    per-position metrics (float32 exp/expm1, float64 block sums: see the module docstring) agree
+    with a plain float64 computation: KLD to 1 % relative, 1 - cosine to 1 %, NMSE to 1e-3."""
+    from scipy.special import log_softmax
+
+    rng = np.random.default_rng(7)
+    v = 32_768
+    ref = (rng.standard_normal((16, v)) * 2.5).astype(np.float32)
+    ref[:, :8] += 12.0  # a few leading tokens, as a language model has
+    cand = (ref.astype(np.float64) * (1 + 3e-5 * rng.standard_normal((16, v)))).astype(np.float32)
+    got = M.position_metrics(ref, cand)
+    r, c = ref.astype(np.float64), cand.astype(np.float64)
+    lr, lc = log_softmax(r, axis=1), log_softmax(c, axis=1)
+    kld = np.sum(np.exp(lr) * (lr - lc), axis=1)
+    cos = np.sum(r * c, axis=1) / np.sqrt(np.sum(r * r, axis=1) * np.sum(c * c, axis=1))
+    nmse = np.sum((c - r) ** 2, axis=1) / np.sum(r * r, axis=1)
+    assert 1e-9 < kld.min() and kld.max() < 3e-7  # the F32 floor
+    np.testing.assert_allclose(got["kld"], kld, rtol=1e-2)
+    np.testing.assert_allclose(1 - got["cosine"], 1 - cos, rtol=1e-2)
+    np.testing.assert_allclose(got["nmse"], nmse, rtol=1e-3)

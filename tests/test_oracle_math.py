@@ -443,3 +443,42 @@ def test_oracle_engine_rejects_bad_tokens_and_chunks(tiny_oracle):
         gather(tiny_oracle.logits([0, TINY["vocab"]]))
     with pytest.raises(EngineError, match="sum to"):
         gather(tiny_oracle.logits([0, 1, 2], chunks=[1, 1]))
+
+
+class _HeadOnly(Qwen35Oracle):
+    """Just the oracle's output projection, over a given [V, d] float32 matrix."""
+
+    def __init__(self, w: np.ndarray, cached: bool):
+        self._w, self._output_name, self._lm_scratch = w, "output.weight", None
+        self._output_cache = w if cached else None
+
+    def _output_weights(self):
+        return self._output_cache
+
+    @property
+    def n_vocab(self) -> int:
+        return self._w.shape[0]
+
+    def read_tensor(self, name, rows=None, dtype=np.float64):
+        return self._w[rows].astype(dtype)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("d", [64, 96])
+def test_oracle_lm_head_equals_plain_matmul_bit_for_bit(cached, d):
+    """The sliced float64 output projection gives exactly (h @ W.T) rounded once, for 1-row,
+    few-row and full blocks, with the vocabulary cut into 16,384-row slices and a short last one."""
+    rng = np.random.default_rng(d)
+    w = rng.standard_normal((40_000, d), dtype=np.float32)
+    head = _HeadOnly(w, cached)
+    for m in (1, 2, 3, 17, 256):
+        h = rng.standard_normal((m, d))
+        plain = h @ w.astype(np.float64).T
+        got64 = head.lm_head(h, np.float64)
+        got32 = head.lm_head(h, np.float32)
+        assert got64.dtype == np.float64 and got32.dtype == np.float32
+        assert np.array_equal(got64, plain), (m, int((got64 != plain).sum()))
+        assert np.array_equal(got32, plain.astype(np.float32)), m
+    h[0, 0] = np.inf
+    with pytest.raises(EngineError, match="non-finite logits"):
+        head.lm_head(h)

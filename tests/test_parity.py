@@ -177,6 +177,12 @@ def test_cli_parity_writes_receipt_and_ledger_and_verify_detects_edit(tmp_path):
     assert rec["thresholds"]["gates"]["min_cosine"]["basis"]["kind"] == "measured"
     assert {g["name"] for g in rec["gated"]["distribution_gates"]} == {"max_kld_mean", "max_kld_p99"}
     assert rec["prompts"]["positions"] >= 512
+    t = rec["timings"]  # speed as evidence: llama.cpp's own load/decode seconds, the oracle's measured by the harness
+    assert t["reference"]["source"] == "engine" and t["candidate"]["source"] == "harness"
+    for e in t.values():
+        assert e["tokens"] == rec["prompts"]["positions"] and e["prefill_tokens_per_s"] > 0 and e["wall_s"] >= e["prefill_s"] > 0
+    row = json.loads(ledger.read_text().splitlines()[-1])
+    assert row["candidate_tokens_per_s"] == t["candidate"]["prefill_tokens_per_s"]
     v = run_cli("ledger", "verify", "--ledger", str(ledger))
     assert v.returncode == 0, v.stdout + v.stderr
     data = bytearray(ledger.read_bytes())

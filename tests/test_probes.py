@@ -128,5 +128,6 @@ def test_cli_probe_oracle_exits_0_and_writes_probe_receipt(tmp_path):
     assert "unmeasured: ubatch" in r.stdout
     rows = [json.loads(l) for l in ledger.read_text().splitlines()]
     assert rows[-1]["kind"] == "probe" and rows[-1]["verdict"] == "PASS"
+    assert rows[-1]["candidate_tokens_per_s"] > 0 and rows[-1]["candidate_wall_s"] > 0  # the probe run's speed
     v = subprocess.run([sys.executable, "-m", "harness", "ledger", "verify", "--ledger", str(ledger)], capture_output=True, text=True)
     assert v.returncode == 0, v.stdout

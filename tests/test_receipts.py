@@ -193,3 +193,22 @@ def test_object_arrays_are_refused(tmp_path):
     r, arrays = make_receipt()
     with pytest.raises(InvalidInput, match="dtype object"):
         write_receipt(r, dict(arrays, bad=np.array([None, 1], dtype=object)), tmp_path)
+
+
+def _timing(wall: float, tps: float) -> dict:
+    return {"wall_s": wall, "load_s": 0.5, "prefill_s": 64 / tps, "tokens": 64, "prefill_tokens_per_s": tps, "source": "engine"}
+
+
+def test_timings_are_recorded_but_not_part_of_the_id(tmp_path):
+    """Speed is evidence, but a measurement of this run: two identical runs at different speeds
+    keep one receipt id (and the first file); the schema checks the timing fields."""
+    r, arrays = make_receipt()
+    fast = dict(r, timings={"reference": _timing(3.0, 900.0), "candidate": _timing(9.0, 120.0)})
+    slow = dict(r, timings={"reference": _timing(4.0, 700.0), "candidate": _timing(12.0, 80.0)})
+    assert receipt_id(fast) == receipt_id(slow) == receipt_id(r)
+    jp, _ = write_receipt(fast, arrays, tmp_path)
+    assert load_receipt(jp).receipt["timings"]["candidate"]["prefill_tokens_per_s"] == 120.0
+    assert write_receipt(slow, arrays, tmp_path)[0] == jp and load_receipt(jp).receipt["timings"] == fast["timings"]
+    bad = dict(r, timings={"reference": _timing(3.0, 900.0), "candidate": {**_timing(9.0, 120.0), "wall_s": -1}})
+    with pytest.raises(InvalidInput, match="timings.candidate.wall_s"):
+        write_receipt(bad, arrays, tmp_path / "bad")

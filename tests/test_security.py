@@ -30,8 +30,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from harness.fixtures import synthetic as fx
 from helpers import repo_copy
+
+from harness.fixtures import synthetic as fx
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [REPO / "harness", REPO / "examples"]

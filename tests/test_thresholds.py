@@ -71,7 +71,7 @@ def test_gate_without_basis_is_invalid_and_names_key_and_line(tmp_path, min_cosi
 
 
 def test_override_without_basis_names_the_override(tmp_path):
-    p = write(tmp_path, base(f'models:\n  "fixture:tiny":\n    gates:\n      min_cosine: {{value: 0.99}}\n'))
+    p = write(tmp_path, base('models:\n  "fixture:tiny":\n    gates:\n      min_cosine: {value: 0.99}\n'))
     with pytest.raises(InvalidInput, match=r":8: models\.fixture:tiny\.gates\.min_cosine has no basis"):
         load_thresholds(p)
 

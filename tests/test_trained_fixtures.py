@@ -20,9 +20,9 @@ from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import resolve_engine
 from harness.fixtures import synthetic as fx
+from harness.fixtures.resolve import resolve_model
 from harness.fixtures.training import SPECS, TrainSpec
 from harness.model.gguf_model import GGUFModel
-from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
 from harness.provenance import sha256_file
 

@@ -24,6 +24,7 @@ from harness.compare import metrics
 from harness.compare.inputs import RunInputs, RunRequest
 from harness.compare.prompts import PromptTokens
 from harness.engines.base import Engine, LogitBlock
+from harness.engines.timing import timed
 from harness.errors import (
     EngineError,
     HarnessError,
@@ -296,13 +297,14 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     unknown = [g for g in resolved.gates if g not in PARITY_GATES]
     if unknown:
         raise InvalidInput(f"{resolved.path}: unknown gate {unknown[0]!r}; parity gates: {', '.join(PARITY_GATES)}")
-    reference = inputs.engine(req.reference)
-    candidate = inputs.engine(req.candidate)
-    prompts = inputs.tokens(reference)
+    reference = timed(lambda: inputs.engine(req.reference))
+    candidate = timed(lambda: inputs.engine(req.candidate))
+    prompts = inputs.tokens(reference.engine)
     kld_gates = {g: float(resolved.gates[g].value) for g in KLD_GATES if g in resolved.gates}
     result = run_cell(inputs.model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
                       inputs.thresholds.near_tie_margin, progress, kld_gates)
     receipt = build_receipt(req, inputs, result)
+    receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         return ParityOutcome(result, receipt, None, None, None)
     rec = record_evidence(receipt, result.per_position, req.ledger)

@@ -28,6 +28,7 @@ import numpy as np
 from harness.compare import metrics
 from harness.compare.inputs import RunRequest
 from harness.engines.base import Engine, gather
+from harness.engines.timing import timed
 from harness.errors import InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info
 from harness.evidence.record import record_evidence
@@ -280,7 +281,8 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     inputs = req.resolve()
     resolved = inputs.resolved
     tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
-    engine = inputs.engine(req.candidate)
+    engine = timed(lambda: inputs.engine(req.candidate))
+    reference = None
     prompts = [p.tokens for p in inputs.tokens()]
     main = max(prompts, key=len)[:160]  # spans the 63/64/65 chunk boundary
     short = main[:80]
@@ -290,8 +292,13 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         "ubatch": lambda: probe_ubatch(engine, main, tol),
         "multiseq": lambda: probe_multiseq(engine, [p[:60] for p in sorted(prompts, key=len, reverse=True)[:3]], tol),
         "determinism": lambda: probe_determinism(engine, main),
-        "long": lambda: probe_long(engine, inputs.engine(req.reference), long_tokens(prompts), resolved.min_cosine),
+        "long": lambda: probe_long(engine, reference_engine(), long_tokens(prompts), resolved.min_cosine),
     }
+    def reference_engine() -> Any:
+        nonlocal reference
+        reference = reference or timed(lambda: inputs.engine(req.reference))
+        return reference
+
     results = []
     for n in names:
         if progress:
@@ -300,7 +307,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     verdict, message = overall_verdict(results)
     ref_info = None
     if "long" in names:
-        ref_info = inputs.engine(req.reference).info.to_dict()
+        ref_info = reference_engine().info.to_dict()
     cosines = [c.min_cosine for r in results for c in r.comparisons if c.min_cosine is not None]
     kinds = {resolved.gate(g, "probes").basis_kind for g in ("min_cosine", "max_kld")}
     receipt = {
@@ -320,6 +327,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         "min_cosine": min(cosines) if cosines else None,
         "basis_kind": "measured" if kinds == {"measured"} else "declared",
         "unmeasured": [r.name for r in results if r.verdict is Verdict.UNMEASURED],
+        "timings": {"candidate": engine.timings(), "reference": reference.timings() if reference else None},
     }
     if not req.write_evidence:
         return ProbeRun(results, verdict, message, receipt)

@@ -3,20 +3,28 @@
 ggml can ``abort()`` the process on a malformed model, so llama.cpp never runs inside the harness
 process. This worker reads one JSON request, talks to llama.cpp through llama-cpp-python's
 low-level ctypes API (``llama_decode`` with a ``llama_batch`` that requests logits for every
-token), and writes float32 logits ``[T, V]`` into a memory-mapped ``.npy`` file as each batch
-finishes, plus ``info.json``. Only numpy and llama_cpp are imported, so what it measures is
-llama.cpp.
+token), and streams float32 logits to the harness through a pipe as each batch finishes, plus
+``info.json``. Only numpy and llama_cpp are imported, so what it measures is llama.cpp.
 
-Request fields: ``op`` (``tokenize`` | ``logits`` | ``info``), ``model``, ``overrides``
-(list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch, n_threads, type_k,
-type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token lists decoded together,
-one sequence id each), ``text``, ``out_dir``.
+The stream (file descriptor ``stream_fd``, inherited from the harness): ``n_vocab`` as one int64,
+then per ``llama_decode`` call its rows, written straight from llama.cpp's output buffer (no copy
+in this process, nothing kept once written, so the worker holds one batch of logits, not the
+prompt's). A single sequence sends its rows in position order and nothing else; several
+sequences (``sequences``) precede each batch's rows with an int64 count k and the k int64 row
+indices the rows belong to (rows of different sequences interleave within a batch). All
+little-endian.
+
+Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``info``), ``model``,
+``overrides`` (list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch,
+n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
+lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -177,9 +185,34 @@ class _Capture:
         return out
 
 
-def _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, row_of):
+class _Stream:
+    """The logits stream to the harness (see the module docstring); ``fd`` None sends nothing
+    (activation runs decode for their eval callback only)."""
+
+    def __init__(self, fd: int | None, n_vocab: int, indexed: bool):
+        self.fd, self.n_vocab, self.indexed = fd, n_vocab, indexed
+        self.decode_s = 0.0  # seconds inside llama_decode (not writing to the harness)
+        if fd is not None:
+            self._write(np.array([n_vocab], dtype="<i8").data)
+
+    def _write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def rows(self, ptr, n: int, row_of: list[int]) -> None:
+        """Send the n rows at ``ptr`` (llama.cpp's float32 output buffer) for rows ``row_of``."""
+        if self.fd is None:
+            return
+        if self.indexed:
+            self._write(np.array([n, *row_of], dtype="<i8").data)
+        self._write((ctypes.c_char * (n * self.n_vocab * 4)).from_address(ctypes.addressof(ptr.contents)))
+
+
+def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of):
     """Decode ``items`` = [(token, pos, seq)] as one llama_decode call, logits for every item,
-    and copy row i of the result into ``out[row_of[i]]``."""
+    and send row i of the result to the harness as row ``row_of[i]``."""
     n = len(items)
     for i, (tok, pos, seq) in enumerate(items):
         batch.token[i] = tok
@@ -188,14 +221,13 @@ def _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, row_of):
         batch.seq_id[i][0] = seq
         batch.logits[i] = 1
     batch.n_tokens = n
+    t = time.perf_counter()
     rc = llama_cpp.llama_decode(ctx, batch)
+    stream.decode_s += time.perf_counter() - t
     if rc != 0:
         sys.stderr.write(f"harness-worker: llama_decode returned {rc}\n")
         sys.exit(23)
-    ptr = llama_cpp.llama_get_logits(ctx)
-    block = np.ctypeslib.as_array(ptr, shape=(n, n_vocab))
-    for i in range(n):
-        out[row_of[i]] = block[i]
+    stream.rows(llama_cpp.llama_get_logits(ctx), n, row_of)
 
 
 def main(req_path: str) -> int:
@@ -228,8 +260,7 @@ def main(req_path: str) -> int:
 
     s = req["settings"]
     sequences = req.get("sequences") or [req["tokens"]]
-    total = sum(len(q) for q in sequences)
-    out = np.lib.format.open_memmap(out_dir / "logits.npy", mode="w+", dtype=np.float32, shape=(total, n_vocab))
+    stream = _Stream(req.get("stream_fd"), n_vocab, indexed=len(sequences) > 1)
     capture = None
     if req["op"] == "activations":
         capture = _Capture(llama_cpp, set(req["names"]) if req.get("names") else None)
@@ -246,7 +277,7 @@ def main(req_path: str) -> int:
             while pos < end:
                 k = min(n_batch, end - pos)
                 items = [(tokens[pos + i], pos + i, 0) for i in range(k)]
-                _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, list(range(pos, pos + k)))
+                _decode_rows(llama_cpp, ctx, batch, items, stream, list(range(pos, pos + k)))
                 pos += k
     else:  # several sequences side by side in each batch, one seq id each
         offsets = np.cumsum([0] + [len(q) for q in sequences])
@@ -259,10 +290,10 @@ def main(req_path: str) -> int:
                     items.append((q[p], p, sid))
                     rows.append(int(offsets[sid]) + p)
             if items:
-                _decode_rows(llama_cpp, ctx, batch, items, n_vocab, out, rows)
-    out.flush()
-    del out
-    info["decode_s"] = round(time.time() - t1, 4)
+                _decode_rows(llama_cpp, ctx, batch, items, stream, rows)
+    info["decode_s"] = round(stream.decode_s, 4)  # llama_decode alone: llama.cpp's prefill time
+    info["decode_wall_s"] = round(time.time() - t1, 4)  # including waits for the harness to read
+    info["n_tokens"] = sum(len(q) for q in sequences)
     if capture is not None:
         np.savez(out_dir / "activations.npz", **capture.arrays())
         info["ops"] = capture.ops

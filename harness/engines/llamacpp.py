@@ -1,9 +1,11 @@
 """The reference engine: llama.cpp through llama-cpp-python, run in a worker process.
 
 Each call starts ``harness.engines._llamacpp_worker`` with a JSON request: a fresh context per
-prompt (recurrent memory cannot be trimmed), logits requested for every token, gathered batch by
-batch into a memory-mapped ``.npy`` that this side streams back in blocks. A worker that exits
-non-zero or dies by a signal (ggml ``abort()`` → SIGABRT) becomes ``EngineError`` quoting
+prompt (recurrent memory cannot be trimmed), logits requested for every token and streamed back
+through a pipe as each ``llama_decode`` batch finishes; this side reads them straight into the
+blocks it yields, so logits move once and neither process holds more than a batch or a block
+(the worker's stream format is in its module docstring). A worker that exits non-zero or dies by
+a signal (ggml ``abort()`` → SIGABRT), or whose stream ends early, becomes ``EngineError`` quoting
 llama.cpp's own error line and the worker's last stderr lines; the harness itself never dies.
 
 Settings that change numerics (recorded in ``info``): n_ctx, n_batch, n_ubatch, n_threads,
@@ -15,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
+from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
 from harness.model.gguf_model import Override
 
@@ -90,13 +94,17 @@ class LlamaCppEngine:
         self.settings = settings or LlamaCppSettings()
         self.timeout_s = timeout_s
         self.block_size = block_size
+        self.timings: dict[str, float] = {}
+        """Summed over this engine's worker runs: ``load_s`` (model load), ``decode_s`` (inside
+        ``llama_decode``), ``n_tokens`` (tokens decoded)."""
 
     def with_settings(self, **changes: Any) -> "LlamaCppEngine":
         """The same model with some settings changed (e.g. ``n_ubatch=7``)."""
         return LlamaCppEngine(self.model_path, self.overrides, replace(self.settings, **changes), self.timeout_s, self.block_size)
 
     # -- worker plumbing ------------------------------------------------------------------
-    def _run(self, request: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    def _start(self, request: dict[str, Any], workdir: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        """Write the request into ``workdir`` and start a worker on it (stderr to a file there)."""
         request = {
             "model": str(self.model_path),
             "overrides": [o.__dict__ for o in self.overrides],
@@ -105,23 +113,30 @@ class LlamaCppEngine:
         }
         req_path = workdir / "request.json"
         req_path.write_text(json.dumps(request))
-        err_path = workdir / "stderr.txt"
-        with open(err_path, "wb") as err:
-            try:
-                proc = subprocess.run(
-                    [sys.executable, "-m", "harness.engines._llamacpp_worker", str(req_path)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    stdin=subprocess.DEVNULL,
-                    timeout=self.timeout_s,
-                    # ggml's abort() otherwise attaches gdb for a backtrace: seconds to minutes
-                    # (or a hang under load) before the worker dies, and gdb's lines bury the assert
-                    env={**os.environ, "GGML_NO_BACKTRACE": "1"},
-                )
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = None
-        stderr = err_path.read_text(errors="replace")
+        with open(workdir / "stderr.txt", "wb") as err:
+            return subprocess.Popen(
+                [sys.executable, "-m", "harness.engines._llamacpp_worker", str(req_path)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                pass_fds=pass_fds,
+                # ggml's abort() otherwise attaches gdb for a backtrace: seconds to minutes
+                # (or a hang under load) before the worker dies, and gdb's lines bury the assert
+                env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+            )
+
+    def _finish(self, proc: subprocess.Popen, workdir: Path, deadline: float) -> dict[str, Any]:
+        """Wait for the worker until ``deadline`` (``time.monotonic``), then check its exit and
+        return its ``info.json`` (a decoding run's load and decode seconds are added to
+        ``self.timings``).
+        Raises ``EngineError`` on a timeout, a non-zero exit, a signal or a missing info file."""
+        try:
+            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+        stderr = (workdir / "stderr.txt").read_text(errors="replace")
         tail = "\n".join(stderr.strip().splitlines()[-8:])
         if rc is None:
             raise EngineError(f"llama.cpp worker timed out after {self.timeout_s:.0f} s on {self.model_path.name}", tail)
@@ -133,7 +148,15 @@ class LlamaCppEngine:
         info_path = workdir / "info.json"
         if not info_path.exists():
             raise EngineError("llama.cpp worker wrote no info.json", tail)
-        return json.loads(info_path.read_text())
+        info = json.loads(info_path.read_text())
+        if "decode_s" in info:  # a run that decoded (logits, activations); not info or tokenize
+            for key in ("load_s", "decode_s", "n_tokens"):
+                self.timings[key] = self.timings.get(key, 0) + info.get(key, 0)
+        return info
+
+    def _run(self, request: dict[str, Any], workdir: Path) -> dict[str, Any]:
+        """One worker run to completion (no stream); returns its ``info.json``."""
+        return self._finish(self._start(request, workdir), workdir, time.monotonic() + self.timeout_s)
 
     @cached_property
     def _static_info(self) -> dict[str, Any]:
@@ -166,17 +189,76 @@ class LlamaCppEngine:
             return json.loads((Path(d) / "tokens.json").read_text())
 
     def _stream(self, request: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
+        """Start a worker on ``request`` and yield its logits as ``(start, float32 [B, V])``
+        blocks of ``block_size`` rows while it decodes. Rows of several sequences (``sequences``)
+        arrive interleaved with their indices and are put in order through a file first."""
         with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
-            self._run(request, Path(d))
+            workdir = Path(d)
+            r, w = os.pipe()
             try:
-                arr = np.load(Path(d) / "logits.npy", mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise EngineError(f"llama.cpp worker wrote unreadable logits: {e}") from None
-            if arr.ndim != 2 or arr.shape[0] != n_rows:
-                raise EngineError(f"llama.cpp worker wrote logits of shape {arr.shape}, expected [{n_rows}, V]")
+                proc = self._start({**request, "stream_fd": w}, workdir, pass_fds=(w,))
+            finally:
+                os.close(w)
+            deadline = time.monotonic() + self.timeout_s
+            try:
+                with open(r, "rb", buffering=0) as pipe:
+                    reader = _PipeReader(pipe, deadline)
+                    head = np.empty(1, dtype="<i8")
+                    if not reader.fill(head):
+                        self._finish(proc, workdir, deadline)  # raises with llama.cpp's error
+                        raise EngineError("llama.cpp worker closed its logits stream without a header")
+                    n_vocab = int(head[0])
+                    if request.get("sequences"):
+                        blocks = self._ordered_from_indexed(reader, n_rows, n_vocab, workdir)
+                    else:
+                        blocks = self._in_order(reader, n_rows, n_vocab)
+                    for item in blocks:
+                        if item is None:  # the stream ended early: the worker's exit says why
+                            self._finish(proc, workdir, deadline)
+                            raise EngineError(f"llama.cpp worker's logits stream ended before {n_rows} rows")
+                        yield item
+                self._finish(proc, workdir, deadline)
+            finally:
+                if proc.poll() is None:  # the consumer stopped early, or an error: end the worker
+                    proc.kill()
+                    proc.wait()
+
+    def _in_order(self, reader: "_PipeReader", n_rows: int, n_vocab: int) -> Iterator[LogitBlock | None]:
+        """Blocks read straight from a single sequence's stream (rows in position order)."""
+        for start in range(0, n_rows, self.block_size):
+            block = np.empty((min(self.block_size, n_rows - start), n_vocab), dtype="<f4")
+            if not reader.fill(block):
+                yield None
+                return
+            yield start, block
+
+    def _ordered_from_indexed(self, reader: "_PipeReader", n_rows: int, n_vocab: int, workdir: Path) -> Iterator[LogitBlock | None]:
+        """Several sequences' interleaved rows written to their places in a file (plain
+        positioned writes: no mapping, so no rows stay in this process), then read back in
+        blocks."""
+        row_bytes = n_vocab * 4
+        seen = 0
+        with open(workdir / "logits.f32", "w+b") as f:
+            while seen < n_rows:
+                count = np.empty(1, dtype="<i8")
+                if not reader.fill(count):
+                    yield None
+                    return
+                k = int(count[0])
+                rows = np.empty(k, dtype="<i8")
+                buf = np.empty((k, n_vocab), dtype="<f4")
+                if k <= 0 or not reader.fill(rows) or not reader.fill(buf) or rows.min() < 0 or rows.max() >= n_rows:
+                    yield None
+                    return
+                for i, row in enumerate(rows.tolist()):
+                    os.pwrite(f.fileno(), buf[i].data, row * row_bytes)
+                seen += k
             for start in range(0, n_rows, self.block_size):
-                yield start, npy_rows(arr, start, start + self.block_size)
-            del arr
+                n = min(self.block_size, n_rows - start)
+                block = np.empty((n, n_vocab), dtype="<f4")
+                f.seek(start * row_bytes)
+                f.readinto(memoryview(block).cast("B"))
+                yield start, block
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         tokens = [int(t) for t in tokens]
@@ -212,3 +294,24 @@ class LlamaCppEngine:
         total = sum(len(q) for q in seqs)
         req = {"op": "logits", "sequences": seqs, "settings": self.settings.resolved(max(len(q) for q in seqs))}
         yield from self._stream(req, total)
+
+
+class _PipeReader:
+    """Exact reads from the worker's stream into NumPy buffers, bounded by a deadline."""
+
+    def __init__(self, pipe: Any, deadline: float):
+        self.pipe, self.deadline = pipe, deadline
+
+    def fill(self, array: np.ndarray) -> bool:
+        """Fill ``array`` (C-contiguous) from the stream; False if the stream ends first.
+        Raises ``EngineError`` when the deadline passes."""
+        view = memoryview(array).cast("B")
+        while view.nbytes:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or not select.select([self.pipe], [], [], left)[0]:
+                raise EngineError("llama.cpp worker timed out while streaming logits")
+            n = self.pipe.readinto(view)
+            if not n:
+                return False
+            view = view[n:]
+        return True

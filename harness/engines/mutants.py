@@ -8,7 +8,8 @@ three ways the oracle allows (every step is called through ``self``):
 * one named op's output replaced inside a layer method (the ``emit`` callback of
   ``gated_attention`` / ``gated_delta_net`` / ``block`` is wrapped, so the mutant's activations
   record what the faulty engine computed under llama.cpp's graph names);
-* the weights the engine reads (a view of the model that edits a tensor as it is loaded).
+* one of ``block``'s hooks (``mixer``, ``residual_input``);
+* the weights the engine reads (``read_tensor`` edits a tensor as it is loaded).
 
 ``MUTANTS[name].breaks`` lists the contract obligations the fault violates, the one statement of
 the mutant × obligation matrix: the bound tests of those obligations must fail on the mutant by
@@ -41,7 +42,7 @@ from harness.engines.oracle.qwen35 import (
 )
 from harness.engines.oracle.qwen35moe import moe
 from harness.errors import InvalidInput
-from harness.model.gguf_model import ATTENTION, MTP, RECURRENT, GGUFModel, Override
+from harness.model.gguf_model import ATTENTION, RECURRENT, GGUFModel, Override
 
 
 @dataclass(frozen=True)
@@ -93,55 +94,17 @@ class _MutantBase:
         )
 
 
-class _ModelView:
-    """A ``GGUFModel`` whose ``tensor(name)`` passes through ``edit(name, array)``."""
-
-    def __init__(self, model: GGUFModel, edit: Callable[[str, np.ndarray], np.ndarray]):
-        self._model, self._edit = model, edit
-
-    def tensor(self, name: str, dtype: Any = np.float64) -> np.ndarray:
-        return self._edit(name, self._model.tensor(name, dtype))
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._model, attr)
-
-
 class _WeightFault(_MutantBase):
-    """The engine reads some weights wrongly: ``edit_weight(name, w)`` returns what it uses."""
+    """The engine reads some weights wrongly: ``edit_weight(name, w)`` returns what it uses.
 
-    def __init__(self, model: Any):
-        super().__init__(model)  # type: ignore[call-arg]
-        self.model = _ModelView(self.model, self.edit_weight)
+    Applied in ``read_tensor``, the oracle's one path for weights; ``w`` is what was read (the
+    whole tensor, or the rows asked for), so an edit must be elementwise."""
+
+    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None, dtype: Any = np.float64) -> np.ndarray:
+        return self.edit_weight(name, super().read_tensor(name, rows, dtype))  # type: ignore[misc]
 
     def edit_weight(self, name: str, w: np.ndarray) -> np.ndarray:
         return w
-
-
-class _HookedBlock(_MutantBase):
-    """``Qwen35Oracle.block`` with two hooks: which mixer a layer runs, and what the attention
-    residual adds the mixer output to. Otherwise the same steps in the same order."""
-
-    def mixer_kind(self, il: int, w: dict[str, np.ndarray]) -> str | None:
-        return self.hp.layer_kind(il)
-
-    def residual_input(self, x: np.ndarray, normed: np.ndarray) -> np.ndarray:
-        return x
-
-    def block(self, il, w, x, state, pos, emit):
-        eps = self.hp.rms_eps
-        cur = emit("attn_norm", il, self.rmsnorm(x, w["attn_norm"], eps))
-        kind = self.mixer_kind(il, w)
-        if kind == RECURRENT:
-            mixed = self.gated_delta_net(il, w, cur, state, emit)
-        elif kind in (ATTENTION, MTP):
-            mixed = self.gated_attention(il, w, cur, state, pos, emit)
-        else:
-            mixed = np.zeros_like(cur)
-        resid = emit("attn_residual", il, mixed + self.residual_input(x, cur))
-        post = emit("attn_post_norm", il, self.rmsnorm(resid, w["post_attention_norm"], eps))
-        ffn = emit("ffn_out", il, self.ffn(il, w, post, emit))
-        out = emit(self.post_ffn_name, il, ffn + resid)
-        return emit("l_out", il, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +333,7 @@ class SsmNormShifted(_WeightFault):
 # ---------------------------------------------------------------------------------------------
 
 
-class ScheduleOffByOne(_HookedBlock):
+class ScheduleOffByOne(_MutantBase):
     """Full attention where il % interval == 0 instead of (il + 1) % interval == 0. A layer whose
     file tensors do not fit the kind it dispatches to runs no mixer (an engine that treats missing
     tensors as optional: llama.cpp marks attn_qkv / attn_gate TENSOR_NOT_REQUIRED)."""
@@ -379,10 +342,15 @@ class ScheduleOffByOne(_HookedBlock):
         interval = self.hp.full_attention_interval or 4
         kind = ATTENTION if il % interval == 0 else RECURRENT
         needs = "attn_q" if kind == ATTENTION else "ssm_a"
-        return kind if needs in w else None
+        return kind if needs in w else "none"
+
+    def mixer(self, il, w, x, state, pos, emit):
+        if self.mixer_kind(il, w) == "none":
+            return np.zeros_like(x)
+        return super().mixer(il, w, x, state, pos, emit)
 
 
-class ResidualAfterNorm(_HookedBlock):
+class ResidualAfterNorm(_MutantBase):
     """The attention residual adds the mixer output to the normed input ``attn_norm`` instead of
     the block input (residual taken after the pre-norm)."""
 

@@ -30,7 +30,12 @@ import pandas as pd
 from filelock import FileLock, Timeout
 
 from harness.errors import InvalidInput
-from harness.evidence.receipts import canonical_json, load_receipt, report_only_headline, utc_now
+from harness.evidence.receipts import (
+    canonical_json,
+    load_receipt,
+    report_only_headline,
+    utc_now,
+)
 from harness.provenance import sha256_bytes, sha256_file
 from harness.validation import best_error, make_validator
 
@@ -58,8 +63,14 @@ RECEIPT_FIELDS = (
 )
 """Fields a row copies from its receipt (``row_from_receipt``); ``verify_ledger`` re-derives them."""
 
-OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason")
-"""Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows)."""
+TIMING_FIELDS = ("candidate_wall_s", "candidate_load_s", "candidate_tokens_per_s", "reference_wall_s", "reference_tokens_per_s")
+"""The run's speed (``timing_fields``), in rows of runs that recorded it: this run's own
+measurement, so not re-derived from the receipt by ``verify_ledger`` (identical runs share one
+receipt, whose timings are the first run's)."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", *TIMING_FIELDS)
+"""Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows,
+rows of runs that recorded no timings)."""
 
 ROW_FIELDS = ("seq", "time", *(f for f in RECEIPT_FIELDS if f not in OPTIONAL_FIELDS), "receipt_sha256", "prev_hash", "row_hash")
 """Every row has these (null where not applicable); see ``ROW_SCHEMA``."""
@@ -96,6 +107,7 @@ ROW_SCHEMA: dict[str, Any] = {
         "prev_hash": _HEX64,
         "row_hash": _HEX64,
         "supersedes": {"type": "integer", "minimum": 1},
+        **{f: {"type": ["number", "null"], "minimum": 0} for f in TIMING_FIELDS},
         "reason": {"type": "string", "minLength": 1},
     },
     "allOf": [
@@ -184,6 +196,19 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
         "basis_kind": receipt["thresholds"]["gates"]["min_cosine"]["basis"]["kind"],
         "receipt_id": receipt["id"],
     }
+
+
+def timing_fields(receipt: Mapping[str, Any]) -> dict[str, Any]:
+    """``TIMING_FIELDS`` from a receipt's ``timings`` (empty when it has none): the candidate's
+    wall, load and prefill tokens/s, the reference's wall and tokens/s."""
+    t = receipt.get("timings") or {}
+    out: dict[str, Any] = {}
+    for role, keys in (("candidate", ("wall_s", "load_s", "tokens_per_s")), ("reference", ("wall_s", "tokens_per_s"))):
+        e = t.get(role)
+        if e:
+            for k in keys:
+                out[f"{role}_{k}"] = e["prefill_tokens_per_s"] if k == "tokens_per_s" else e[k]
+    return out
 
 
 def supersede_row(seq: int, reason: str) -> dict[str, Any]:
@@ -356,8 +381,19 @@ def _cell(v: Any) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
+def _speed(r: Mapping[str, Any]) -> str:
+    """The candidate's prefill tokens/s and wall seconds of a row, or a dash (rows before timings)."""
+    tps, wall = r.get("candidate_tokens_per_s"), r.get("candidate_wall_s")
+    if tps is None and wall is None:
+        return "—"
+    return f"{_fmt(tps, ',.0f')} ({_fmt(wall, '.1f')})"
+
+
 def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, markdown_path: str | Path | None = None) -> str:
     """LEDGER.md for ``rows``: a header, the head (last seq and row_hash) and one table line per row.
+
+    Once any row records timings, a last column shows the candidate's prefill tokens/s and wall
+    seconds (a ledger without timings renders as before).
 
     Superseded rows stay, their verdict struck through and pointing at the superseding row.
     """
@@ -369,6 +405,7 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
         shown = str(ledger_path)
     superseded = {r.get("supersedes"): r.get("seq") for r in rows if r.get("kind") == "supersede"}
     head = rows[-1] if rows else None
+    speed = any(r.get("candidate_tokens_per_s") is not None or r.get("candidate_wall_s") is not None for r in rows)
     lines = [
         "# Sign-off ledger",
         "",
@@ -377,8 +414,9 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
         "",
         f"Head: seq {head['seq']} · row_hash `{head['row_hash']}`" if head else _EMPTY_HEAD,
         "",
-        "| seq | date | kind | model | quant | candidate | reference | positions | min cos | verdict | argmax agr | near-tie / hard flips | KLD mean | basis | receipt |",
-        "|---:|---|---|---|---|---|---|---:|---:|---|---:|---:|---:|---|---|",
+        "| seq | date | kind | model | quant | candidate | reference | positions | min cos | verdict | argmax agr | near-tie / hard flips | KLD mean | basis | receipt |"
+        + (" candidate tok/s (wall s) |" if speed else ""),
+        "|---:|---|---|---|---|---|---|---:|---:|---|---:|---:|---:|---|---|" + ("---:|" if speed else ""),
     ]
     for r in rows:
         verdict = _cell(r.get("verdict") or "—")
@@ -409,6 +447,7 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
                     _cell(r.get("basis_kind") or "—"),
                     receipt,
                 ]
+                + ([_speed(r)] if speed else [])
             )
             + " |"
         )
@@ -584,11 +623,13 @@ def summarize_ledger(ledger_path: str | Path) -> pd.DataFrame:
     """The ``harness ledger show`` table: one line per (model, quant, candidate, reference, kind)
     over rows that stand (no supersede rows, nothing superseded), with run counts by verdict,
     the latest run (seq, ISO time, verdict), the worst and latest min cosine, mean argmax
-    agreement and mean KLD. Raises ``InvalidInput`` on a malformed ledger line."""
+    agreement and mean KLD, and the candidate's speed across the rows (``_speed_summary``). Raises ``InvalidInput`` on a malformed ledger line."""
     eff = _effective(ledger_frame(ledger_path))
     keys = ["model", "quant", "candidate", "reference", "kind"]
     cols = keys + ["runs", "pass", "fail", "other", "last_seq", "last_time", "last_verdict", "min_cosine_last",
-                   "min_cosine_worst", "argmax_agreement_mean", "kld_mean_mean", "basis_kind_last"]
+                   "min_cosine_worst", "argmax_agreement_mean", "kld_mean_mean", "basis_kind_last",
+                   "candidate_tokens_per_s_last", "candidate_tokens_per_s_median", "candidate_speed_vs_median",
+                   "candidate_wall_s_last"]
     if eff.empty:
         return pd.DataFrame(columns=cols)
     out = []
@@ -608,9 +649,26 @@ def summarize_ledger(ledger_path: str | Path) -> pd.DataFrame:
                 argmax_agreement_mean=pd.to_numeric(g["argmax_agreement"]).mean(),
                 kld_mean_mean=pd.to_numeric(g["kld_mean"]).mean(),
                 basis_kind_last=last["basis_kind"],
+                **_speed_summary(g),
             )
         )
     return pd.DataFrame(out, columns=cols)
+
+
+def _speed_summary(g: pd.DataFrame) -> dict[str, Any]:
+    """The candidate's speed across one group's rows (oldest first): the last prefill tokens/s,
+    the median over the rows that recorded one, the last as a fraction of that median (below 1:
+    slower than usual) and the last wall seconds; None where no row recorded timings."""
+    tps = pd.to_numeric(g["candidate_tokens_per_s"], errors="coerce")
+    last = g.iloc[-1]
+    last_tps = pd.to_numeric(pd.Series([last["candidate_tokens_per_s"]]), errors="coerce").iloc[0]
+    med = tps.median() if tps.notna().any() else None
+    return {
+        "candidate_tokens_per_s_last": None if pd.isna(last_tps) else float(last_tps),
+        "candidate_tokens_per_s_median": None if med is None or pd.isna(med) else float(med),
+        "candidate_speed_vs_median": None if med is None or pd.isna(last_tps) or not med else float(last_tps / med),
+        "candidate_wall_s_last": None if pd.isna(pd.to_numeric(pd.Series([last["candidate_wall_s"]]), errors="coerce").iloc[0]) else float(last["candidate_wall_s"]),
+    }
 
 
 _REPORT_ONLY = {

@@ -4,8 +4,10 @@ A receipt is one JSON document (``<id>.json``) plus a sidecar ``<id>.npz`` of pe
 arrays, both in one directory (``evidence/parity/receipts/``). Its fields are in
 ``harness/schemas/receipt.schema.json`` and DESIGN.md, "Evidence formats".
 
-- ``id`` is the sha256 of the canonical JSON (``canonical_json``) of the receipt without ``id``
-  and ``created``: rewriting the same content gives the same id, and any edit changes it.
+- ``id`` is the sha256 of the canonical JSON (``canonical_json``) of the receipt without ``id``,
+  ``created`` and ``timings``: rewriting the same content gives the same id, and any edit of
+  the rest changes it (an edit of the timings changes the file's bytes, which the ledger row
+  hashes).
 - ``arrays.sha256`` (``arrays_sha256``) hashes the arrays' names, dtypes, shapes and bytes, not the
   npz file (whose zip headers carry timestamps), so the id binds the sidecar's contents.
 - Writes are atomic: each file goes to a temporary file in the same directory, is fsynced and
@@ -43,8 +45,10 @@ SCHEMAS = {
     PROBE_SCHEMA_ID: SCHEMA_DIR / "probe-receipt.schema.json",
 }
 """Receipt kinds by ``schema`` field: parity cells and self-consistency probe runs."""
-HASH_EXCLUDED = ("id", "created")
-"""Top-level fields left out of the content hash: the hash itself and the wall-clock time."""
+HASH_EXCLUDED = ("id", "created", "timings")
+"""Top-level fields left out of the content hash: the hash itself, the wall-clock time and the
+engines' timings (speed measured in this run: identical runs keep one id; the ledger row of
+each run, whose hash covers the receipt file's bytes, carries that run's own timings)."""
 
 
 class LoadedReceipt(NamedTuple):
@@ -104,7 +108,8 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def receipt_id(receipt: Mapping[str, Any]) -> str:
-    """Content hash of a receipt: sha256 of ``canonical_json`` without ``id`` and ``created``."""
+    """Content hash of a receipt: sha256 of ``canonical_json`` without ``HASH_EXCLUDED`` (``id``,
+    ``created``, ``timings``)."""
     return sha256_bytes(canonical_json({k: v for k, v in receipt.items() if k not in HASH_EXCLUDED}))
 
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from harness.evidence.ledger import append_row, row_from_receipt
+from harness.evidence.ledger import append_row, row_from_receipt, timing_fields
 from harness.evidence.receipts import write_receipt
 
 DEFAULT_LEDGER = Path("evidence/parity/ledger.jsonl")
@@ -42,5 +42,7 @@ def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     ledger_path = Path(ledger) if ledger else DEFAULT_LEDGER
     json_path, _ = write_receipt(receipt, {k: np.asarray(v) for k, v in arrays.items()}, ledger_path.parent / "receipts")
     written = json.loads(json_path.read_text())
-    row = append_row(ledger_path, row_from_receipt(written), json_path)
+    # The row carries this run's timings (``receipt``), also when an identical earlier run wrote
+    # the receipt file (``written``) and so its timings.
+    row = append_row(ledger_path, {**row_from_receipt(written), **timing_fields(receipt)}, json_path)
     return Recorded(written, json_path, row, ledger_path)

@@ -17,9 +17,16 @@ Conventions (all checked against llama.cpp as vendored in llama-cpp-python 0.3.3
   (``ggml_gated_delta_net``: ``iq1 = iv1 % neq1``); attention heads are grouped over KV heads:
   head ``i`` reads KV head ``i // (n_head / n_kv)`` (``ggml_mul_mat`` broadcast ``i02 = i12 / r2``).
 
-A mutant engine (a later issue) plants a fault by subclassing ``Qwen35Oracle`` and overriding one
-step: every step is called through ``self`` (the pure functions are class attributes), and each
-layer kind is one method (``gated_delta_net``, ``gated_attention``, ``ffn``).
+A mutant engine (``harness/engines/mutants.py``) plants a fault by subclassing ``Qwen35Oracle``
+and overriding one step; the oracle is written so that this needs no copied code:
+
+* every step is called through ``self``: the pure functions are class attributes
+  (``self.rmsnorm``, ``self.sigmoid``, ``self.rope`` ...), each layer kind is one method
+  (``gated_delta_net``, ``gated_attention``, ``ffn``);
+* ``block`` has two hooks: ``mixer`` (which token mixer a layer runs, chosen by ``mixer_kind``)
+  and ``residual_input`` (what the attention residual adds the mixer output to);
+* every weight is read through one method, ``read_tensor`` (dequantized by
+  ``GGUFModel.tensor``, whole or by rows), so a weight fault overrides one method.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 from scipy.special import expit
+from threadpoolctl import threadpool_limits
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
@@ -393,6 +401,9 @@ class Qwen35Oracle:
     """
 
     # Pure steps, called through self so a mutant can replace one (``rmsnorm = staticmethod(f)``).
+    sigmoid = staticmethod(sigmoid)
+    silu = staticmethod(silu)
+    softplus = staticmethod(softplus)
     rmsnorm = staticmethod(rmsnorm)
     rmsnorm_gated = staticmethod(rmsnorm_gated)
     l2norm = staticmethod(l2norm)
@@ -410,8 +421,11 @@ class Qwen35Oracle:
     arch = "qwen35"
     gdn_chunk_size = GDN_CHUNK_SIZE
     logit_block = 256
-    # Output matrices up to this many float64 bytes are dequantized once; larger ones in slices.
-    output_cache_bytes = 512 << 20
+    # The output matrix is dequantized once and kept as float32 (exact: every non-F64 GGUF type
+    # dequantizes to float32 values) while it takes at most this many bytes; a larger one is
+    # dequantized slice by slice for every block of positions.
+    output_cache_bytes = 2 << 30
+    # Vocabulary rows per BLAS call of the output projection (one float64 dgemm each).
     output_slice_rows = 16384
 
     def __init__(self, model: Any):
@@ -421,9 +435,9 @@ class Qwen35Oracle:
         self.hp = self.model.hparams
         if self.hp.arch != self.arch:
             raise EngineError(f"oracle: {type(self).__name__} computes {self.arch!r}, the model is {self.hp.arch!r}")
-        self._raw = {t.name: t for t in self.model.reader.tensors}
-        self._output_name = "output.weight" if "output.weight" in self._raw else "token_embd.weight"
+        self._output_name = "output.weight" if self.model.has_tensor("output.weight") else "token_embd.weight"
         self._output_cache: np.ndarray | None = None
+        self._lm_scratch: np.ndarray | None = None
 
     # -- engine protocol ----------------------------------------------------------------------
     @property
@@ -450,8 +464,7 @@ class Qwen35Oracle:
         """Yield ``(start, float32 [B, V])`` logit blocks; row t follows ``tokens[:t+1]``."""
         h = self._forward(tokens, chunks, _Recorder(None))
         for start in range(0, h.shape[0], self.logit_block):
-            block = self._lm_head(h[start : start + self.logit_block])
-            yield start, block.astype(np.float32)
+            yield start, self.lm_head(h[start : start + self.logit_block], np.float32)
 
     def activations(
         self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Collection[str] | None = None
@@ -471,7 +484,7 @@ class Qwen35Oracle:
         rec = _Recorder(_Recorder.ALL if names is None else set(names))
         h = self._forward(tokens, chunks, rec)
         if names is None or "result_output" in names:
-            rec("result_output", -1, self._lm_head(h))
+            rec("result_output", -1, self.lm_head(h, np.float64))
         return rec.result()
 
     # -- forward ------------------------------------------------------------------------------
@@ -496,7 +509,7 @@ class Qwen35Oracle:
                         f"oracle: floating-point {err} in layer {il} ({kind}) after op {emit.last!r}"
                     ) from None
             try:
-                h = emit("result_norm", -1, self.rmsnorm(h, self.model.tensor("output_norm.weight"), hp.rms_eps))
+                h = emit("result_norm", -1, self.rmsnorm(h, self.read_tensor("output_norm.weight"), hp.rms_eps))
             except FloatingPointError as err:
                 raise EngineError(f"oracle: floating-point {err} in output_norm") from None
         return h
@@ -510,25 +523,48 @@ class Qwen35Oracle:
             bad = int(tokens[(tokens < 0) | (tokens >= n_vocab)][0])
             raise EngineError(f"oracle: token id {bad} is outside the vocabulary [0, {n_vocab})")
         uniq, inv = np.unique(tokens, return_inverse=True)
-        return self._tensor_rows("token_embd.weight", uniq)[inv.reshape(-1)]
+        return self.read_tensor("token_embd.weight", uniq)[inv.reshape(-1)]
 
     def block(
         self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], pos: np.ndarray, emit: _Recorder
     ) -> np.ndarray:
-        """One pre-norm residual block on a piece x [T, n_embd] at positions pos [T]."""
+        """One pre-norm residual block on a piece x [T, n_embd] at positions pos [T].
+
+        Hooks a mutant may override: ``mixer`` (the token mixer) and ``residual_input`` (what
+        the attention residual adds the mixer output to). Source: llama.cpp ``qwen35.cpp``
+        ``build`` (per-layer loop).
+        """
         eps = self.hp.rms_eps
         cur = emit("attn_norm", il, self.rmsnorm(x, w["attn_norm"], eps))
-        if self.hp.is_recurrent(il):
-            cur = self.gated_delta_net(il, w, cur, state, emit)
-        else:
-            cur = self.gated_attention(il, w, cur, state, pos, emit)
-        resid = emit("attn_residual", il, cur + x)
+        mixed = self.mixer(il, w, cur, state, pos, emit)
+        resid = emit("attn_residual", il, mixed + self.residual_input(x, cur))
         post = emit("attn_post_norm", il, self.rmsnorm(resid, w["post_attention_norm"], eps))
         ffn = emit("ffn_out", il, self.ffn(il, w, post, emit))
         out = emit(self.post_ffn_name, il, ffn + resid)
         return emit("l_out", il, out)
 
     post_ffn_name = "post_ffn"  # qwen35moe.cpp calls the same sum "post_moe"
+
+    def mixer_kind(self, il: int, w: dict[str, np.ndarray]) -> str:
+        """``"recurrent"`` (Gated DeltaNet) or ``"attention"`` (gated full attention) for layer il,
+        from the file's schedule (llama.cpp ``hparams.is_recurrent(il)``)."""
+        return "recurrent" if self.hp.is_recurrent(il) else "attention"
+
+    def mixer(
+        self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], pos: np.ndarray, emit: _Recorder
+    ) -> np.ndarray:
+        """The token mixer of layer il (by ``mixer_kind``) on the normed piece x [T, n_embd]."""
+        kind = self.mixer_kind(il, w)
+        if kind == "recurrent":
+            return self.gated_delta_net(il, w, x, state, emit)
+        if kind == "attention":
+            return self.gated_attention(il, w, x, state, pos, emit)
+        raise EngineError(f"oracle: layer {il}: no token mixer of kind {kind!r}")
+
+    def residual_input(self, x: np.ndarray, normed: np.ndarray) -> np.ndarray:
+        """What the attention residual adds the mixer output to: the block input x (not the
+        normed ``attn_norm``). x, normed: [T, n_embd]."""
+        return x
 
     def gated_delta_net(
         self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], emit: _Recorder
@@ -544,13 +580,13 @@ class Qwen35Oracle:
         mixed = emit("linear_attn_qkv_mixed", il, x @ w["attn_qkv"].T)  # [T, conv_dim]
         z = emit("z", il, x @ w["attn_gate"].T)  # [T, n_v·d_v]
         beta = emit("beta", il, x @ w["ssm_beta"].T)  # [T, n_v]
-        beta = emit("beta_sigmoid", il, sigmoid(beta))
+        beta = emit("beta_sigmoid", il, self.sigmoid(beta))
         alpha = emit("alpha", il, x @ w["ssm_alpha"].T)  # [T, n_v]
-        emit("a_softplus", il, softplus(alpha + w["ssm_dt.bias"]))
+        emit("a_softplus", il, self.softplus(alpha + w["ssm_dt.bias"]))
         g = emit("gate", il, self.gdn_gate(alpha, w["ssm_dt.bias"], w["ssm_a"]))  # [T, n_v]
         conv, state["conv"] = self.causal_conv1d(mixed, w["ssm_conv1d"], state["conv"])
         emit("conv_output_raw", il, conv)
-        conv = emit("conv_output_silu", il, silu(conv))
+        conv = emit("conv_output_silu", il, self.silu(conv))
         q = emit("q_conv", il, conv[:, : n_k * d_k].reshape(t, n_k, d_k))
         k = emit("k_conv", il, conv[:, n_k * d_k : 2 * n_k * d_k].reshape(t, n_k, d_k))
         v = emit("v_conv", il, conv[:, 2 * n_k * d_k :].reshape(t, n_v, d_v))
@@ -564,10 +600,17 @@ class Qwen35Oracle:
         return emit("linear_attn_out", il, final @ w["ssm_out"].T)
 
     def gated_delta_rule(self, q, k, v, g, beta, s):
-        """The chunked form for pieces of at least one chunk, the recurrent form otherwise."""
-        if q.shape[0] >= self.gdn_chunk_size:
-            return self.gated_delta_rule_chunked(q, k, v, g, beta, s, chunk_size=self.gdn_chunk_size)
-        return self.gated_delta_rule_recurrent(q, k, v, g, beta, s)
+        """The chunked form for pieces of at least one chunk, the recurrent form otherwise.
+
+        Runs with one BLAS thread: both forms are many small matrix products (one per head and
+        chunk), where waking a second BLAS thread costs more than it saves (about 20x slower on
+        a loaded 2-core machine at Qwen3.5-0.8B's 16 heads x 128 x 128). The values are the same
+        bit for bit (``tests/test_oracle_pinned.py``).
+        """
+        with threadpool_limits(1, user_api="blas"):
+            if q.shape[0] >= self.gdn_chunk_size:
+                return self.gated_delta_rule_chunked(q, k, v, g, beta, s, chunk_size=self.gdn_chunk_size)
+            return self.gated_delta_rule_recurrent(q, k, v, g, beta, s)
 
     def gated_attention(
         self, il: int, w: dict[str, np.ndarray], x: np.ndarray, state: dict[str, Any], pos: np.ndarray, emit: _Recorder
@@ -603,7 +646,7 @@ class Qwen35Oracle:
             q, np.concatenate(state["k"]), np.concatenate(state["v"]), pos, np.concatenate(state["pos"]), 1.0 / np.sqrt(hd)
         )
         attn = emit("attn_pregate", il, attn.reshape(t, n_head * hd))
-        gate = emit("gate_sigmoid", il, sigmoid(gate))
+        gate = emit("gate_sigmoid", il, self.sigmoid(gate))
         attn = emit("attn_gated", il, attn * gate)
         return emit("attn_output", il, attn @ w["attn_output"].T)
 
@@ -612,14 +655,21 @@ class Qwen35Oracle:
         return self.swiglu(x, w["ffn_gate"], w["ffn_up"], w["ffn_down"])
 
     # -- weights and state --------------------------------------------------------------------
+    def read_tensor(self, name: str, rows: np.ndarray | slice | None = None, dtype: Any = np.float64) -> np.ndarray:
+        """Tensor ``name`` dequantized in NumPy order, as float64 (``dtype``: float32 only where
+        that is exact, as for the output matrix); with ``rows``, only those rows (indices or a
+        slice of the first NumPy axis). The one path by which the oracle reads weights
+        (``GGUFModel.tensor``). Raises ``KeyError`` for an absent tensor."""
+        return self.model.tensor(name, dtype, rows=rows)
+
     def load_layer(self, il: int) -> dict[str, np.ndarray]:
         """All ``blk.{il}.*`` tensors dequantized to float64, keyed without ``blk.{il}.`` and
         ``.weight`` (``attn_qkv``, ``ssm_dt.bias``, ``ssm_a`` ...)."""
         prefix = f"blk.{il}."
         w = _LayerWeights(il)
-        for name in self._raw:
+        for name in self.model.tensor_names:
             if name.startswith(prefix):
-                w[name[len(prefix) :].removesuffix(".weight")] = self.model.tensor(name)
+                w[name[len(prefix) :].removesuffix(".weight")] = self.read_tensor(name)
         return w
 
     def init_state(self, il: int, w: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -632,34 +682,53 @@ class Qwen35Oracle:
             }
         return {"k": [], "v": [], "pos": []}
 
-    def _tensor_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` of the 2-D tensor ``name`` (NumPy order), dequantized to float64."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+    def lm_head(self, h: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+        """Logits ``result_output`` [B, V] as ``dtype`` for result_norm rows h [B, n_embd] float64.
 
-        t = self._raw[name]
-        raw = np.asarray(t.data)[rows]
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16):
-            raw = dequantize(raw, t.tensor_type)
-        return np.asarray(raw, dtype=np.float64).reshape(len(rows), int(t.shape[0]))
-
-    def _lm_head(self, h: np.ndarray) -> np.ndarray:
-        """Logits [B, V] float64 for result_norm rows h [B, n_embd] (``output`` or tied
-        ``token_embd``)."""
-        v = self.n_vocab
+        The output projection (``output``, or ``token_embd`` when tied) in float64, one BLAS dgemm
+        per slice of ``output_slice_rows`` vocabulary rows into a reused float64 scratch, each
+        slice checked for non-finite values and rounded to ``dtype`` as it is stored. Every
+        logit is the same float64 dot product over n_embd as in ``h @ W.T`` (slicing the
+        vocabulary does not change a row's reduction, and the rows of h are not split), so the
+        result equals ``(h @ W.T).astype(dtype)`` bit for bit: ``tests/test_oracle_math.py``
+        checks that, ``tests/test_oracle_pinned.py`` the whole oracle. The matrix is dequantized
+        once per engine (``_output_weights``). Source: llama.cpp ``qwen35.cpp`` (``build_lora_mm``
+        with ``model.output``). Raises ``EngineError`` on a non-finite logit.
+        """
+        v, n = self.n_vocab, h.shape[0]
+        cache = self._output_weights()
+        step = min(v, self.output_slice_rows)
+        if self._lm_scratch is None or self._lm_scratch.shape[0] < n or self._lm_scratch.shape[1] < step:
+            self._lm_scratch = np.empty((max(n, self.logit_block), step))
+        out = np.empty((n, v), dtype=dtype)
         with np.errstate(over="raise", invalid="raise"):
-            if v * h.shape[1] * 8 <= self.output_cache_bytes:
-                if self._output_cache is None:
-                    self._output_cache = self.model.tensor(self._output_name)
-                out = h @ self._output_cache.T
-            else:
-                out = np.empty((h.shape[0], v))
-                for r in range(0, v, self.output_slice_rows):
-                    rows = np.arange(r, min(r + self.output_slice_rows, v))
-                    out[:, rows] = h @ self._tensor_rows(self._output_name, rows).T
-        if not np.all(np.isfinite(out)):
-            raise EngineError("oracle: non-finite logits in 'result_output' (output projection)")
+            for r0 in range(0, v, step):
+                r1 = min(v, r0 + step)
+                w = cache[r0:r1] if cache is not None else self.read_tensor(self._output_name, slice(r0, r1), np.float32)
+                part = self._lm_scratch[:n, : r1 - r0] if r1 - r0 == step else np.empty((n, r1 - r0))
+                np.matmul(h, w.astype(np.float64, copy=False).T, out=part)
+                if not np.isfinite(part).all():
+                    raise EngineError("oracle: non-finite logits in 'result_output' (output projection)")
+                out[:, r0:r1] = part
         return out
+
+    def _output_weights(self) -> np.ndarray | None:
+        """The output matrix [V, n_embd] dequantized once, as float32 (float64 for an F64
+        tensor), or None when it is larger than ``output_cache_bytes`` (then ``lm_head`` reads it
+        slice by slice). Read through ``read_tensor`` in slices, so dequantization's temporaries
+        stay small."""
+        if self._output_cache is None:
+            info = self.model.tensor_info(self._output_name)
+            dtype = np.float64 if info.type == "F64" else np.float32
+            v, d = int(info.ne[1]), int(info.ne[0])
+            if v * d * np.dtype(dtype).itemsize > self.output_cache_bytes:
+                return None
+            cache = np.empty((v, d), dtype=dtype)
+            for r0 in range(0, v, self.output_slice_rows):
+                r1 = min(v, r0 + self.output_slice_rows)
+                cache[r0:r1] = self.read_tensor(self._output_name, slice(r0, r1), dtype)
+            self._output_cache = cache
+        return self._output_cache
 
 
 class _LayerWeights(dict):
