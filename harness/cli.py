@@ -1,7 +1,7 @@
 """The ``harness`` command: a thin layer over the library (no logic of its own) and the one
 place that renders tables for a terminal.
 
-Every command maps errors to the verdict exit codes of ../shared/DESIGN.md (see
+Every command maps errors to the verdict exit codes of docs/design.md (see
 ``harness.errors``): a ``HarnessError`` prints one line ``harness: VERDICT: message`` to stderr
 and exits with its code; nothing prints a traceback unless ``HARNESS_DEBUG=1``.
 

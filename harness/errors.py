@@ -1,4 +1,4 @@
-"""Harness error types and the one table of verdicts and exit codes (../shared/DESIGN.md).
+"""Harness error types and the one table of verdicts and exit codes (docs/design.md).
 
 Every failure the harness reports to a user is one of these exceptions; the CLI turns each into
 a one-line message and its documented exit code, never a traceback.

@@ -2,7 +2,7 @@
 
 Every function takes ``ref`` and ``cand``: float32 logit blocks ``[B, V]`` for the same B
 positions (row t = the next-token logits after ``tokens[:t+1]``), reference first. Definitions
-(../shared/DESIGN.md, "Evidence formats"):
+(docs/design.md, "Evidence formats"):
 
 - cosine: cosine similarity of the raw logit rows (the gate), block sums accumulated in float64
   (absolute error below 1e-8, ~1e-10 typical at Qwen3.5's vocab; for near-identical rows
@@ -45,7 +45,7 @@ TOPK = (5, 10)
 
 NEAR_TIE_MARGIN = 0.25
 """Default report-only margin (logits): a flip is a near-tie when the reference's top-1/top-2
-gap is below it (DESIGN.md)."""
+gap is below it (docs/design.md, "Evidence formats")."""
 
 KLD_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "p99_9": 0.999}
 

@@ -6,7 +6,7 @@ nothing holds ``n_tokens × n_vocab`` when a block will do. The gate is the per-
 raw logits against ``min_cosine`` over at least ``min_positions`` positions (thresholds.yaml);
 greedy agreement, margins, KLD and top-k overlap are recorded as report-only fields.
 
-Verdicts (../shared/DESIGN.md): FAIL when any position fails the gate (a non-finite candidate
+Verdicts (docs/design.md, "Verdicts and exit codes"): FAIL when any position fails the gate (a non-finite candidate
 row fails at its position); else UNMEASURED when fewer than ``min_positions`` positions were
 compared; else PASS. Differing vocab sizes or out-of-range / mismatched token ids are
 NOT-COMPARABLE; an engine that fails is ENGINE-ERROR.

@@ -1,4 +1,4 @@
-"""The engine protocol: token ids in, per-position logits out (../shared/DESIGN.md, "Engine protocol").
+"""The engine protocol: token ids in, per-position logits out (docs/design.md; docs/engine-protocol.md).
 
 An engine maps a token id sequence to logits. Row ``t`` of the logits is the next-token
 distribution after consuming ``tokens[:t+1]``. Logits stream as blocks ``(start, float32 [B, V])``

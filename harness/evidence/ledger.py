@@ -76,7 +76,7 @@ ROW_FIELDS = ("seq", "time", *(f for f in RECEIPT_FIELDS if f not in OPTIONAL_FI
 """Every row has these (null where not applicable); see ``ROW_SCHEMA``."""
 
 REPORT_ONLY_MIN_RECORDS = 20
-"""Records a report-only field needs before the ledger proposes a threshold for it (DESIGN.md)."""
+"""Records a report-only field needs before the ledger proposes a threshold for it (docs/design.md, "Thresholds")."""
 
 _HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 _NULLABLE_HEX64 = {"type": ["string", "null"], "pattern": "^[0-9a-f]{64}$"}

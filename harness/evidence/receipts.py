@@ -2,7 +2,7 @@
 
 A receipt is one JSON document (``<id>.json``) plus a sidecar ``<id>.npz`` of per-position
 arrays, both in one directory (``evidence/parity/receipts/``). Its fields are in
-``harness/schemas/receipt.schema.json`` and DESIGN.md, "Evidence formats".
+``harness/schemas/receipt.schema.json`` and docs/design.md, "Evidence formats".
 
 - ``id`` is the sha256 of the canonical JSON (``canonical_json``) of the receipt without ``id``,
   ``created`` and ``timings``: rewriting the same content gives the same id, and any edit of

@@ -407,7 +407,7 @@ def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
     loading it back (``InvalidInput`` if it does not validate)."""
     path = Path(path)
     header = (
-        "# Every number that gates a verdict, each with its basis (../shared/DESIGN.md, \"Thresholds\").\n"
+        "# Every number that gates a verdict, each with its basis (docs/design.md, \"Thresholds\").\n"
         "# Written by `harness calibrate` (harness/gates/calibrate.py): measured bases name the command, n, the\n"
         "# known-good floor and the known-bad values each threshold separates. Schema:\n"
         "# harness/schemas/thresholds.schema.json. Edit by re-running calibration, or replace a value with a\n"

@@ -14,7 +14,7 @@ A basis is ``kind: measured`` (command, n, model, date, known_good_floor, known_
 ``kind: declared`` (who, why). A gate without one is ``InvalidInput`` (exit 2) naming the key and
 its line; so are YAML syntax errors, duplicate keys and non-finite values.
 ``Thresholds.for_model`` resolves the overrides for one model and flags every measured basis
-that was measured on a different model than the subject (DESIGN.md, "Thresholds").
+that was measured on a different model than the subject (docs/design.md, "Thresholds").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Sources: llama.cpp ``src/models/qwen35.cpp`` / ``qwen35moe.cpp`` (``load_arch_hp
 the loader never creates is refused with "wrong number of tensors"), ``src/llama-hparams.cpp``
 (``n_embd_r`` / ``n_embd_s``: recurrent state sizes), ``src/llama-quant.cpp`` (norms, 1-D
 tensors and ``ssm_conv1d`` stay F32), the converter's Qwen3.5 conventions
-(../shared/reference/qwen35-gguf-math.md).
+(docs/qwen35-gguf-math.md).
 
 Codes (severity, title):
 
@@ -147,7 +147,7 @@ class LintReport:
 
     @property
     def exit_code(self) -> int:
-        """0 when clean or only warnings/info, 1 when any finding is an error (DESIGN.md)."""
+        """0 when clean or only warnings/info, 1 when any finding is an error (docs/design.md, "Verdicts and exit codes")."""
         return 1 if self.errors else 0
 
     def to_dict(self) -> dict[str, Any]:
