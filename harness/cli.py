@@ -27,6 +27,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.markup import escape
 from rich.table import Table
 
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
@@ -217,7 +218,7 @@ def _render_parity(outcome) -> None:
                   + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else ""))
     if rec["kind"] == "self-consistency":
         con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
-    con.print(f"[bold]{r.verdict.value}[/bold]: {r.message}")
+    con.print(f"[bold]{r.verdict.value}[/bold]: {escape(r.message)}", soft_wrap=True)  # a reproducer line is never broken
     if outcome.receipt_path:
         con.print(f"receipt: {outcome.receipt_path}")
         con.print(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})")
@@ -266,8 +267,6 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             _render_parity(outcome)
             if report_path:
                 click.echo(f"report:  {report_path}")
-            if outcome.result.verdict.value == "FAIL":
-                click.echo(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}")
     worst = Verdict.worst(verdicts)
     if len(specs) > 1:
         click.echo(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}")
@@ -320,6 +319,9 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
         for r in run.results:
             t.add_row(r.name, r.verdict.value, str(len(r.comparisons)), r.summary())
         _console().print(t)
+        for r in run.results:
+            if r.reproducer:
+                click.echo(r.reproducer)
         click.echo(f"{run.verdict.value}: {run.message}")
         if run.receipt_path:
             click.echo(f"receipt: {run.receipt_path}")
@@ -333,7 +335,7 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
 @click.option("--prompt", "prompt_id", default=None, help="Prompt id from the prompt set (default: the first).")
 @click.option("--prompts", default=None, type=click.Path())
 @click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried).")
-@click.option("--max-tokens", default=128, show_default=True, type=int, help="Compare at most this many positions.")
+@click.option("--max-tokens", default=None, type=int, help="Compare at most this many positions (default 128: LocalizeRequest.max_tokens).")
 @click.option("--thresholds", default=None, type=click.Path())
 @override_option
 @click.option("--json", "as_json", is_flag=True)
@@ -350,8 +352,11 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
         raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers") from None
     if pieces is not None and any(p <= 0 for p in pieces):
         raise InvalidInput(f"--chunks {chunks!r}: lengths must be positive")
-    loc = run_localize(LocalizeRequest(model=model or d["model"], candidate=candidate, prompt=prompt_id, prompts=prompts or d["prompts"],
-                                       chunks=pieces, max_tokens=max_tokens, thresholds=thresholds or d["thresholds"], overrides=list(overrides)))
+    req = LocalizeRequest(model=model or d["model"], candidate=candidate, prompt=prompt_id, prompts=prompts or d["prompts"],
+                          chunks=pieces, thresholds=thresholds or d["thresholds"], overrides=list(overrides))
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    loc = run_localize(req)
     if as_json:
         _echo_json(loc.to_dict())
     else:
@@ -364,7 +369,7 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
         _console().print(t)
         click.echo(f"{loc.compared} tensors compared")
         if loc.first:
-            click.echo(loc.first.describe())
+            click.echo(f"{loc.verdict.value}: {loc.message}")
         elif loc.verdict.value == "UNMEASURED":
             click.echo("UNMEASURED: no tensor of the candidate could be compared with the oracle")
         else:

@@ -57,34 +57,35 @@ def test_cli_localize_llamacpp_prints_counts():
     assert "tensors compared" in r.stdout and "no tensor over the bounds" in r.stdout
 
 
-# mutant -> (model, layer type, op of the first divergent tensor, layer). Faults in state carried
-# between calls are localized with the prompt fed in two pieces; "nondeterministic" is not a
-# forward fault (the determinism probe catches it) and localizes clean.
+# mutant -> (model, layer of the first divergent tensor). The layer type and op are the mutant table's
+# (harness.engines.mutants.SHOWS_FIRST_AT, which localize failures quote as the likely cause); this
+# test checks them. Faults in state carried between calls are localized with the prompt fed in two
+# pieces; "nondeterministic" is not a forward fault (the determinism probe catches it) and localizes clean.
 LOCALIZATION_MATRIX = {
-    "attn-output-gate-dropped": ("tiny-qwen35", "attention", "attn_gated", 3),
-    "qk-norm-skipped": ("tiny-qwen35", "attention", "Qcur_normed", 3),
-    "rope-full-head": ("tiny-qwen35", "attention", "Qcur", 3),
-    "q-gate-split-halves": ("tiny-qwen35", "attention", "Qcur_normed", 3),
-    "gqa-kv-tiled": ("tiny-qwen35", "attention", "attn_pregate", 3),
-    "gdn-heads-grouped": ("tiny-qwen35", "recurrent", "attn_output", 0),
-    "ssm-a-as-a-log": ("tiny-qwen35", "recurrent", "gate", 0),
-    "dt-bias-dropped": ("tiny-qwen35", "recurrent", "gate", 0),
-    "gdn-l2norm-skipped": ("tiny-qwen35", "recurrent", "q_conv_predelta", 0),
-    "beta-sigmoid-dropped": ("tiny-qwen35", "recurrent", "beta_sigmoid", 0),
-    "conv-kernel-flipped": ("tiny-qwen35", "recurrent", "conv_output_raw", 0),
-    "conv-state-dropped": ("tiny-qwen35", "recurrent", "conv_output_raw", 0),
-    "ssm-state-reset": ("tiny-qwen35", "recurrent", "attn_output", 0),
-    "gdn-chunk-state-not-carried": ("tiny-qwen35", "recurrent", "attn_output", 0),
-    "gdn-read-before-decay": ("tiny-qwen35", "recurrent", "attn_output", 0),
-    "gdn-state-per-k-head": ("tiny-qwen35", "recurrent", "attn_output", 0),
-    "ssm-norm-shifted": ("tiny-qwen35", "recurrent", "final_output", 0),
-    "schedule-off-by-one": ("tiny-qwen35", "recurrent", "attn_residual", 0),
-    "norm-shift-twice": ("tiny-qwen35", "recurrent", "attn_norm", 0),
-    "final-norm-shift-missing": ("tiny-qwen35", "global", "result_norm", -1),
-    "residual-after-norm": ("tiny-qwen35", "recurrent", "attn_residual", 0),
-    "nondeterministic": ("tiny-qwen35", None, None, None),
-    "moe-weights-unnormalized": ("tiny-qwen35moe", "moe", "ffn_moe_out", 0),
-    "shexp-gate-ignored": ("tiny-qwen35moe", "moe", "ffn_shexp_gated", 0),
+    "attn-output-gate-dropped": ("tiny-qwen35", 3),
+    "qk-norm-skipped": ("tiny-qwen35", 3),
+    "rope-full-head": ("tiny-qwen35", 3),
+    "q-gate-split-halves": ("tiny-qwen35", 3),
+    "gqa-kv-tiled": ("tiny-qwen35", 3),
+    "gdn-heads-grouped": ("tiny-qwen35", 0),
+    "ssm-a-as-a-log": ("tiny-qwen35", 0),
+    "dt-bias-dropped": ("tiny-qwen35", 0),
+    "gdn-l2norm-skipped": ("tiny-qwen35", 0),
+    "beta-sigmoid-dropped": ("tiny-qwen35", 0),
+    "conv-kernel-flipped": ("tiny-qwen35", 0),
+    "conv-state-dropped": ("tiny-qwen35", 0),
+    "ssm-state-reset": ("tiny-qwen35", 0),
+    "gdn-chunk-state-not-carried": ("tiny-qwen35", 0),
+    "gdn-read-before-decay": ("tiny-qwen35", 0),
+    "gdn-state-per-k-head": ("tiny-qwen35", 0),
+    "ssm-norm-shifted": ("tiny-qwen35", 0),
+    "schedule-off-by-one": ("tiny-qwen35", 0),
+    "norm-shift-twice": ("tiny-qwen35", 0),
+    "final-norm-shift-missing": ("tiny-qwen35", -1),
+    "residual-after-norm": ("tiny-qwen35", 0),
+    "nondeterministic": ("tiny-qwen35", None),
+    "moe-weights-unnormalized": ("tiny-qwen35moe", 0),
+    "shexp-gate-ignored": ("tiny-qwen35moe", 0),
 }
 CHUNKED = {"conv-state-dropped", "ssm-state-reset"}
 
@@ -100,17 +101,38 @@ def oracle_acts():
 
 
 def test_every_mutant_is_localized_to_its_layer_type_and_op(oracle_acts):
-    from harness.engines.mutants import MUTANTS
+    from harness.engines.mutants import MUTANTS, SHOWS_FIRST_AT
 
-    assert set(LOCALIZATION_MATRIX) == set(MUTANTS)
+    assert set(LOCALIZATION_MATRIX) == set(MUTANTS) == set(SHOWS_FIRST_AT)
     toks, acts = oracle_acts
-    got = {}
-    for name, (fxn, *_rest) in LOCALIZATION_MATRIX.items():
+    got, expected = {}, {}
+    for name, (fxn, layer) in LOCALIZATION_MATRIX.items():
         path = fx.build(fxn)
         chunks = [40, 48] if name in CHUNKED else None
         ref = acts[fxn][1] if chunks else acts[fxn][0]
         loc = localize_activations(GGUFModel(path).hparams, ref, resolve_engine(f"mutant:{name}", path).activations(toks, chunks), 1e-4, 0.999, name)
         f = loc.first
-        got[name] = (fxn, None, None, None) if f is None else (fxn, f.layer_type, f.op, f.layer)
-    wrong = {k: (got[k], v) for k, v in LOCALIZATION_MATRIX.items() if got[k] != v}
+        got[name] = None if f is None else (f.layer_type, f.op, f.layer)
+        expected[name] = None if SHOWS_FIRST_AT[name] is None else (*SHOWS_FIRST_AT[name], layer)
+    wrong = {k: (got[k], expected[k]) for k in LOCALIZATION_MATRIX if got[k] != expected[k]}
     assert not wrong, f"localized (got, expected): {wrong}"
+
+
+def test_cli_localize_failure_is_a_reproducer():
+    """A real divergence prints what test-backend-ops would: candidate, model sha256, prompt,
+    n_tokens, chunks, the numbers, the mutant table's bug class for that op, and the rerun command."""
+    from harness.compare.prompts import load_prompt_set
+
+    argv = ["localize", "--candidate", "mutant:attn-output-gate-dropped", "--model", "fixture:tiny-qwen35", "--max-tokens", "40",
+            "--chunks", "16,24"]
+    r = subprocess.run([sys.executable, "-m", "harness", *argv], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("FAIL: first divergence"))
+    sha = GGUFModel(fx.build("tiny-qwen35")).sha256[:12]
+    prompt = load_prompt_set(None).prompts[0].id
+    assert line.startswith("FAIL: first divergence: layer 3 (attention), tensor attn_gated-3 at position 0: NMSE ")
+    assert (f"(candidate mutant:attn-output-gate-dropped, model fixture:tiny-qwen35 sha256 {sha}, prompt {prompt!r}, "
+            f"n_tokens 40, chunks [16, 24]); likely cause: attention output gate dropped (as mutant:attn-output-gate-dropped); "
+            f"reproduce: harness {' '.join(argv[:5])} --prompt {prompt} --max-tokens 40 --chunks 16,24") in line
+    nmse = float(line.split("NMSE ")[1].split(",")[0])
+    assert nmse > 1e-4  # over the default bound, as the verdict says

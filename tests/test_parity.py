@@ -83,6 +83,12 @@ def test_scrambled_position_fails_naming_it(tiny):
     assert res.gate["first_failing"]["prompt"] == prompts[target_prompt].id
     assert res.gate["first_failing"]["position"] == target_pos
     assert "position 17" in res.message
+    # the message is a reproducer: candidate, model and sha256, the prompt, its length, how it was fed,
+    # and where to look next (too many mutants break parity for their bug classes to narrow it)
+    p = prompts[target_prompt]
+    assert (f"(candidate planted:scramble, model {model.path} sha256 {model.sha256[:12]}, prompt {p.id!r}, "
+            f"n_tokens {len(p.tokens)}, chunks whole); likely cause: the first op that leaves the oracle, which "
+            f"`harness localize --candidate planted:scramble --model {model.path} --prompt {p.id}` names") in res.message
 
 
 def _per_prompt(planted, plain, tokens):

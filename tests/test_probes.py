@@ -131,3 +131,53 @@ def test_cli_probe_oracle_exits_0_and_writes_probe_receipt(tmp_path):
     assert rows[-1]["candidate_tokens_per_s"] > 0 and rows[-1]["candidate_wall_s"] > 0  # the probe run's speed
     v = subprocess.run([sys.executable, "-m", "harness", "ledger", "verify", "--ledger", str(ledger)], capture_output=True, text=True)
     assert v.returncode == 0, v.stdout
+
+
+def test_cli_probe_failure_is_a_reproducer(tmp_path):
+    """A real state bug fails the split probe with what test-backend-ops would print: candidate,
+    model sha256, prompt, n_tokens, the chunks of the failing split, the numbers and their bounds,
+    the mutant table's bug classes for the split obligation, and the command that reruns it; the
+    probe receipt keeps the same line."""
+    from harness.compare.probes import MAIN_TOKENS, PROBES
+    from harness.compare.prompts import load_prompt_set, tokenize_prompts
+    from harness.engines.mutants import MUTANTS
+    from harness.model.gguf_model import GGUFModel
+
+    ledger = tmp_path / "ledger.jsonl"
+    r = subprocess.run([sys.executable, "-m", "harness", "probe", "--candidate", "mutant:conv-state-dropped", "--model", "fixture:tiny-qwen35",
+                        "--ledger", str(ledger), "--only", "split"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("probe split FAIL"))
+    sha = GGUFModel(fx.build("tiny-qwen35")).sha256[:12]
+    longest = max(tokenize_prompts(load_prompt_set(None), resolve_engine("llama.cpp", fx.build("tiny-qwen35"))), key=lambda p: len(p.tokens))
+    assert line.startswith("probe split FAIL: split at 1: first differing position 1, min cosine ")
+    assert f"(candidate mutant:conv-state-dropped, model fixture:tiny-qwen35 sha256 {sha}, prompt {longest.id!r}, n_tokens {MAIN_TOKENS}, chunks [1, {MAIN_TOKENS - 1}])" in line
+    # the numbers are over their bounds
+    min_cos = float(line.split("min cosine ")[1].split(",")[0])
+    kld = float(line.split("max KLD ")[1].split(" ")[0])
+    bound_cos = float(line.split("bounds: cosine >= ")[1].split(",")[0])
+    assert min_cos < bound_cos and kld > float(line.split("KLD <= ")[1].split(")")[0])
+    causes = [f"{MUTANTS[n].bug_class} (as mutant:{n})" for n in MUTANTS if PROBES["split"].obligation in MUTANTS[n].breaks]
+    assert "conv state dropped between chunks (as mutant:conv-state-dropped)" in causes
+    assert f"likely cause: {' or '.join(causes)}; reproduce: harness probe --candidate mutant:conv-state-dropped --model fixture:tiny-qwen35 --only split" in line
+    receipt = json.loads(next((ledger.parent / "receipts").glob("*.json")).read_text())
+    assert receipt["probes"][0]["reproducer"] == line
+
+
+def test_probe_obligations_are_contract_obligations():
+    """Each probe's likely causes come from the mutants that break its obligation: the obligation
+    exists in the e2e contract, and the mutants it shows RED with are among those causes."""
+    from pathlib import Path
+
+    from harness.compare.probes import PROBES
+    from harness.contracts.loader import load_contracts
+    from harness.engines.mutants import MUTANTS
+
+    obligations = {ob.id: ob for c in load_contracts([Path(__file__).parents[1] / "contracts"], check_tests=False) for ob in c.obligations}
+    for name, kind in PROBES.items():
+        if kind.obligation is None:
+            continue
+        assert kind.obligation in obligations, (name, kind.obligation)
+        breaking = {n for n, m in MUTANTS.items() if kind.obligation in m.breaks}
+        reds = {r.name for r in obligations[kind.obligation].reds if r.kind == "mutant"}
+        assert reds <= breaking, (name, reds - breaking)

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.compare.prompts import (
+    DEFAULT_PROMPTS,
     PromptSet,
     PromptTokens,
     load_prompt_set,
     tokenize_prompts,
 )
+from harness.compare.reproducer import Reproducer
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
 from harness.engines.base import Engine
 from harness.engines.llamacpp import LlamaCppEngine
@@ -86,6 +88,15 @@ class RunInputs:
         """Token ids of every prompt of ``prompt_set`` (default: the run's), tokenized by
         ``tokenizer(reference)``. Raises ``NotComparable`` for a text with no tokens."""
         return tokenize_prompts(prompt_set or self.prompt_set, self.tokenizer(reference))
+
+    def reproducer(self, candidate: str) -> Reproducer:
+        """The start of every failure message of this run (``harness.compare.reproducer``):
+        ``candidate`` and the model as the user named them, its sha256, the overrides, and the
+        prompt and thresholds files when they are not the ones found by default."""
+        th = self.thresholds.path
+        return Reproducer(candidate, self.model_spec, self.model.sha256, overrides=[o.to_flag() for o in self.overrides],
+                          prompts_file=None if self.prompt_set.path == DEFAULT_PROMPTS else str(self.prompt_set.path),
+                          thresholds_file=None if Path(th).resolve() == resolve_thresholds_path(None).resolve() else str(th))
 
     def model_record(self) -> dict[str, Any]:
         """The receipt's ``model`` field: path, display name, sha256, arch, file type, overrides."""

@@ -14,18 +14,19 @@ state carried between calls are localized too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from harness.compare import metrics
 from harness.compare.inputs import InputsRequest
+from harness.compare.reproducer import Reproducer, causes_first_at, failure_message
 from harness.errors import InvalidInput, Verdict
-from harness.model.gguf_model import GLOBAL, Qwen35HParams
+from harness.model.gguf_model import GLOBAL, MOE, Qwen35HParams
 
-MOE = "moe"
-"""The layer type of an MoE FFN op (a part of a layer, not a layer kind)."""
+DEFAULT_MAX_TOKENS = 128
+"""Positions ``harness localize`` compares unless told otherwise (``--max-tokens``)."""
 MOE_OPS = ("ffn_moe", "ffn_shexp", "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_out", "post_moe")
 
 
@@ -54,7 +55,8 @@ class Divergence:
 class Localization:
     """A localization run: every comparison row (forward order), per-layer counts, the first
     divergence (None if all within bounds), and the verdict (PASS clean, FAIL divergence,
-    UNMEASURED nothing compared)."""
+    UNMEASURED nothing compared). ``message`` is the reproducer of a divergence found by
+    ``run_localize`` (``divergence_message``), else empty."""
 
     rows: list[dict[str, Any]]
     per_layer: list[dict[str, Any]]
@@ -64,10 +66,12 @@ class Localization:
     compared: int
     candidate: str
     tokens: list[int] = field(default_factory=list)
+    message: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict.value,
+            "message": self.message,
             "candidate": self.candidate,
             "bounds": self.bounds,
             "compared": self.compared,
@@ -138,6 +142,17 @@ def localize_activations(
     return Localization(rows, per_layer, first, verdict, {"max_nmse": max_nmse, "min_cosine": min_cosine}, compared, candidate)
 
 
+def divergence_message(first: Divergence, case: Reproducer) -> str:
+    """The reproducer line of a first divergence (``harness.compare.reproducer``): where and how
+    far it left the oracle, the case, the bug classes of the mutants that first diverge at the same
+    op in the same kind of layer, and the ``harness localize`` command that shows it again."""
+    chunks = ["--chunks", ",".join(map(str, case.chunks))] if case.chunks else []
+    rerun = case.harness("localize", "--prompt", case.prompt, "--max-tokens", case.n_tokens, *chunks)
+    where = f"layer {first.layer} ({first.layer_type})" if first.layer >= 0 else "the model output"
+    fallback = f"the op that computes {first.op} in {where}; no mutant of harness/engines/mutants.py first diverges there"
+    return failure_message(first.describe(), case, causes_first_at(first.layer_type, first.op), fallback, rerun)
+
+
 @dataclass(kw_only=True)
 class LocalizeRequest(InputsRequest):
     """Inputs of ``harness localize`` (``InputsRequest``): the ``candidate`` to localize, the
@@ -146,7 +161,7 @@ class LocalizeRequest(InputsRequest):
     candidate: str
     prompt: str | None = None
     chunks: list[int] | None = None
-    max_tokens: int = 128
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 def run_localize(req: LocalizeRequest) -> Localization:
@@ -165,7 +180,8 @@ def run_localize(req: LocalizeRequest) -> Localization:
     if not chosen:
         raise InvalidInput(f"no prompt {req.prompt!r} in {pset.path}; prompts: {', '.join(p.id for p in pset)}")
     pset.prompts = chosen[:1]
-    tokens = inputs.tokens()[0].tokens[: req.max_tokens]
+    prompt = inputs.tokens()[0]
+    tokens = prompt.tokens[: req.max_tokens]
     chunks = req.chunks
     if chunks is not None and sum(chunks) != len(tokens):
         if sum(chunks) < len(tokens):
@@ -180,4 +196,7 @@ def run_localize(req: LocalizeRequest) -> Localization:
     cand_acts = cand.activations(tokens, chunks)
     loc = localize_activations(hp, ref_acts, cand_acts, max_nmse, min_cos, req.candidate)
     loc.tokens = tokens
+    if loc.first is not None:
+        case = replace(inputs.reproducer(req.candidate), prompt=prompt.id, n_tokens=len(tokens), chunks=chunks)
+        loc.message = divergence_message(loc.first, case)
     return loc

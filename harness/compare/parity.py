@@ -14,7 +14,7 @@ NOT-COMPARABLE; an engine that fails is ENGINE-ERROR.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,7 +22,9 @@ import numpy as np
 
 from harness.compare import metrics
 from harness.compare.inputs import RunInputs, RunRequest
+from harness.compare.localize import DEFAULT_MAX_TOKENS
 from harness.compare.prompts import PromptTokens
+from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
 from harness.engines.base import Engine, LogitBlock
 from harness.engines.timing import timed
 from harness.errors import (
@@ -122,9 +124,140 @@ def same_engine(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+PARITY_OBLIGATION = "QE2E-PAR-001"
+"""The contract obligation a failing parity cell breaks (contracts/qwen35-e2e-verification-v1.yaml)."""
 KLD_GATES = {"max_kld_mean": ("mean", "KLD mean"), "max_kld_p99": ("p99", "KLD p99")}
 """Optional distribution gates (added by calibration): gate name → (summary key, label)."""
 PARITY_GATES = ("min_cosine", "min_positions", *KLD_GATES)
+
+
+def check_comparable(model: GGUFModel, reference: Engine, candidate: Engine, prompts: list[PromptTokens]) -> int:
+    """The cell's vocab size, once both engines, the model's token list and every prompt's token
+    ids agree on it. Raises ``NotComparable`` naming the first disagreement."""
+    n_vocab_ref, n_vocab_cand = int(reference.n_vocab), int(candidate.n_vocab)
+    if n_vocab_ref != n_vocab_cand:
+        raise NotComparable(f"vocab sizes differ: reference {n_vocab_ref}, candidate {n_vocab_cand}")
+    n_model = model.hparams.n_vocab
+    if n_model and n_model != n_vocab_ref:
+        raise NotComparable(f"engines report vocab {n_vocab_ref} but the model's token list has {n_model}")
+    for p in prompts:
+        bad = [t for t in p.tokens if not 0 <= t < n_vocab_ref]
+        if bad:
+            raise NotComparable(f"prompt {p.id!r}: token id {bad[0]} outside the vocab [0, {n_vocab_ref})")
+    return n_vocab_ref
+
+
+def _prompt_row(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, near_tie_margin: float) -> dict[str, Any]:
+    """The receipt's ``per_prompt`` entry of one prompt's per-position metrics."""
+    s = metrics.summarize(pm, near_tie_margin)
+    fails = metrics.cosine_failures(pm, min_cosine)
+    return {
+        "id": p.id,
+        "positions": len(p.tokens),
+        "min_cosine": s["min_cosine"],
+        "min_cosine_position": s["min_cosine_index"],
+        "mean_cosine": s["mean_cosine"],
+        **report_only_headline(s),
+        "failing_positions": int(fails.size),
+        "first_failing_position": int(fails[0]) if fails.size else None,
+        "nonfinite_positions": s["nonfinite_positions"],
+    }
+
+
+def compare_prompts(reference: Engine, candidate: Engine, prompts: list[PromptTokens], n_vocab: int, min_cosine: float,
+                    near_tie_margin: float, progress: Progress | None = None) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Per-position metrics of every prompt, concatenated (with ``prompt_index`` and ``position``
+    saying where each row came from), and the per-prompt summaries. Raises ``EngineError``."""
+    parts, per_prompt = [], []
+    total = sum(len(p.tokens) for p in prompts)
+    done_before = 0
+    for i, p in enumerate(prompts):
+        cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
+        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb)
+        pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
+        pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
+        parts.append(pm)
+        per_prompt.append(_prompt_row(p, pm, min_cosine, near_tie_margin))
+        done_before += len(p.tokens)
+    return metrics.concat_metrics(parts), per_prompt
+
+
+def judge_gates(per_position: dict[str, np.ndarray], summary: dict[str, Any], prompts: list[PromptTokens], min_cosine: float,
+                min_positions: int, kld_gates: dict[str, float] | None = None) -> dict[str, Any]:
+    """The receipt's gated fields: the cosine gate per position (failing positions, the first and
+    the worst, each as prompt id / position / token) and each KLD gate on the whole set
+    (``distribution_gates``: threshold, observed, ok). Judges; decides no verdict."""
+    fails = metrics.cosine_failures(per_position, min_cosine)
+
+    def where(idx: int | None) -> dict[str, Any] | None:
+        if idx is None:
+            return None
+        pi, pos = int(per_position["prompt_index"][idx]), int(per_position["position"][idx])
+        return {"prompt": prompts[pi].id, "position": pos, "token": int(prompts[pi].tokens[pos])}
+
+    worst = None
+    if fails.size:
+        cos = np.where(np.isfinite(per_position["cosine"]), per_position["cosine"], -np.inf)
+        worst = int(fails[np.argmin(cos[fails])])
+    kld_results = []
+    for name, value in (kld_gates or {}).items():
+        key, label = KLD_GATES[name]
+        observed = (summary.get("kld") or {}).get(key)
+        ok = observed is not None and observed <= value
+        kld_results.append({"name": name, "label": label, "threshold": float(value), "observed": observed, "ok": bool(ok)})
+    return {
+        "metric": "cosine",
+        "min_cosine": min_cosine,
+        "min_positions": min_positions,
+        "positions": int(summary["positions"]),
+        "failing_positions": int(fails.size),
+        "first_failing": where(int(fails[0])) if fails.size else None,
+        "worst": where(worst),
+        "worst_cosine": (None if worst is None or not np.isfinite(per_position["cosine"][worst]) else float(per_position["cosine"][worst])),
+        "min_cosine_observed": summary["min_cosine"],
+        "min_cosine_where": where(summary["min_cosine_index"]),
+        "nonfinite_positions": summary["nonfinite_positions"],
+        "first_nonfinite": where(summary["first_nonfinite_index"]),
+        "distribution_gates": kld_results,
+    }
+
+
+def cell_verdict(gate: dict[str, Any], summary: dict[str, Any], prompts: list[PromptTokens],
+                 case: Callable[[], Reproducer]) -> tuple[Verdict, str]:
+    """The verdict of judged gates, and its message (docs/design.md, "Verdicts and exit codes").
+
+    FAIL when a cosine position or a measured KLD gate failed: the message is a reproducer
+    (``harness.compare.reproducer``) of ``case()`` (called only then: it may hash the model) on the
+    first failing prompt; UNMEASURED when fewer than ``min_positions`` positions were compared;
+    else PASS.
+    """
+    n_pos, min_cosine = gate["positions"], gate["min_cosine"]
+    kld_failed = [g for g in gate["distribution_gates"] if not g["ok"] and g["observed"] is not None]
+    if gate["failing_positions"] or kld_failed:
+        case_, parts = case(), []
+        if gate["failing_positions"]:
+            f, w = gate["first_failing"], gate["worst"]
+            worst_cos = gate["worst_cosine"] if gate["worst_cosine"] is not None else "non-finite"
+            parts.append(f"{gate['failing_positions']} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} "
+                         f"position {f['position']}; worst: prompt {w['prompt']!r} position {w['position']} (cosine {worst_cos})")
+            first = next(p for p in prompts if p.id == f["prompt"])
+            case_ = replace(case_, prompt=first.id, n_tokens=len(first.tokens))
+        parts += [f"{g['label']} {g['observed']:.3g} > {g['threshold']:.3g} ({g['name']})" for g in kld_failed]
+        fallback = f"the first op that leaves the oracle, which `{_localize_command(case_, gate['first_failing'])}` names"
+        return Verdict.FAIL, failure_message("; ".join(parts), case_, causes_breaking(PARITY_OBLIGATION), fallback)
+    if n_pos < gate["min_positions"]:
+        return Verdict.UNMEASURED, f"only {n_pos} positions compared; the gate needs at least {gate['min_positions']}"
+    return Verdict.PASS, f"all {n_pos} positions have cosine >= {min_cosine} (min {summary['min_cosine']:.6f})"
+
+
+def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) -> str:
+    """``harness localize`` on the failing prompt, over enough tokens to reach the first failure."""
+    args: list[object] = []
+    if first_failing is not None:
+        args += ["--prompt", first_failing["prompt"]]
+        if first_failing["position"] >= DEFAULT_MAX_TOKENS:
+            args += ["--max-tokens", first_failing["position"] + 1]
+    return case.harness("localize", *args)
 
 
 def run_cell(
@@ -137,107 +270,28 @@ def run_cell(
     near_tie_margin: float = metrics.NEAR_TIE_MARGIN,
     progress: Progress | None = None,
     kld_gates: dict[str, float] | None = None,
+    case: Reproducer | None = None,
 ) -> CellResult:
-    """Run both engines over ``prompts`` and judge the gates.
+    """Run both engines over ``prompts`` and judge the gates: comparability
+    (``check_comparable``), the numbers (``compare_prompts``), the gate judgement (``judge_gates``)
+    and the verdict with its message (``cell_verdict``).
 
     The cosine gate is per position; ``kld_gates`` (``max_kld_mean``, ``max_kld_p99``: KL(P_ref ‖
     P_cand) in nats over all positions), when given, are judged on the whole prompt set and FAIL
-    the cell when exceeded — they see scale errors that cosine cannot.
+    the cell when exceeded — they see scale errors that cosine cannot. ``case`` is the reproducer a
+    failure message starts from (candidate and model as the user named them, sha256, overrides,
+    prompt file); default: the candidate's info name and the model's path, sha256 and overrides.
     Raises ``NotComparable`` (vocab sizes differ, token id out of range) and ``EngineError``.
     """
-    n_vocab_ref, n_vocab_cand = int(reference.n_vocab), int(candidate.n_vocab)
-    if n_vocab_ref != n_vocab_cand:
-        raise NotComparable(f"vocab sizes differ: reference {n_vocab_ref}, candidate {n_vocab_cand}")
-    n_model = model.hparams.n_vocab
-    if n_model and n_model != n_vocab_ref:
-        raise NotComparable(f"engines report vocab {n_vocab_ref} but the model's token list has {n_model}")
-    for p in prompts:
-        bad = [t for t in p.tokens if not 0 <= t < n_vocab_ref]
-        if bad:
-            raise NotComparable(f"prompt {p.id!r}: token id {bad[0]} outside the vocab [0, {n_vocab_ref})")
-    parts, per_prompt = [], []
-    total = sum(len(p.tokens) for p in prompts)
-    done_before = 0
-    for i, p in enumerate(prompts):
-        cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
-        pm = compare_prompt(reference, candidate, p.tokens, n_vocab_ref, cb)
-        pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
-        pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
-        parts.append(pm)
-        s = metrics.summarize(pm, near_tie_margin)
-        fails = metrics.cosine_failures(pm, min_cosine)
-        per_prompt.append(
-            {
-                "id": p.id,
-                "positions": len(p.tokens),
-                "min_cosine": s["min_cosine"],
-                "min_cosine_position": s["min_cosine_index"],
-                "mean_cosine": s["mean_cosine"],
-                **report_only_headline(s),
-                "failing_positions": int(fails.size),
-                "first_failing_position": int(fails[0]) if fails.size else None,
-                "nonfinite_positions": s["nonfinite_positions"],
-            }
-        )
-        done_before += len(p.tokens)
-    per_position = metrics.concat_metrics(parts)
+    n_vocab = check_comparable(model, reference, candidate, prompts)
+    per_position, per_prompt = compare_prompts(reference, candidate, prompts, n_vocab, min_cosine, near_tie_margin, progress)
     summary = metrics.summarize(per_position, near_tie_margin)
-    fails = metrics.cosine_failures(per_position, min_cosine)
-    n_pos = int(summary["positions"])
-
-    def where(idx: int | None) -> dict[str, Any] | None:
-        if idx is None:
-            return None
-        pi = int(per_position["prompt_index"][idx])
-        return {"prompt": prompts[pi].id, "position": int(per_position["position"][idx]), "token": int(prompts[pi].tokens[int(per_position["position"][idx])])}
-
-    worst = None
-    if fails.size:
-        cos = np.where(np.isfinite(per_position["cosine"]), per_position["cosine"], -np.inf)
-        worst = int(fails[np.argmin(cos[fails])])
-    gate = {
-        "metric": "cosine",
-        "min_cosine": min_cosine,
-        "min_positions": min_positions,
-        "positions": n_pos,
-        "failing_positions": int(fails.size),
-        "first_failing": where(int(fails[0])) if fails.size else None,
-        "worst": where(worst),
-        "worst_cosine": (None if worst is None or not np.isfinite(per_position["cosine"][worst]) else float(per_position["cosine"][worst])),
-        "min_cosine_observed": summary["min_cosine"],
-        "min_cosine_where": where(summary["min_cosine_index"]),
-        "nonfinite_positions": summary["nonfinite_positions"],
-        "first_nonfinite": where(summary["first_nonfinite_index"]),
-    }
-    kld_results = []
-    for name, value in (kld_gates or {}).items():
-        key, label = KLD_GATES[name]
-        observed = (summary.get("kld") or {}).get(key)
-        ok = observed is not None and observed <= value
-        kld_results.append({"name": name, "label": label, "threshold": float(value), "observed": observed, "ok": bool(ok)})
-    gate["distribution_gates"] = kld_results
-    kld_failed = [g for g in kld_results if not g["ok"] and g["observed"] is not None]
-    if fails.size or kld_failed:
-        verdict = Verdict.FAIL
-        parts = []
-        if fails.size:
-            f, w = gate["first_failing"], gate["worst"]
-            parts.append(
-                f"{fails.size} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} position {f['position']}; "
-                f"worst: prompt {w['prompt']!r} position {w['position']} (cosine {gate['worst_cosine'] if gate['worst_cosine'] is not None else 'non-finite'})"
-            )
-        for g in kld_failed:
-            parts.append(f"{g['label']} {g['observed']:.3g} > {g['threshold']:.3g} ({g['name']})")
-        msg = "; ".join(parts)
-    elif n_pos < min_positions:
-        verdict = Verdict.UNMEASURED
-        msg = f"only {n_pos} positions compared; the gate needs at least {min_positions}"
-    else:
-        verdict = Verdict.PASS
-        msg = f"all {n_pos} positions have cosine >= {min_cosine} (min {summary['min_cosine']:.6f})"
+    gate = judge_gates(per_position, summary, prompts, min_cosine, min_positions, kld_gates)
     ci, ri = candidate.info.to_dict(), reference.info.to_dict()
+    default_case = lambda: Reproducer(ci["name"], str(model.path), model.sha256, overrides=[o.to_flag() for o in model.overrides.values()])  # noqa: E731
+    verdict, msg = cell_verdict(gate, summary, prompts, (lambda: case) if case else default_case)
     kind = "self-consistency" if same_engine(ci, ri) else "parity"
-    return CellResult(verdict, kind, prompts, per_position, summary, per_prompt, gate, ci, ri, n_vocab_ref, msg)
+    return CellResult(verdict, kind, prompts, per_position, summary, per_prompt, gate, ci, ri, n_vocab, msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +356,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     prompts = inputs.tokens(reference.engine)
     kld_gates = {g: float(resolved.gates[g].value) for g in KLD_GATES if g in resolved.gates}
     result = run_cell(inputs.model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
-                      inputs.thresholds.near_tie_margin, progress, kld_gates)
+                      inputs.thresholds.near_tie_margin, progress, kld_gates, inputs.reproducer(req.candidate))
     receipt = build_receipt(req, inputs, result)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:

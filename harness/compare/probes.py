@@ -20,13 +20,15 @@ Probes (tolerances from thresholds.yaml ``probes:``, each with a basis):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from harness.compare import metrics
-from harness.compare.inputs import RunRequest
+from harness.compare.inputs import RunInputs, RunRequest
+from harness.compare.prompts import PromptTokens
+from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
 from harness.engines.base import Engine, gather
 from harness.engines.timing import timed
 from harness.errors import InvalidInput, Verdict
@@ -35,8 +37,31 @@ from harness.evidence.record import record_evidence
 from harness.paths import SOURCE_ROOT
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
+MAIN_TOKENS = 160
+"""Tokens of the longest prompt the split, ubatch and determinism probes feed (past 65)."""
 UBATCH_SIZES = (1, 2, 7, 64, 512)
-PROBE_NAMES = ("split", "decode", "ubatch", "multiseq", "determinism", "long")
+
+
+@dataclass(frozen=True)
+class ProbeKind:
+    """What a probe's failure means: ``obligation``, the contract obligation it breaks
+    (contracts/qwen35-e2e-verification-v1.yaml), whose mutants' bug classes are the likely cause;
+    ``if_fails``, what to look at when no mutant (or too many) match."""
+
+    obligation: str | None
+    if_fails: str
+
+
+PROBES = {
+    "split": ProbeKind("QE2E-PRB-005", "conv state (the last conv_kernel - 1 inputs) or recurrent state dropped or reset between calls"),
+    "decode": ProbeKind("QE2E-PRB-006", "the single-token (decode) path carries state differently from the prefill path"),
+    "ubatch": ProbeKind(None, "a kernel chosen by micro-batch size computes differently, or state is handed between micro-batches wrongly"),
+    "multiseq": ProbeKind(None, "sequences share or overwrite each other's KV cache or recurrent state, or their positions are mixed"),
+    "determinism": ProbeKind("QE2E-DET-002", "thread-count or atomic-order dependent reductions, uninitialised buffers, or state left from the previous call"),
+    "long": ProbeKind("QE2E-PAR-001", "the first op that leaves the oracle, which harness localize with this candidate and model names"),
+}
+"""Probe name → ``ProbeKind``, in the order ``harness probe`` runs them."""
+PROBE_NAMES = tuple(PROBES)
 REQUIRED_PROBES = ("split", "decode", "determinism")
 
 
@@ -52,7 +77,8 @@ class ProbeTolerance:
 
 @dataclass
 class Comparison:
-    """One variant compared with its baseline."""
+    """One variant compared with its baseline; ``chunks``: the piece lengths the variant was fed
+    in (None: whole)."""
 
     label: str
     positions: int
@@ -61,6 +87,7 @@ class Comparison:
     max_kld: float | None
     max_abs_diff: float | None
     first_bad_position: int | None
+    chunks: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -68,12 +95,16 @@ class Comparison:
 
 @dataclass
 class ProbeResult:
-    """A probe's verdict with every comparison it made; ``reason`` explains UNMEASURED/FAIL."""
+    """A probe's verdict with every comparison it made; ``reason`` explains UNMEASURED/FAIL;
+    ``bounds`` states the tolerance the comparisons were held to; ``reproducer`` is the failure's
+    reproducer line when ``run_probes`` ran it (``probe_failure``)."""
 
     name: str
     verdict: Verdict
     comparisons: list[Comparison] = field(default_factory=list)
     reason: str = ""
+    reproducer: str = ""
+    bounds: str = ""
 
     @property
     def first_failure(self) -> Comparison | None:
@@ -93,8 +124,9 @@ class ProbeResult:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
-                "comparisons": [c.to_dict() for c in self.comparisons]}
+        d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
+             "comparisons": [c.to_dict() for c in self.comparisons]}
+        return {**d, "reproducer": self.reproducer} if self.reproducer else d
 
 
 def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance) -> Comparison:
@@ -125,8 +157,12 @@ def _max(a: np.ndarray) -> float | None:
     return float(np.nanmax(a)) if a.size and np.isfinite(a).any() else None
 
 
-def _verdict(name: str, comps: list[Comparison]) -> ProbeResult:
-    return ProbeResult(name, Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps)
+def _verdict(name: str, comps: list[Comparison], tol: ProbeTolerance) -> ProbeResult:
+    if tol.exact:
+        bounds = "bit-identical"
+    else:
+        bounds = f"cosine >= {tol.min_cosine}" + (f", KLD <= {tol.max_kld}" if np.isfinite(tol.max_kld) else "")
+    return ProbeResult(name, Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps, bounds=bounds)
 
 
 def split_points(n_tokens: int, seed: int = 0, n_random: int = 3) -> list[int]:
@@ -149,8 +185,11 @@ def probe_split(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, seed
         return ProbeResult("split", Verdict.UNMEASURED, reason=f"{engine.info.name} cannot take a prompt in pieces (no 'chunks' capability)")
     n = len(tokens)
     whole = gather(engine.logits(tokens), n)
-    comps = [compare(f"split at {p}", whole, gather(engine.logits(tokens, chunks=[p, n - p]), n), tol) for p in split_points(n, seed)]
-    return _verdict("split", comps)
+    comps = []
+    for p in split_points(n, seed):
+        comps.append(compare(f"split at {p}", whole, gather(engine.logits(tokens, chunks=[p, n - p]), n), tol))
+        comps[-1].chunks = [p, n - p]
+    return _verdict("split", comps, tol)
 
 
 def probe_decode(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, prefill: Sequence[int] = (1, 16)) -> ProbeResult:
@@ -165,7 +204,8 @@ def probe_decode(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, pre
             continue
         chunks = [k] + [1] * (n - k)
         comps.append(compare(f"prefill {k} then 1 token per call", whole, gather(engine.logits(tokens, chunks=chunks), n), tol))
-    return _verdict("decode", comps)
+        comps[-1].chunks = chunks
+    return _verdict("decode", comps, tol)
 
 
 def probe_ubatch(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, sizes: Sequence[int] = UBATCH_SIZES) -> ProbeResult:
@@ -176,7 +216,7 @@ def probe_ubatch(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, siz
     n = len(tokens)
     base = gather(engine.logits(tokens), n)
     comps = [compare(f"n_ubatch={u}", base, gather(with_settings(n_ubatch=u).logits(tokens), n), tol) for u in sizes]
-    return _verdict("ubatch", comps)
+    return _verdict("ubatch", comps, tol)
 
 
 def probe_multiseq(engine: Engine, prompts: Sequence[Sequence[int]], tol: ProbeTolerance, n_copies: int = 3) -> ProbeResult:
@@ -197,7 +237,7 @@ def probe_multiseq(engine: Engine, prompts: Sequence[Sequence[int]], tol: ProbeT
         s = gather(engine.logits(p), len(p))
         comps.append(compare(f"distinct prompt {i} beside {len(distinct) - 1} others", s, together[off : off + len(p)], tol))
         off += len(p)
-    return _verdict("multiseq", comps)
+    return _verdict("multiseq", comps, tol)
 
 
 def probe_determinism(engine: Engine, tokens: Sequence[int]) -> ProbeResult:
@@ -205,7 +245,8 @@ def probe_determinism(engine: Engine, tokens: Sequence[int]) -> ProbeResult:
     n = len(tokens)
     a = gather(engine.logits(tokens), n)
     b = gather(engine.logits(tokens), n)
-    return _verdict("determinism", [compare("run twice", a, b, ProbeTolerance(exact=True))])
+    exact = ProbeTolerance(exact=True)
+    return _verdict("determinism", [compare("run twice", a, b, exact)], exact)
 
 
 def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], min_cosine: float) -> ProbeResult:
@@ -218,8 +259,8 @@ def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], 
     n = len(tokens)
     ref = gather(reference.logits(tokens), n)
     cand = gather(engine.logits(tokens), n)
-    comp = compare(f"{n} positions vs {reference.info.name}", ref, cand, ProbeTolerance(min_cosine=min_cosine, max_kld=float("inf")))
-    return _verdict("long", [comp])
+    tol = ProbeTolerance(min_cosine=min_cosine, max_kld=float("inf"))
+    return _verdict("long", [compare(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)
 
 
 def long_tokens(prompts: Sequence[Sequence[int]], n: int = 1024) -> list[int]:
@@ -269,48 +310,62 @@ def overall_verdict(results: Sequence[ProbeResult]) -> tuple[Verdict, str]:
     return Verdict.PASS, f"all {len(measured)} measured probes pass" + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else "")
 
 
-def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None) -> ProbeRun:
-    """Run the probes of ``req`` and write a ``harness-probe-receipt/v1`` and a ledger row.
+@dataclass
+class ProbeCase:
+    """One probe as ``run_probes`` runs it: ``run()`` returns its result; ``prompt`` (id, or ids)
+    and ``n_tokens`` say what it fed the engine, for the reproducer of a failure."""
 
-    Raises ``InvalidInput`` (unknown probe, bad inputs, tolerance without basis), ``EngineError``.
-    """
-    names = list(req.only) or list(PROBE_NAMES)
-    unknown = [n for n in names if n not in PROBE_NAMES]
-    if unknown:
-        raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
-    inputs = req.resolve()
-    resolved = inputs.resolved
-    tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
-    engine = timed(lambda: inputs.engine(req.candidate))
-    reference = None
-    prompts = [p.tokens for p in inputs.tokens()]
-    main = max(prompts, key=len)[:160]  # spans the 63/64/65 chunk boundary
+    run: Callable[[], ProbeResult]
+    prompt: str
+    n_tokens: int
+
+
+def plan_probes(req: ProbeRequest, inputs: RunInputs, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance,
+                ptoks: list[PromptTokens]) -> dict[str, ProbeCase]:
+    """Every probe on the run's prompts ``ptoks``: split, ubatch and determinism on the longest
+    prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its first 80,
+    multiseq on the three longest prompts' first 60, long (against ``reference()``, made only if
+    it runs) on every prompt cycled to 1,024 tokens."""
+    first = max(ptoks, key=lambda p: len(p.tokens))
+    main = first.tokens[:MAIN_TOKENS]
     short = main[:80]
-    runs: dict[str, Callable[[], ProbeResult]] = {
-        "split": lambda: probe_split(engine, main, tol, req.seed),
-        "decode": lambda: probe_decode(engine, short, tol),
-        "ubatch": lambda: probe_ubatch(engine, main, tol),
-        "multiseq": lambda: probe_multiseq(engine, [p[:60] for p in sorted(prompts, key=len, reverse=True)[:3]], tol),
-        "determinism": lambda: probe_determinism(engine, main),
-        "long": lambda: probe_long(engine, reference_engine(), long_tokens(prompts), resolved.min_cosine),
+    three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
+    side_by_side = [p.tokens[:60] for p in three]
+    long = long_tokens([p.tokens for p in ptoks])
+    min_cosine = inputs.resolved.min_cosine
+    return {
+        "split": ProbeCase(lambda: probe_split(engine, main, tol, req.seed), first.id, len(main)),
+        "decode": ProbeCase(lambda: probe_decode(engine, short, tol), first.id, len(short)),
+        "ubatch": ProbeCase(lambda: probe_ubatch(engine, main, tol), first.id, len(main)),
+        "multiseq": ProbeCase(lambda: probe_multiseq(engine, side_by_side, tol), ", ".join(p.id for p in three), sum(map(len, side_by_side))),
+        "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
+        "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
     }
-    def reference_engine() -> Any:
-        nonlocal reference
-        reference = reference or timed(lambda: inputs.engine(req.reference))
-        return reference
 
-    results = []
-    for n in names:
-        if progress:
-            progress(n)
-        results.append(runs[n]())
+
+def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
+    """The reproducer line of a failed probe (``harness.compare.reproducer``): the first failing
+    comparison and its bounds, the case with the chunks that comparison fed, the bug classes of the
+    mutants that break the probe's obligation, and the ``harness probe`` command that reruns it."""
+    first = result.first_failure
+    kind = PROBES[result.name]
+    numbers = f"probe {result.name} FAIL: {result.summary()} (bounds: {result.bounds})"
+    case = replace(case, chunks=first.chunks if first is not None else None)
+    extra = ["--reference", reference] if result.name == "long" else []
+    causes = causes_breaking(kind.obligation) if kind.obligation else []
+    return failure_message(numbers, case, causes, kind.if_fails, case.harness("probe", "--only", result.name, *extra))
+
+
+def _probe_receipt(req: ProbeRequest, inputs: RunInputs, engine: Any, reference: Any, results: list[ProbeResult], main: Sequence[int]) -> dict[str, Any]:
+    """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``engine`` and
+    ``reference`` (None when the long probe did not run) are ``TimedEngine``s whose timings it
+    records."""
+    resolved = inputs.resolved
     verdict, message = overall_verdict(results)
-    ref_info = None
-    if "long" in names:
-        ref_info = reference_engine().info.to_dict()
+    ref_info = reference.info.to_dict() if reference is not None else None
     cosines = [c.min_cosine for r in results for c in r.comparisons if c.min_cosine is not None]
     kinds = {resolved.gate(g, "probes").basis_kind for g in ("min_cosine", "max_kld")}
-    receipt = {
+    return {
         "schema": "harness-probe-receipt/v1",
         "kind": "probe",
         "host": host_info(),
@@ -329,6 +384,43 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         "unmeasured": [r.name for r in results if r.verdict is Verdict.UNMEASURED],
         "timings": {"candidate": engine.timings(), "reference": reference.timings() if reference else None},
     }
+
+
+def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None) -> ProbeRun:
+    """Run the probes of ``req`` and write a ``harness-probe-receipt/v1`` and a ledger row.
+
+    Inputs are resolved first (``req.resolve()``), the probes planned (``plan_probes``) and run,
+    each failure given its reproducer (``probe_failure``), then the evidence recorded.
+    Raises ``InvalidInput`` (unknown probe, bad inputs, tolerance without basis), ``EngineError``.
+    """
+    names = list(req.only) or list(PROBE_NAMES)
+    unknown = [n for n in names if n not in PROBE_NAMES]
+    if unknown:
+        raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
+    inputs = req.resolve()
+    resolved = inputs.resolved
+    tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
+    engine = timed(lambda: inputs.engine(req.candidate))
+    made: list[Any] = []  # the timed reference, made on first use (the long probe)
+
+    def reference() -> Any:
+        made[:] = made or [timed(lambda: inputs.engine(req.reference))]
+        return made[0]
+
+    ptoks = inputs.tokens()
+    plan = plan_probes(req, inputs, engine, reference, tol, ptoks)
+    results = []
+    for n in names:
+        if progress:
+            progress(n)
+        results.append(plan[n].run())
+        if results[-1].verdict is Verdict.FAIL:
+            case = replace(inputs.reproducer(req.candidate), prompt=plan[n].prompt, n_tokens=plan[n].n_tokens)
+            results[-1].reproducer = probe_failure(results[-1], case, req.reference)
+    verdict, message = overall_verdict(results)
+    if "long" in names:
+        reference()
+    receipt = _probe_receipt(req, inputs, engine, made[0] if made else None, results, max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
     if not req.write_evidence:
         return ProbeRun(results, verdict, message, receipt)
     rec = record_evidence(receipt, {}, req.ledger)

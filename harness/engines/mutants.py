@@ -42,7 +42,7 @@ from harness.engines.oracle.qwen35 import (
 )
 from harness.engines.oracle.qwen35moe import moe
 from harness.errors import InvalidInput
-from harness.model.gguf_model import ATTENTION, RECURRENT, GGUFModel, Override
+from harness.model.gguf_model import ATTENTION, GLOBAL, MOE, RECURRENT, GGUFModel, Override
 
 
 @dataclass(frozen=True)
@@ -500,6 +500,40 @@ _M = [
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _M}
 """Mutant name → ``Mutant``; the engine ``mutant:NAME`` (``harness.engines.registry``)."""
 del _M
+
+SHOWS_FIRST_AT: dict[str, tuple[str, str] | None] = {
+    "attn-output-gate-dropped": (ATTENTION, "attn_gated"),
+    "qk-norm-skipped": (ATTENTION, "Qcur_normed"),
+    "rope-full-head": (ATTENTION, "Qcur"),
+    "q-gate-split-halves": (ATTENTION, "Qcur_normed"),
+    "gqa-kv-tiled": (ATTENTION, "attn_pregate"),
+    "gdn-heads-grouped": (RECURRENT, "attn_output"),
+    "ssm-a-as-a-log": (RECURRENT, "gate"),
+    "dt-bias-dropped": (RECURRENT, "gate"),
+    "gdn-l2norm-skipped": (RECURRENT, "q_conv_predelta"),
+    "beta-sigmoid-dropped": (RECURRENT, "beta_sigmoid"),
+    "conv-kernel-flipped": (RECURRENT, "conv_output_raw"),
+    "conv-state-dropped": (RECURRENT, "conv_output_raw"),
+    "ssm-state-reset": (RECURRENT, "attn_output"),
+    "gdn-chunk-state-not-carried": (RECURRENT, "attn_output"),
+    "gdn-read-before-decay": (RECURRENT, "attn_output"),
+    "gdn-state-per-k-head": (RECURRENT, "attn_output"),
+    "ssm-norm-shifted": (RECURRENT, "final_output"),
+    "schedule-off-by-one": (RECURRENT, "attn_residual"),
+    "norm-shift-twice": (RECURRENT, "attn_norm"),
+    "final-norm-shift-missing": (GLOBAL, "result_norm"),
+    "residual-after-norm": (RECURRENT, "attn_residual"),
+    "nondeterministic": None,
+    "moe-weights-unnormalized": (MOE, "ffn_moe_out"),
+    "shexp-gate-ignored": (MOE, "ffn_shexp_gated"),
+}
+"""Mutant name → (layer type, op) of the first activation, in the oracle's forward order, at which
+the fault shows: what ``harness localize`` names for it (faults in carried state with the prompt
+fed in pieces); None for a fault that is not in the forward pass (the determinism probe catches
+it). Layer types are ``harness.compare.localize.layer_type``'s (the layer kinds of
+``harness.model.gguf_model``, and ``MOE`` for an MoE FFN op). The likely cause a localize
+failure prints is looked up here (``harness.compare.reproducer``); tests/test_localize.py localizes
+every mutant and checks this table."""
 
 
 def _clean_doc(doc: str | None) -> str:

@@ -91,6 +91,9 @@ RECURRENT, ATTENTION, MTP, GLOBAL = "recurrent", "attention", "mtp", "global"
 fixtures, mutants, localization): a Gated DeltaNet layer (llama.cpp ``hparams.is_recurrent(il)``),
 a gated full-attention layer, an MTP (nextn) block after the trunk (``Qwen35HParams.layer_kind``),
 or outside every block (``token_embd``, ``output_norm``, ``output``, the final logits)."""
+MOE = "moe"
+"""What localization calls the layer type of an MoE FFN op (a part of a layer, not a layer kind),
+stated here so the mutant table and localization share it."""
 
 
 def interval_schedule(n_layer: int, n_layer_all: int, full_attention_interval: int) -> tuple[bool, ...]:

@@ -90,5 +90,8 @@ def tolerance(request) -> Callable[[str], dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def where(candidate_engine, subject_model) -> str:
-    """A reproducer line for failure messages: candidate, model and sha256."""
-    return f"candidate {candidate_engine.info.name}, model {Path(subject_model.path).name} sha256 {subject_model.sha256[:12]}"
+    """A reproducer line for failure messages: candidate, model and sha256
+    (``harness.compare.reproducer``, the formatter of every failure message)."""
+    from harness.compare.reproducer import Reproducer
+
+    return Reproducer(candidate_engine.info.name, Path(subject_model.path).name, subject_model.sha256).where()

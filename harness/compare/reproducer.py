@@ -1,0 +1,129 @@
+"""Failure messages that are reproducers: the one formatter of parity, probe and localize failures.
+
+llama.cpp's ``test-backend-ops`` prints, for every failing case, the op with all the parameters
+that reproduce it next to the error it measured and the bound. A harness failure does the same,
+in one line (docs/design.md, "Every failure is a reproducer")::
+
+    <the numbers> (candidate C, model M sha256 0123456789ab, prompt 'id', n_tokens N, chunks [..]);
+    likely cause: <bug classes>; reproduce: harness ...
+
+- ``Reproducer`` holds the case: candidate, model, the model's sha256 (first 12 hex digits shown),
+  prompt id, n_tokens and how the prompt was fed (``chunks``; ``whole`` when in one call).
+  ``Reproducer.where()`` is also the reproducer line of the bound tests' failure messages
+  (``tests/contracts/conftest.py``, fixture ``where``).
+- The likely cause comes from the mutant table (``harness.engines.mutants``): the bug classes of
+  the mutants that break the same obligation (``causes_breaking``, for probes) or whose first
+  divergence is the same op in the same kind of layer (``causes_first_at``, for localize). When
+  no mutant matches, or too many do to narrow anything, the caller's fallback says what to look at.
+
+Every string that came from outside (ids, names, engine output) is passed through
+``printable`` before it is put in a message.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Sequence
+
+from harness.engines.mutants import MUTANTS, SHOWS_FIRST_AT
+
+MAX_CAUSES = 4
+"""More matching bug classes than this do not narrow anything: the fallback is printed instead."""
+
+
+def printable(s: object) -> str:
+    """``str(s)`` with control characters (terminal escapes, newlines) written as ``\\xNN`` escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(s))
+
+
+def command(*argv: object) -> str:
+    """A shell-safe command line (``shlex.quote`` of each ``printable`` argument) to print after
+    ``reproduce:``; None arguments are left out."""
+    return " ".join(shlex.quote(printable(a)) for a in argv if a is not None)
+
+
+def format_chunks(chunks: Sequence[int] | None) -> str:
+    """How a prompt was fed: ``whole`` (one call), else the piece lengths with runs of four or more
+    equal lengths written ``L×count`` (``[16, 1×64]`` is a prefill of 16 then 64 single tokens)."""
+    if not chunks:
+        return "whole"
+    out: list[str] = []
+    i = 0
+    while i < len(chunks):
+        j = i
+        while j < len(chunks) and chunks[j] == chunks[i]:
+            j += 1
+        run = j - i
+        out.extend([str(chunks[i])] * run if run < 4 else [f"{chunks[i]}×{run}"])
+        i = j
+    return "[" + ", ".join(out) + "]"
+
+
+@dataclass(frozen=True)
+class Reproducer:
+    """The case a failure happened on, enough to run it again by hand.
+
+    ``model`` is what the user named (``fixture:NAME`` or a path); ``sha256`` the file's full hex
+    digest; ``overrides`` the ``--override-kv`` flags (``KEY=TYPE:VALUE``) the run applied;
+    ``prompt`` a prompt id (or a description when the case spans prompts); ``n_tokens`` the number
+    of token ids fed; ``chunks`` the piece lengths (None: fed whole); ``prompts_file`` and
+    ``thresholds_file`` the files the run read when not the ones found by default (None).
+    """
+
+    candidate: str
+    model: str
+    sha256: str
+    prompt: str | None = None
+    n_tokens: int | None = None
+    chunks: Sequence[int] | None = None
+    overrides: Sequence[str] = ()
+    prompts_file: str | None = None
+    thresholds_file: str | None = None
+
+    def where(self) -> str:
+        """``candidate C, model M sha256 0123456789ab[ with --override-kv ...][, prompt 'id',
+        n_tokens N, chunks ...]``."""
+        parts = [f"candidate {printable(self.candidate)}", f"model {printable(self.model)} sha256 {self.sha256[:12]}"]
+        if self.overrides:
+            parts[-1] += " with " + " ".join(f"--override-kv {printable(o)}" for o in self.overrides)
+        if self.prompt is not None:
+            parts.append(f"prompt {printable(self.prompt)!r}")
+        if self.n_tokens is not None:
+            parts += [f"n_tokens {self.n_tokens}", f"chunks {format_chunks(self.chunks)}"]
+        return ", ".join(parts)
+
+    def harness(self, subcommand: str, *args: object) -> str:
+        """The shell-safe ``harness SUBCOMMAND --candidate C --model M [--override-kv ...]
+        [--prompts FILE] [--thresholds FILE] ARGS`` command line of this case (``command``)."""
+        flags = [x for o in self.overrides for x in ("--override-kv", o)]
+        flags += ["--prompts", self.prompts_file] if self.prompts_file else []
+        flags += ["--thresholds", self.thresholds_file] if self.thresholds_file else []
+        return command("harness", subcommand, "--candidate", self.candidate, "--model", self.model, *flags, *args)
+
+
+def failure_message(numbers: str, case: Reproducer, causes: Sequence[str], fallback: str, command: str | None = None) -> str:
+    """One line: ``numbers (case.where()); likely cause: ...; reproduce: command``.
+
+    ``causes``: bug classes from ``causes_breaking`` / ``causes_first_at``; when there are none, or
+    more than ``MAX_CAUSES``, ``fallback`` is the likely cause instead.
+    """
+    cause = " or ".join(causes) if 0 < len(causes) <= MAX_CAUSES else fallback
+    line = f"{numbers} ({case.where()}); likely cause: {cause}"
+    return line + (f"; reproduce: {command}" if command else "")
+
+
+def _described(names: Sequence[str]) -> list[str]:
+    return [f"{MUTANTS[n].bug_class} (as mutant:{n})" for n in names]
+
+
+def causes_breaking(obligation: str) -> list[str]:
+    """Bug classes of the mutants whose fault breaks contract obligation ``obligation``
+    (``Mutant.breaks``), in table order, each naming its mutant."""
+    return _described([n for n, m in MUTANTS.items() if obligation in m.breaks])
+
+
+def causes_first_at(layer_type: str, op: str) -> list[str]:
+    """Bug classes of the mutants whose first divergence is ``op`` in a ``layer_type`` layer
+    (``SHOWS_FIRST_AT``), in table order, each naming its mutant."""
+    return _described([n for n, at in SHOWS_FIRST_AT.items() if at == (layer_type, op)])
