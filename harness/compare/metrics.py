@@ -532,6 +532,67 @@ def _f(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _distribution_summary(per_position: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, Any]:
+    """Cosine, KLD, margin, rank, top-k and NMSE summaries over the positions ``idx`` (both rows
+    finite); every value None when ``idx`` is empty."""
+    if not idx.size:
+        return dict(min_cosine=None, min_cosine_index=None, mean_cosine=None, kld=None, ref_margin=None,
+                    cand_rank=None, top5_overlap_mean=None, top10_overlap_mean=None, nmse=None)
+    m = idx.size
+    cos = np.asarray(per_position["cosine"], np.float64)[idx]
+    kld = np.asarray(per_position["kld"], np.float64)[idx]
+    margin = np.asarray(per_position["ref_margin"], np.float64)[idx]
+    rank = np.asarray(per_position["cand_rank"])[idx]
+    out: dict[str, Any] = {}
+    j = int(np.argmin(cos))
+    out.update(min_cosine=_f(cos[j]), min_cosine_index=int(idx[j]), mean_cosine=_f(cos.mean()))
+    sem = kld.std(ddof=1) / math.sqrt(m) if m > 1 else None
+    q = np.quantile(kld, list(KLD_QUANTILES.values()))
+    out["kld"] = {
+        "mean": _f(kld.mean()),
+        "sem": _f(sem) if sem is not None else None,
+        **{name: _f(v) for name, v in zip(KLD_QUANTILES, q)},
+        "max": _f(kld.max()),
+    }
+    mq = np.quantile(margin, (0.01, 0.05, 0.5))
+    out["ref_margin"] = {"min": _f(margin.min()), "p1": _f(mq[0]), "p5": _f(mq[1]), "p50": _f(mq[2])}
+    out["cand_rank"] = {"p99": _f(np.quantile(rank, 0.99)), "max": int(rank.max())}
+    out["top5_overlap_mean"] = _f(np.asarray(per_position["top5_overlap"])[idx].mean())
+    out["top10_overlap_mean"] = _f(np.asarray(per_position["top10_overlap"])[idx].mean())
+    nm = np.asarray(per_position["nmse"], np.float64)[idx]
+    out["nmse"] = {"mean": _f(nm.mean()), "max": _f(nm.max())}
+    return out
+
+
+def _greedy_summary(per_position: Mapping[str, np.ndarray], idx: np.ndarray, near_tie_margin: float) -> dict[str, Any]:
+    """Argmax agreement (Wilson 95% interval) and flips split into near-ties and hard flips, over
+    the positions ``idx``."""
+    agree = np.asarray(per_position["argmax_agree"], bool)[idx]
+    margin = np.asarray(per_position["ref_margin"], np.float64)[idx]
+    m = idx.size
+    n_agree = int(agree.sum())
+    ci = wilson_interval(n_agree, m)
+    flips = ~agree
+    near = flips & (margin < near_tie_margin)
+    return {
+        "argmax_agreement": {
+            "rate": n_agree / m if m else None,
+            "agree": n_agree,
+            "n": m,
+            "ci_low": ci[0] if ci else None,
+            "ci_high": ci[1] if ci else None,
+            "method": "wilson",
+            "confidence": 0.95,
+        },
+        "flips": {
+            "total": int(flips.sum()),
+            "near_tie": int(near.sum()),
+            "hard": int((flips & ~near).sum()),
+            "near_tie_margin": float(near_tie_margin),
+        },
+    }
+
+
 def summarize(per_position: Mapping[str, np.ndarray], near_tie_margin: float = NEAR_TIE_MARGIN) -> dict[str, Any]:
     """Summary of concatenated per-position metrics, JSON-ready (plain ints/floats/None).
 
@@ -549,64 +610,17 @@ def summarize(per_position: Mapping[str, np.ndarray], near_tie_margin: float = N
     n = int(np.asarray(per_position["cosine"]).shape[0])
     finite = np.asarray(per_position["finite"], bool)
     ref_finite = np.asarray(per_position["ref_finite"], bool)
-    ok = finite & ref_finite
-    idx = np.flatnonzero(ok)
+    idx = np.flatnonzero(finite & ref_finite)
     nonfinite = np.flatnonzero(~finite)
-    cos = np.asarray(per_position["cosine"], np.float64)[idx]
-    kld = np.asarray(per_position["kld"], np.float64)[idx]
-    agree = np.asarray(per_position["argmax_agree"], bool)[idx]
-    margin = np.asarray(per_position["ref_margin"], np.float64)[idx]
-    rank = np.asarray(per_position["cand_rank"])[idx]
-    m = idx.size
-
-    out: dict[str, Any] = {
+    return {
         "positions": n,
-        "compared_positions": m,
+        "compared_positions": idx.size,
         "nonfinite_positions": int(nonfinite.size),
         "first_nonfinite_index": int(nonfinite[0]) if nonfinite.size else None,
         "ref_nonfinite_positions": int(np.count_nonzero(~ref_finite)),
+        **_distribution_summary(per_position, idx),
+        **_greedy_summary(per_position, idx, near_tie_margin),
     }
-    if m:
-        j = int(np.argmin(cos))
-        out.update(min_cosine=_f(cos[j]), min_cosine_index=int(idx[j]), mean_cosine=_f(cos.mean()))
-        sem = kld.std(ddof=1) / math.sqrt(m) if m > 1 else None
-        q = np.quantile(kld, list(KLD_QUANTILES.values()))
-        out["kld"] = {
-            "mean": _f(kld.mean()),
-            "sem": _f(sem) if sem is not None else None,
-            **{name: _f(v) for name, v in zip(KLD_QUANTILES, q)},
-            "max": _f(kld.max()),
-        }
-        mq = np.quantile(margin, (0.01, 0.05, 0.5))
-        out["ref_margin"] = {"min": _f(margin.min()), "p1": _f(mq[0]), "p5": _f(mq[1]), "p50": _f(mq[2])}
-        out["cand_rank"] = {"p99": _f(np.quantile(rank, 0.99)), "max": int(rank.max())}
-        out["top5_overlap_mean"] = _f(np.asarray(per_position["top5_overlap"])[idx].mean())
-        out["top10_overlap_mean"] = _f(np.asarray(per_position["top10_overlap"])[idx].mean())
-        nm = np.asarray(per_position["nmse"], np.float64)[idx]
-        out["nmse"] = {"mean": _f(nm.mean()), "max": _f(nm.max())}
-    else:
-        out.update(min_cosine=None, min_cosine_index=None, mean_cosine=None, kld=None, ref_margin=None,
-                   cand_rank=None, top5_overlap_mean=None, top10_overlap_mean=None, nmse=None)
-    n_agree = int(agree.sum())
-    ci = wilson_interval(n_agree, m)
-    out["argmax_agreement"] = {
-        "rate": n_agree / m if m else None,
-        "agree": n_agree,
-        "n": m,
-        "ci_low": ci[0] if ci else None,
-        "ci_high": ci[1] if ci else None,
-        "method": "wilson",
-        "confidence": 0.95,
-    }
-    flips = ~agree
-    near = flips & (margin < near_tie_margin)
-    out["flips"] = {
-        "total": int(flips.sum()),
-        "near_tie": int(near.sum()),
-        "hard": int((flips & ~near).sum()),
-        "near_tie_margin": float(near_tie_margin),
-    }
-    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -340,6 +340,38 @@ def default_evidence_dir(contract: Contract) -> Path:
     return contract.root / "evidence" / "discharge"
 
 
+def discharge_record(contract: Contract, ob: Obligation, runs: Sequence[SessionRun], candidate: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """The ``harness-discharge/v1`` record of one bound obligation from the finished pytest
+    ``runs``: each RED subject's and the GREEN candidate's judgement, the result, and the hashes of
+    everything the result depends on (contract, obligation, bound tests and support files,
+    engines' sources, models, thresholds when the reference ran). Returns (record, the RED
+    judgements, the GREEN judgement)."""
+    root = contract.root
+    reds = []
+    for r in ob.reds:
+        j = judge(runs, ob.tests, red_subject(r, ob, candidate), RED)
+        reds.append({"shown_by": str(r), **j})
+    green = judge(runs, ob.tests, Subject(candidate, ob.model), GREEN)
+    mine = [it for run in runs for it in run.items if it["function"] in ob.tests]
+    used_reference = next((it["reference"] for it in mine if it.get("reference")), None)
+    uses_candidate = any(it["candidate"] is not None for it in mine)  # model-only tests do not depend on an engine
+    subjects = [red_subject(r, ob, candidate) for r in ob.reds] + [Subject(candidate, ob.model)]
+    tests, support = test_hashes(root, ob.tests)
+    record = {
+        "schema": SCHEMA_ID,
+        "result": _result(reds, green),
+        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "contract": {"id": contract.id, "version": contract.version, "path": _rel(contract.path, root), "sha256": contract.sha256},
+        "obligation": {"id": ob.id, "kind": ob.kind, "property": ob.property, "model": ob.model, "sha256": ob.sha256},
+        "tests": tests,
+        "support_files": support,
+        "depends_on": _depends(root, subjects, used_reference, uses_candidate),
+        "red": reds,
+        "green": {"shown_by": candidate, **green},
+    }
+    return record, reds, green
+
+
 def discharge(
     path: str | os.PathLike,
     candidate: str = DEFAULT_CANDIDATE,
@@ -371,29 +403,7 @@ def discharge(
         if not ob.tests:
             results.append(ObligationResult(contract.id, ob.id, UNBOUND, [], {}, {}))
             continue
-        reds = []
-        for r in ob.reds:
-            j = judge(runs, ob.tests, red_subject(r, ob, candidate), RED)
-            reds.append({"shown_by": str(r), **j})
-        green = judge(runs, ob.tests, Subject(candidate, ob.model), GREEN)
-        mine = [it for run in runs for it in run.items if it["function"] in ob.tests]
-        used_reference = next((it["reference"] for it in mine if it.get("reference")), None)
-        uses_candidate = any(it["candidate"] is not None for it in mine)  # model-only tests do not depend on an engine
-        subjects = [red_subject(r, ob, candidate) for r in ob.reds] + [Subject(candidate, ob.model)]
-        tests, support = test_hashes(root, ob.tests)
-        result = _result(reds, green)
-        record = {
-            "schema": SCHEMA_ID,
-            "result": result,
-            "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "contract": {"id": contract.id, "version": contract.version, "path": _rel(contract.path, root), "sha256": contract.sha256},
-            "obligation": {"id": ob.id, "kind": ob.kind, "property": ob.property, "model": ob.model, "sha256": ob.sha256},
-            "tests": tests,
-            "support_files": support,
-            "depends_on": _depends(root, subjects, used_reference, uses_candidate),
-            "red": reds,
-            "green": {"shown_by": candidate, **green},
-        }
+        record, reds, green = discharge_record(contract, ob, runs, candidate)
         written = None
         if write:
             written = out_dir / contract.id / f"{ob.id}.json"
@@ -401,7 +411,7 @@ def discharge(
             tmp = written.with_name(f".{written.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
             os.replace(tmp, written)
-        results.append(ObligationResult(contract.id, ob.id, result, reds, green, record, written))
+        results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, written))
     return results
 
 

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -230,7 +231,51 @@ def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of):
     stream.rows(llama_cpp.llama_get_logits(ctx), n, row_of)
 
 
+def _model_info(llama_cpp: Any, model: Any, info: dict[str, Any]) -> int:
+    """Add the model's vocab size, training context and description to ``info``; return n_vocab."""
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+    info["n_vocab"] = n_vocab
+    info["n_ctx_train"] = int(llama_cpp.llama_model_n_ctx_train(model))
+    buf = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, buf, 256)
+    info["model_desc"] = buf.value.decode(errors="replace")
+    return n_vocab
+
+
+def _decode_pieces(llama_cpp: Any, ctx: Any, batch: Any, tokens: list[int], chunks: list[int], n_batch: int, stream: Any) -> None:
+    """One sequence fed as consecutive pieces (one call sequence each, state carried by the
+    context), each piece in batches of at most ``n_batch``; every token's logits to ``stream``."""
+    pos = 0
+    for c in chunks:
+        end = pos + c
+        while pos < end:
+            k = min(n_batch, end - pos)
+            items = [(tokens[pos + i], pos + i, 0) for i in range(k)]
+            _decode_rows(llama_cpp, ctx, batch, items, stream, list(range(pos, pos + k)))
+            pos += k
+
+
+def _decode_side_by_side(llama_cpp: Any, ctx: Any, batch: Any, sequences: list[list[int]], n_batch: int, stream: Any) -> None:
+    """Several sequences side by side in each batch, one seq id each; sequence i's logits go to
+    its rows of the output (sequences concatenated in order)."""
+    offsets = np.cumsum([0] + [len(q) for q in sequences])
+    longest = max(len(q) for q in sequences)
+    per = max(1, n_batch // len(sequences))
+    for start in range(0, longest, per):
+        items, rows = [], []
+        for sid, q in enumerate(sequences):
+            for p in range(start, min(start + per, len(q))):
+                items.append((q[p], p, sid))
+                rows.append(int(offsets[sid]) + p)
+        if items:
+            _decode_rows(llama_cpp, ctx, batch, items, stream, rows)
+
+
 def main(req_path: str) -> int:
+    """Serve the request at ``req_path`` (module docstring: its fields): ``tokens.json``
+    (tokenize), logits streamed to ``stream_fd`` (logits, activations), ``activations.npz``
+    (activations) and always ``info.json`` in its ``out_dir``. Returns the exit status."""
     req = json.loads(Path(req_path).read_text())
     import llama_cpp
 
@@ -247,13 +292,7 @@ def main(req_path: str) -> int:
         (out_dir / "tokens.json").write_text(json.dumps(toks))
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0
-    vocab = llama_cpp.llama_model_get_vocab(model)
-    n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-    info["n_vocab"] = n_vocab
-    info["n_ctx_train"] = int(llama_cpp.llama_model_n_ctx_train(model))
-    buf = ctypes.create_string_buffer(256)
-    llama_cpp.llama_model_desc(model, buf, 256)
-    info["model_desc"] = buf.value.decode(errors="replace")
+    n_vocab = _model_info(llama_cpp, model, info)
     if req["op"] == "info":
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0
@@ -269,28 +308,9 @@ def main(req_path: str) -> int:
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     t1 = time.time()
     if len(sequences) == 1:
-        tokens = sequences[0]
-        chunks = req.get("chunks") or [len(tokens)]
-        pos = 0
-        for c in chunks:  # one call sequence per piece; state carried by the context
-            end = pos + c
-            while pos < end:
-                k = min(n_batch, end - pos)
-                items = [(tokens[pos + i], pos + i, 0) for i in range(k)]
-                _decode_rows(llama_cpp, ctx, batch, items, stream, list(range(pos, pos + k)))
-                pos += k
-    else:  # several sequences side by side in each batch, one seq id each
-        offsets = np.cumsum([0] + [len(q) for q in sequences])
-        longest = max(len(q) for q in sequences)
-        per = max(1, n_batch // len(sequences))
-        for start in range(0, longest, per):
-            items, rows = [], []
-            for sid, q in enumerate(sequences):
-                for p in range(start, min(start + per, len(q))):
-                    items.append((q[p], p, sid))
-                    rows.append(int(offsets[sid]) + p)
-            if items:
-                _decode_rows(llama_cpp, ctx, batch, items, stream, rows)
+        _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream)
+    else:
+        _decode_side_by_side(llama_cpp, ctx, batch, sequences, n_batch, stream)
     info["decode_s"] = round(stream.decode_s, 4)  # llama_decode alone: llama.cpp's prefill time
     info["decode_wall_s"] = round(time.time() - t1, 4)  # including waits for the harness to read
     info["n_tokens"] = sum(len(q) for q in sequences)

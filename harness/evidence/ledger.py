@@ -283,6 +283,36 @@ def read_rows(ledger_path: str | Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- append
 
 
+def _bind_receipt(new: dict[str, Any], receipt_path: Path) -> None:
+    """Set the row's ``receipt_id`` (the file's stem) unless given, check a given one names this
+    file, and set ``receipt_sha256`` from the file's bytes. Raises ``InvalidInput``."""
+    if new.get("receipt_id") is None:
+        new["receipt_id"] = receipt_path.stem
+    elif new["receipt_id"] != receipt_path.stem:
+        raise InvalidInput(f"row names receipt {new['receipt_id']} but the receipt file is {receipt_path.name}")
+    new["receipt_sha256"] = sha256_file(receipt_path)
+
+
+def _chain(new: dict[str, Any], head: dict[str, Any] | None, rows: list[dict[str, Any]], ledger_path: Path) -> None:
+    """Link ``new`` after ``head`` (None: the first row): ``seq``, ``time`` (unless given),
+    ``prev_hash``, then validate it against the row schema and its supersede target among
+    ``rows``, then set ``row_hash``. Raises ``InvalidInput``."""
+    new["seq"] = head["seq"] + 1 if head else 1
+    new.setdefault("time", None)
+    if new["time"] is None:
+        new["time"] = utc_now()
+    new["prev_hash"] = head["row_hash"] if head else GENESIS
+    new["row_hash"] = GENESIS  # placeholder so the schema sees every field
+    err = _validate_row(new)
+    if err:
+        raise InvalidInput(f"ledger row: {err}")
+    if new["kind"] == "supersede":
+        target = new["supersedes"]
+        if not any(r.get("seq") == target for r in rows):
+            raise InvalidInput(f"{ledger_path}: cannot supersede seq {target}: no such row")
+    new["row_hash"] = row_hash(new)
+
+
 def append_row(
     ledger_path: str | Path,
     row: Mapping[str, Any],
@@ -309,12 +339,7 @@ def append_row(
     for owned in ("seq", "prev_hash", "row_hash"):
         new.pop(owned, None)
     if receipt_path is not None:
-        receipt_path = Path(receipt_path)
-        if new.get("receipt_id") is None:
-            new["receipt_id"] = receipt_path.stem
-        elif new["receipt_id"] != receipt_path.stem:
-            raise InvalidInput(f"row names receipt {new['receipt_id']} but the receipt file is {receipt_path.name}")
-        new["receipt_sha256"] = sha256_file(receipt_path)
+        _bind_receipt(new, Path(receipt_path))
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
@@ -324,21 +349,7 @@ def append_row(
                 raise InvalidInput(f"{ledger_path}: ends in a partial row (line {partial}); run `harness ledger verify`")
             parsed = _parse_lines(data)
             rows = [r for _, r, _ in parsed if r is not None]
-            head = _check_head_for_append(ledger_path, parsed)
-            new["seq"] = head["seq"] + 1 if head else 1
-            new.setdefault("time", None)
-            if new["time"] is None:
-                new["time"] = utc_now()
-            new["prev_hash"] = head["row_hash"] if head else GENESIS
-            new["row_hash"] = GENESIS  # placeholder so the schema sees every field
-            err = _validate_row(new)
-            if err:
-                raise InvalidInput(f"ledger row: {err}")
-            if new["kind"] == "supersede":
-                target = new["supersedes"]
-                if not any(r.get("seq") == target for r in rows):
-                    raise InvalidInput(f"{ledger_path}: cannot supersede seq {target}: no such row")
-            new["row_hash"] = row_hash(new)
+            _chain(new, _check_head_for_append(ledger_path, parsed), rows, ledger_path)
             with open(ledger_path, "ab") as f:
                 f.write(canonical_json(new) + b"\n")
                 f.flush()
@@ -457,6 +468,36 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
 # ----------------------------------------------------------------------------- verify
 
 
+def _row_problems(row: dict[str, Any], line: int, prev: dict[str, Any] | None, first: bool, seqs_seen: set[int]) -> list[Problem]:
+    """The problems of one well-formed JSON row at ``line``: schema (MALFORMED), content hash
+    (EDITED), ``seq`` and ``prev_hash`` against the previous line's row ``prev`` (SEQUENCE,
+    CHAIN; unchecked after a malformed line, ``prev`` None), supersede target among the earlier
+    ``seqs_seen`` (SUPERSEDE)."""
+    problems = []
+    seq = row.get("seq") if isinstance(row.get("seq"), int) else None
+    schema_err = _validate_row(row)
+    if schema_err:
+        problems.append(Problem("MALFORMED", schema_err, seq, line))
+    if row.get("row_hash") != row_hash(row):
+        problems.append(Problem("EDITED", "row_hash does not match the row's content: the row was edited", seq, line))
+    if first:
+        expected_seq, expected_prev, before = 1, GENESIS, "the genesis hash"
+    elif prev is not None:
+        expected_seq = prev["seq"] + 1 if isinstance(prev.get("seq"), int) else None
+        expected_prev, before = prev.get("row_hash"), f"row seq {prev.get('seq')} (line {line - 1})"
+    else:
+        expected_seq = expected_prev = None
+    if seq is not None and expected_seq is not None and seq != expected_seq:
+        problems.append(Problem("SEQUENCE", f"seq {seq} where {expected_seq} was expected: rows removed, inserted or reordered", seq, line))
+    if expected_prev is not None and row.get("prev_hash") != expected_prev:
+        problems.append(
+            Problem("CHAIN", f"prev_hash does not match {before}: a row was removed, inserted or reordered before this one", seq, line)
+        )
+    if row.get("kind") == "supersede" and row.get("supersedes") not in seqs_seen:
+        problems.append(Problem("SUPERSEDE", f"supersedes seq {row.get('supersedes')}, which is not an earlier row", seq, line))
+    return problems
+
+
 def verify_ledger(
     ledger_path: str | Path,
     receipts_dir: str | Path | None = None,
@@ -493,31 +534,9 @@ def verify_ledger(
             problems.append(Problem("MALFORMED", err, int(m.group(1)) if m else None, line))
             prev, first = None, False
             continue
-        seq = row.get("seq") if isinstance(row.get("seq"), int) else None
-        schema_err = _validate_row(row)
-        if schema_err:
-            problems.append(Problem("MALFORMED", schema_err, seq, line))
-        if row.get("row_hash") != row_hash(row):
-            problems.append(Problem("EDITED", "row_hash does not match the row's content: the row was edited", seq, line))
-        if first:
-            expected_seq, expected_prev, before = 1, GENESIS, "the genesis hash"
-        elif prev is not None:
-            expected_seq = prev["seq"] + 1 if isinstance(prev.get("seq"), int) else None
-            expected_prev, before = prev.get("row_hash"), f"row seq {prev.get('seq')} (line {line - 1})"
-        else:
-            expected_seq = expected_prev = None
-        if seq is not None and expected_seq is not None and seq != expected_seq:
-            problems.append(
-                Problem("SEQUENCE", f"seq {seq} where {expected_seq} was expected: rows removed, inserted or reordered", seq, line)
-            )
-        if expected_prev is not None and row.get("prev_hash") != expected_prev:
-            problems.append(
-                Problem("CHAIN", f"prev_hash does not match {before}: a row was removed, inserted or reordered before this one", seq, line)
-            )
-        if row.get("kind") == "supersede" and row.get("supersedes") not in seqs_seen:
-            problems.append(Problem("SUPERSEDE", f"supersedes seq {row.get('supersedes')}, which is not an earlier row", seq, line))
-        if seq is not None:
-            seqs_seen.add(seq)
+        problems += _row_problems(row, line, prev, first, seqs_seen)
+        if isinstance(row.get("seq"), int):
+            seqs_seen.add(row["seq"])
         rows.append({**row, "_line": line})
         prev, first = row, False
     problems += _check_markdown(ledger_path, md_path, rows, data)

@@ -491,15 +491,13 @@ def check_inventory(model: GGUFModel, h: Qwen35HParams) -> tuple[list[Finding], 
     return out, kind, skip
 
 
-def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Finding]:
-    """QL204 and QL301–QL304: each layer's tensor set against the schedule, then every expected
-    tensor's presence and ggml shape, vocab rows, and tensors no rule expects. One loop over the
-    arch's table."""
+def _schedule_mismatches(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> tuple[list[Finding], set[int]]:
+    """QL204: trunk layers (outside ``skip``) holding the tensors of the other layer kind than the
+    schedule gives them; returns the findings and those layers."""
     table = TENSOR_TABLES[h.arch]
     present = set(model.tensor_names)
     out: list[Finding] = []
     markers = {RECURRENT: _markers(table, RECURRENT, ATTENTION), ATTENTION: _markers(table, ATTENTION, RECURRENT)}
-    # kind-specific templates are not checked in a layer whose set contradicts the schedule
     mismatched: set[int] = set()
     for il in range(h.n_layer):
         if il in skip:
@@ -518,6 +516,33 @@ def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Fi
                 "fix the layer schedule metadata (full_attention_interval or attention.recurrent_layers) or the converter's layer mapping",
                 layer=il, expected=kind, found=other,
             ))
+    return out, mismatched
+
+
+def _unexpected_tensors(model: GGUFModel, h: Qwen35HParams, expected: set[str], ignore: set[int]) -> list[Finding]:
+    """QL304: tensors no rule of the arch's table creates (blocks in ``ignore`` are judged
+    elsewhere)."""
+    out = []
+    for name in model.tensor_names:
+        if name in expected:
+            continue
+        m = _BLK.match(name)
+        il = int(m.group(1)) if m else None
+        if il is not None and il in ignore:
+            continue
+        out.append(_finding("QL304", f"unexpected tensor {name}: no {h.arch} rule creates it, so llama.cpp refuses the file "
+                            "(wrong number of tensors)", "remove the tensor or fix its name", layer=il, tensor=name))
+    return out
+
+
+def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Finding]:
+    """QL204 and QL301–QL304: each layer's tensor set against the schedule
+    (``_schedule_mismatches``), then every expected tensor's presence and ggml shape and the vocab
+    rows, in one loop over the arch's table, then tensors no rule expects (``_unexpected_tensors``)."""
+    table = TENSOR_TABLES[h.arch]
+    present = set(model.tensor_names)
+    # kind-specific templates are not checked in a layer whose set contradicts the schedule
+    out, mismatched = _schedule_mismatches(model, h, skip)
     expected: set[str] = set()
     for rule in table:
         layers: list[int | None] = [None] if GLOBAL in rule.layers else [
@@ -542,16 +567,7 @@ def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Fi
             else:
                 out.append(_finding("QL302", f"{name} has ggml shape {list(got)}, expected {list(want)} from the hyperparameters",
                                     layer=il, tensor=name, expected=list(want), found=list(got)))
-    for name in model.tensor_names:
-        if name in expected:
-            continue
-        m = _BLK.match(name)
-        il = int(m.group(1)) if m else None
-        if il is not None and (il in skip or il in mismatched):
-            continue
-        out.append(_finding("QL304", f"unexpected tensor {name}: no {h.arch} rule creates it, so llama.cpp refuses the file "
-                            "(wrong number of tensors)", "remove the tensor or fix its name", layer=il, tensor=name))
-    return out
+    return out + _unexpected_tensors(model, h, expected, skip | mismatched)
 
 
 def check_values(model: GGUFModel, h: Qwen35HParams) -> list[Finding]:
