@@ -26,8 +26,8 @@ ours, and so does one with a ``..`` component. Trailing sentence punctuation is 
 or directory of that name exists in the checkout; a bare name resolves when it exists beside the
 citing file (a relative Markdown link) or is the name of some file in the repository.
 
-A path outside the repository that users never have (``../shared/...``) may not be cited
-anywhere in tracked text.
+A folder outside the repository that users never have (``OUTSIDE``, the sibling folder the
+design notes were first written in) may not be cited anywhere in tracked text.
 """
 
 from __future__ import annotations

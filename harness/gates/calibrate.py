@@ -190,57 +190,65 @@ class CalibrationResult:
 
 
 def _prompts(model_path, n_max_tokens: int = 256) -> list[list[int]]:
+
     ps = tokenize_prompts(load_prompt_set(None), LlamaCppEngine(model_path))
     return [p.tokens[:n_max_tokens] for p in ps]
 
 
-def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> CalibrationResult:
-    """Run every pair of ``plan`` and propose thresholds (does not write them)."""
-    goods: list[PairStats] = []
-    bads: list[PairStats] = []
-    skipped: list[str] = []
-    problems: list[str] = []
+@dataclass
+class _ModelRun:
+    """One model calibration measures on: its spec, file, token ids and cached llama.cpp logits."""
 
-    def good_pairs(model: str) -> list[PairStats]:
-        path = resolve_model(model)
-        prompts = _prompts(path)
-        ref = CachedReference(LlamaCppEngine(path))
-        out = []
-        cands: list[tuple[str, Callable[[], Any]]] = [
-            ("oracle", lambda: resolve_engine("oracle", path)),
-            ("llama.cpp n_ubatch=7", lambda: LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))),
-            ("llama.cpp n_threads=1", lambda: LlamaCppEngine(path, settings=LlamaCppSettings(n_threads=1))),
-        ]
-        if plan.include_transformers:
-            try:
-                import torch  # noqa: F401
+    model: str
+    path: Path
+    prompts: list[list[int]]
+    ref: CachedReference
 
-                cands.append(("transformers", lambda: resolve_engine("transformers", path)))
-            except ImportError:
-                skipped.append(f"transformers vs llama.cpp on {model}: the hf extra (torch) is not installed")
-        for label, make in cands:
-            log(f"  good: {label} vs llama.cpp on {model}")
-            out.append(measure_pair(f"{label} vs llama.cpp", True, model, ref, make(), prompts))
-        return out, ref, prompts, path
 
-    # 1. F32 trained models: the default gates
-    base_goods, base_ref, base_prompts, base_path = good_pairs(plan.base_model)
-    goods += base_goods
-    groups = {plan.base_model: base_goods}
-    moe_ref = moe_prompts = moe_path = None
+def _good_pairs(plan: CalibrationPlan, model: str, log: Callable[[str], None], skipped: list[str]) -> tuple[list[PairStats], _ModelRun]:
+    """Phase 1, per F32 model: the known-good pairs (oracle, llama.cpp at n_ubatch 7 and at one
+    thread, transformers when torch is installed) against llama.cpp at default settings."""
+    path = resolve_model(model)
+    run = _ModelRun(model, path, _prompts(path), CachedReference(LlamaCppEngine(path)))
+    cands: list[tuple[str, Callable[[], Any]]] = [
+        ("oracle", lambda: resolve_engine("oracle", path)),
+        ("llama.cpp n_ubatch=7", lambda: LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))),
+        ("llama.cpp n_threads=1", lambda: LlamaCppEngine(path, settings=LlamaCppSettings(n_threads=1))),
+    ]
+    if plan.include_transformers:
+        try:
+            import torch  # noqa: F401
+
+            cands.append(("transformers", lambda: resolve_engine("transformers", path)))
+        except ImportError:
+            skipped.append(f"transformers vs llama.cpp on {model}: the hf extra (torch) is not installed")
+    out = []
+    for label, make in cands:
+        log(f"  good: {label} vs llama.cpp on {model}")
+        out.append(measure_pair(f"{label} vs llama.cpp", True, model, run.ref, make(), run.prompts))
+    return out, run
+
+
+def _f32_gates(plan: CalibrationPlan, log: Callable[[str], None], skipped: list[str]) -> tuple[list[PairStats], dict[str, dict[str, Any]], _ModelRun, _ModelRun | None]:
+    """Phase 1: the default parity gates, proposed from the known-good pairs on the F32 trained
+    models (the MoE one skipped, with a reason, when it cannot be resolved)."""
+    goods, base = _good_pairs(plan, plan.base_model, log, skipped)
+    moe = None
     if plan.moe_model:
         try:
             resolve_model(plan.moe_model)
         except HarnessError as e:
             skipped.append(f"{plan.moe_model}: {e}")
         else:
-            moe_goods, moe_ref, moe_prompts, moe_path = good_pairs(plan.moe_model)
+            moe_goods, moe = _good_pairs(plan, plan.moe_model, log, skipped)
             goods += moe_goods
-            groups[plan.moe_model] = moe_goods
-    f32_goods = [g for m in groups.values() for g in m]
-    gates = propose(f32_goods)
+    return goods, propose(goods), base, moe
 
-    # 2. quantized ladder: per-model rows
+
+def _quant_rows(plan: CalibrationPlan, log: Callable[[str], None], skipped: list[str]) -> tuple[list[PairStats], dict[str, dict[str, dict[str, Any]]]]:
+    """Phase 2: a per-quant row of gates from oracle vs llama.cpp on each model of the ladder
+    (each good pair tagged with its ``quant_key``)."""
+    goods: list[PairStats] = []
     per_model: dict[str, dict[str, dict[str, Any]]] = {}
     for model in plan.ladder:
         try:
@@ -255,64 +263,86 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
         goods.append(g)
         per_model[f"quant:{GGUFModel(path).file_type}"] = propose([g])
         g.extra["quant_key"] = f"quant:{GGUFModel(path).file_type}"
+    return goods, per_model
 
-    # 3. probes and localization floors of llama.cpp itself
-    tol_probe_floor = {"min_cosine": 1.0, "max_kld": 0.0}
-    ll = LlamaCppEngine(base_path)
-    main = max(base_prompts, key=len)[:160]
+
+def _probe_floor(base: _ModelRun) -> dict[str, dict[str, Any]]:
+    """Phase 3a: probe tolerances from llama.cpp's own disagreement with itself (split points,
+    decode, n_ubatch 7 against the default) on the longest prompt, with 20× (cosine) and 50× (KLD)
+    margins."""
+    floor = {"min_cosine": 1.0, "max_kld": 0.0}
+    ll = LlamaCppEngine(base.path)
+    main = max(base.prompts, key=len)[:160]
     for r in (probe_split(ll, main, ProbeTolerance(min_cosine=-1, max_kld=math.inf)),
               probe_decode(ll, main[:80], ProbeTolerance(min_cosine=-1, max_kld=math.inf))):
         for c in r.comparisons:
-            tol_probe_floor["min_cosine"] = min(tol_probe_floor["min_cosine"], c.min_cosine)
-            tol_probe_floor["max_kld"] = max(tol_probe_floor["max_kld"], c.max_kld)
-    ub = LlamaCppEngine(base_path, settings=LlamaCppSettings(n_ubatch=7))
+            floor["min_cosine"] = min(floor["min_cosine"], c.min_cosine)
+            floor["max_kld"] = max(floor["max_kld"], c.max_kld)
+    ub = LlamaCppEngine(base.path, settings=LlamaCppSettings(n_ubatch=7))
     a = gather(ll.logits(main), len(main))
     b = gather(ub.logits(main), len(main))
     pm = metrics.position_metrics(a, b)
-    tol_probe_floor["min_cosine"] = min(tol_probe_floor["min_cosine"], float(np.min(pm["cosine"])))
-    tol_probe_floor["max_kld"] = max(tol_probe_floor["max_kld"], float(np.max(pm["kld"])))
-    probes = {
-        "min_cosine": {"value": round(1 - _round_up(max(20 * (1 - tol_probe_floor["min_cosine"]), 1e-6)), 8), "floor": tol_probe_floor["min_cosine"]},
-        "max_kld": {"value": _round_up(max(50 * tol_probe_floor["max_kld"], 1e-6)), "floor": tol_probe_floor["max_kld"]},
+    floor["min_cosine"] = min(floor["min_cosine"], float(np.min(pm["cosine"])))
+    floor["max_kld"] = max(floor["max_kld"], float(np.max(pm["kld"])))
+    return {
+        "min_cosine": {"value": round(1 - _round_up(max(20 * (1 - floor["min_cosine"]), 1e-6)), 8), "floor": floor["min_cosine"]},
+        "max_kld": {"value": _round_up(max(50 * floor["max_kld"], 1e-6)), "floor": floor["max_kld"]},
     }
-    ptol = ProbeTolerance(min_cosine=probes["min_cosine"]["value"], max_kld=probes["max_kld"]["value"])
-    hp = GGUFModel(base_path).hparams
-    loc_tokens = base_prompts[0][:96]
-    oracle_acts = resolve_engine("oracle", base_path).activations(loc_tokens)
-    ll_acts = ll.activations(loc_tokens)
-    rows = metrics.compare_activations(oracle_acts, ll_acts)
-    ok_rows = [r for r in rows if r["status"] == "ok"]
+
+
+def _localization_floor(base: _ModelRun) -> tuple[dict[str, dict[str, Any]], list[int], dict[str, np.ndarray]]:
+    """Phase 3b: localization bounds from llama.cpp (F32) against the oracle, tensor by tensor, on
+    the first prompt's first 96 tokens, with a 100× margin; also the oracle's activations and the
+    tokens, which the mutants' localization reuses."""
+    loc_tokens = base.prompts[0][:96]
+    oracle_acts = resolve_engine("oracle", base.path).activations(loc_tokens)
+    ll_acts = LlamaCppEngine(base.path).activations(loc_tokens)
+    ok_rows = [r for r in metrics.compare_activations(oracle_acts, ll_acts) if r["status"] == "ok"]
     nm_floor = max(r["nmse"] for r in ok_rows)
     cos_floor = min(r["cosine"] for r in ok_rows)
     localization = {
         "localize_max_nmse": {"value": _round_up(max(100 * nm_floor, 1e-6)), "floor": nm_floor, "n": len(ok_rows)},
         "localize_min_cosine": {"value": round(1 - _round_up(max(100 * (1 - cos_floor), 1e-4)), 8), "floor": cos_floor, "n": len(ok_rows)},
     }
+    return localization, loc_tokens, oracle_acts
 
-    # 4. known-bad pairs: every mutant, on the model whose arch it affects
-    names = plan.mutants or tuple(MUTANTS)
-    for name in names:
+
+def _bad_pairs(plan: CalibrationPlan, base: _ModelRun, moe: _ModelRun | None, probes: dict[str, dict[str, Any]],
+               localization: dict[str, dict[str, Any]], loc_tokens: list[int], oracle_acts: dict[str, np.ndarray],
+               log: Callable[[str], None], skipped: list[str]) -> list[PairStats]:
+    """Phase 4: every mutant (or ``plan.mutants``) against llama.cpp on the model whose arch it
+    affects: the parity numbers, and whether the split, decode and determinism probes and the
+    localization (at the proposed tolerances) catch it."""
+    ptol = ProbeTolerance(min_cosine=probes["min_cosine"]["value"], max_kld=probes["max_kld"]["value"])
+    bads = []
+    for name in plan.mutants or tuple(MUTANTS):
         m = MUTANTS[name]
-        if "qwen35" not in m.archs and moe_path is None:
+        if "qwen35" not in m.archs and moe is None:
             skipped.append(f"mutant:{name}: needs a qwen35moe model ({plan.moe_model} unavailable)")
             continue
-        use_moe = "qwen35" not in m.archs
-        path, ref, prompts, model = (moe_path, moe_ref, moe_prompts, plan.moe_model) if use_moe else (base_path, base_ref, base_prompts, plan.base_model)
-        log(f"  bad: mutant:{name} vs llama.cpp on {model}")
-        eng = resolve_engine(f"mutant:{name}", path)
-        p = measure_pair(f"mutant:{name}", False, model, ref, eng, prompts)
-        toks = max(prompts, key=len)[:160]
+        run = moe if "qwen35" not in m.archs else base
+        log(f"  bad: mutant:{name} vs llama.cpp on {run.model}")
+        eng = resolve_engine(f"mutant:{name}", run.path)
+        p = measure_pair(f"mutant:{name}", False, run.model, run.ref, eng, run.prompts)
+        toks = max(run.prompts, key=len)[:160]
         p.extra["probe_split"] = probe_split(eng, toks, ptol).verdict is Verdict.FAIL
         p.extra["probe_decode"] = probe_decode(eng, toks[:48], ptol).verdict is Verdict.FAIL
         p.extra["probe_determinism"] = probe_determinism(eng, toks[:64]).verdict is Verdict.FAIL
-        mhp = GGUFModel(path).hparams
-        o_acts = oracle_acts if path == base_path else resolve_engine("oracle", path).activations(loc_tokens)
+        mhp = GGUFModel(run.path).hparams
+        o_acts = oracle_acts if run.path == base.path else resolve_engine("oracle", run.path).activations(loc_tokens)
         loc = localize_activations(mhp, o_acts, eng.activations(loc_tokens), localization["localize_max_nmse"]["value"],
                                    localization["localize_min_cosine"]["value"])
         p.extra["localize"] = loc.first is not None
         p.extra["first_divergence"] = loc.first.name if loc.first else None
         bads.append(p)
+    return bads
 
+
+def _refusals(goods: list[PairStats], bads: list[PairStats], gates: dict[str, dict[str, Any]],
+              per_model: dict[str, dict[str, dict[str, Any]]]) -> tuple[dict[str, dict[str, bool]], list[str]]:
+    """Phase 5: the known-bad × gates matrix, and the reasons to refuse: a mutant no gate catches,
+    a known-good pair past the thresholds proposed for it (its quant row, else the default)."""
+    problems = []
     matrix = {b.label: caught(b, gates) for b in bads}
     for b in bads:
         if not any(matrix[b.label].values()):
@@ -322,6 +352,23 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
         if g.min_cosine < th["min_cosine"]["value"] or g.kld_mean > th["max_kld_mean"]["value"] or g.kld_p99 > th["max_kld_p99"]["value"]:
             problems.append(f"known-good {g.label} on {g.model} spreads past the proposed thresholds "
                             f"(min cosine {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g})")
+    return matrix, problems
+
+
+def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> CalibrationResult:
+    """Run every pair of ``plan`` and propose thresholds (does not write them), in five phases:
+    F32 known-good pairs → default gates (``_f32_gates``); the quantized ladder → per-quant rows
+    (``_quant_rows``); llama.cpp's own probe and localization floors (``_probe_floor``,
+    ``_localization_floor``); every mutant as a known-bad pair (``_bad_pairs``); the catch matrix
+    and the refusals (``_refusals``). See the module docstring for the arithmetic."""
+    skipped: list[str] = []
+    goods, gates, base, moe = _f32_gates(plan, log, skipped)
+    ladder_goods, per_model = _quant_rows(plan, log, skipped)
+    goods += ladder_goods
+    probes = _probe_floor(base)
+    localization, loc_tokens, oracle_acts = _localization_floor(base)
+    bads = _bad_pairs(plan, base, moe, probes, localization, loc_tokens, oracle_acts, log, skipped)
+    matrix, problems = _refusals(goods, bads, gates, per_model)
     return CalibrationResult(goods, bads, gates, per_model, probes, localization, matrix, skipped, problems)
 
 
