@@ -16,8 +16,9 @@ in one line (docs/design.md, "Every failure is a reproducer")::
   divergence is the same op in the same kind of layer (``causes_first_at``, for localize). When
   no mutant matches, or too many do to narrow anything, the caller's fallback says what to look at.
 
-Every string that came from outside (ids, names, engine output) is passed through
-``printable`` before it is put in a message.
+Strings that came from outside (ids, names, tensor names from an engine) cannot reach a terminal
+as control characters: ``failure_message`` passes the whole line through ``printable``, and
+commands are ``shlex``-quoted.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Reproducer:
         if self.overrides:
             parts[-1] += " with " + " ".join(f"--override-kv {printable(o)}" for o in self.overrides)
         if self.prompt is not None:
-            parts.append(f"prompt {printable(self.prompt)!r}")
+            parts.append(f"prompt {self.prompt!r}")  # repr escapes control characters
         if self.n_tokens is not None:
             parts += [f"n_tokens {self.n_tokens}", f"chunks {format_chunks(self.chunks)}"]
         return ", ".join(parts)
@@ -110,7 +111,7 @@ def failure_message(numbers: str, case: Reproducer, causes: Sequence[str], fallb
     """
     cause = " or ".join(causes) if 0 < len(causes) <= MAX_CAUSES else fallback
     line = f"{numbers} ({case.where()}); likely cause: {cause}"
-    return line + (f"; reproduce: {command}" if command else "")
+    return printable(line + (f"; reproduce: {command}" if command else ""))
 
 
 def _described(names: Sequence[str]) -> list[str]:
