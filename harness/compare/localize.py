@@ -9,7 +9,10 @@ function the hybrid-forward contract uses too). The first tensor whose NMSE exce
 kinds of ``harness.model.gguf_model``: recurrent / attention / global, or ``moe`` for the MoE
 FFN of a layer), tensor name, first position over the bound, and the numbers. A run that
 compared no tensor is UNMEASURED, never clean. ``chunks`` feeds the prompt in pieces so faults in
-state carried between calls are localized too.
+state carried between calls are localized too. A divergence found by ``run_localize`` carries a
+reproducer line (``divergence_message``): the numbers, the case, the bug classes of the mutants
+whose first divergence is the same op (``harness.engines.mutants.SHOWS_FIRST_AT``) and the
+``harness localize`` command that shows it again.
 """
 
 from __future__ import annotations

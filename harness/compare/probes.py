@@ -16,6 +16,11 @@ Probes (tolerances from thresholds.yaml ``probes:``, each with a basis):
 - ``determinism``: the same input twice gives bit-identical logits.
 - ``long``: ≥ 1,024 positions against the reference with the parity gate; reports the first
   position where the gate fails.
+
+A failed probe run by ``run_probes`` carries a reproducer line (``probe_failure``, through
+``harness.compare.reproducer``): the first failing comparison and its bounds, candidate, model
+sha256, prompt, n_tokens, the chunks it fed, the bug classes of the mutants that break the probe's
+contract obligation (``PROBES``), and the ``harness probe --only NAME`` command that reruns it.
 """
 
 from __future__ import annotations
