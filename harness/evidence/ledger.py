@@ -400,6 +400,43 @@ def _speed(r: Mapping[str, Any]) -> str:
     return f"{_fmt(tps, ',.0f')} ({_fmt(wall, '.1f')})"
 
 
+def _table_line(r: Mapping[str, Any], superseded: Mapping[Any, Any], speed: bool) -> str:
+    """One LEDGER.md table line: row ``r``'s fields, its verdict struck through when a later row
+    in ``superseded`` (seq → superseding seq) withdraws it, and the speed column when ``speed``."""
+    verdict = _cell(r.get("verdict") or "—")
+    if r.get("seq") in superseded:
+        verdict = f"~~{verdict}~~ (superseded by #{superseded[r.get('seq')]})"
+    model = _cell(r.get("model") or "—")
+    if r.get("kind") == "supersede":
+        model = f"supersedes #{r.get('supersedes')}: {_cell(r.get('reason', ''))}"
+    flips = "—" if r.get("near_tie_flips") is None else f"{r.get('near_tie_flips')} / {r.get('hard_flips')}"
+    receipt = f"`{r['receipt_id'][:12]}`" if r.get("receipt_id") else "—"
+    return (
+        "| "
+        + " | ".join(
+            [
+                str(r.get("seq")),
+                _cell(str(r.get("time") or "")[:10]),
+                _cell(r.get("kind")),
+                model,
+                _cell(r.get("quant") or "—"),
+                _cell(r.get("candidate") or "—"),
+                _cell(r.get("reference") or "—"),
+                _fmt(r.get("positions"), "d"),
+                _fmt(r.get("min_cosine"), ".6f"),
+                verdict,
+                _fmt(r.get("argmax_agreement"), ".4f"),
+                flips,
+                _fmt(r.get("kld_mean"), ".3g"),
+                _cell(r.get("basis_kind") or "—"),
+                receipt,
+            ]
+            + ([_speed(r)] if speed else [])
+        )
+        + " |"
+    )
+
+
 def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, markdown_path: str | Path | None = None) -> str:
     """LEDGER.md for ``rows``: a header, the head (last seq and row_hash) and one table line per row.
 
@@ -429,39 +466,7 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
         + (" candidate tok/s (wall s) |" if speed else ""),
         "|---:|---|---|---|---|---|---|---:|---:|---|---:|---:|---:|---|---|" + ("---:|" if speed else ""),
     ]
-    for r in rows:
-        verdict = _cell(r.get("verdict") or "—")
-        if r.get("seq") in superseded:
-            verdict = f"~~{verdict}~~ (superseded by #{superseded[r.get('seq')]})"
-        model = _cell(r.get("model") or "—")
-        if r.get("kind") == "supersede":
-            model = f"supersedes #{r.get('supersedes')}: {_cell(r.get('reason', ''))}"
-        flips = "—" if r.get("near_tie_flips") is None else f"{r.get('near_tie_flips')} / {r.get('hard_flips')}"
-        receipt = f"`{r['receipt_id'][:12]}`" if r.get("receipt_id") else "—"
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    str(r.get("seq")),
-                    _cell(str(r.get("time") or "")[:10]),
-                    _cell(r.get("kind")),
-                    model,
-                    _cell(r.get("quant") or "—"),
-                    _cell(r.get("candidate") or "—"),
-                    _cell(r.get("reference") or "—"),
-                    _fmt(r.get("positions"), "d"),
-                    _fmt(r.get("min_cosine"), ".6f"),
-                    verdict,
-                    _fmt(r.get("argmax_agreement"), ".4f"),
-                    flips,
-                    _fmt(r.get("kld_mean"), ".3g"),
-                    _cell(r.get("basis_kind") or "—"),
-                    receipt,
-                ]
-                + ([_speed(r)] if speed else [])
-            )
-            + " |"
-        )
+    lines += [_table_line(r, superseded, speed) for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -12,9 +12,10 @@ Sources: llama.cpp ``src/models/qwen35.cpp`` / ``qwen35moe.cpp`` (``load_arch_hp
 from __future__ import annotations
 
 import os
+import struct
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -26,6 +27,7 @@ from gguf import (
     GGUFValueType,
     LlamaFileType,
 )
+from gguf.gguf_reader import ReaderField
 from gguf.quants import dequantize
 
 from harness.errors import InvalidInput
@@ -264,128 +266,117 @@ class TensorInfo:
 
 
 LAZY_ARRAY_MIN = 64
-"""Metadata arrays longer than this are parsed only when read (``_reader_class``)."""
+"""Metadata arrays longer than this are parsed only when read (``PlainReader``, ``LazyArrayField``)."""
 
 
-@lru_cache(maxsize=1)
-def _reader_class() -> type:
-    import struct
+class LazyArrayField(ReaderField):
+    """A metadata array whose elements gguf-py parses on first use of ``parts``/``data``
+    (``contents()``), with ``GGUFReader``'s own ``_get_field_parts``: the same parts, data
+    indices and values as an eager parse. ``length`` is the element count from the header."""
 
-    from gguf.gguf_reader import ReaderField
+    @property
+    def parts(self) -> list:
+        return self._eager()[0]
 
-    class LazyArrayField(ReaderField):
-        """A metadata array whose elements gguf-py parses on first use of ``parts``/``data``
-        (``contents()``), with ``GGUFReader``'s own ``_get_field_parts``: the same parts, data
-        indices and values as an eager parse. ``length`` is the element count from the header."""
+    @property
+    def data(self) -> list:
+        return self._eager()[1]
 
-        @property
-        def parts(self) -> list:
-            return self._eager()[0]
+    def _eager(self) -> tuple[list, list]:
+        if self.__dict__.get("_parsed") is None:
+            _, parts, idxs, _ = GGUFReader._get_field_parts(self._reader, self._value_offs, GGUFValueType.ARRAY)
+            self._parsed = (self._head + parts, [i + len(self._head) for i in idxs])
+        return self._parsed
 
-        @property
-        def data(self) -> list:
-            return self._eager()[1]
 
-        def _eager(self) -> tuple[list, list]:
-            if self.__dict__.get("_parsed") is None:
-                _, parts, idxs, _ = GGUFReader._get_field_parts(self._reader, self._value_offs, GGUFValueType.ARRAY)
-                self._parsed = (self._head + parts, [i + len(self._head) for i in idxs])
-            return self._parsed
+class PlainReader(GGUFReader):
+    """The reader class: ``gguf.GGUFReader`` slicing a plain ndarray view of its memory map rather
+    than the ``np.memmap`` object: each ``np.memmap`` slice runs Python code (``__array_finalize__``),
+    and the metadata of a 248,320-token vocab is a million slices. Same parse, same values,
+    about 3x faster and half the memory. A read past the end of the file raises instead of
+    returning a short array: gguf-py would loop forever on an array whose length field
+    points past the end (empty element reads never advance), growing memory until killed."""
 
-    class PlainReader(GGUFReader):
-        """``gguf.GGUFReader`` slicing a plain ndarray view of its memory map rather than the
-        ``np.memmap`` object: each ``np.memmap`` slice runs Python code (``__array_finalize__``),
-        and the metadata of a 248,320-token vocab is a million slices. Same parse, same values,
-        about 3x faster and half the memory. A read past the end of the file raises instead of
-        returning a short array: gguf-py would loop forever on an array whose length field
-        points past the end (empty element reads never advance), growing memory until killed."""
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        need = np.dtype(dtype).itemsize * count
+        raw = plain[offset : offset + need]
+        if raw.nbytes < need:
+            raise ValueError(f"truncated: {need} bytes at offset {offset} run past the end of the file ({plain.nbytes} bytes)")
+        arr = raw.view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
-            count = int(count)
-            need = np.dtype(dtype).itemsize * count
-            raw = plain[offset : offset + need]
-            if raw.nbytes < need:
-                raise ValueError(f"truncated: {need} bytes at offset {offset} run past the end of the file ({plain.nbytes} bytes)")
-            arr = raw.view(dtype=dtype)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-            # An array's length is checked against the bytes left before gguf-py walks it element
-            # by element (each element read creates an array: a length field of 2**40 would fill
-            # the memory long before the end of the file is reached).
-            if raw_type == GGUFValueType.ARRAY:
-                itype = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
-                alen = int(self._get(orig_offs + 4, np.uint64)[0])
-                scalar = self.gguf_scalar_to_np.get(itype)
-                least = np.dtype(scalar).itemsize if scalar is not None else (8 if itype == GGUFValueType.STRING else 12)
-                left = self._plain.nbytes - (orig_offs + 12)
-                if alen * least > left:
-                    raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {orig_offs} needs at least "
-                                     f"{alen * least} bytes; {max(left, 0)} are left in the file")
-            return super()._get_field_parts(orig_offs, raw_type)
-
-        def _build_fields(self, offs: int, count: int) -> int:
-            # gguf-py's loop over the key-value pairs, except that an array of more than
-            # LAZY_ARRAY_MIN scalars or strings is only measured here (its byte size) and parsed
-            # when read: a 248,320-token vocab is a million gguf-py parts (seconds) that a parity
-            # run never reads. Everything else goes through gguf-py's _get_field_parts.
-            for _ in range(count):
-                orig_offs = offs
-                kv_klen, kv_kdata = self._get_str(offs)
-                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
-                raw_kv_type = self._get(offs, np.uint32)
-                offs += int(raw_kv_type.nbytes)
-                head = [kv_klen, kv_kdata, raw_kv_type]
-                name = str(bytes(kv_kdata), encoding="utf-8")
-                lazy = self._lazy_array(offs) if raw_kv_type[0] == GGUFValueType.ARRAY else None
-                if lazy is not None:
-                    size, itype, length = lazy
-                    field = LazyArrayField(orig_offs, name, [], [], [GGUFValueType.ARRAY, itype])
-                    field._reader, field._value_offs, field._head, field.length = self, offs, head, length
-                else:
-                    size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
-                    field = ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types)
-                self._push_field(field, skip_sum=True)
-                offs += size
-            return offs
-
-        def _lazy_array(self, offs: int) -> tuple[int, Any, int] | None:
-            """(byte size, element type, length) of a long array of scalars or strings at
-            ``offs``, found without parsing its elements (strings: by stepping over their
-            lengths); None for a short array or one of arrays. Raises ``ValueError`` for an
-            unknown element type or an array that runs past the end of the file."""
-            raw = int(self._get(offs, np.uint32)[0])
-            alen = int(self._get(offs + 4, np.uint64)[0])
-            if alen <= LAZY_ARRAY_MIN or raw == GGUFValueType.ARRAY:
-                return None
-            itype = GGUFValueType(raw)  # ValueError for an unknown type, as gguf-py raises
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        # An array's length is checked against the bytes left before gguf-py walks it element
+        # by element (each element read creates an array: a length field of 2**40 would fill
+        # the memory long before the end of the file is reached).
+        if raw_type == GGUFValueType.ARRAY:
+            itype = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+            alen = int(self._get(orig_offs + 4, np.uint64)[0])
             scalar = self.gguf_scalar_to_np.get(itype)
-            start = offs + 12
-            end = self._plain.nbytes
-            if scalar is not None:
-                size = alen * np.dtype(scalar).itemsize
-                if start + size > end:
-                    raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {offs} runs past the end of the file")
-                return 12 + size, itype, alen
-            if itype != GGUFValueType.STRING:
-                raise ValueError(f"Unknown/unhandled field type {itype}")
-            buf, fmt, pos = self._plain, "<Q" if self.byte_order == "I" else ">Q", start
-            for _ in range(alen):
-                if pos + 8 > end:
-                    raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
-                pos += 8 + struct.unpack_from(fmt, buf, pos)[0]
-            if pos > end:
+            least = np.dtype(scalar).itemsize if scalar is not None else (8 if itype == GGUFValueType.STRING else 12)
+            left = self._plain.nbytes - (orig_offs + 12)
+            if alen * least > left:
+                raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {orig_offs} needs at least "
+                                 f"{alen * least} bytes; {max(left, 0)} are left in the file")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        # gguf-py's loop over the key-value pairs, except that an array of more than
+        # LAZY_ARRAY_MIN scalars or strings is only measured here (its byte size) and parsed
+        # when read: a 248,320-token vocab is a million gguf-py parts (seconds) that a parity
+        # run never reads. Everything else goes through gguf-py's _get_field_parts.
+        for _ in range(count):
+            orig_offs = offs
+            kv_klen, kv_kdata = self._get_str(offs)
+            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            head = [kv_klen, kv_kdata, raw_kv_type]
+            name = str(bytes(kv_kdata), encoding="utf-8")
+            lazy = self._lazy_array(offs) if raw_kv_type[0] == GGUFValueType.ARRAY else None
+            if lazy is not None:
+                size, itype, length = lazy
+                field = LazyArrayField(orig_offs, name, [], [], [GGUFValueType.ARRAY, itype])
+                field._reader, field._value_offs, field._head, field.length = self, offs, head, length
+            else:
+                size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+                field = ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
+    def _lazy_array(self, offs: int) -> tuple[int, Any, int] | None:
+        """(byte size, element type, length) of a long array of scalars or strings at
+        ``offs``, found without parsing its elements (strings: by stepping over their
+        lengths); None for a short array or one of arrays. Raises ``ValueError`` for an
+        unknown element type or an array that runs past the end of the file."""
+        raw = int(self._get(offs, np.uint32)[0])
+        alen = int(self._get(offs + 4, np.uint64)[0])
+        if alen <= LAZY_ARRAY_MIN or raw == GGUFValueType.ARRAY:
+            return None
+        itype = GGUFValueType(raw)  # ValueError for an unknown type, as gguf-py raises
+        scalar = self.gguf_scalar_to_np.get(itype)
+        start = offs + 12
+        end = self._plain.nbytes
+        if scalar is not None:
+            size = alen * np.dtype(scalar).itemsize
+            if start + size > end:
+                raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {offs} runs past the end of the file")
+            return 12 + size, itype, alen
+        if itype != GGUFValueType.STRING:
+            raise ValueError(f"Unknown/unhandled field type {itype}")
+        buf, fmt, pos = self._plain, "<Q" if self.byte_order == "I" else ">Q", start
+        for _ in range(alen):
+            if pos + 8 > end:
                 raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
-            return pos - offs, itype, alen
-
-    return PlainReader
-
-
-PlainReader = _reader_class()
-"""The reader class: ``gguf.GGUFReader`` with plain-array slicing, bounds checks and lazy long arrays."""
+            pos += 8 + struct.unpack_from(fmt, buf, pos)[0]
+        if pos > end:
+            raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
+        return pos - offs, itype, alen
 
 
 _READERS: OrderedDict[tuple, tuple[bytes, Any]] = OrderedDict()
