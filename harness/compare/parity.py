@@ -35,7 +35,6 @@ from harness.errors import (
 from harness.evidence.receipts import harness_info, host_info, report_only_headline
 from harness.evidence.record import record_evidence
 from harness.model.gguf_model import GGUFModel
-from harness.paths import SOURCE_ROOT
 
 Progress = Callable[[str, int, int], None]
 """``progress(prompt_id, positions_done, positions_total)``."""
@@ -216,6 +215,9 @@ def run_cell(
         ok = observed is not None and observed <= value
         kld_results.append({"name": name, "label": label, "threshold": float(value), "observed": observed, "ok": bool(ok)})
     gate["distribution_gates"] = kld_results
+    kld = np.asarray(per_position.get("kld", np.zeros(0)), np.float64)
+    worst_kld = int(np.argmax(np.where(np.isfinite(kld), kld, -np.inf))) if np.isfinite(kld).any() else None
+    gate["max_kld_where"] = where(worst_kld)  # the position a distribution-gate failure is reported at
     kld_failed = [g for g in kld_results if not g["ok"] and g["observed"] is not None]
     if fails.size or kld_failed:
         verdict = Verdict.FAIL
@@ -228,6 +230,9 @@ def run_cell(
             )
         for g in kld_failed:
             parts.append(f"{g['label']} {g['observed']:.3g} > {g['threshold']:.3g} ({g['name']})")
+        if kld_failed and worst_kld is not None:
+            w = gate["max_kld_where"]
+            parts.append(f"largest KLD {kld[worst_kld]:.3g} at prompt {w['prompt']!r} position {w['position']}")
         msg = "; ".join(parts)
     elif n_pos < min_positions:
         verdict = Verdict.UNMEASURED
@@ -265,7 +270,7 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult) -> 
     return {
         "kind": result.kind,
         "host": host_info(),
-        "harness": harness_info(SOURCE_ROOT),
+        "harness": harness_info(),
         "command": list(req.argv) or ["harness", "parity"],
         "model": inputs.model_record(),
         "engines": {"reference": result.reference_info, "candidate": result.candidate_info},
