@@ -339,6 +339,12 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert rec["harness"]["contracts"]["qwen35-hybrid-forward-v1"] == rec["contract"]["version"] and rec["contract"]["shipped"]
     assert not [p for p in site.rglob("*") if p.is_dir() and p.name in ("discharge", "receipts")]  # nothing written into the venv
     assert "DISCHARGED" in _ok(_run([harness, "status", "--check"], repo))
+    # the engine itself (logits only) discharges the end-to-end contract
+    assert "6/6 obligations DISCHARGED" in _ok(_run([harness, "discharge", "qwen35-e2e-verification-v1", "--candidate", "command:mine"], repo))
+    r = _run([harness, "status", "--check", "--json"], repo)
+    _ok(r)
+    assert {c["contract"]: c["DISCHARGED"] for c in json.loads(r.stdout)["coverage"]} == {
+        "qwen35-e2e-verification-v1": 6, "qwen35-hybrid-forward-v1": 13}
 
     bad = (repo / "engine.py").read_text().replace("logits = np.asarray(", "logits = 1.5 * np.asarray(")
     assert bad != (repo / "engine.py").read_text()
@@ -355,5 +361,7 @@ def test_wheel_in_an_engine_repository(tmp_path):
     r = _run([harness, "status", "--check", "--json"], repo)
     _ok(r, 1)
     rows = json.loads(r.stdout)["obligations"]
-    assert len(rows) == 13 and {r["status"] for r in rows} == {"STALE"}
-    assert all("contract qwen35-hybrid-forward-v1.yaml changed" in r["detail"] for r in rows)
+    stale = [r for r in rows if r["contract"] == "qwen35-hybrid-forward-v1"]
+    assert len(stale) == 13 and {r["status"] for r in stale} == {"STALE"}
+    assert all("contract qwen35-hybrid-forward-v1.yaml changed" in r["detail"] for r in stale)
+    assert {r["status"] for r in rows if r["contract"] == "qwen35-e2e-verification-v1"} == {"DISCHARGED"}  # unchanged by the upgrade
