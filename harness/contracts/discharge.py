@@ -361,6 +361,15 @@ def default_evidence_dir(contract: Contract) -> Path:
     return suite.discharge_dir(contract.root)
 
 
+def write_record(path: Path, record: dict[str, Any]) -> Path:
+    """Write a discharge record atomically (temporary file, then rename); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def discharge(
     path: str | os.PathLike,
     candidate: str = DEFAULT_CANDIDATE,
@@ -382,9 +391,8 @@ def discharge(
     root = contract.root
     project = suite.project_config(root)
     obs = [contract.obligation(o) for o in obligation_ids] if obligation_ids else list(contract.obligations)
-    bound = [ob for ob in obs if ob.tests]
     requests: list[tuple[Subject, Sequence[str]]] = []
-    for ob in bound:
+    for ob in (ob for ob in obs if ob.tests):
         requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
         requests.append((Subject(candidate, ob.model), ob.tests))
     runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
@@ -419,13 +427,7 @@ def discharge(
             "red": reds,
             "green": {"shown_by": candidate, **green},
         }
-        written = None
-        if write:
-            written = out_dir / contract.id / f"{ob.id}.json"
-            written.parent.mkdir(parents=True, exist_ok=True)
-            tmp = written.with_name(f".{written.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-            os.replace(tmp, written)
+        written = write_record(out_dir / contract.id / f"{ob.id}.json", record) if write else None
         results.append(ObligationResult(contract.id, ob.id, result, reds, green, record, written))
     return results
 
