@@ -641,7 +641,7 @@ def init(engine: str, force: bool) -> None:
     a GitHub Actions workflow and an empty ledger. Refuses (exit 2, listing them) when any of
     these exists, unless --force."""
     # deferred: startup
-    from harness.contracts.suite import suite_pins
+    from harness.provenance import suite_pins
     from harness.scaffold import init_project
 
     root = Path.cwd()

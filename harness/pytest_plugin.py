@@ -138,17 +138,11 @@ class CellSettings:
 
 
 def cell_settings(config: pytest.Config) -> CellSettings:
-    """The ``CellSettings`` of this session (options over ``[tool.harness]``). Raises
-    ``InvalidInput`` for an unknown probe name or a malformed config value."""
-    # deferred: see the module docstring
-    from harness.compare.probes import PROBE_NAMES
-
+    """The ``CellSettings`` of this session (options over ``[tool.harness]``; the probe cell checks
+    the probe names). Raises ``InvalidInput`` for a malformed config value."""
     cfg = project_config(config)
     reference = config.getoption("reference") or cfg.get("reference")
     probes = tuple(cfg.names("probes"))
-    unknown = [p for p in probes if p not in PROBE_NAMES]
-    if unknown:
-        raise InvalidInput(f"{cfg.source}: [tool.harness] probes: unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
     ledger = config.getoption("harness_ledger")
     return CellSettings(reference or DEFAULT_REFERENCE, bool(reference), cfg.path("prompts"), cfg.path("thresholds"), probes,
                         bool(config.getoption("harness_record")), Path(ledger).resolve() if ledger else cfg.ledger)

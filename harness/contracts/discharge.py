@@ -57,7 +57,7 @@ from harness.engines.registry import engine_source_hashes
 from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.paths import IS_CHECKOUT, SOURCE_ROOT
-from harness.provenance import git_state, sha256_bytes, sha256_file
+from harness.provenance import git_state, sha256_bytes, sha256_file, suite_pins
 
 SCHEMA_ID = "harness-discharge/v1"
 SESSION_TIMEOUT_S = 1200
@@ -346,9 +346,9 @@ def _result(reds: list[dict[str, Any]], green: dict[str, Any]) -> str:
 @lru_cache(maxsize=1)
 def harness_pins() -> dict[str, Any]:
     """The record's ``harness`` field: the harness version, the shipped contracts' versions and
-    the suite's sha256 (``suite.suite_pins``), and the harness checkout's git commit and whether
+    the suite's sha256 (``harness.provenance.suite_pins``), and the harness checkout's git commit and whether
     it had uncommitted changes when it runs from one (None from an installed wheel)."""
-    pins = dict(suite.suite_pins())
+    pins = dict(suite_pins())
     git = git_state(SOURCE_ROOT) if IS_CHECKOUT else {"commit": None, "dirty": None}
     pins.update(git_commit=git["commit"], git_dirty=git["dirty"])
     return pins

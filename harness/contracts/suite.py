@@ -16,29 +16,22 @@ directory, ``harness.config``) uses it:
 * ``harness status`` looks at the project's ``contracts/`` and at the shipped contracts the project
   uses: those listed in ``[tool.harness] contracts``, else those it has discharge records for.
 
-``suite_pins`` is what receipts and discharge records name: the harness version, the shipped
-contracts' versions and one sha256 over the suite's contracts and bound tests, so a record made
-with one release can be told from another's (``harness status`` compares the files themselves and
-says STALE when an upgrade changed a contract or a bound test).
+Receipts and discharge records name the harness version, the shipped contracts' versions and one
+sha256 over the suite's contracts and bound tests (``harness.provenance.suite_pins``), so a record
+made with one release can be told from another's; ``harness status`` compares the files
+themselves and says STALE when an upgrade changed a contract or a bound test.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
-
-import yaml
 
 from harness.config import HarnessConfig, load_config
 from harness.errors import InvalidInput
-from harness.paths import IS_CHECKOUT, SUITE_ROOT
+from harness.paths import SUITE_ROOT
 
 CONTRACTS_DIR = "contracts"
-BOUND_TESTS_DIR = Path("tests") / "contracts"
 
 
 def shipped_contracts() -> dict[str, Path]:
@@ -108,31 +101,3 @@ def default_contract_paths(cfg: HarnessConfig | None = None) -> list[Path]:
     used = listed if "contracts" in cfg.table else [cid for cid in shipped if _has_records(evidence, cid)]
     seen = {p.resolve() for p in own}
     return own + [shipped[cid] for cid in used if shipped[cid].resolve() not in seen]
-
-
-def _files_sha256(files: Iterable[Path], root: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(files):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()
-
-
-@lru_cache(maxsize=1)
-def suite_pins() -> dict[str, Any]:
-    """``{"version", "contracts": {id: version}, "sha256"}``: the harness version, each shipped
-    contract's ``version`` field and the sha256 over the shipped contract files and bound test
-    modules (path and content). Read once per process."""
-    try:
-        version = metadata.version("qwen35-harness")
-    except metadata.PackageNotFoundError:
-        version = "0+unknown"
-    contracts: dict[str, str | None] = {}
-    for cid, path in shipped_contracts().items():
-        try:
-            data = yaml.safe_load(path.read_text())
-            contracts[cid] = str(data.get("version")) if isinstance(data, dict) else None
-        except (OSError, yaml.YAMLError):
-            contracts[cid] = None
-    files = [*(SUITE_ROOT / CONTRACTS_DIR).glob("*.yaml"), *(SUITE_ROOT / BOUND_TESTS_DIR).glob("*.py")]
-    return {"version": version, "source": "checkout" if IS_CHECKOUT else "installed", "contracts": contracts,
-            "sha256": _files_sha256(files, SUITE_ROOT) if files else None}

@@ -32,9 +32,8 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from harness.errors import InvalidInput
-from harness.contracts.suite import suite_pins
 from harness.paths import IS_CHECKOUT, SCHEMA_DIR, SOURCE_ROOT
-from harness.provenance import git_state, sha256_bytes
+from harness.provenance import git_state, sha256_bytes, suite_pins
 from harness.validation import best_error, schema_validator
 
 SCHEMA_ID = "harness-parity-receipt/v1"
@@ -157,7 +156,7 @@ def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
     the harness checkout this package runs from; None from an installed wheel, so a virtual
     environment inside another repository never lends the harness that repository's commit) with
     whether the tree has uncommitted changes, and ``suite``: the shipped contracts' versions and
-    the suite's sha256 (``harness.contracts.suite.suite_pins``)."""
+    the suite's sha256 (``harness.provenance.suite_pins``)."""
     pins = suite_pins()
     repo = Path(repo_dir) if repo_dir else (SOURCE_ROOT if IS_CHECKOUT else None)
     git = _cached_git_state(repo) if repo is not None else {"commit": None, "dirty": None}
