@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -27,11 +28,10 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.markup import escape
 from rich.table import Table
 
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
-from harness.errors import HarnessError, InvalidInput, Verdict
+from harness.errors import HarnessError, InvalidInput, Unmeasured, Verdict
 from harness.provenance import sha256_file
 
 INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the harness, not a verdict
@@ -180,13 +180,16 @@ def _parity_defaults() -> dict[str, Any]:
     from harness.fixtures.resolve import default_model
 
     cfg = load_config()
+    models = cfg.model_specs() or [default_model()]
+    path = lambda key: None if cfg.path(key) is None else str(cfg.path(key))  # noqa: E731
     return {
-        "model": cfg.get("model") or default_model(),
-        "candidate": cfg.get("candidate", DEFAULT_CANDIDATE),
+        "model": models[0],
+        "models": models,
+        "candidate": (cfg.names("candidate") or [DEFAULT_CANDIDATE])[0],
         "reference": cfg.get("reference", DEFAULT_REFERENCE),
-        "prompts": cfg.get("prompts"),
-        "thresholds": cfg.get("thresholds"),
-        "ledger": cfg.get("ledger"),
+        "prompts": path("prompts"),
+        "thresholds": path("thresholds"),
+        "ledger": str(cfg.ledger),
     }
 
 
@@ -225,12 +228,12 @@ def _render_parity(outcome) -> None:
 
 
 @cli.command()
-@click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] model, else the trained default model.")
+@click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] models / model, else the trained default model.")
 @click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, transformers, llama.cpp).")
 @click.option("--reference", default=None, help="Reference engine (default llama.cpp).")
 @click.option("--prompts", default=None, type=click.Path(), help="JSONL prompt file (id + text or tokens). Default: the shipped set.")
 @click.option("--thresholds", default=None, type=click.Path(), help="thresholds.yaml (default ./thresholds.yaml, else the shipped one).")
-@click.option("--ledger", default=None, type=click.Path(), help="Ledger JSONL (default evidence/parity/ledger.jsonl; receipts go beside it).")
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger JSONL (default [tool.harness] ledger, else <evidence>/parity/ledger.jsonl of the project; receipts go beside it).")
 @override_option
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt (JSON) instead of the table.")
 @click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
@@ -241,7 +244,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
     from harness.evidence.report import write_report
 
     d = _parity_defaults()
-    specs = list(models) or [d["model"]]
+    specs = list(models) or d["models"]
     verdicts = []
     for spec in specs:
         req = ParityRequest(
@@ -457,8 +460,13 @@ def ledger() -> None:
     """The append-only sign-off ledger (evidence/parity/ledger.jsonl, rendered to LEDGER.md)."""
 
 
+def _default_ledger() -> str:
+    """The project's ledger (``[tool.harness] ledger``, else ``<evidence>/parity/ledger.jsonl``)."""
+    return str(load_config().ledger)
+
+
 @ledger.command("verify")
-@click.option("--ledger", "ledger_path", default="evidence/parity/ledger.jsonl", type=click.Path())
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger ([tool.harness] ledger, else <evidence>/parity/ledger.jsonl).")
 @click.option("--receipts", default=None, type=click.Path(), help="Receipts dir (default: receipts/ beside the ledger).")
 @click.option("--markdown", default=None, type=click.Path(), help="Rendered ledger (default: LEDGER.md of the repo).")
 def ledger_verify(ledger_path, receipts, markdown) -> None:
@@ -466,7 +474,7 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
     # deferred: startup (pandas)
     from harness.evidence.ledger import read_rows, verify_ledger
 
-    lp = Path(ledger_path)
+    lp = Path(ledger_path or _default_ledger())
     if not lp.exists():
         raise InvalidInput(f"{lp}: no such ledger")
     problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown)
@@ -479,7 +487,7 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
 
 
 @ledger.command("show")
-@click.option("--ledger", "ledger_path", default="evidence/parity/ledger.jsonl", type=click.Path())
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
 @click.option("--json", "as_json", is_flag=True)
 def ledger_show(ledger_path, as_json) -> None:
     """Summarize the ledger with pandas; print proposed report-only thresholds once 20 records exist."""
@@ -490,7 +498,7 @@ def ledger_show(ledger_path, as_json) -> None:
         summarize_ledger,
     )
 
-    lp = Path(ledger_path)
+    lp = Path(ledger_path or _default_ledger())
     if not lp.exists():
         raise InvalidInput(f"{lp}: no such ledger")
     summary = summarize_ledger(lp)
@@ -537,13 +545,17 @@ def contracts() -> None:
 @click.argument("paths", nargs=-1, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
-    """Validate contracts (default contracts/): schema, ids, oracle functions, reds, and that
-    pytest collects every bound test. Exit 0 valid, 2 invalid (every error with file:line)."""
+    """Validate contracts (files, folders or ids; default: the project's contracts/, else the
+    shipped suite): schema, ids, oracle functions, reds, and that pytest collects every bound
+    test. Exit 0 valid, 2 invalid (every error with file:line)."""
     # deferred: startup
+    from harness.contracts import suite
     from harness.contracts.loader import ContractsInvalid, load_contracts, summary_rows
 
+    own = Path(suite.CONTRACTS_DIR)
+    default = [own] if own.is_dir() and any(own.glob("*.yaml")) else list(suite.shipped_contracts().values())
     try:
-        loaded = load_contracts(paths or ["contracts"])
+        loaded = load_contracts(paths or default)
     except ContractsInvalid as e:
         if as_json:
             _echo_json({"valid": False, "errors": [vars(x) for x in e.errors]})
@@ -561,15 +573,16 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
 
 @cli.command()
 @click.argument("contract", type=click.Path())
-@click.option("--candidate", default="oracle", show_default=True, help="The GREEN subject (any engine name).")
+@click.option("--candidate", default="oracle", show_default=True, help="The GREEN subject (any engine name, e.g. command:NAME).")
 @click.option("--obligation", "obligation_ids", multiple=True, metavar="ID", help="Discharge only these obligations (repeatable).")
-@click.option("--evidence-dir", default=None, type=click.Path(), help="Where records go (default <repo>/evidence/discharge).")
+@click.option("--evidence-dir", default=None, type=click.Path(), help="Where records go (default: the project's <evidence>/discharge).")
 @click.option("--jobs", default=None, type=int, help="Parallel pytest processes (default: CPU count).")
 @click.option("--no-write", is_flag=True, help="Do not write evidence records.")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write, as_json) -> None:
     """Run each obligation's tests on its RED subject (must fail by assertion) then on the
-    candidate (must pass), write the evidence, exit 0 only if every selected one is DISCHARGED."""
+    candidate (must pass), write the evidence, exit 0 only if every selected one is DISCHARGED.
+    CONTRACT is a file or an id (the project's contracts/ID.yaml, else the shipped contract)."""
     # deferred: startup
     from harness.contracts import discharge as dis
 
@@ -591,16 +604,27 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
 
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path())
-@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED.")
-@click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default <repo>/evidence/discharge).")
+@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED (5 when there is none to check).")
+@click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default: the project's <evidence>/discharge).")
 @click.option("--json", "as_json", is_flag=True)
 def status(paths, check, evidence_dir, as_json) -> None:
     """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) and
-    coverage per contract (default contracts/)."""
+    coverage per contract. PATHS: files, folders or ids; default: the project's contracts/ and
+    the shipped contracts it uses ([tool.harness] contracts, else those discharged here)."""
     # deferred: startup
     from harness.contracts import discharge as dis
+    from harness.contracts import suite
 
-    rows, coverage = dis.status(paths or ["contracts"], evidence_dir)
+    targets = list(paths) or suite.default_contract_paths()
+    if not targets:
+        msg = ("no contracts to report: this project has no contracts/ and has discharged no shipped contract "
+               f"(shipped: {', '.join(suite.shipped_contracts())}); run e.g. harness discharge qwen35-e2e-verification-v1 "
+               "--candidate command:NAME, or list them in [tool.harness] contracts")
+        if check:
+            raise Unmeasured(msg)
+        click.echo(msg)
+        return
+    rows, coverage = dis.status(targets, evidence_dir)
     if as_json:
         _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
     else:
@@ -610,6 +634,29 @@ def status(paths, check, evidence_dir, as_json) -> None:
                       [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage])
     if check and any(r.status != dis.DISCHARGED for r in rows):
         sys.exit(1)
+
+
+# -- init ------------------------------------------------------------------------------------
+@cli.command()
+@click.option("--engine", "engine", default="mine", show_default=True, help="Name of the engine entry ([tool.harness.engines.NAME]).")
+@click.option("--force", is_flag=True, help="Replace existing files and an existing [tool.harness] table.")
+def init(engine: str, force: bool) -> None:
+    """Set up this repository (the current directory) to verify its engine with the harness:
+    [tool.harness] in pyproject.toml with an engine entry to fill in, tests/test_qwen35_parity.py,
+    a GitHub Actions workflow and an empty ledger. Refuses (exit 2, listing them) when any of
+    these exists, unless --force."""
+    # deferred: startup
+    from harness.provenance import suite_pins
+    from harness.scaffold import init_project
+
+    root = Path.cwd()
+    for p in init_project(root, engine, suite_pins()["version"], force):
+        click.echo(f"wrote {p.relative_to(root).as_posix()}")
+    click.echo(f"next: fill in [tool.harness.engines.{engine}] in pyproject.toml (the engine command), then\n"
+               "  pytest -m parity                     # parity and probe cells on your engine\n"
+               f"  harness discharge qwen35-e2e-verification-v1 --candidate command:{engine}\n"
+               "  harness status --check               # the discharged contracts are current\n"
+               "and commit evidence/ and LEDGER.md.")
 
 
 def main(argv: list[str] | None = None) -> int:

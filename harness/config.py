@@ -1,10 +1,17 @@
 """User configuration: ``[tool.harness]`` in the nearest pyproject.toml, or a harness TOML file.
 
 Lookup order: the file named by ``$HARNESS_CONFIG`` (a TOML file whose top level is the harness
-table, e.g. ``[engines.NAME]``), else the first ``pyproject.toml`` found walking up from the
-current directory (its ``[tool.harness]`` table). Keys used: ``model``, ``candidate``,
-``reference``, ``prompts``, ``thresholds``, ``ledger`` (defaults of ``harness parity``) and
-``engines.NAME`` (external command engines, docs/engine-protocol.md).
+table, e.g. ``[engines.NAME]``; or a ``pyproject.toml``, whose ``[tool.harness]`` is taken), else
+the first ``pyproject.toml`` found walking up from the current directory (its ``[tool.harness]``
+table).
+
+Keys: ``model`` / ``models``, ``candidate``, ``reference``, ``prompts``, ``thresholds``,
+``ledger`` (defaults of ``harness parity``, ``probe`` and the pytest cells); ``engines.NAME``
+(external command engines, docs/engine-protocol.md); ``evidence`` (the evidence folder, default
+``evidence/`` at the project root); ``pytest`` (true: ``pytest`` collects the shipped parity and
+probe cells, as ``pytest --harness``); ``probes`` (which probes the probe cell runs);
+``contracts`` (shipped contract ids ``harness status`` must see). Relative paths resolve
+against the config file's folder, the project root.
 """
 
 from __future__ import annotations
@@ -21,22 +28,75 @@ DEFAULT_CANDIDATE = "oracle"
 """The engine judged where none is named (``candidate`` key, ``--candidate``)."""
 DEFAULT_REFERENCE = "llama.cpp"
 """The engine judged against where none is named (``reference`` key, ``--reference``)."""
+FIXTURE_PREFIX = "fixture:"
 
 
 @dataclass
 class HarnessConfig:
-    """The harness table and the file it came from (None: no config found)."""
+    """The harness table and the file it came from (None: no config found); ``start`` is the
+    folder the lookup started from (the project root when no file was found)."""
 
     table: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
+    start: Path | None = None
 
     @property
     def base_dir(self) -> Path:
-        """Relative paths in the config resolve against the config file's directory."""
-        return self.source.parent if self.source else Path.cwd()
+        """The project root: relative paths in the config resolve against the config file's
+        folder (the lookup's start folder, else the current directory, when there is none)."""
+        if self.source:
+            return self.source.parent
+        return self.start or Path.cwd()
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.table.get(key, default)
+
+    def path(self, key: str) -> Path | None:
+        """The file or folder ``key`` names, resolved against ``base_dir`` (None when unset).
+        Raises ``InvalidInput`` when the value is not a string."""
+        value = self.table.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise InvalidInput(f"{self.source}: [tool.harness] {key} must be a path (a non-empty string)")
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else self.base_dir / p
+
+    def names(self, key: str) -> list[str]:
+        """A key that holds one string or a list of strings, as a list (empty when unset).
+        Raises ``InvalidInput`` for anything else."""
+        value = self.table.get(key)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise InvalidInput(f"{self.source}: [tool.harness] {key} must be a string or a list of strings")
+        return list(value)
+
+    def model_specs(self) -> list[str]:
+        """``models`` (or ``model``): ``fixture:NAME`` kept as given, paths resolved against
+        ``base_dir``."""
+        specs = self.names("models") or self.names("model")
+        return [s if s.startswith(FIXTURE_PREFIX) or Path(s).is_absolute() else str(self.base_dir / s) for s in specs]
+
+    @property
+    def evidence_dir(self) -> Path:
+        """``evidence`` (resolved), else ``<project root>/evidence``."""
+        return self.path("evidence") or self.base_dir / "evidence"
+
+    @property
+    def ledger(self) -> Path:
+        """``ledger`` (resolved), else ``<evidence>/parity/ledger.jsonl``; receipts go in
+        ``receipts/`` beside it."""
+        return self.path("ledger") or self.evidence_dir / "parity" / "ledger.jsonl"
+
+    def flag(self, key: str) -> bool:
+        """A boolean key (False when unset); raises ``InvalidInput`` for a non-boolean."""
+        value = self.table.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidInput(f"{self.source}: [tool.harness] {key} must be true or false")
+        return value
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -48,6 +108,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise InvalidInput(f"{path}: invalid TOML ({e})") from None
 
 
+def _harness_table(path: Path) -> dict[str, Any]:
+    table = _read_toml(path).get("tool", {}).get("harness", {})
+    if not isinstance(table, dict):
+        raise InvalidInput(f"{path}: [tool.harness] must be a table")
+    return table
+
+
 def load_config(start: Path | None = None) -> HarnessConfig:
     """Find and read the harness configuration (see module docstring).
 
@@ -55,14 +122,11 @@ def load_config(start: Path | None = None) -> HarnessConfig:
     """
     env = os.environ.get("HARNESS_CONFIG")
     if env:
-        p = Path(env)
-        return HarnessConfig(_read_toml(p), p.resolve())
+        p = Path(env).resolve()
+        return HarnessConfig(_harness_table(p) if p.name == "pyproject.toml" else _read_toml(p), p, p.parent)
     d = (start or Path.cwd()).resolve()
     for parent in [d, *d.parents]:
         pp = parent / "pyproject.toml"
         if pp.is_file():
-            table = _read_toml(pp).get("tool", {}).get("harness", {})
-            if not isinstance(table, dict):
-                raise InvalidInput(f"{pp}: [tool.harness] must be a table")
-            return HarnessConfig(table, pp)
-    return HarnessConfig()
+            return HarnessConfig(_harness_table(pp), pp, parent)
+    return HarnessConfig(start=d)

@@ -1,8 +1,9 @@
-"""What identifies an input or a build: the sha256 of bytes and files, the git state of a checkout.
+"""What identifies an input or a build: the sha256 of bytes and files, the git state of a checkout,
+the harness release and the conformance suite it ships.
 
 One statement of each, used by every layer that records where a result came from: the model
 reader (a GGUF's sha256), fixtures (recipes, cache keys), receipts and the ledger (content
-hashes), contract discharge (what a record depends on).
+hashes, ``suite_pins``), contract discharge (what a record depends on, ``suite_pins``).
 """
 
 from __future__ import annotations
@@ -10,10 +11,15 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from harness.errors import InvalidInput
+from harness.paths import IS_CHECKOUT, SUITE_ROOT
 
 CHUNK_BYTES = 1 << 20
 GIT_TIMEOUT_S = 30
@@ -56,3 +62,32 @@ def git_state(root: str | os.PathLike) -> dict[str, Any]:
         return {"commit": None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def _files_sha256(files: list[Path], root: Path) -> str:
+    """sha256 over ``path NUL sha256(content) LF`` of each file, in path order."""
+    lines = sorted(f"{f.relative_to(root).as_posix()}\0{sha256_file(f)}\n" for f in files)
+    return sha256_bytes("".join(lines).encode())
+
+
+@lru_cache(maxsize=1)
+def suite_pins() -> dict[str, Any]:
+    """``{"version", "source", "contracts": {id: version}, "sha256"}``: the harness version, where
+    it runs from (``checkout`` or ``installed``), each shipped contract's ``version`` field
+    (``harness.paths.SUITE_ROOT``/contracts) and the sha256 over the shipped contract files and
+    bound test modules (path and content). What receipts and discharge records pin; read once
+    per process."""
+    try:
+        version = metadata.version("qwen35-harness")
+    except metadata.PackageNotFoundError:
+        version = "0+unknown"
+    contracts: dict[str, str | None] = {}
+    for path in sorted((SUITE_ROOT / "contracts").glob("*.yaml")):
+        try:
+            data = yaml.safe_load(path.read_text())
+            contracts[path.stem] = str(data.get("version")) if isinstance(data, dict) else None
+        except (OSError, yaml.YAMLError):
+            contracts[path.stem] = None
+    files = [*(SUITE_ROOT / "contracts").glob("*.yaml"), *(SUITE_ROOT / "tests" / "contracts").glob("*.py")]
+    return {"version": version, "source": "checkout" if IS_CHECKOUT else "installed", "contracts": contracts,
+            "sha256": _files_sha256(files, SUITE_ROOT) if files else None}

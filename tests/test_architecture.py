@@ -17,8 +17,11 @@ Every ``import`` of a harness module counts, at the top of a file or deferred in
   everything below it;
 * ``contracts`` (loader, discharge): base, model, engines, fixtures; discharge runs the bound
   tests in pytest subprocesses rather than importing them;
+* ``conformance`` (the shipped parity and probe cells, pytest tests a repository collects):
+  base and compare; ``scaffold`` (``harness init``'s files): base and evidence (the empty ledger);
 * entry points: ``pytest_plugin`` (engines and fixtures, deferred: it loads in every pytest
-  process) and ``cli`` (anything but the plugin); nothing imports either.
+  process; it names the conformance module's file but does not import it) and ``cli`` (anything
+  but the plugin); nothing imports either.
 
 Three edges cross a layer on purpose, each listed in ``CROSSINGS`` with its reason. And the
 module graph has no cycle, so no import order can half-initialise a module.
@@ -44,8 +47,10 @@ ALLOWED: dict[str, set[str]] = {
     "compare": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare"},
     "calibrate": {"base", "model", "engines", "fixtures", "thresholds", "compare"},
     "contracts": {"base", "model", "engines", "fixtures", "contracts"},
+    "conformance": {"base", "compare"},
+    "scaffold": {"base", "evidence"},
     "pytest_plugin": {"base", "engines", "fixtures"},
-    "cli": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts"},
+    "cli": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts", "scaffold"},
     "main": {"cli"},
 }
 """Layer → the layers its modules may import."""
@@ -74,7 +79,8 @@ def layer(module: str) -> str:
     if module in BASE or module == "harness":
         return "base"
     special = {"harness.gates": "thresholds", "harness.gates.thresholds": "thresholds", "harness.gates.calibrate": "calibrate",
-               "harness.pytest_plugin": "pytest_plugin", "harness.cli": "cli", "harness.__main__": "main"}
+               "harness.pytest_plugin": "pytest_plugin", "harness.cli": "cli", "harness.__main__": "main",
+               "harness.conformance": "conformance", "harness.scaffold": "scaffold"}
     if module in special:
         return special[module]
     top = module.split(".")[1]
@@ -106,7 +112,8 @@ def test_cli_imports_nothing_from_the_pytest_plugin():
     assert not [m for m, deps in GRAPH.items() if "harness.pytest_plugin" in deps], "nothing imports the pytest plugin"
 
 
-ABOVE_ALL = ("harness.compare", "harness.gates", "harness.evidence", "harness.contracts", "harness.cli", "harness.pytest_plugin")
+ABOVE_ALL = ("harness.compare", "harness.gates", "harness.evidence", "harness.contracts", "harness.conformance", "harness.scaffold",
+             "harness.cli", "harness.pytest_plugin")
 
 
 @pytest.mark.parametrize("lower, above", [("model", ABOVE_ALL + ("harness.engines", "harness.fixtures")), ("engines", ABOVE_ALL)])

@@ -30,14 +30,15 @@ from harness.engines.registry import resolve_engine
 from harness.fixtures.resolve import resolve_model
 from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
 from harness.model.gguf_model import GGUFModel, Override, parse_overrides
-from harness.paths import SOURCE_ROOT
+from harness.paths import SUITE_ROOT
 
 DEFAULT_THRESHOLDS = Path("thresholds.yaml")
 
 
 def shipped_thresholds() -> Path:
-    """thresholds.yaml of the harness checkout/package (used when ./thresholds.yaml is absent)."""
-    return SOURCE_ROOT / "thresholds.yaml"
+    """thresholds.yaml shipped with the harness (the suite's: ``harness.paths.SUITE_ROOT``; used
+    when ./thresholds.yaml is absent)."""
+    return SUITE_ROOT / "thresholds.yaml"
 
 
 def resolve_thresholds_path(given: str | Path | None) -> Path:

@@ -37,7 +37,6 @@ from harness.errors import (
 from harness.evidence.receipts import harness_info, host_info, report_only_headline
 from harness.evidence.record import record_evidence
 from harness.model.gguf_model import GGUFModel
-from harness.paths import SOURCE_ROOT
 
 Progress = Callable[[str, int, int], None]
 """``progress(prompt_id, positions_done, positions_total)``."""
@@ -205,6 +204,8 @@ def judge_gates(per_position: dict[str, np.ndarray], summary: dict[str, Any], pr
         observed = (summary.get("kld") or {}).get(key)
         ok = observed is not None and observed <= value
         kld_results.append({"name": name, "label": label, "threshold": float(value), "observed": observed, "ok": bool(ok)})
+    kld = np.asarray(per_position.get("kld", np.zeros(0)), np.float64)
+    worst_kld = int(np.argmax(np.where(np.isfinite(kld), kld, -np.inf))) if np.isfinite(kld).any() else None
     return {
         "metric": "cosine",
         "min_cosine": min_cosine,
@@ -219,6 +220,8 @@ def judge_gates(per_position: dict[str, np.ndarray], summary: dict[str, Any], pr
         "nonfinite_positions": summary["nonfinite_positions"],
         "first_nonfinite": where(summary["first_nonfinite_index"]),
         "distribution_gates": kld_results,
+        "max_kld": None if worst_kld is None else float(kld[worst_kld]),
+        "max_kld_where": where(worst_kld),  # the position a distribution-gate failure is reported at
     }
 
 
@@ -243,6 +246,9 @@ def cell_verdict(gate: dict[str, Any], summary: dict[str, Any], prompts: list[Pr
             first = next(p for p in prompts if p.id == f["prompt"])
             case_ = replace(case_, prompt=first.id, n_tokens=len(first.tokens))
         parts += [f"{g['label']} {g['observed']:.3g} > {g['threshold']:.3g} ({g['name']})" for g in kld_failed]
+        if kld_failed and gate.get("max_kld_where"):
+            w = gate["max_kld_where"]
+            parts.append(f"largest KLD {gate['max_kld']:.3g} at prompt {w['prompt']!r} position {w['position']}")
         fallback = f"the first op that leaves the oracle, which `{_localize_command(case_, gate['first_failing'])}` names"
         return Verdict.FAIL, failure_message("; ".join(parts), case_, causes_breaking(PARITY_OBLIGATION), fallback)
     if n_pos < gate["min_positions"]:
@@ -319,7 +325,7 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult) -> 
     return {
         "kind": result.kind,
         "host": host_info(),
-        "harness": harness_info(SOURCE_ROOT),
+        "harness": harness_info(),
         "command": list(req.argv) or ["harness", "parity"],
         "model": inputs.model_record(),
         "engines": {"reference": result.reference_info, "candidate": result.candidate_info},

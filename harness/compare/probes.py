@@ -39,7 +39,6 @@ from harness.engines.timing import timed
 from harness.errors import InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info
 from harness.evidence.record import record_evidence
-from harness.paths import SOURCE_ROOT
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -374,7 +373,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, engine: Any, reference:
         "schema": "harness-probe-receipt/v1",
         "kind": "probe",
         "host": host_info(),
-        "harness": harness_info(SOURCE_ROOT),
+        "harness": harness_info(),
         "command": list(req.argv) or ["harness", "probe"],
         "model": inputs.model_record(),
         "engines": {"candidate": engine.info.to_dict(), "reference": ref_info},

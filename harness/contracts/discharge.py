@@ -11,11 +11,13 @@ For each obligation, its bound tests run (in pytest subprocesses, through the ha
   bound test must pass (a skip is not a pass).
 
 Both must hold for ``DISCHARGED``. Each obligation's record goes to
-``evidence/discharge/<contract-id>/<obligation-id>.json`` (schema ``harness-discharge/v1``):
-the contract's version and sha256, the bound node ids with the sha256 of their file and of the
+``<evidence>/discharge/<contract-id>/<obligation-id>.json`` (schema ``harness-discharge/v1``) of
+the project it belongs to (``harness.contracts.suite``: the repository you run in for a shipped
+contract): the harness version with the shipped contracts' versions and sha256, the contract's
+version and sha256, the bound node ids with the sha256 of their file and of the
 test function's source, the support files (conftest.py, helpers), what the result depends on
 (each engine's source files, the models' sha256, thresholds.yaml when the reference ran), both
-runs (subject, outcome, assertion message, time, duration, command, git commit).
+runs (subject, outcome, assertion message, time, duration, command, the project's git commit).
 
 Status is computed, never declared (``status``): UNBOUND (no tests), BOUND (tests, no passing
 record), RED-SEEN (RED shown, GREEN not), DISCHARGED, STALE (anything hashed changed since).
@@ -37,10 +39,12 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from harness.config import DEFAULT_CANDIDATE
+from harness.config import DEFAULT_CANDIDATE, HarnessConfig
+from harness.contracts import suite
 from harness.contracts.loader import (
     Contract,
     Obligation,
@@ -52,7 +56,8 @@ from harness.contracts.loader import (
 from harness.engines.registry import engine_source_hashes
 from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
-from harness.provenance import git_state, sha256_bytes, sha256_file
+from harness.paths import IS_CHECKOUT, SOURCE_ROOT
+from harness.provenance import git_state, sha256_bytes, sha256_file, suite_pins
 
 SCHEMA_ID = "harness-discharge/v1"
 SESSION_TIMEOUT_S = 1200
@@ -135,15 +140,17 @@ def plan_sessions(requests: Iterable[tuple[Subject, Sequence[str]]]) -> list[Ses
     return sessions + list(single.values())
 
 
-def run_session(root: Path, session: Session, timeout_s: float = SESSION_TIMEOUT_S) -> SessionRun:
+def run_session(root: Path, session: Session, timeout_s: float = SESSION_TIMEOUT_S, project: HarnessConfig | None = None) -> SessionRun:
     """Run one session's tests in a pytest subprocess from ``root``; never raises for test
-    failures (they are data). Raises ``InvalidInput`` when pytest could not run at all."""
+    failures (they are data). ``project``: whose configuration (command engines) the tests see
+    and whose git state the run records (default: the repository at ``root``). Raises
+    ``InvalidInput`` when pytest could not run at all."""
     with tempfile.TemporaryDirectory(prefix="harness-discharge-") as d:
         out = Path(d) / "outcomes.json"
         args = ["-q", "--harness-outcomes", str(out), "--candidate", ",".join(session.candidates), "--model", ",".join(session.models)]
         if session.plant:
             args += ["--plant", session.plant]
-        cmd, env = pytest_command(root, args + list(session.tests))
+        cmd, env = pytest_command(root, args + list(session.tests), project.source if project else None)
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         t0 = time.monotonic()
         try:
@@ -156,14 +163,15 @@ def run_session(root: Path, session: Session, timeout_s: float = SESSION_TIMEOUT
     if not items and rc not in (0, 1, 5):
         raise InvalidInput(f"pytest could not run {' '.join(session.tests)} (exit {rc}):\n{tail}")
     shown = ["python", *("OUTCOMES.json" if a == str(out) else "." if a == str(root) else a for a in cmd[1:])]
-    return SessionRun(session, items, shown, started, round(duration, 3), rc, tail, git_state(root))
+    return SessionRun(session, items, shown, started, round(duration, 3), rc, tail, git_state(project.base_dir if project else root))
 
 
-def run_sessions(root: Path, sessions: Sequence[Session], jobs: int | None = None) -> list[SessionRun]:
-    """Run sessions in parallel (``jobs`` processes, default the CPU count)."""
+def run_sessions(root: Path, sessions: Sequence[Session], jobs: int | None = None, project: HarnessConfig | None = None) -> list[SessionRun]:
+    """Run sessions in parallel (``jobs`` processes, default the CPU count); ``project`` as in
+    ``run_session``."""
     jobs = max(1, jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=min(jobs, max(1, len(sessions)))) as pool:
-        return list(pool.map(lambda s: run_session(root, s), sessions))
+        return list(pool.map(lambda s: run_session(root, s, project=project), sessions))
 
 
 def _matches(item: dict[str, Any], subject: Subject) -> bool:
@@ -335,9 +343,31 @@ def _result(reds: list[dict[str, Any]], green: dict[str, Any]) -> str:
     return DISCHARGED if green["outcome"] == GREEN else "GREEN-FAILED"
 
 
+@lru_cache(maxsize=1)
+def harness_pins() -> dict[str, Any]:
+    """The record's ``harness`` field: the harness version, the shipped contracts' versions and
+    the suite's sha256 (``harness.provenance.suite_pins``), and the harness checkout's git commit and whether
+    it had uncommitted changes when it runs from one (None from an installed wheel)."""
+    pins = dict(suite_pins())
+    git = git_state(SOURCE_ROOT) if IS_CHECKOUT else {"commit": None, "dirty": None}
+    pins.update(git_commit=git["commit"], git_dirty=git["dirty"])
+    return pins
+
+
 def default_evidence_dir(contract: Contract) -> Path:
-    """``<repo>/evidence/discharge`` for a contract in ``<repo>/contracts``."""
-    return contract.root / "evidence" / "discharge"
+    """``<evidence>/discharge`` of the project the contract's evidence belongs to: the current
+    project for a shipped contract, else the repository holding it (``suite.discharge_dir``;
+    ``<repo>/evidence/discharge`` unless ``[tool.harness] evidence`` says otherwise)."""
+    return suite.discharge_dir(contract.root)
+
+
+def write_record(path: Path, record: dict[str, Any]) -> Path:
+    """Write a discharge record atomically (temporary file, then rename); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def discharge_record(contract: Contract, ob: Obligation, runs: Sequence[SessionRun], candidate: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
@@ -361,7 +391,9 @@ def discharge_record(contract: Contract, ob: Obligation, runs: Sequence[SessionR
         "schema": SCHEMA_ID,
         "result": _result(reds, green),
         "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "contract": {"id": contract.id, "version": contract.version, "path": _rel(contract.path, root), "sha256": contract.sha256},
+        "harness": harness_pins(),
+        "contract": {"id": contract.id, "version": contract.version, "path": _rel(contract.path, root), "sha256": contract.sha256,
+                     "shipped": suite.is_shipped(root)},
         "obligation": {"id": ob.id, "kind": ob.kind, "property": ob.property, "model": ob.model, "sha256": ob.sha256},
         "tests": tests,
         "support_files": support,
@@ -384,19 +416,20 @@ def discharge(
 
     The contract is validated first (schema, ids, oracle functions, reds, test collection). RED
     subjects come from each obligation's ``red``; GREEN is ``candidate`` on the obligation's
-    model. With ``write`` each record is written atomically to
-    ``evidence_dir/<contract>/<obligation>.json`` (default ``<repo>/evidence/discharge``).
+    model. ``path`` is a contract file or id (``harness.contracts.suite``). With ``write`` each
+    record is written atomically to ``evidence_dir/<contract>/<obligation>.json`` (default
+    ``default_evidence_dir``: the project's ``evidence/discharge``).
     Raises ``InvalidInput`` (exit 2) for an invalid contract or an unknown obligation id.
     """
     contract = load_contract(path)
     root = contract.root
+    project = suite.project_config(root)
     obs = [contract.obligation(o) for o in obligation_ids] if obligation_ids else list(contract.obligations)
-    bound = [ob for ob in obs if ob.tests]
     requests: list[tuple[Subject, Sequence[str]]] = []
-    for ob in bound:
+    for ob in (ob for ob in obs if ob.tests):
         requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
         requests.append((Subject(candidate, ob.model), ob.tests))
-    runs = run_sessions(root, plan_sessions(requests), jobs) if requests else []
+    runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
     out_dir = Path(evidence_dir) if evidence_dir else default_evidence_dir(contract)
     results = []
     for ob in obs:
@@ -404,13 +437,7 @@ def discharge(
             results.append(ObligationResult(contract.id, ob.id, UNBOUND, [], {}, {}))
             continue
         record, reds, green = discharge_record(contract, ob, runs, candidate)
-        written = None
-        if write:
-            written = out_dir / contract.id / f"{ob.id}.json"
-            written.parent.mkdir(parents=True, exist_ok=True)
-            tmp = written.with_name(f".{written.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-            os.replace(tmp, written)
+        written = write_record(out_dir / contract.id / f"{ob.id}.json", record) if write else None
         results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, written))
     return results
 
@@ -525,7 +552,7 @@ def mutant_matrix(contracts: Sequence[Contract], mutants: Sequence[str], jobs: i
         n = split if len(tests) > 4 else 1  # a model with a few tests is not worth a second import
         sessions += [Session(cands[i::n], [model], None, sorted(tests)) for i in range(n) if cands[i::n]]
     root = contracts[0].root
-    runs = run_sessions(root, sessions, jobs)
+    runs = run_sessions(root, sessions, jobs, suite.project_config(root))
     out: dict[str, dict[str, str]] = {}
     for m in mutants:
         row = out.setdefault(m, {})

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Sequence
 import jsonschema
 import yaml
 
+from harness.contracts import suite
 from harness.engines.mutants import MUTANTS, PLANTS
 from harness.errors import InvalidInput
 from harness.fixtures.resolve import fixture_names
@@ -282,17 +283,28 @@ def _semantic_errors(c: Contract, root: yaml.Node | None, names: dict[str, set[s
 _COLLECTED: dict[tuple, dict[str, list[str]]] = {}
 
 
-def pytest_command(root: Path, args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+PYTEST_CONFIG_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+
+
+def pytest_command(root: Path, args: Sequence[str], config: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``python -m pytest`` command and environment the harness runs tests with: only this
-    harness's plugin (``-p harness.pytest_plugin``, autoload off), no cache, the project's
-    ``addopts`` cleared so marker selections do not hide tests, run from ``root``. NumPy's BLAS
+    harness's plugin (``-p harness.pytest_plugin``, autoload off, its shipped parity cells off),
+    no cache, the project's ``addopts`` cleared so marker selections do not hide tests, run from
+    ``root``. A ``root`` without a pytest configuration of its own (the suite installed in
+    site-packages) runs with none (``-c os.devnull``) and no conftest above it, so the settings of
+    whatever repository the virtual environment sits in (``filterwarnings = error``, conftests)
+    cannot change the suite's outcomes. ``config``: the project's harness configuration file,
+    passed as ``$HARNESS_CONFIG`` (its command engines, relative to its folder). NumPy's BLAS
     runs single-threaded unless the caller says otherwise: the oracle's matrices are small, and
     threaded OpenBLAS made them 5× slower (its partitioning does not change the sums)."""
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
-    cmd = [sys.executable, "-m", "pytest", "-p", "harness.pytest_plugin", "-p", "no:cacheprovider", "-o", "addopts=",
-           "--rootdir", str(root), *args]
+    if config is not None and "HARNESS_CONFIG" not in os.environ:
+        env["HARNESS_CONFIG"] = str(config)
+    isolate = [] if any((root / f).is_file() for f in PYTEST_CONFIG_FILES) else ["-c", os.devnull, "--confcutdir", str(root)]
+    cmd = [sys.executable, "-m", "pytest", "-p", "harness.pytest_plugin", "-p", "no:cacheprovider", "-o", "addopts=", *isolate,
+           "--rootdir", str(root), "--no-harness", *args]
     return cmd, env
 
 
@@ -360,9 +372,10 @@ def _binding_errors(contracts: Sequence[Contract], roots: dict[str, yaml.Node | 
 
 
 def contract_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Contract files named by ``paths`` (files, or folders whose ``*.yaml`` are taken).
+    """Contract files named by ``paths``: files, folders whose ``*.yaml`` are taken, or contract
+    ids (the project's ``contracts/<id>.yaml``, else the shipped one: ``harness.contracts.suite``).
 
-    Raises ``InvalidInput`` for a path that does not exist or a folder with no contracts.
+    Raises ``InvalidInput`` for a path that does not exist and is no id, or a folder with no contracts.
     """
     out: list[Path] = []
     for p in map(Path, paths):
@@ -374,7 +387,10 @@ def contract_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
         elif p.is_file():
             out.append(p)
         else:
-            raise InvalidInput(f"{p}: no such contract file or folder")
+            found = suite.resolve_contract(p)
+            if found is None:
+                raise InvalidInput(suite.unknown_contract_message(p))
+            out.append(found)
     return out
 
 
@@ -382,7 +398,9 @@ def load_contracts(paths: Iterable[str | os.PathLike], check_tests: bool = True)
     """Load and validate contracts (files or folders).
 
     Sibling contracts in the same folder are loaded too, so ids are checked unique across all
-    of them and ``depends_on`` can be resolved, but only the named ones are returned. With
+    of them and ``depends_on`` can be resolved, but only the named ones are returned; a
+    ``depends_on`` none of them satisfies is looked up among the shipped contracts (a project's
+    own contracts may depend on the suite's). With
     ``check_tests`` every cited test must be collected by pytest and marked ``contract``.
     Raises ``ContractsInvalid`` (exit 2) listing every error with file, line and field.
     """
@@ -392,15 +410,23 @@ def load_contracts(paths: Iterable[str | os.PathLike], check_tests: bool = True)
     contracts: list[Contract] = []
     roots: dict[str, yaml.Node | None] = {}
     names = known_red_names()
-    for path in universe:
-        data, root, raw, errs = _read(path)
-        errors += errs
-        if data is None or errs:
-            continue
-        c = _build(path, data, root, raw)
-        roots[str(path)] = root
-        errors += _semantic_errors(c, root, names)
-        contracts.append(c)
+    shipped = suite.shipped_contracts()
+    attempted: set[Path] = set()
+    while universe:
+        attempted.update(universe)
+        for path in universe:
+            data, root, raw, errs = _read(path)
+            errors += errs
+            if data is None or errs:
+                continue
+            c = _build(path, data, root, raw)
+            roots[str(path)] = root
+            errors += _semantic_errors(c, root, names)
+            contracts.append(c)
+        # a dependency that is none of these is looked up in the shipped suite (and its own, in turn)
+        have = {c.id for c in contracts}
+        universe = sorted({shipped[d].resolve() for c in contracts for d in c.data.get("depends_on", [])
+                           if d not in have and d in shipped and shipped[d].resolve() not in attempted})
     ids: dict[str, Path] = {}
     ob_ids: dict[str, tuple[Path, int]] = {}
     for c in contracts:

@@ -42,7 +42,14 @@ from harness.engines.oracle.qwen35 import (
 )
 from harness.engines.oracle.qwen35moe import moe
 from harness.errors import InvalidInput
-from harness.model.gguf_model import ATTENTION, GLOBAL, MOE, RECURRENT, GGUFModel, Override
+from harness.model.gguf_model import (
+    ATTENTION,
+    GLOBAL,
+    MOE,
+    RECURRENT,
+    GGUFModel,
+    Override,
+)
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,14 @@ import socket
 import sys
 import tempfile
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 from harness.errors import InvalidInput
-from harness.paths import SCHEMA_DIR, SOURCE_ROOT
-from harness.provenance import git_state, sha256_bytes
+from harness.paths import IS_CHECKOUT, SCHEMA_DIR, SOURCE_ROOT
+from harness.provenance import git_state, sha256_bytes, suite_pins
 from harness.validation import best_error, schema_validator
 
 SCHEMA_ID = "harness-parity-receipt/v1"
@@ -153,15 +152,16 @@ def host_info() -> dict[str, Any]:
 
 
 def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
-    """The receipt's ``harness`` field: package version and the git commit of ``repo_dir``
-    (default: the checkout this package runs from), with whether the tree has uncommitted
-    changes; ``git_commit`` is None outside a git checkout."""
-    try:
-        version = metadata.version("qwen35-harness")
-    except metadata.PackageNotFoundError:
-        version = "0+unknown"
-    git = _cached_git_state(Path(repo_dir) if repo_dir else SOURCE_ROOT)
-    return {"version": version, "git_commit": git["commit"], "git_dirty": git["dirty"]}
+    """The receipt's ``harness`` field: package version, the git commit of ``repo_dir`` (default:
+    the harness checkout this package runs from; None from an installed wheel, so a virtual
+    environment inside another repository never lends the harness that repository's commit) with
+    whether the tree has uncommitted changes, and ``suite``: the shipped contracts' versions and
+    the suite's sha256 (``harness.provenance.suite_pins``)."""
+    pins = suite_pins()
+    repo = Path(repo_dir) if repo_dir else (SOURCE_ROOT if IS_CHECKOUT else None)
+    git = _cached_git_state(repo) if repo is not None else {"commit": None, "dirty": None}
+    return {"version": pins["version"], "git_commit": git["commit"], "git_dirty": git["dirty"],
+            "suite": {k: pins[k] for k in ("version", "source", "contracts", "sha256")}}
 
 
 _cached_git_state = lru_cache(maxsize=8)(git_state)

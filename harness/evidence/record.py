@@ -2,8 +2,9 @@
 order, the one path every command that writes evidence takes (parity, probe, and what builds on
 them).
 
-Layout: ``<ledger dir>/receipts/<id>.json`` and ``<id>.npz`` beside the ledger
-(``evidence/parity/ledger.jsonl`` by default, relative to the current directory).
+Layout: ``<ledger dir>/receipts/<id>.json`` and ``<id>.npz`` beside the ledger (by default the
+project's: ``[tool.harness] ledger``, else ``<evidence>/parity/ledger.jsonl`` with ``<evidence>``
+= ``[tool.harness] evidence`` or ``evidence/`` at the project root, ``harness.config``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from harness.config import load_config
 from harness.evidence.ledger import append_row, row_from_receipt, timing_fields
 from harness.evidence.receipts import write_receipt
 
-DEFAULT_LEDGER = Path("evidence/parity/ledger.jsonl")
+
+def default_ledger() -> Path:
+    """The current project's ledger (module docstring). Raises ``InvalidInput`` for a bad config."""
+    return load_config().ledger
 
 
 @dataclass
@@ -34,12 +39,12 @@ class Recorded:
 
 def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | None) -> Recorded:
     """Write ``receipt`` (and ``arrays``, per-position float/int arrays) into the receipts folder
-    beside ``ledger`` (None: ``DEFAULT_LEDGER``), then append its row to the ledger.
+    beside ``ledger`` (None: ``default_ledger()``), then append its row to the ledger.
 
     Raises ``InvalidInput`` (receipt breaks its schema, an unwritable folder) and whatever
     ``append_row`` raises (a ledger that does not verify, a lock not obtained in time).
     """
-    ledger_path = Path(ledger) if ledger else DEFAULT_LEDGER
+    ledger_path = Path(ledger) if ledger else default_ledger()
     json_path, _ = write_receipt(receipt, {k: np.asarray(v) for k, v in arrays.items()}, ledger_path.parent / "receipts")
     written = json.loads(json_path.read_text())
     # The row carries this run's timings (``receipt``), also when an identical earlier run wrote
