@@ -100,7 +100,7 @@ def test_probes(harness_probe_cell, harness_settings, request):
     if run.verdict is not Verdict.PASS:
         lines = [f"probes {run.verdict.value}: {cell.candidate} on {cell.model} "
                  f"(sha256 {run.receipt['model']['sha256'][:12]}): {run.message}"]
-        lines += [f"  {r.name} {r.verdict.value}: {r.summary()}" for r in run.results if r.verdict is not Verdict.PASS]
+        lines += [f"  {r.reproducer or f'{r.name} {r.verdict.value}: {r.summary()}'}" for r in run.results if r.verdict is not Verdict.PASS]
         lines.append(f"reproduce: {again}")
         if run.receipt_path:
             lines.append(f"receipt:   {run.receipt_path}")

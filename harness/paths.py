@@ -8,7 +8,7 @@ when run from one); ``DATA_DIR`` the packaged data (committed fixtures, default 
 ``contracts/*.yaml``, the bound tests ``tests/contracts/*.py`` and ``thresholds.yaml``. In an
 installed wheel it is ``harness/suite/`` (pyproject.toml maps those files there; nothing is
 copied in git); run from a checkout (an editable install) it is the checkout itself. Test node ids
-(``tests/contracts/test_x.py::test_y``) are relative to it in both cases.
+(``tests/contracts/<file>.py::<test>``) are relative to it in both cases.
 """
 
 from __future__ import annotations

@@ -24,7 +24,13 @@ component (``vendor/llama.cpp/src/...``) or by ``.`` or ``/`` belongs to another
 ours, and so does one with a ``..`` component. Trailing sentence punctuation is dropped;
 ``file.py::test`` and ``file.py:123`` cite ``file.py``. A path with folders resolves when a file
 or directory of that name exists in the checkout; a bare name resolves when it exists beside the
-citing file (a relative Markdown link) or is the name of some file in the repository.
+citing file (a relative Markdown link) or is the name of some file in the repository. Two kinds of
+paths live elsewhere and are resolved where they live, each from its one statement in the code:
+
+- in the installed wheel, ``harness/suite/...`` is a checkout folder mapped there by
+  ``[tool.setuptools.package-dir]`` of pyproject.toml: it resolves when the mapped path exists;
+- in an engine's repository, the files ``harness init`` writes (``harness.scaffold``:
+  ``TEST_MODULE``, ``WORKFLOW``, ``LEDGER``, ``LEDGER_MD``) are cited by their path there.
 
 A folder outside the repository that users never have (``OUTSIDE``, the sibling folder the
 design notes were first written in) may not be cited anywhere in tracked text.
@@ -37,9 +43,12 @@ import io
 import re
 import subprocess
 import tokenize
+import tomllib
 from pathlib import Path
 
 import pytest
+
+from harness import scaffold
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_DIRS = ("harness", "tests", "docs", "contracts", "evidence", "benchmarks", "examples", ".ci")
@@ -108,6 +117,14 @@ def documentation() -> dict[str, str]:
     return files
 
 
+def test_paths_that_live_elsewhere_resolve_where_they_live():
+    assert resolves("harness/suite/thresholds.yaml", "README.md", set())  # the wheel's copy of ./thresholds.yaml
+    assert resolves("harness/suite/contracts/qwen35-shapes-v1.yaml", "README.md", set())
+    assert not resolves("harness/suite/contracts/no-such-v1.yaml", "README.md", set())
+    assert resolves(scaffold.TEST_MODULE.as_posix(), "README.md", set())  # written by harness init
+    assert not resolves("tests/test_qwen35_parity_renamed.py", "README.md", set())
+
+
 def test_the_path_rules_on_examples():
     text = (
         "see harness/compare/parity.py run_cell and `docs/design.md`, tests/contracts/test_e2e.py::test_logit_parity, "
@@ -134,11 +151,27 @@ def test_the_scan_sees_the_citations_it_must_check():
     assert sum(len(v) for v in found.values()) > 100
 
 
+def _wheel_folders() -> dict[str, str]:
+    """``[tool.setuptools.package-dir]``: a package folder of the wheel → the checkout folder it is
+    built from (``harness/suite`` → ``.``)."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {pkg.replace(".", "/"): folder for pkg, folder in dirs.items()}
+
+
+ENGINE_REPO_FILES = {Path(p).as_posix() for p in (scaffold.TEST_MODULE, scaffold.WORKFLOW, scaffold.LEDGER, scaffold.LEDGER_MD)}
+"""What ``harness init`` writes into an engine's repository, cited by its path there."""
+
+
 def resolves(path: str, cited_in: str, names: set[str]) -> bool:
     """Whether ``path``, cited in the file ``cited_in``, exists (module docstring: the rules)."""
-    if "/" in path:
-        return (ROOT / path).exists()
-    return (ROOT / cited_in).parent.joinpath(path).exists() or path in names
+    if path in ENGINE_REPO_FILES:
+        return True
+    if "/" not in path:
+        return (ROOT / cited_in).parent.joinpath(path).exists() or path in names
+    for pkg, folder in sorted(_wheel_folders().items(), key=lambda kv: -len(kv[0])):
+        if path == pkg or path.startswith(pkg + "/"):
+            return (ROOT / folder / path[len(pkg):].lstrip("/")).exists()
+    return (ROOT / path).exists()
 
 
 def _repo_file_names() -> set[str]:

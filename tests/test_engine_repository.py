@@ -261,6 +261,21 @@ def test_cells_record_evidence_and_fail_naming_prompt_and_position(tmp_path):
     assert main(["ledger", "verify", "--ledger", str(ledger)]) == 0
 
 
+def test_probe_cell_failure_prints_each_failed_probe_as_a_reproducer(tmp_path):
+    """The probe cell of an engine's repository fails with the reproducer line of each failed probe
+    (harness.compare.reproducer): the case, the chunks, the likely cause and the rerun command."""
+    (tmp_path / "pyproject.toml").write_text('[tool.harness]\ncandidate = "mutant:conv-state-dropped"\n'
+                                             'models = ["fixture:tiny-qwen35"]\nprobes = ["split"]\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_qwen35_parity.py").write_text(TEST_MODULE_TEXT)
+    r = _pytest(tmp_path, "-q", "-m", "parity", "-k", "test_probes")
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "1 failed" in out, out
+    assert re.search(r"probe split FAIL: split at 1: first differing position 1, .*\(candidate mutant:conv-state-dropped, "
+                     r"model fixture:tiny-qwen35 sha256 [0-9a-f]{12}, prompt '[^']+', n_tokens \d+, chunks \[1, \d+\]\); "
+                     r"likely cause: conv state dropped between chunks \(as mutant:conv-state-dropped\)", out), out
+
+
 # -- slow: the wheel in a fresh virtual environment, used from an engine's repository --------------
 def _run(argv, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("HARNESS_CONFIG", "PYTEST_ADDOPTS", "PYTHONPATH")}
