@@ -7,7 +7,7 @@ into the hybrid forward pass of llama.cpp's ``src/models/qwen35.cpp`` and speaks
 (``harness/engines/base.py``).
 
 Conventions (all checked against llama.cpp as vendored in llama-cpp-python 0.3.36, see
-../shared/reference/qwen35-gguf-math.md):
+docs/qwen35-gguf-math.md):
 
 * arrays are position-major: a sequence of ``T`` tokens is ``[T, ...]``; weights are NumPy order
   (reverse of ggml ``ne``), so a ggml ``[n_in, n_out]`` matrix is ``(n_out, n_in)`` and
