@@ -29,6 +29,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
 from harness.errors import HarnessError, InvalidInput, Unmeasured, Verdict
@@ -38,10 +39,15 @@ INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the harness, not a verdict
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-def _console(stderr: bool = False) -> Console:
-    """A rich console; wide enough for the tables when output is not a terminal."""
+def _console(stderr: bool = False, width: int | None = None) -> Console:
+    """A rich console; wide enough for the tables when output is not a terminal (160 columns, or
+    ``width``); on a terminal at most ``width`` columns when given."""
+    import shutil
+
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr) if stream.isatty() else Console(stderr=stderr, width=160)
+    if stream.isatty():
+        return Console(stderr=stderr, width=min(shutil.get_terminal_size().columns, width) if width else None)
+    return Console(stderr=stderr, width=width or 160)
 
 
 def _echo_json(obj: Any) -> None:
@@ -237,11 +243,12 @@ def _render_parity(outcome) -> None:
 @override_option
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt (JSON) instead of the table.")
 @click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
-def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence) -> None:
+@click.option("--localize/--no-localize", "localize_", default=None,
+              help="Localize the first divergence in the report: default on a FAIL whose candidate exposes activations.")
+def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_) -> None:
     """Run a candidate and the reference on the same token ids; gate on per-position logit cosine."""
     # deferred: startup
     from harness.compare.parity import ParityRequest, run_parity
-    from harness.evidence.report import write_report
 
     d = _parity_defaults()
     specs = list(models) or d["models"]
@@ -263,17 +270,35 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
         verdicts.append(outcome.result.verdict)
         report_path = None
         if outcome.receipt_path is not None:
-            report_path = write_report(outcome.receipt_path)
+            report_path = _write_report(outcome.receipt_path, localize_, quiet=as_json)
         if as_json:
             _echo_json(outcome.receipt)
         else:
             _render_parity(outcome)
             if report_path:
-                click.echo(f"report:  {report_path}")
+                click.echo(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})")
+            elif outcome.result.verdict.value == "FAIL":
+                click.echo(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}")
     worst = Verdict.worst(verdicts)
     if len(specs) > 1:
         click.echo(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}")
     sys.exit(worst.exit_code)
+
+
+def _write_report(receipt_path, localize_: bool | None, quiet: bool = False) -> Path | None:
+    """Write the verdict page of a receipt just recorded (localized on a FAIL by default); a
+    report that cannot be written is a warning (the evidence is already on disk), never a lost
+    verdict."""
+    # deferred: startup
+    from harness.compare.explain import write_explained_report
+
+    con = _console(stderr=True)
+    try:
+        return write_explained_report(receipt_path, localize="auto" if localize_ is None else localize_,
+                                      log=None if quiet else (lambda m: con.print(Text(m))))
+    except HarnessError as e:
+        click.echo(f"harness: warning: report not written: {e}", err=True)
+        return None
 
 
 def _with_progress(fn, quiet: bool = False):
@@ -301,7 +326,9 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--ledger", default=None, type=click.Path())
 @override_option
 @click.option("--json", "as_json", is_flag=True, help="Print the probe receipt (JSON).")
-def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json) -> None:
+@click.option("--localize/--no-localize", "localize_", default=None,
+              help="Localize a failing probe in the report: default on a FAIL whose candidate exposes activations.")
+def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json, localize_) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
     # deferred: startup
@@ -313,6 +340,7 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]])
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {name} ...")))
+    report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
     if as_json:
         _echo_json(run.receipt)
     else:
@@ -328,6 +356,8 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
         click.echo(f"{run.verdict.value}: {run.message}")
         if run.receipt_path:
             click.echo(f"receipt: {run.receipt_path}")
+        if report_path:
+            click.echo(f"report:  {report_path}")
     sys.exit(run.verdict.exit_code)
 
 
@@ -384,21 +414,19 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 @cli.command()
 @click.argument("receipt", type=click.Path())
 @click.option("--out", "out_dir", default=None, type=click.Path(), help="Output directory (default: reports/<id>/ beside the receipts).")
-@click.option("--localize", "do_localize", is_flag=True, help="Also localize the receipt's candidate against the oracle and plot the per-layer profile.")
-def report(receipt, out_dir, do_localize) -> None:
-    """Write a Markdown report with PNG plots for a parity receipt."""
+@click.option("--localize/--no-localize", "localize_", default=None,
+              help="Localize the candidate against the oracle and plot the per-layer profile "
+                   "(default: on a FAIL whose candidate exposes activations).")
+def report(receipt, out_dir, localize_) -> None:
+    """Write the verdict page of a parity or probe receipt: report.md, report.html and PNG plots;
+    the reports index beside the ledger is regenerated."""
     # deferred: startup
-    from harness.compare.localize import LocalizeRequest, run_localize
-    from harness.evidence.receipts import load_receipt
-    from harness.evidence.report import write_report
+    from harness.compare.explain import write_explained_report
 
-    loc = None
-    if do_localize:
-        rec = load_receipt(receipt).receipt
-        m = rec["model"]
-        loc = run_localize(LocalizeRequest(model=m["path"], candidate=rec["engines"]["candidate"]["name"], overrides=m.get("overrides", []))).to_dict()
-    md = write_report(receipt, out_dir, loc)
+    con = _console(stderr=True)
+    md = write_explained_report(receipt, out_dir, localize="auto" if localize_ is None else localize_, log=lambda m: con.print(Text(m)))
     click.echo(f"report: {md}")
+    click.echo(f"html:   {md.with_suffix('.html')}")
 
 
 # -- calibrate -------------------------------------------------------------------------------
@@ -486,32 +514,50 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
     click.echo(f"ledger {lp}: OK ({len(read_rows(lp))} rows, chain and receipts verified)")
 
 
-@ledger.command("show")
+@ledger.command("index")
 @click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
-@click.option("--json", "as_json", is_flag=True)
-def ledger_show(ledger_path, as_json) -> None:
-    """Summarize the ledger with pandas; print proposed report-only thresholds once 20 records exist."""
-    # deferred: startup (pandas)
-    from harness.evidence.ledger import (
-        ledger_frame,
-        proposed_report_only_thresholds,
-        summarize_ledger,
-    )
+def ledger_index(ledger_path) -> None:
+    """Regenerate reports/index.md and index.html beside the ledger (every receipt, newest first).
+    Runs after every append and report anyway; the ledger stays the record."""
+    # deferred: startup
+    from harness.evidence.index import refresh_index
 
     lp = Path(ledger_path or _default_ledger())
     if not lp.exists():
         raise InvalidInput(f"{lp}: no such ledger")
-    summary = summarize_ledger(lp)
-    proposals = proposed_report_only_thresholds(ledger_frame(lp))
-    if as_json:
-        _echo_json({"summary": summary.to_dict(orient="records"), "proposed_report_only": proposals})
-        return
-    click.echo(summary.to_string(index=False) if len(summary) else "(empty ledger)")
-    for field_name, prop in proposals.items():
-        if prop is None:
-            click.echo(f"report-only {field_name}: no threshold proposed (fewer than 20 records)")
-        else:
-            click.echo(f"report-only {field_name}: proposed {prop} (not applied; edit thresholds.yaml to adopt it)")
+    md, html = refresh_index(lp)
+    click.echo(f"index: {md}")
+    click.echo(f"html:  {html}")
+
+
+@ledger.command("show")
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
+@click.option("--candidate", default=None, help="Only rows whose candidate contains this (e.g. oracle, mutant:, command:NAME).")
+@click.option("--model", default=None, help="Only rows whose model or quant contains this.")
+@click.option("--kind", type=click.Choice(["parity", "self-consistency", "probe", "supersede"]), default=None, help="Only rows of this kind.")
+@click.option("--since", default=None, metavar="DATE", help="Only rows at or after this UTC date or ISO time.")
+@click.option("--verdict", default=None, type=click.Choice(["PASS", "FAIL", "UNMEASURED"], case_sensitive=False), help="Only rows with this verdict.")
+@click.option("--rows", "show_rows", is_flag=True, help="One line per ledger row (newest first) instead of trends per candidate.")
+@click.option("--format", "fmt_", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="table for people (fits 120 columns); csv or json, unrounded, for machines.")
+@click.option("--json", "as_json", is_flag=True, hidden=True, help="Same as --format json.")
+def ledger_show(ledger_path, candidate, model, kind, since, verdict, show_rows, fmt_, as_json) -> None:
+    """Trends per candidate (runs, last and worst results) or the rows themselves, filtered;
+    prints proposed report-only thresholds once 20 records exist."""
+    # deferred: startup (pandas)
+    from harness.evidence.ledger_view import LedgerView
+
+    lp = Path(ledger_path or _default_ledger())
+    if not lp.exists():
+        raise InvalidInput(f"{lp}: no such ledger")
+    view = LedgerView.load(lp, candidate=candidate, model=model, kind=kind, since=since, verdict=verdict)
+    fmt_ = "json" if as_json else fmt_
+    if fmt_ == "json":
+        _echo_json(view.to_json())
+    elif fmt_ == "csv":
+        click.echo(view.to_csv(show_rows), nl=False)
+    else:
+        view.print(_console(width=120), show_rows)
 
 
 # -- mutants, contracts, discharge, status ----------------------------------------------------

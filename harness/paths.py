@@ -19,6 +19,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_ROOT = PACKAGE_DIR.parent
 DATA_DIR = PACKAGE_DIR / "data"
 SCHEMA_DIR = PACKAGE_DIR / "schemas"
+DEFAULT_PROMPTS = DATA_DIR / "prompts" / "default.jsonl"
+"""The shipped prompt set (``harness.compare.prompts``; reports omit ``--prompts`` for it)."""
 INSTALLED_SUITE = PACKAGE_DIR / "suite"
 
 

@@ -136,3 +136,17 @@ def test_cli_localize_failure_is_a_reproducer():
             f"reproduce: harness {' '.join(argv[:5])} --prompt {prompt} --max-tokens 40 --chunks 16,24") in line
     nmse = float(line.split("NMSE ")[1].split(",")[0])
     assert nmse > 1e-4  # over the default bound, as the verdict says
+
+
+def test_report_likely_causes_come_from_the_mutant_table():
+    """A verdict page's likely cause (harness.compare.causes) is the mutants whose first divergence
+    is the same op in the same kind of layer (SHOWS_FIRST_AT, checked above against real runs),
+    with what that op computes; every op a mutant first diverges at is described."""
+    from harness.compare.causes import OPS, explain
+    from harness.engines.mutants import SHOWS_FIRST_AT
+
+    assert {at[1] for at in SHOWS_FIRST_AT.values() if at} <= set(OPS)
+    ex = explain({"layer": 3, "layer_type": "attention", "op": "Qcur_normed"})
+    assert {c.mutant for c in ex["causes"]} == {"qk-norm-skipped", "q-gate-split-halves"}
+    assert "QK-norm skipped" in ex["summary"] and ex["op_meaning"].startswith("Q after the per-head RMSNorm")
+    assert explain({"layer": 1, "layer_type": "recurrent", "op": "z"})["causes"] == []

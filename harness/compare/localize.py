@@ -159,12 +159,15 @@ def divergence_message(first: Divergence, case: Reproducer) -> str:
 @dataclass(kw_only=True)
 class LocalizeRequest(InputsRequest):
     """Inputs of ``harness localize`` (``InputsRequest``): the ``candidate`` to localize, the
-    prompt id (None: the first), ``chunks`` to feed it in pieces, at most ``max_tokens`` positions."""
+    prompt id (None: the first), ``chunks`` to feed it in pieces, at most ``max_tokens`` positions.
+    ``tokens`` (token ids), when given, are compared instead of a prompt of the prompt set (a
+    report localizes the exact ids its receipt holds; ``prompt`` then only names them)."""
 
     candidate: str
     prompt: str | None = None
     chunks: list[int] | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
+    tokens: list[int] | None = None
 
 
 def run_localize(req: LocalizeRequest) -> Localization:
@@ -178,13 +181,19 @@ def run_localize(req: LocalizeRequest) -> Localization:
     resolved = inputs.resolved
     max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)
     min_cos = float(resolved.gate("localize_min_cosine", "probes").value)
-    pset = inputs.prompt_set
-    chosen = [p for p in pset if req.prompt is None or p.id == req.prompt]
-    if not chosen:
-        raise InvalidInput(f"no prompt {req.prompt!r} in {pset.path}; prompts: {', '.join(p.id for p in pset)}")
-    pset.prompts = chosen[:1]
-    prompt = inputs.tokens()[0]
-    tokens = prompt.tokens[: req.max_tokens]
+    if req.tokens is not None:
+        prompt_id = req.prompt or "(token ids given)"
+        tokens = [int(t) for t in req.tokens][: req.max_tokens]
+    else:
+        pset = inputs.prompt_set
+        chosen = [p for p in pset if req.prompt is None or p.id == req.prompt]
+        if not chosen:
+            raise InvalidInput(f"no prompt {req.prompt!r} in {pset.path}; prompts: {', '.join(p.id for p in pset)}")
+        pset.prompts = chosen[:1]
+        prompt = inputs.tokens()[0]
+        prompt_id, tokens = prompt.id, prompt.tokens[: req.max_tokens]
+    if not tokens:
+        raise InvalidInput("nothing to localize: no tokens")
     chunks = req.chunks
     if chunks is not None and sum(chunks) != len(tokens):
         if sum(chunks) < len(tokens):
@@ -200,6 +209,6 @@ def run_localize(req: LocalizeRequest) -> Localization:
     loc = localize_activations(hp, ref_acts, cand_acts, max_nmse, min_cos, req.candidate)
     loc.tokens = tokens
     if loc.first is not None:
-        case = replace(inputs.reproducer(req.candidate), prompt=prompt.id, n_tokens=len(tokens), chunks=chunks)
+        case = replace(inputs.reproducer(req.candidate), prompt=prompt_id, n_tokens=len(tokens), chunks=chunks)
         loc.message = divergence_message(loc.first, case)
     return loc

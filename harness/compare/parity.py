@@ -34,6 +34,7 @@ from harness.errors import (
     NotComparable,
     Verdict,
 )
+from harness.evidence import fmt
 from harness.evidence.receipts import harness_info, host_info, report_only_headline
 from harness.evidence.record import record_evidence
 from harness.model.gguf_model import GGUFModel
@@ -240,7 +241,7 @@ def cell_verdict(gate: dict[str, Any], summary: dict[str, Any], prompts: list[Pr
         case_, parts = case(), []
         if gate["failing_positions"]:
             f, w = gate["first_failing"], gate["worst"]
-            worst_cos = gate["worst_cosine"] if gate["worst_cosine"] is not None else "non-finite"
+            worst_cos = fmt.cosine(gate["worst_cosine"]) if gate["worst_cosine"] is not None else "non-finite"
             parts.append(f"{gate['failing_positions']} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} "
                          f"position {f['position']}; worst: prompt {w['prompt']!r} position {w['position']} (cosine {worst_cos})")
             first = next(p for p in prompts if p.id == f["prompt"])
@@ -253,7 +254,7 @@ def cell_verdict(gate: dict[str, Any], summary: dict[str, Any], prompts: list[Pr
         return Verdict.FAIL, failure_message("; ".join(parts), case_, causes_breaking(PARITY_OBLIGATION), fallback)
     if n_pos < gate["min_positions"]:
         return Verdict.UNMEASURED, f"only {n_pos} positions compared; the gate needs at least {gate['min_positions']}"
-    return Verdict.PASS, f"all {n_pos} positions have cosine >= {min_cosine} (min {summary['min_cosine']:.6f})"
+    return Verdict.PASS, f"all {n_pos} positions have cosine >= {min_cosine} (min {fmt.cosine(summary['min_cosine'])})"
 
 
 def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) -> str:

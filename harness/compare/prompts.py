@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import InvalidInput, NotComparable
-from harness.paths import DATA_DIR
+from harness.paths import DEFAULT_PROMPTS
 
-DEFAULT_PROMPTS = DATA_DIR / "prompts" / "default.jsonl"
 
 
 @dataclass

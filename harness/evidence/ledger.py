@@ -741,3 +741,85 @@ def proposed_report_only_thresholds(df: pd.DataFrame, min_records: int = REPORT_
             ),
         }
     return out
+
+
+# ----------------------------------------------------------------------------- ledger show
+
+
+def engine_name(label: Any) -> str | None:
+    """The engine name of a row's ``candidate``/``reference`` label (``"NAME VERSION"``)."""
+    if label is None or (isinstance(label, float) and np.isnan(label)):
+        return None
+    return str(label).split(" ", 1)[0]
+
+
+def filter_frame(
+    df: pd.DataFrame,
+    *,
+    candidate: str | None = None,
+    model: str | None = None,
+    kind: str | None = None,
+    since: str | None = None,
+    verdict: str | None = None,
+) -> pd.DataFrame:
+    """Rows of ``ledger_frame`` matching every filter given: ``candidate`` and ``model`` are
+    substrings of the row's label (``"mutant:"`` selects every mutant), ``kind`` and ``verdict``
+    exact (verdict case-insensitive), ``since`` an ISO date or time (UTC unless it names a zone)
+    the row's time is at or after. Raises ``InvalidInput`` for a ``since`` that is not a date."""
+    out = df
+    if candidate:
+        out = out[out["candidate"].fillna("").str.contains(candidate, regex=False)]
+    if model:
+        out = out[(out["model"].fillna("") + " " + out["quant"].fillna("")).str.contains(model, regex=False)]
+    if kind:
+        out = out[out["kind"] == kind]
+    if verdict:
+        out = out[out["verdict"].fillna("").str.upper() == verdict.upper()]
+    if since:
+        try:
+            t = pd.Timestamp(since)
+        except (ValueError, TypeError):
+            raise InvalidInput(f"--since {since!r}: not a date (YYYY-MM-DD or an ISO 8601 time)") from None
+        t = t.tz_localize("UTC") if t.tzinfo is None else t.tz_convert("UTC")
+        out = out[out["time"] >= t]
+    return out
+
+
+def candidate_trends(df: pd.DataFrame) -> pd.DataFrame:
+    """Trends per candidate: one line per (candidate engine name, model, quant, kind) over the
+    standing measurement rows of ``df`` (``ledger_frame``, filtered or not), newest group first.
+
+    Columns: ``candidate``, ``model``, ``quant``, ``kind``, ``runs``, ``pass``, ``fail``,
+    ``other`` (UNMEASURED and the rest), ``last_seq``, ``last_time`` (ISO), ``last_verdict``,
+    ``last_min_cosine``, ``worst_min_cosine`` (lowest over the runs), ``last_kld_mean``,
+    ``worst_kld_mean`` (highest), ``versions`` (distinct candidate labels).
+    """
+    eff = _effective(df).copy()
+    cols = ["candidate", "model", "quant", "kind", "runs", "pass", "fail", "other", "last_seq", "last_time", "last_verdict",
+            "last_min_cosine", "worst_min_cosine", "last_kld_mean", "worst_kld_mean", "versions"]
+    if eff.empty:
+        return pd.DataFrame(columns=cols)
+    eff["engine"] = eff["candidate"].map(engine_name)
+    out = []
+    for (eng, model, quant, kind), g in eff.sort_values("seq").groupby(["engine", "model", "quant", "kind"], dropna=False, sort=False):
+        last = g.iloc[-1]
+        cos, kld = pd.to_numeric(g["min_cosine"]), pd.to_numeric(g["kld_mean"])
+        out.append({
+            "candidate": eng, "model": model, "quant": quant, "kind": kind, "runs": len(g),
+            "pass": int((g["verdict"] == "PASS").sum()), "fail": int((g["verdict"] == "FAIL").sum()),
+            "other": int((~g["verdict"].isin(["PASS", "FAIL"])).sum()), "last_seq": int(last["seq"]),
+            "last_time": last["time"].isoformat() if pd.notna(last["time"]) else None, "last_verdict": last["verdict"],
+            "last_min_cosine": _num(last["min_cosine"]), "worst_min_cosine": _num(cos.min()),
+            "last_kld_mean": _num(last["kld_mean"]), "worst_kld_mean": _num(kld.max()),
+            "versions": sorted({str(c) for c in g["candidate"].dropna()}),
+        })
+    return pd.DataFrame(out, columns=cols).sort_values("last_seq", ascending=False, ignore_index=True)
+
+
+def _num(v: Any) -> float | None:
+    """A float, or None for null/NaN (JSON and CSV get no NaN)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if np.isnan(f) else f

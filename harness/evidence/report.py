@@ -1,19 +1,48 @@
-"""Reports people can look at: a Markdown page and PNG plots (matplotlib) for one parity receipt.
+"""Verdict pages a release reviewer reads: one per receipt (parity or probe), Markdown and HTML.
 
-Plots: per-position cosine (with the gate line) and KLD along each prompt; the reference's
-top-1/top-2 margin against argmax flips (near-tie vs hard); and, when a localization is given,
-the per-layer error profile (max NMSE and min cosine per layer against the bounds).
+``write_report(receipt)`` writes ``report.md``, ``report.html`` (the same page, static, opens
+from disk) and its PNG plots into ``reports/<id[:16]>/`` beside the receipts folder. The first
+screen states the verdict, the worst position (with its token's text from the model's
+vocabulary), and on a FAIL the first divergent layer and op with the likely cause, and the
+commands that reproduce the run and localize it. Then the gates as a table (threshold,
+observed, basis, ok), the report-only fields marked as such, per-prompt numbers, plots,
+provenance, and every command again.
+
+A FAIL explains itself: when the candidate declares the ``activations`` capability (oracle,
+``mutant:*``, llama.cpp, transformers, command engines that declare it) the caller
+(``harness.compare.explain``, which may run engines; this module only reads and renders)
+localizes the first divergence against the oracle on the receipt's own token ids
+(``localization_plan``) and the page shows the per-layer error profile and the likely cause;
+otherwise it says which capability would allow it.
+
+Numbers are rounded by ``harness.evidence.fmt``; every untrusted string is escaped by
+``harness.evidence.page``. Plots (matplotlib, Agg): per-position cosine with its gate and KLD
+with the KLD gates; the reference's top-1/top-2 margin against argmax flips; the per-layer error
+profile of a localization.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from harness.evidence.receipts import load_receipt, per_prompt_rows
+from harness.errors import HarnessError, InvalidInput
+from harness.evidence import fmt
+from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
+from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt, per_prompt_rows
+from harness.paths import DEFAULT_PROMPTS
+from harness.provenance import sha256_file
+
+REPORT_MD, REPORT_HTML = "report.md", "report.html"
+LOCALIZE_MIN_TOKENS = 32
+"""A report localizes at least this many tokens of the failing prompt (or the whole prompt)."""
 
 
 def _plt():
@@ -25,37 +54,51 @@ def _plt():
     return plt
 
 
+def plot_text(s: Any) -> str:
+    """An untrusted string made safe for a matplotlib title or label (no mathtext)."""
+    return untrusted(s).replace("$", r"\$")
+
+
+# ----------------------------------------------------------------------------- plots
+
+
 def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
-    """Per-position cosine (gate line dashed) and KLD, one panel pair per prompt."""
+    """Per-position cosine (gate line dashed, failing points red) and KLD on a log scale with the
+    KLD gates (mean: dashed, p99: dotted), one panel pair per prompt; writes ``positions.png``."""
     plt = _plt()
     prompts = receipt["prompts"]["items"]
-    gate = receipt["thresholds"]["gates"]["min_cosine"]["value"]
+    gates = receipt["thresholds"]["gates"]
+    gate = gates["min_cosine"]["value"]
     n = len(prompts)
     fig, axes = plt.subplots(n, 2, figsize=(12, 2.2 * n + 0.8), squeeze=False)
     pidx, pos = arrays["prompt_index"], arrays["position"]
     for i, p in enumerate(prompts):
         sel = pidx == i
-        x = pos[sel]
-        cos = arrays["cosine"][sel]
-        kld = arrays["kld"][sel]
+        x, cos, kld = pos[sel], arrays["cosine"][sel], arrays["kld"][sel]
         ax = axes[i, 0]
         ax.plot(x, cos, lw=0.8, color="tab:blue", label="cosine")
-        ax.axhline(gate, ls="--", color="tab:red", lw=1, label=f"gate {gate}")
+        ax.axhline(gate, ls="--", color="tab:red", lw=1, label=f"gate {gate:g}")
         bad = ~np.isfinite(cos) | (cos < gate)
         if bad.any():
             ax.scatter(x[bad], np.where(np.isfinite(cos[bad]), cos[bad], gate), color="tab:red", s=12, zorder=3, label="failing")
         ax.set_ylabel("cosine")
-        ax.set_title(f"{p['id']}: per-position logit cosine", fontsize=9)
+        ax.set_title(plot_text(f"{p['id']}: per-position logit cosine"), fontsize=9)
         lo = np.nanmin(np.concatenate([cos[np.isfinite(cos)], [gate]])) if np.isfinite(cos).any() else gate
         ax.set_ylim(min(lo, gate) - 0.002, 1.0005)
         ax.legend(fontsize=7, loc="lower left")
         ax2 = axes[i, 1]
-        ax2.semilogy(x, np.maximum(kld, 1e-16), lw=0.8, color="tab:green")
+        ax2.semilogy(x, np.maximum(kld, 1e-16), lw=0.8, color="tab:green", label="KLD")
+        for name, style in (("max_kld_mean", "--"), ("max_kld_p99", ":")):
+            if name in gates:
+                v = gates[name]["value"]
+                ax2.axhline(v, ls=style, color="tab:red", lw=1, label=f"KLD {name.removeprefix('max_kld_')} gate {v:g}")
         ax2.set_ylabel("KLD (nats)")
-        ax2.set_title(f"{p['id']}: KL(P_ref || P_cand) per position", fontsize=9)
+        ax2.set_title(plot_text(f"{p['id']}: KL(P_ref || P_cand) per position"), fontsize=9)
+        ax2.legend(fontsize=7, loc="lower right")
     for ax in axes[-1]:
         ax.set_xlabel("position (tokens)")
-    fig.suptitle(f"{receipt['engines']['candidate']['name']} vs {receipt['engines']['reference']['name']} on {receipt['model']['name']} — {receipt['gated']['verdict']}")
+    eng = receipt["engines"]
+    fig.suptitle(plot_text(f"{eng['candidate']['name']} vs {eng['reference']['name']} on {_model_name(receipt)} — {receipt['gated']['verdict']}"))
     fig.tight_layout()
     path = out / "positions.png"
     fig.savefig(path, dpi=110)
@@ -64,7 +107,8 @@ def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: 
 
 
 def plot_margins(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
-    """Reference top-1/top-2 margin per position, agreeing vs near-tie vs hard flips."""
+    """Reference top-1/top-2 margin per position, agreeing vs near-tie vs hard flips; writes
+    ``margins.png``."""
     plt = _plt()
     margin = arrays["ref_margin"]
     agree = arrays["argmax_agree"].astype(bool)
@@ -77,7 +121,7 @@ def plot_margins(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Pa
     ax.scatter(x[agree & ok], margin[agree & ok], s=4, color="tab:gray", alpha=0.5, label=f"argmax agrees ({int((agree & ok).sum())})")
     ax.scatter(x[near], margin[near], s=18, color="tab:orange", label=f"near-tie flip ({int(near.sum())})")
     ax.scatter(x[hard], margin[hard], s=18, color="tab:red", marker="x", label=f"hard flip ({int(hard.sum())})")
-    ax.axhline(thr, ls="--", color="tab:orange", lw=1, label=f"near-tie margin {thr}")
+    ax.axhline(thr, ls="--", color="tab:orange", lw=1, label=f"near-tie margin {thr:g}")
     ax.set_yscale("symlog", linthresh=1e-2)
     ax.set_ylim(0, max(float(np.nanmax(margin[ok])) * 1.5 if ok.any() else 1.0, thr * 2))
     ax.set_xlabel("position over the whole prompt set")
@@ -92,29 +136,38 @@ def plot_margins(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Pa
 
 
 def plot_layers(localization: dict[str, Any], out: Path) -> Path:
-    """Per-layer max NMSE and min cosine of a localization run against its bounds."""
+    """Per-layer max NMSE and 1 − min cosine of a localization run against its bounds; writes
+    ``layers.png``."""
     plt = _plt()
     rows = localization["per_layer"]
-    labels = [f"{e['layer']}\n{e['type'][:4]}" if e["layer"] >= 0 else "out" for e in rows]
-    nm = [max(e["max_nmse"], 1e-18) for e in rows]
-    cos = [1 - e["min_cosine"] for e in rows]
+    short = {"DeltaNet": "DN", "attention": "attn", "MoE": "MoE"}
+    labels = [f"{e['layer']}\n{short.get(e['type'], e['type'][:4])}" if e["layer"] >= 0 else "out" for e in rows]
     b = localization["bounds"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
     x = np.arange(len(rows))
-    a1.bar(x, nm, color="tab:purple")
-    a1.axhline(b["max_nmse"], ls="--", color="tab:red", label=f"bound {b['max_nmse']:g}")
-    a1.set_yscale("log")
-    a1.set_ylabel("max NMSE over the layer's tensors")
-    a2.bar(x, np.maximum(cos, 1e-18), color="tab:cyan")
-    a2.axhline(1 - b["min_cosine"], ls="--", color="tab:red", label=f"bound 1 − {b['min_cosine']}")
-    a2.set_yscale("log")
-    a2.set_ylabel("1 − min cosine")
-    for a in (a1, a2):
-        a.set_xticks(x, labels, fontsize=7)
-        a.set_xlabel("layer")
-        a.legend(fontsize=8)
     first = localization.get("first_divergence")
-    fig.suptitle("per-layer error vs the oracle" + (f" — first divergence {first['name']} (layer {first['layer']})" if first else ""))
+    hit = [bool(first) and e["layer"] == first["layer"] for e in rows]
+    for a, vals, bound, ylabel, color in (
+        (a1, [e["max_nmse"] for e in rows], b["max_nmse"], "max NMSE over the layer's tensors", "tab:purple"),
+        (a2, [1 - e["min_cosine"] for e in rows], 1 - b["min_cosine"], "1 − min cosine", "tab:cyan"),
+    ):
+        v = np.asarray(vals, dtype=np.float64)
+        pos = v[np.isfinite(v) & (v > 0)]
+        floor = min(float(pos.min()) if pos.size else bound, bound) / 100
+        a.bar(x, np.where(v > 0, v, floor), bottom=0, color=["tab:red" if h else color for h in hit])
+        for xi in np.flatnonzero(v <= 0):  # an exact zero has no log-scale bar: say so
+            a.text(xi, floor * 1.5, "0", ha="center", va="bottom", fontsize=7, color="tab:gray")
+        a.axhline(bound, ls="--", color="tab:red", label=f"bound {bound:.2g}")
+        a.set_yscale("log")
+        a.set_ylim(bottom=floor)
+        a.set_ylabel(ylabel)
+        a.set_xticks(x, labels, fontsize=7)
+        a.set_xlabel("layer (DN: DeltaNet, attn: attention)")
+        a.legend(fontsize=8)
+    title = "per-layer error vs the oracle"
+    if first:
+        title += f" — first divergence {first['name']} (layer {first['layer']})"
+    fig.suptitle(plot_text(title))
     fig.tight_layout()
     path = out / "layers.png"
     fig.savefig(path, dpi=110)
@@ -122,56 +175,603 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, localization: dict[str, Any] | None = None) -> Path:
-    """Write ``report.md`` and its PNGs for a receipt; return the Markdown path.
+# ----------------------------------------------------------------------------- shared pieces
 
-    ``out_dir`` defaults to ``reports/<receipt id>/`` beside the receipts directory. Raises
-    ``InvalidInput`` for an unreadable or invalid receipt.
+
+def _model_name(rec: dict[str, Any]) -> str:
+    return rec["model"].get("name") or Path(rec["model"]["path"]).name
+
+
+def _model_spec(rec: dict[str, Any]) -> str:
+    """What ``--model`` takes to reproduce: ``fixture:NAME`` as recorded, else the file path."""
+    name = rec["model"].get("name") or ""
+    return name if name.startswith("fixture:") else rec["model"]["path"]
+
+
+def _shown_path(p: Path) -> str:
+    """``p`` relative to the current directory when it lies below it, else absolute."""
+    try:
+        rel = os.path.relpath(p.resolve(), Path.cwd())
+    except ValueError:
+        return str(p.resolve())
+    return rel if not rel.startswith("..") else str(p.resolve())
+
+
+def _cmd(*argv: Any) -> str:
+    """A shell command line with every argument quoted for a POSIX shell."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def _shipped_prompts(prompts: dict[str, Any]) -> bool:
+    """Whether a receipt's prompt set is the shipped default (same bytes)."""
+    try:
+        default_sha = sha256_file(DEFAULT_PROMPTS)
+        if prompts.get("sha256"):
+            return prompts["sha256"] == default_sha
+        p = Path(prompts.get("path") or "")
+        return p.is_file() and sha256_file(p) == default_sha
+    except (HarnessError, OSError):
+        return False
+
+
+def _opts(rec: dict[str, Any]) -> list[str]:
+    """``--prompts``/``--thresholds``/``--override-kv`` as the run had them (the shipped prompt
+    set omitted)."""
+    out: list[str] = []
+    prompts = rec.get("prompts") or {}
+    if prompts.get("path") and not _shipped_prompts(prompts):
+        out += ["--prompts", prompts["path"]]
+    th = (rec.get("thresholds") or {}).get("file")
+    if th:
+        out += ["--thresholds", th]
+    for o in rec["model"].get("overrides") or []:
+        out += ["--override-kv", o]
+    return out
+
+
+def _basis(gate: dict[str, Any]) -> str:
+    """A threshold's basis in a line: measured (where, how, when) or declared (by whom)."""
+    b = gate.get("basis") or {}
+    if b.get("kind") == "measured":
+        s = f"measured on {b.get('model') or gate.get('basis_model') or 'n/a'}"
+        extra = [x for x in (b.get("command"), b.get("date"), f"n {b['n']}" if b.get("n") is not None else None) if x]
+        if b.get("known_bad"):
+            extra.append(f"{len(b['known_bad'])} known-bad")
+        s += f" ({', '.join(str(x) for x in extra)})" if extra else ""
+        if gate.get("basis_model_differs"):
+            s += "; measured on another model than this one"
+        return s
+    if b.get("kind") == "declared":
+        return f"declared by {b.get('who') or 'n/a'}" + (f" ({b['date']})" if b.get("date") else "")
+    return "no basis"
+
+
+def _ok(flag: bool | None) -> Inline:
+    return "not measured" if flag is None else ("ok" if flag else Badge("FAILED"))
+
+
+def _engine_line(info: dict[str, Any] | None) -> Inline:
+    if not info:
+        return fmt.NA
+    settings = ", ".join(f"{k}={fmt.number(v) if isinstance(v, float) else v}" for k, v in sorted((info.get("settings") or {}).items())
+                         if not isinstance(v, (dict, list)) and k != "model_sha256")
+    caps = ", ".join(info.get("capabilities") or []) or "none"
+    return [Code(f"{info['name']}"), f" {info.get('version') or ''}; capabilities: {caps}" + (f"; settings: {settings}" if settings else "")]
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _provenance(page: Page, rec: dict[str, Any], receipt_link: str | None) -> None:
+    m, h, host = rec["model"], rec.get("harness") or {}, rec.get("host") or {}
+    commit = (h.get("git_commit") or "")[:12] or fmt.NA
+    rows: list[tuple[Inline, Inline]] = [
+        ("receipt", Link(Code(rec["id"]), receipt_link) if receipt_link else Code(rec["id"])),
+        ("written", fmt.when(rec.get("created"))),
+        ("model", [Code(_model_name(rec)), f" ({m['arch']}, {m['file_type']}), sha256 ", Code(m["sha256"][:16]),
+                   f", overrides: {', '.join(m.get('overrides') or []) or 'none'}"]),
+        ("candidate", _engine_line(rec["engines"].get("candidate"))),
+        ("reference", _engine_line(rec["engines"].get("reference"))),
+        ("thresholds", [Code(str(rec["thresholds"].get("file") or fmt.NA)), " sha256 ", Code(str(rec["thresholds"].get("sha256") or "")[:16])]),
+        ("harness", f"{h.get('version', fmt.NA)}, commit {commit}" + (" (uncommitted changes)" if h.get("git_dirty") else "")),
+        ("host", f"{host.get('hostname', fmt.NA)}, {host.get('platform', fmt.NA)}, Python {host.get('python', fmt.NA)}, {host.get('cpu_count', fmt.NA)} CPUs"),
+        ("command recorded", Code(_cmd(*rec.get("command") or []))),
+    ]
+    if rec.get("prompts", {}).get("sha256"):
+        p = rec["prompts"]
+        rows.insert(5, ("prompts", [Code(str(p.get("id", ""))), f", {p.get('count', fmt.NA)} prompts, {p.get('positions', fmt.NA)} positions, sha256 ",
+                                    Code(p["sha256"][:16])]))
+    for k, v in _flat(rec.get("timings") or {}):
+        rows.append((f"timing {k}", f"{fmt.number(v)} s" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)))
+    page.h(2, "Provenance").fields(rows)
+
+
+def _receipt_link(receipt_json: Path, out: Path) -> str | None:
+    try:
+        return os.path.relpath(receipt_json.resolve(), out.resolve()).replace(os.sep, "/")
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------- localization
+
+
+@dataclass
+class Explanation:
+    """What a page shows beyond its receipt, looked up by the caller (``harness.compare.explain``
+    runs the engines and reads the model; this module only renders):
+
+    - ``vocab``: the model's vocabulary (``fmt.TokenTexts``) for token texts, or None and
+      ``vocab_note`` saying why;
+    - ``localization``: ``Localization.to_dict()`` with ``plan`` (``localization_plan``), or None
+      and ``loc_note`` saying why;
+    - ``op_meaning`` and ``causes`` (``{mutant, bug_class, description}``): what the first
+      divergent op computes and the known bug classes that first diverge there.
+    """
+
+    vocab: fmt.TokenTexts | None = None
+    vocab_note: str = "token texts were not looked up for this rendering (harness report RECEIPT looks them up)"
+    localization: dict[str, Any] | None = None
+    loc_note: str = "Not localized in this rendering; localize with the command below."
+    op_meaning: str | None = None
+    causes: list[dict[str, str]] = field(default_factory=list)
+
+
+def has_activations(rec: dict[str, Any]) -> bool:
+    """Whether the receipt's candidate declares the ``activations`` capability."""
+    return "activations" in (rec["engines"]["candidate"].get("capabilities") or [])
+
+
+_has_activations = has_activations
+
+
+def _parity_site(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The position a FAIL is localized at: the first failing one, else the worst-cosine one."""
+    g = rec["gated"]
+    return g.get("first_failing") or g.get("worst") or g.get("min_cosine_where")
+
+
+def localization_plan(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """How to localize a receipt's failure: ``{tokens, n_tokens, chunks, prompt, position, why}``
+    (token ids from the receipt itself: for parity the failing prompt up to its first failing
+    position, at least ``LOCALIZE_MIN_TOKENS``; for probes the probe's tokens in the failing
+    comparison's pieces), or None when nothing locates it."""
+    if rec.get("schema") == PROBE_SCHEMA_ID:
+        main = list((rec.get("prompts") or {}).get("main_tokens") or [])
+        if not main:
+            return None
+        for pr in rec["probes"]:
+            bad = next((c for c in pr["comparisons"] if not c.get("ok")), None)
+            if pr["verdict"] != "FAIL" or bad is None:
+                continue
+            label = bad["label"]
+            if m := re.fullmatch(r"split at (\d+)", label):
+                k = int(m.group(1))
+                return {"tokens": main, "n_tokens": len(main), "chunks": [k, len(main) - k] if 0 < k < len(main) else None, "prompt": None,
+                        "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
+            if m := re.fullmatch(r"prefill (\d+) then 1 token per call", label):
+                short = main[:80]
+                k = int(m.group(1))
+                return {"tokens": short, "n_tokens": len(short), "chunks": [k] + [1] * (len(short) - k) if 0 < k < len(short) else None, "prompt": None,
+                        "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
+            return {"tokens": main, "n_tokens": len(main), "chunks": None, "prompt": None, "position": bad.get("first_bad_position"),
+                    "why": f"probe {pr['name']}, {label} (whole prompt in one call)"}
+        return None
+    site = _parity_site(rec)
+    if not site:
+        return None
+    item = next((p for p in rec["prompts"]["items"] if p["id"] == site["prompt"]), None)
+    if item is None:
+        return None
+    n = min(len(item["tokens"]), max(site["position"] + 1, LOCALIZE_MIN_TOKENS))
+    return {"tokens": list(item["tokens"][:n]), "n_tokens": n, "chunks": None, "prompt": site["prompt"], "position": site["position"],
+            "why": f"prompt {fmt.quoted(site['prompt'])}, positions 0–{n - 1}"}
+
+
+def localize_command(rec: dict[str, Any], plan: dict[str, Any] | None, receipt_shown: str = "RECEIPT") -> str:
+    """The command that localizes a receipt's failure: ``harness localize`` on the failing prompt
+    (parity), or ``harness report RECEIPT --localize`` where only the receipt holds the exact token
+    ids and pieces (probes)."""
+    if rec.get("schema") == PROBE_SCHEMA_ID:
+        return _cmd("harness", "report", receipt_shown, "--localize")
+    argv: list[Any] = ["harness", "localize", "--candidate", rec["engines"]["candidate"]["name"], "--model", _model_spec(rec)]
+    if plan and plan.get("prompt") is not None:
+        argv += ["--prompt", plan["prompt"], "--max-tokens", plan.get("n_tokens") or len(plan["tokens"])]
+        o = _opts(rec)
+        if "--prompts" in o:
+            argv += ["--prompts", o[o.index("--prompts") + 1]]
+    if plan and plan.get("chunks"):
+        argv += ["--chunks", ",".join(str(c) for c in plan["chunks"])]
+    for ov in rec["model"].get("overrides") or []:
+        argv += ["--override-kv", ov]
+    return _cmd(*argv)
+
+
+def _localize_cell(rec: dict[str, Any], loc_cmd: str) -> Inline:
+    if not _has_activations(rec):
+        return "not available: the candidate does not declare the activations capability (docs/engine-protocol.md)"
+    if rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None:
+        return "nothing to localize: no probe failed"
+    return Code(loc_cmd)
+
+
+def _first_div_inline(loc: dict[str, Any] | None, why_not: str, meaning: str | None) -> Inline:
+    if loc is None:
+        return why_not
+    f = loc.get("first_divergence")
+    if not f:
+        if loc.get("verdict") == "UNMEASURED":
+            return "not measured: no activation of the candidate could be compared with the oracle's"
+        return f"none: every one of {loc.get('compared')} tensors is within the bounds on these tokens (see Localization)"
+    where = f"layer {f['layer']} ({f['layer_type']})" if f["layer"] >= 0 else "model output"
+    nums = (f"NMSE {fmt.sig2(f.get('nmse'))}, cosine {fmt.cosine(f.get('cosine'))}" if f.get("nmse") is not None else str(f.get("status")))
+    pos = f" from position {f['position']}" if f.get("position") is not None else ""
+    return [Bold([where, ", op ", Code(f["op"])]), f" — {meaning}" if meaning else "", "; tensor ", Code(f["name"]), f"{pos}: {nums}"]
+
+
+def _cause_inline(rec: dict[str, Any], ex: Explanation) -> Inline:
+    loc = ex.localization
+    build = rec["engines"]["candidate"].get("build") or {}
+    planted: Inline = ""
+    if build.get("bug_class"):
+        planted = [" — this candidate is ", Code(rec["engines"]["candidate"]["name"]), f", planted fault: {build['bug_class']}"]
+    if loc is None or not loc.get("first_divergence"):
+        return [fmt.NA, planted] if planted else fmt.NA
+    if ex.causes:
+        return [Bold("; ".join(c["bug_class"] for c in ex.causes)), " (known bug classes that first diverge at this op: ",
+                ", ".join(f"mutant:{c['mutant']}" for c in ex.causes), ")", planted]
+    f = loc["first_divergence"]
+    return [f"no known bug class first diverges at {f.get('layer_type')} {f.get('op')}: inspect that op's inputs and weights", planted]
+
+
+def _localization_section(page: Page, rec: dict[str, Any], ex: Explanation, cmd: str, png: str | None) -> None:
+    loc, loc_note = ex.localization, ex.loc_note
+    page.h(2, "Localization (first divergence against the oracle)")
+    if loc is None:
+        page.p(loc_note)
+        page.p("To localize by hand:" if _has_activations(rec) else "Once the engine returns its activations, localize with:")
+        page.code(cmd)
+        return
+    plan = loc.get("plan") or {}
+    b = loc["bounds"]
+    page.p(f"Compared {loc.get('compared', fmt.NA)} tensors of the candidate with the float64 oracle's, in forward order, on "
+           f"{plan.get('n_tokens', fmt.NA)} tokens ({plan.get('why', 'the failing prompt')})"
+           + (f", fed in pieces of {', '.join(str(c) for c in plan['chunks'][:6])}{' …' if len(plan['chunks']) > 6 else ''}" if plan.get("chunks") else "")
+           + f". Bounds: NMSE ≤ {fmt.number(b['max_nmse'])}, cosine ≥ {fmt.cosine_threshold(b['min_cosine'])} (thresholds.yaml probes.localize_*).")
+    f = loc.get("first_divergence")
+    if f:
+        page.fields([("first divergent layer and op", _first_div_inline(loc, "", ex.op_meaning)), ("what the op computes", ex.op_meaning or fmt.NA),
+                     ("likely cause", _cause_inline(rec, ex))])
+        if ex.causes:
+            page.bullets([[Code(f"mutant:{c['mutant']}"), f" — {c['bug_class']}: {c['description']}"] for c in ex.causes])
+    else:
+        page.p(_first_div_inline(loc, "", None))
+    rows = []
+    for e in loc["per_layer"]:
+        first = bool(f) and e["layer"] == f["layer"]
+        label = (str(e["layer"]) if e["layer"] >= 0 else "output") + (" ← first divergence" if first else "")
+        rows.append([Bold(label) if first else label, e["type"], str(e["compared"]), str(e["missing"]), str(e["over"]),
+                     fmt.sig2(e["max_nmse"]), fmt.cosine(e["min_cosine"])])
+    page.h(3, "Per-layer error profile")
+    page.table(["layer", "type", "tensors compared", "not comparable", "over the bounds", "max NMSE", "min cosine"], rows, "llrrrrr")
+    if png:
+        page.image(png, "per-layer error profile")
+    page.p("Localization data: ", Link(Code("localization.json"), "localization.json"), ". Again by hand:")
+    page.code(cmd)
+
+
+# ----------------------------------------------------------------------------- parity page
+
+
+def _where_kld(rec: dict[str, Any], arrays: dict[str, np.ndarray], where: dict[str, Any] | None) -> tuple[Any, Any]:
+    """(cosine, KLD) at a receipt position, from the arrays."""
+    if not where:
+        return None, None
+    ids = [p["id"] for p in rec["prompts"]["items"]]
+    if where["prompt"] not in ids:
+        return None, None
+    sel = np.flatnonzero((arrays["prompt_index"] == ids.index(where["prompt"])) & (arrays["position"] == where["position"]))
+    if not sel.size:
+        return None, None
+    c, k = float(arrays["cosine"][sel[0]]), float(arrays["kld"][sel[0]])
+    return (c if np.isfinite(c) else None), (k if np.isfinite(k) else None)
+
+
+def _parity_headline(rec: dict[str, Any]) -> str:
+    g = rec["gated"]
+    v = g["verdict"]
+    th = rec["thresholds"]["gates"]["min_cosine"]["value"]
+    if v == "PASS":
+        return f"all {g['positions']} positions have logit cosine ≥ {fmt.cosine_threshold(th)} (lowest {fmt.cosine(g['min_cosine_observed'])}) and every KLD gate holds."
+    if v == "UNMEASURED":
+        return (f"only {g['positions']} positions were compared; the gate needs at least {g['min_positions']}. "
+                "Nothing was judged: this is not a PASS. Run with a prompt set of more positions.")
+    parts = []
+    if g["failing_positions"]:
+        parts.append(f"{fmt.count(g['failing_positions'], g['positions'])} positions below the cosine gate {fmt.cosine_threshold(th)}")
+    if g.get("nonfinite_positions"):
+        parts.append(f"{g['nonfinite_positions']} positions with non-finite logits")
+    failed = [d for d in g.get("distribution_gates") or [] if not d["ok"] and d["observed"] is not None]
+    if failed:
+        parts.append(" and ".join(d["label"] for d in failed) + " over " + ("their gates" if len(failed) > 1 else "its gate"))
+    return "; ".join(parts) + "." if parts else "the gates failed."
+
+
+def _gates_table(page: Page, rec: dict[str, Any]) -> None:
+    g, gates = rec["gated"], rec["thresholds"]["gates"]
+    cos, mp = gates["min_cosine"], gates["min_positions"]
+    judged = g["verdict"] != "UNMEASURED"
+
+    def ok(flag: bool | None) -> Inline:
+        return _ok(flag) if judged else "not judged"
+
+    rows: list[list[Inline]] = [
+        ["per-position logit cosine (every position)", f"≥ {fmt.cosine_threshold(cos['value'])}",
+         f"lowest {fmt.cosine(g['min_cosine_observed'])}; {fmt.count(g['failing_positions'], g['positions'])} below"
+         + (f"; {g['nonfinite_positions']} non-finite" if g.get("nonfinite_positions") else ""),
+         _basis(cos), ok(g["failing_positions"] == 0 and not g.get("nonfinite_positions"))],
+        ["positions compared", f"≥ {fmt.number(mp['value'])}", str(g["positions"]), _basis(mp),
+         "ok" if g["positions"] >= g["min_positions"] else Bold("too few: UNMEASURED")],
+    ]
+    for d in g.get("distribution_gates") or []:
+        rows.append([d["label"], f"≤ {fmt.number(d['threshold'])}", fmt.kld(d["observed"]), _basis(gates.get(d["name"], {})),
+                     ok(None if d["observed"] is None else d["ok"])])
+    page.h(2, "Gates").table(["gate", "threshold", "observed", "basis", "ok"], rows, "llllc")
+
+
+def _report_only_table(page: Page, rec: dict[str, Any]) -> None:
+    ro = rec["report_only"]
+    aa, fl, kl = ro["argmax_agreement"], ro["flips"], ro.get("kld") or {}
+    rows: list[list[Inline]] = [
+        ["argmax agreement", fmt.rate(aa.get("rate"), aa.get("ci_low"), aa.get("ci_high")),
+         f"{aa.get('agree', fmt.NA)} of {aa.get('n', fmt.NA)} positions; Wilson {fmt.number(100 * aa.get('confidence', 0.95))}% interval"],
+        ["argmax flips", f"{fl['near_tie']} near-tie, {fl['hard']} hard", f"near-tie: reference top-1 − top-2 < {fmt.number(fl['near_tie_margin'])} logits"],
+        ["KLD mean", f"{fmt.kld(kl.get('mean'))} ± {fmt.kld(kl.get('sem'))}" if kl else fmt.NA, "nats, ± standard error"],
+        ["KLD p50 / p99 / p99.9 / max", " / ".join(fmt.kld(kl.get(k)) for k in ("p50", "p99", "p99_9", "max")) if kl else fmt.NA, "nats"],
+        ["mean cosine", fmt.cosine(ro.get("mean_cosine")), "over all positions"],
+        ["top-5 / top-10 overlap", f"{fmt.percent(ro.get('top5_overlap_mean'))} / {fmt.percent(ro.get('top10_overlap_mean'))}", "mean share of the reference's top-k in the candidate's"],
+        ["NMSE mean / max", f"{fmt.sig2((ro.get('nmse') or {}).get('mean'))} / {fmt.sig2((ro.get('nmse') or {}).get('max'))}", "Σ(c − r)² / Σr² per position"],
+        ["reference margin p1 / p5 / p50", " / ".join(fmt.sig2((ro.get("ref_margin") or {}).get(k)) for k in ("p1", "p5", "p50")), "logits, top-1 − top-2"],
+        ["rank of the reference's top-1 in the candidate", f"max {fmt.number((ro.get('cand_rank') or {}).get('max'))}, p99 {fmt.number((ro.get('cand_rank') or {}).get('p99'))}", "0 = also the candidate's top-1"],
+    ]
+    page.h(2, "Report-only fields (not gated)")
+    page.p("Recorded for trends; none of these decides the verdict until a reviewer adds it to thresholds.yaml with a measured basis.")
+    page.table(["field (report-only)", "value", "how to read it"], rows)
+
+
+def _per_prompt_table(page: Page, rec: dict[str, Any]) -> None:
+    rows = []
+    for p in per_prompt_rows(rec):
+        first = p.get("first_failing_position")
+        rows.append([fmt.quoted(p["id"]), str(p["positions"]), f"{fmt.cosine(p.get('min_cosine'))} at {p.get('min_cosine_position', fmt.NA)}",
+                     fmt.cosine(p.get("mean_cosine")), fmt.percent(p.get("argmax_agreement")), f"{p.get('near_tie_flips')} / {p.get('hard_flips')}",
+                     fmt.kld(p.get("kld_mean")), f"{p.get('failing_positions')}" + (f" (first at {first})" if first is not None else "")])
+    page.h(2, "Per prompt").table(["prompt", "positions", "lowest cosine at", "mean cosine", "argmax agreement",
+                                   "flips near-tie / hard", "KLD mean", "failing"], rows, "lrrrrrrr")
+
+
+def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt: list[str]) -> dict[str, str]:
+    eng = rec["engines"]
+    if rec.get("schema") == PROBE_SCHEMA_ID:
+        argv: list[Any] = ["harness", "probe", "--candidate", eng["candidate"]["name"], "--model", _model_spec(rec)]
+        for pr in rec["probes"]:
+            argv += ["--only", pr["name"]]
+        if eng.get("reference"):
+            argv += ["--reference", eng["reference"]["name"]]
+        run = _cmd(*argv, *_opts(rec), *ledger_opt)
+    else:
+        run = _cmd("harness", "parity", "--model", _model_spec(rec), "--candidate", eng["candidate"]["name"], "--reference", eng["reference"]["name"],
+                   *_opts(rec), *ledger_opt)
+    cmds = {"reproduce the run": run, "localize the first divergence": loc_cmd}
+    if not _has_activations(rec) or (rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None):
+        del cmds["localize the first divergence"]
+    return cmds | {"re-render this report": _cmd("harness", "report", receipt_shown), "check the ledger": _cmd("harness", "ledger", "verify", *ledger_opt)}
+
+
+@dataclass
+class _Ctx:
+    """What a page shows beside its receipt: the explanation, plots and paths."""
+
+    ex: Explanation
+    plan: dict[str, Any] | None
+    pngs: dict[str, str]
+    receipt_link: str | None
+    receipt_shown: str
+    ledger_opt: list[str]
+
+
+def _parity_page(rec: dict[str, Any], arrays: dict[str, np.ndarray], c: _Ctx) -> Page:
+    """The verdict page of a parity receipt (first screen: verdict, worst position, first
+    divergence, likely cause, commands)."""
+    ex, plan, pngs = c.ex, c.plan, c.pngs
+    vocab, vocab_note, loc, loc_note = ex.vocab, ex.vocab_note, ex.localization, ex.loc_note
+    g, eng = rec["gated"], rec["engines"]
+    v = g["verdict"]
+    title = f"{v} · {eng['candidate']['name']} vs {eng['reference']['name']} on {_model_name(rec)} ({rec['model']['file_type']})"
+    page = Page(title, f"verdict-{v}").h(1, title)
+    page.p(Badge(v), f" ({rec['kind']}): {_parity_headline(rec)}")
+    if rec["kind"] == "self-consistency":
+        page.note("Self-consistency: reference and candidate are the same engine build and settings. This is not parity evidence.")
+    worst = g.get("worst") or g.get("min_cosine_where")
+    wc, wk = _where_kld(rec, arrays, worst)
+    loc_cmd = localize_command(rec, plan or localization_plan(rec), c.receipt_shown)
+    cmds = _commands(rec, c.receipt_shown, loc_cmd, c.ledger_opt)
+    rows: list[tuple[Inline, Inline]] = [("verdict", [Badge(v), f" — {rec['kind']}, {g['positions']} positions over {rec['prompts']['count']} prompts"])]
+    rows.append(("worst position" if v == "FAIL" else "lowest-cosine position", fmt.position(worst, vocab) + [f": cosine {fmt.cosine(wc)}, KLD {fmt.kld(wk)}"]))
+    if v == "FAIL":
+        if g.get("first_failing") and g["first_failing"] != worst:
+            rows.append(("first failing position", fmt.position(g["first_failing"], vocab)))
+        rows.append(("first divergent layer and op", _first_div_inline(loc, loc_note.split(";")[0].split(". ")[0] + ".", ex.op_meaning)))
+        rows.append(("likely cause", _cause_inline(rec, ex)))
+    rows += [("reproduce", Code(cmds["reproduce the run"])), ("localize", _localize_cell(rec, loc_cmd))]
+    page.fields(rows)
+    if vocab is None:
+        page.note(f"Token texts not shown: {vocab_note}.")
+    _gates_table(page, rec)
+    if v == "FAIL":
+        _localization_section(page, rec, ex, loc_cmd, pngs.get("layers"))
+    _report_only_table(page, rec)
+    _per_prompt_table(page, rec)
+    page.h(2, "Plots")
+    for key, alt in (("positions", "per-position cosine (gate dashed) and KLD (KLD gates dashed and dotted)"), ("margins", "reference margin and argmax flips")):
+        if key in pngs:
+            page.image(pngs[key], alt)
+    if v != "FAIL" and loc is not None:
+        _localization_section(page, rec, ex, loc_cmd, pngs.get("layers"))
+    _provenance(page, rec, c.receipt_link)
+    page.h(2, "Commands").table(["to", "run"], [[k, Code(c)] for k, c in cmds.items()])
+    return page
+
+
+# ----------------------------------------------------------------------------- probe page
+
+
+def _probe_position(rec: dict[str, Any], probe: str, pos: int | None, vocab: fmt.TokenTexts | None) -> Inline:
+    """A probe's position with its token (probes fed the receipt's main tokens) when known."""
+    main = list((rec.get("prompts") or {}).get("main_tokens") or [])
+    if pos is None:
+        return fmt.NA
+    if probe not in ("split", "decode", "ubatch", "determinism") or pos >= len(main):
+        return str(pos)
+    text = fmt.token_text(vocab, main[pos])
+    return [f"{pos} (token {main[pos]} ", Code(text), ")"] if text else f"{pos} (token {main[pos]})"
+
+
+def _probe_tables(page: Page, rec: dict[str, Any], vocab: fmt.TokenTexts | None) -> None:
+    rows = []
+    for pr in rec["probes"]:
+        cs = pr["comparisons"]
+        cos = [c["min_cosine"] for c in cs if c.get("min_cosine") is not None]
+        kl = [c["max_kld"] for c in cs if c.get("max_kld") is not None]
+        bad = next((c for c in cs if not c.get("ok")), None)
+        detail = pr.get("reason") if pr["verdict"] == "UNMEASURED" else (f"{bad['label']}: first differing position {bad.get('first_bad_position', fmt.NA)}" if bad else "")
+        rows.append([pr["name"], Badge(pr["verdict"]), str(len(cs)),
+                     fmt.cosine(min(cos)) if cos else fmt.NA, fmt.kld(max(kl)) if kl else fmt.NA, detail or ""])
+    page.h(2, "Probes").table(["probe", "verdict", "comparisons", "lowest cosine", "max KLD", "detail"], rows, "llrrrl")
+    probes_th = rec["thresholds"].get("probes") or {}
+    trows = []
+    for name, label, rel in (("min_cosine", "per-position cosine (each comparison)", "≥"), ("max_kld", "per-position KLD (each comparison)", "≤")):
+        if name in probes_th:
+            t = probes_th[name]
+            val = fmt.cosine_threshold(t["value"]) if name == "min_cosine" else fmt.number(t["value"])
+            trows.append([label, f"{rel} {val}", _basis(t)])
+    trows.append(["determinism", "bit-identical logits", "declared by the probe (no tolerance)"])
+    page.h(2, "Tolerances").table(["gate", "threshold", "basis"], trows)
+    for pr in rec["probes"]:
+        if pr["verdict"] != "FAIL":
+            continue
+        crow = []
+        for c in pr["comparisons"]:
+            tok = _probe_position(rec, pr["name"], c.get("first_bad_position"), vocab)
+            crow.append([c["label"], "ok" if c.get("ok") else Badge("FAILED"), str(c.get("positions", fmt.NA)), fmt.cosine(c.get("min_cosine")),
+                         fmt.kld(c.get("max_kld")), fmt.sig2(c.get("max_abs_diff")), tok])
+        page.h(3, f"Probe {pr['name']}: every comparison")
+        page.table(["comparison", "ok", "positions", "lowest cosine", "max KLD", "max |Δ logit|", "first differing position"], crow, "lcrrrrl")
+
+
+def _probe_page(rec: dict[str, Any], c: _Ctx) -> Page:
+    """The verdict page of a probe receipt."""
+    ex, plan, pngs = c.ex, c.plan, c.pngs
+    vocab, vocab_note, loc, loc_note = ex.vocab, ex.vocab_note, ex.localization, ex.loc_note
+    v = rec["verdict"]
+    cand = rec["engines"]["candidate"]["name"]
+    title = f"{v} · probes of {cand} on {_model_name(rec)} ({rec['model']['file_type']})"
+    page = Page(title, f"verdict-{v}").h(1, title)
+    failed = [p["name"] for p in rec["probes"] if p["verdict"] == "FAIL"]
+    unmeasured = rec.get("unmeasured") or []
+    head = {"PASS": f"every measured probe agrees with the engine's own whole-prompt run ({rec['positions']} positions compared).",
+            "FAIL": f"probes failed: {', '.join(failed)}. Feeding the same tokens another way changes the logits.",
+            "UNMEASURED": "a required probe could not be measured (the engine lacks a capability); this is not a PASS."}[v]
+    page.p(Badge(v), " (self-consistency probes): ", head)
+    loc_cmd = localize_command(rec, plan or localization_plan(rec), c.receipt_shown)
+    cmds = _commands(rec, c.receipt_shown, loc_cmd, c.ledger_opt)
+    rows: list[tuple[Inline, Inline]] = [("verdict", [Badge(v), f" — {len(rec['probes'])} probes, {rec['positions']} positions compared"])]
+    if unmeasured:
+        reasons = {p["name"]: p.get("reason") for p in rec["probes"]}
+        rows.append(("not measured", "; ".join(f"{n}: {reasons.get(n) or 'n/a'}" for n in unmeasured)))
+    if v == "FAIL":
+        pr = next(p for p in rec["probes"] if p["verdict"] == "FAIL")
+        bad = next((c for c in pr["comparisons"] if not c.get("ok")), None)
+        if bad:
+            rows.append(("first failing comparison", [f"probe {pr['name']}, {bad['label']}: first differing position ",
+                                                      _probe_position(rec, pr["name"], bad.get("first_bad_position"), vocab),
+                                                      f"; lowest cosine {fmt.cosine(bad.get('min_cosine'))}, max KLD {fmt.kld(bad.get('max_kld'))}"]))
+        rows.append(("first divergent layer and op", _first_div_inline(loc, loc_note.split(". ")[0] + ".", ex.op_meaning)))
+        rows.append(("likely cause", _cause_inline(rec, ex)))
+    rows += [("reproduce", Code(cmds["reproduce the run"])), ("localize", _localize_cell(rec, loc_cmd))]
+    page.fields(rows)
+    if vocab is None:
+        page.note(f"Token texts not shown: {vocab_note}.")
+    _probe_tables(page, rec, vocab)
+    if v == "FAIL" or loc is not None:
+        _localization_section(page, rec, ex, loc_cmd, pngs.get("layers"))
+    _provenance(page, rec, c.receipt_link)
+    page.h(2, "Commands").table(["to", "run"], [[k, Code(c)] for k, c in cmds.items()])
+    return page
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _ledger_opt(receipt_json: Path) -> list[str]:
+    """``--ledger PATH`` for the ledger beside the receipts, unless it is the default one."""
+    from harness.config import load_config
+
+    ledger = receipt_json.parent.parent / "ledger.jsonl"
+    try:
+        default = Path(load_config().ledger)
+    except HarnessError:
+        default = None
+    if not ledger.exists() or (default is not None and ledger.resolve() == default.resolve()):
+        return []
+    return ["--ledger", _shown_path(ledger)]
+
+
+def default_report_dir(receipt_json: Path, receipt_id: str) -> Path:
+    """``reports/<id[:16]>/`` beside the receipts folder."""
+    return receipt_json.parent.parent / "reports" / receipt_id[:16]
+
+
+def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, localization: dict[str, Any] | None = None, *,
+                 explanation: Explanation | None = None) -> Path:
+    """Write ``report.md`` and ``report.html`` (and PNGs, ``localization.json``) for a parity or
+    probe receipt; return the Markdown path.
+
+    ``out_dir`` defaults to ``default_report_dir``. ``explanation`` carries what the caller looked
+    up (vocabulary, localization, likely causes: ``harness.compare.explain.explain_receipt``);
+    without it the page is rendered from the receipt alone, with ``localization`` (a
+    ``Localization.to_dict()``) if given. The reports index is the caller's to regenerate
+    (``harness.evidence.index.refresh_index``; ``compare.explain.write_explained_report`` does).
+    Raises ``InvalidInput`` for an unreadable or invalid receipt or an unwritable folder.
     """
     loaded = load_receipt(receipt_path)
     rec, arrays = loaded.receipt, loaded.arrays
-    out = Path(out_dir) if out_dir else loaded.json_path.parent.parent / "reports" / rec["id"][:16]
-    out.mkdir(parents=True, exist_ok=True)
-    pngs = [plot_positions(rec, arrays, out), plot_margins(rec, arrays, out)]
-    if localization:
-        pngs.append(plot_layers(localization, out))
-        (out / "localization.json").write_text(json.dumps(localization, indent=1, default=str))
-    g, ro = rec["gated"], rec["report_only"]
-    th = rec["thresholds"]["gates"]["min_cosine"]
-    lines = [
-        f"# Parity report: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']}",
-        "",
-        f"**Verdict: {g['verdict']}** — {g.get('message', '')}",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| model | `{rec['model']['name']}` ({rec['model']['arch']}, {rec['model']['file_type']}), sha256 `{rec['model']['sha256'][:16]}…` |",
-        f"| kind | {rec['kind']} |",
-        f"| positions | {g['positions']} over {rec['prompts']['count']} prompts (gate needs ≥ {g['min_positions']}) |",
-        f"| gate | per-position cosine ≥ {th['value']} (basis: {th['basis']['kind']}) |",
-        f"| min cosine | {g['min_cosine_observed']} at {g['min_cosine_where']} |",
-        f"| failing positions | {g['failing_positions']} (first: {g.get('first_failing')}) |",
-        f"| argmax agreement (report-only) | {ro['argmax_agreement']['rate']} [{ro['argmax_agreement']['ci_low']}, {ro['argmax_agreement']['ci_high']}] |",
-        f"| flips (report-only) | {ro['flips']['near_tie']} near-tie, {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']}) |",
-        f"| KLD mean (report-only) | {(ro.get('kld') or {}).get('mean')} |",
-        f"| receipt | `{rec['id']}` |",
-        "",
-        "## Per prompt",
-        "",
-        "| prompt | positions | min cos | mean cos | argmax agr | flips near/hard | KLD mean | failing |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for p in per_prompt_rows(rec):
-        lines.append(f"| {p['id']} | {p['positions']} | {p.get('min_cosine')} | {p.get('mean_cosine')} | {p.get('argmax_agreement')} | "
-                     f"{p.get('near_tie_flips')}/{p.get('hard_flips')} | {p.get('kld_mean')} | {p.get('failing_positions')} |")
-    lines += ["", "## Plots", ""]
-    for png in pngs:
-        lines.append(f"![{png.stem}]({png.name})")
-        lines.append("")
-    if localization and localization.get("first_divergence"):
-        f = localization["first_divergence"]
-        lines += ["## First divergence", "", f"Layer {f['layer']} ({f['layer_type']}), tensor `{f['name']}`, position {f['position']}: "
-                  f"NMSE {f['nmse']}, cosine {f['cosine']}.", ""]
-    md = out / "report.md"
-    md.write_text("\n".join(lines) + "\n")
+    ex = explanation or Explanation(localization=localization)
+    default_out = default_report_dir(loaded.json_path, rec["id"])
+    out = Path(out_dir) if out_dir else default_out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidInput(f"{out}: cannot create the report folder: {e.strerror or e}") from e
+    is_probe = rec.get("schema") == PROBE_SCHEMA_ID
+    loc = ex.localization
+    plan = (loc or {}).get("plan") or localization_plan(rec)
+    try:
+        pngs = {} if is_probe else {"positions": plot_positions(rec, arrays, out).name, "margins": plot_margins(rec, arrays, out).name}
+        if loc is not None:
+            if loc.get("per_layer"):
+                pngs["layers"] = plot_layers(loc, out).name
+            (out / "localization.json").write_text(json.dumps(loc, indent=1, default=str, allow_nan=False) + "\n", encoding="utf-8")
+        ctx = _Ctx(ex, plan, pngs, _receipt_link(loaded.json_path, out), _shown_path(loaded.json_path), _ledger_opt(loaded.json_path))
+        page = _probe_page(rec, ctx) if is_probe else _parity_page(rec, arrays, ctx)
+        md, _ = page.write(out / REPORT_MD, out / REPORT_HTML)
+    except OSError as e:
+        raise InvalidInput(f"{out}: cannot write the report: {e.strerror or e}") from e
     return md

@@ -1,0 +1,146 @@
+"""Explaining a receipt: what its verdict page needs beyond the receipt, looked up here because it
+reads the model and may run engines (``harness.evidence.report`` only reads and renders).
+
+- the model's vocabulary (``harness.model.vocab``) for token texts, from the model file whose
+  sha256 is still the receipt's (``model_file``: the recorded path, else the fixture of that name);
+- on a FAIL whose candidate declares ``activations``: first-divergence localization against the
+  oracle (``harness.compare.localize``) on the receipt's own token ids
+  (``report.localization_plan``), and the likely cause (``harness.compare.causes``).
+
+``write_explained_report`` is what ``harness parity``, ``harness probe`` and ``harness report``
+call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from harness.compare.causes import OPS, likely_causes
+from harness.compare.localize import LocalizeRequest, run_localize
+from harness.errors import HarnessError, InvalidInput
+from harness.evidence.page import untrusted
+from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt
+from harness.evidence.index import refresh_index_quietly
+from harness.evidence.report import Explanation, has_activations, localization_plan, write_report
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel
+from harness.model.vocab import Vocab
+from harness.provenance import sha256_file
+
+Log = Callable[[str], None]
+
+
+def model_file(model: Mapping[str, Any]) -> tuple[Path | None, str]:
+    """The GGUF file of a receipt's ``model`` (path, name, sha256), and why none when none.
+
+    ``model.path`` is used only if its sha256 is still the receipt's (a moved or replaced file
+    would give wrong token texts and a wrong localization); a ``fixture:NAME`` model is also
+    looked up where fixtures live (never built). Never raises.
+    """
+    candidates: list[Path] = []
+    if model.get("path"):
+        candidates.append(Path(model["path"]))
+    name = str(model.get("name") or "")
+    if name.startswith("fixture:") and name.removeprefix("fixture:") in fx.fixture_names():
+        try:
+            candidates.append(Path(fx.fixture_path(name.removeprefix("fixture:"))))
+        except (HarnessError, KeyError, ValueError, OSError):
+            pass
+    why = "the model file is not on this machine"
+    for path in candidates:
+        try:
+            if not path.is_file():
+                continue
+            if model.get("sha256") and sha256_file(path) != model["sha256"]:
+                why = f"{path.name} no longer has the receipt's sha256"
+                continue
+            return path, ""
+        except (HarnessError, OSError) as e:
+            why = f"cannot read {path.name} ({e})"
+    return None, why
+
+
+def vocabulary(model: Mapping[str, Any]) -> tuple[Vocab | None, str]:
+    """The vocabulary of a receipt's ``model`` (``model_file``), or None and why. Never raises."""
+    path, why = model_file(model)
+    if path is None:
+        return None, why
+    try:
+        gm = GGUFModel(path)
+        tokens = gm.tokens
+        kind = gm.raw_metadata("tokenizer.ggml.model")
+    except HarnessError as e:
+        return None, f"cannot read the model's vocabulary ({untrusted(e)})"
+    if not tokens:
+        return None, "the model has no tokenizer.ggml.tokens"
+    return Vocab(tokens, kind), ""
+
+
+def localize_receipt(rec: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, Any]:
+    """First-divergence localization of the receipt's candidate against the oracle on ``plan``
+    (``localization_plan``: token ids and pieces); ``Localization.to_dict()`` plus the plan.
+
+    Raises ``InvalidInput`` (model file gone or changed, engine without activations) and
+    ``EngineError``.
+    """
+    path, why = model_file(rec["model"])
+    if path is None:
+        raise InvalidInput(f"cannot localize: {why}")
+    th = (rec.get("thresholds") or {}).get("file")
+    req = LocalizeRequest(model=str(path), candidate=rec["engines"]["candidate"]["name"], tokens=list(plan["tokens"]),
+                          chunks=plan["chunks"], max_tokens=len(plan["tokens"]), overrides=list(rec["model"].get("overrides") or []),
+                          thresholds=th if th and Path(th).is_file() else None)
+    loc = run_localize(req).to_dict()
+    loc["plan"] = {k: v for k, v in plan.items() if k != "tokens"}
+    return loc
+
+
+def _localization(rec: Mapping[str, Any], localize: bool | str, log: Log | None) -> tuple[dict[str, Any] | None, str]:
+    """(localization or None, why there is none) following ``localize`` (True, False, "auto":
+    a FAIL whose candidate has activations)."""
+    verdict = rec["verdict"] if rec.get("schema") == PROBE_SCHEMA_ID else rec["gated"]["verdict"]
+    cand = untrusted(rec["engines"]["candidate"]["name"])
+    if not has_activations(rec):
+        return None, (f"Not localized: the candidate {cand} does not declare the activations capability. An engine that "
+                      "returns its named activations (llama.cpp's graph names; capability activations in the engine protocol, "
+                      "docs/engine-protocol.md) can be localized layer by layer against the oracle.")
+    if localize is False or (localize == "auto" and verdict != "FAIL"):
+        return None, "Not localized in this report (the verdict is not FAIL); localize by hand with the command below."
+    plan = localization_plan(dict(rec))
+    if plan is None:
+        return None, "Not localized: the receipt names no failing position to localize."
+    if log:
+        log(f"localizing {cand} against the oracle on {len(plan['tokens'])} tokens ...")
+    try:
+        return localize_receipt(rec, plan), ""
+    except HarnessError as e:
+        return None, f"Localization could not run here ({e.verdict.value}: {untrusted(e)}); run it by hand with the command below."
+
+
+def explain_receipt(receipt_path: str | Path, localize: bool | str = "auto", log: Log | None = None) -> Explanation:
+    """Everything a verdict page shows beyond the receipt (``Explanation``). A localization that
+    cannot run is explained in ``loc_note``, not raised. Raises ``InvalidInput`` for an unreadable
+    or invalid receipt."""
+    rec = load_receipt(receipt_path).receipt
+    vocab, vocab_note = vocabulary(rec["model"])
+    loc, loc_note = _localization(rec, localize, log)
+    ex = Explanation(vocab=vocab, vocab_note=vocab_note, localization=loc, loc_note=loc_note)
+    first = (loc or {}).get("first_divergence")
+    if first:
+        ex.op_meaning = OPS.get(first.get("op") or "")
+        ex.causes = [{"mutant": c.mutant, "bug_class": c.bug_class, "description": c.description}
+                     for c in likely_causes(first.get("layer_type"), first.get("op"))]
+    return ex
+
+
+def write_explained_report(receipt_path: str | Path, out_dir: str | Path | None = None, localize: bool | str = "auto",
+                           log: Log | None = None) -> Path:
+    """``explain_receipt`` then ``write_report``; the Markdown path. A page written to its default
+    folder beside a ledger regenerates that ledger's reports index (a failure there is a warning).
+    Raises as they do."""
+    md = write_report(receipt_path, out_dir, explanation=explain_receipt(receipt_path, localize, log))
+    ledger = Path(receipt_path).parent.parent / "ledger.jsonl"
+    if out_dir is None and ledger.exists():
+        refresh_index_quietly(ledger)
+    return md
