@@ -140,7 +140,7 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
     ``layers.png``."""
     plt = _plt()
     rows = localization["per_layer"]
-    short = {"DeltaNet": "DN", "attention": "attn", "MoE": "MoE"}
+    short = {"recurrent": "rec", "attention": "attn", "moe": "MoE", "mtp": "MTP"}
     labels = [f"{e['layer']}\n{short.get(e['type'], e['type'][:4])}" if e["layer"] >= 0 else "out" for e in rows]
     b = localization["bounds"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
@@ -162,7 +162,7 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
         a.set_ylim(bottom=floor)
         a.set_ylabel(ylabel)
         a.set_xticks(x, labels, fontsize=7)
-        a.set_xlabel("layer (DN: DeltaNet, attn: attention)")
+        a.set_xlabel("layer (rec: recurrent Gated DeltaNet, attn: attention)")
         a.legend(fontsize=8)
     title = "per-layer error vs the oracle"
     if first:
