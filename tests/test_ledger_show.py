@@ -29,15 +29,20 @@ def ledger(tmp_path):
              time="2026-11-01T10:00:00Z"),
         dict(base, candidate="mutant:qk-norm-skipped qwen35-float64", min_cosine=0.9366118590100881, kld_mean=0.008472548427883307, verdict="FAIL",
              time="2026-11-02T10:00:00Z"),
-        dict(base, candidate="oracle qwen35-float64 (numpy 2.4.6)", min_cosine=0.9999999, kld_mean=3e-08, verdict="PASS", time="2026-11-03T10:00:00Z"),
+        dict(base, candidate="oracle qwen35-float64 (numpy 2.4.6)", min_cosine=0.9999999, kld_mean=3e-08, verdict="PASS", time="2026-11-03T10:00:00Z",
+             candidate_tokens_per_s=812.5, candidate_wall_s=3.5, candidate_load_s=0.2),
         dict(base, candidate=f"{LONG} 1.0 " + "x" * 60, model="/very/long/path/to/a/model/" + "m" * 80 + ".gguf", quant="Q4_K_M",
              min_cosine=None, kld_mean=None, argmax_agreement=None, positions=20, verdict="UNMEASURED", time="2026-11-04T10:00:00Z"),
         dict(base, kind="probe", candidate="llama.cpp llama-cpp-python 0.3.36", min_cosine=0.9999999881866312, kld_mean=None,
              argmax_agreement=None, verdict="PASS", time="2026-11-05T10:00:00Z"),
+        dict(base, kind="probe", candidate="llama.cpp llama-cpp-python 0.3.36", min_cosine=0.9999999881866312, kld_mean=None,
+             argmax_agreement=None, verdict="PASS", time="2026-11-06T10:00:00Z", candidate_tokens_per_s=2000.0, candidate_wall_s=1.0),
+        dict(base, kind="probe", candidate="llama.cpp llama-cpp-python 0.3.36", min_cosine=0.9999999881866312, kld_mean=None,
+             argmax_agreement=None, verdict="PASS", time="2026-11-07T10:00:00Z", candidate_tokens_per_s=1500.0, candidate_wall_s=1.3),
     ]
     for r in rows:
         L.append_row(p, r)
-    L.append_row(p, L.supersede_row(3, "rerun on the wrong build"))
+    L.append_row(p, L.supersede_row(3, "rerun on the wrong build"))  # seq 8
     return p
 
 
@@ -60,9 +65,12 @@ def test_show_fits_120_columns_and_rounds(ledger, args):
 def test_show_trends_per_candidate_count_standing_runs(ledger):
     out = show(ledger)
     oracle = next(line for line in out.splitlines() if line.startswith("oracle "))
-    assert " 1 " in oracle and "1/0/0" in oracle and "PASS #1 2026-11-01" in oracle  # seq 3 was withdrawn by seq 6
+    assert " 1 " in oracle and "1/0/0" in oracle and "PASS #1 2026-11-01" in oracle  # seq 3 was withdrawn by seq 8
+    assert oracle.rstrip().endswith("—")  # the standing oracle run recorded no timings
+    llama = next(line for line in out.splitlines() if line.startswith("llama.cpp "))
+    assert "3/0/0" in llama and llama.rstrip().endswith("1.5e+03 (0.86×)")  # last 1500 tok/s vs median 1750
     rows = show(ledger, "--rows")
-    assert "PASS (withdrawn by #6)" in rows
+    assert "PASS †8" in rows and "†N: withdrawn by supersede row #N" in rows
 
 
 def test_show_filters(ledger):
@@ -70,9 +78,9 @@ def test_show_filters(ledger):
     assert "llama.cpp" in show(ledger, "--kind", "probe") and "mutant" not in show(ledger, "--kind", "probe")
     only_mutants = show(ledger, "--candidate", "mutant:", "--rows")
     assert "mutant:qk-norm-skipped" in only_mutants and "oracle" not in only_mutants
-    assert "no rows match: 0 of 6 rows (since 2030-01-01)" in show(ledger, "--since", "2030-01-01")
+    assert "no rows match: 0 of 8 rows (since 2030-01-01)" in show(ledger, "--since", "2030-01-01")
     since = json.loads(show(ledger, "--since", "2026-11-04", "--format", "json"))
-    assert [r["seq"] for r in since["rows"]] == [6, 5, 4]
+    assert [r["seq"] for r in since["rows"]] == [8, 7, 6, 5, 4]
     assert "Q4_K_M" in show(ledger, "--model", "Q4_K") and "trained-qwen35" not in show(ledger, "--model", "Q4_K")
     r = subprocess.run([sys.executable, "-m", "harness", "ledger", "show", "--ledger", str(ledger), "--since", "yesterday-ish"],
                        capture_output=True, text=True, timeout=60)
@@ -81,7 +89,8 @@ def test_show_filters(ledger):
 
 def test_show_csv_and_json_are_unrounded_and_null_not_nan(ledger):
     rows = pd.read_csv(io.StringIO(show(ledger, "--rows", "--format", "csv")))
-    assert rows["seq"].tolist() == [6, 5, 4, 3, 2, 1]
+    assert rows["seq"].tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert rows.loc[rows["seq"] == 7, "candidate_tokens_per_s"].item() == 1500.0
     assert rows.loc[rows["seq"] == 1, "min_cosine"].item() == 0.9999999675309167
     trends = pd.read_csv(io.StringIO(show(ledger, "--format", "csv")))
     assert set(trends["candidate"]) == {"oracle", "mutant:qk-norm-skipped", LONG, "llama.cpp"}

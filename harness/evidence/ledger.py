@@ -792,11 +792,13 @@ def candidate_trends(df: pd.DataFrame) -> pd.DataFrame:
     Columns: ``candidate``, ``model``, ``quant``, ``kind``, ``runs``, ``pass``, ``fail``,
     ``other`` (UNMEASURED and the rest), ``last_seq``, ``last_time`` (ISO), ``last_verdict``,
     ``last_min_cosine``, ``worst_min_cosine`` (lowest over the runs), ``last_kld_mean``,
-    ``worst_kld_mean`` (highest), ``versions`` (distinct candidate labels).
+    ``worst_kld_mean`` (highest), ``versions`` (distinct candidate labels) and the candidate's
+    speed (``_speed_summary``: last and median prefill tokens/s, last / median, last wall s).
     """
     eff = _effective(df).copy()
     cols = ["candidate", "model", "quant", "kind", "runs", "pass", "fail", "other", "last_seq", "last_time", "last_verdict",
-            "last_min_cosine", "worst_min_cosine", "last_kld_mean", "worst_kld_mean", "versions"]
+            "last_min_cosine", "worst_min_cosine", "last_kld_mean", "worst_kld_mean", "versions", "candidate_tokens_per_s_last",
+            "candidate_tokens_per_s_median", "candidate_speed_vs_median", "candidate_wall_s_last"]
     if eff.empty:
         return pd.DataFrame(columns=cols)
     eff["engine"] = eff["candidate"].map(engine_name)
@@ -812,6 +814,7 @@ def candidate_trends(df: pd.DataFrame) -> pd.DataFrame:
             "last_min_cosine": _num(last["min_cosine"]), "worst_min_cosine": _num(cos.min()),
             "last_kld_mean": _num(last["kld_mean"]), "worst_kld_mean": _num(kld.max()),
             "versions": sorted({str(c) for c in g["candidate"].dropna()}),
+            **_speed_summary(g),
         })
     return pd.DataFrame(out, columns=cols).sort_values("last_seq", ascending=False, ignore_index=True)
 

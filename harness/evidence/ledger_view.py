@@ -33,7 +33,8 @@ from harness.evidence.ledger import (
 from harness.evidence.page import untrusted
 
 ROW_COLUMNS = ["seq", "time", "kind", "verdict", "candidate", "model", "quant", "positions", "min_cosine", "kld_mean",
-               "argmax_agreement", "hard_flips", "superseded_by", "supersedes", "reason", "receipt_id"]
+               "argmax_agreement", "hard_flips", "candidate_tokens_per_s", "candidate_wall_s", "superseded_by", "supersedes", "reason",
+               "receipt_id"]
 """Columns of the rows view in CSV/JSON."""
 
 _STYLE = {"PASS": "green", "FAIL": "bold red", "UNMEASURED": "yellow"}
@@ -43,6 +44,14 @@ _KIND = {"self-consistency": "self"}
 def _t(value: Any, style: str = "") -> Text:
     """Untrusted text for a rich table cell (no markup is interpreted)."""
     return Text(untrusted("" if value is None or (isinstance(value, float) and pd.isna(value)) else value), style=style)
+
+
+def _speed(tps: Any, vs_median: Any) -> str:
+    """``1.2e+03 (0.95×)``: the last prefill tokens/s and its ratio to the median, or a dash."""
+    t, r = _num(tps), _num(vs_median)
+    if t is None:
+        return "—"
+    return f"{t:.3g}" + (f" ({r:.2f}×)" if r is not None else "")
 
 
 def _shorten(s: str, n: int = 100) -> str:
@@ -79,7 +88,7 @@ class LedgerView:
                 v = r.get(c)
                 if c == "time":
                     v = v.isoformat() if pd.notna(v) else None
-                elif c in ("min_cosine", "kld_mean", "argmax_agreement"):
+                elif c in ("min_cosine", "kld_mean", "argmax_agreement", "candidate_tokens_per_s", "candidate_wall_s"):
                     v = _num(v)
                 elif c in ("seq", "positions", "hard_flips", "superseded_by", "supersedes"):
                     v = None if pd.isna(v) else int(v)
@@ -122,6 +131,8 @@ class LedgerView:
             for _, table in (self._rows_tables() if rows else self._trends_tables()):
                 console.print()
                 console.print(table)
+            if rows and self.rows["superseded_by"].notna().any():
+                console.print(Text("†N: withdrawn by supersede row #N (rows are never edited; the withdrawn result no longer stands)"))
             console.print()
         for line in self._proposal_lines():
             console.print(Text(line))
@@ -141,12 +152,14 @@ class LedgerView:
         for key in dict.fromkeys(trends["model_key"]):  # newest model first
             t = self._table(f"model {key}", [("candidate", dict(max_width=30)), ("kind", dict(max_width=8)), ("runs", dict(justify="right")),
                                              ("P/F/U", dict(justify="right")), ("last run", {}), ("lowest cos", dict(justify="right")),
-                                             ("worst cos", dict(justify="right")), ("KLD mean", dict(justify="right"))])
+                                             ("worst cos", dict(justify="right")), ("KLD mean", dict(justify="right")),
+                                             ("tok/s (vs median)", dict(justify="right"))])
             for _, r in trends[trends["model_key"] == key].iterrows():
                 v = r["last_verdict"]
                 t.add_row(_t(r["candidate"]), _t(_KIND.get(r["kind"], r["kind"])), _t(r["runs"]), _t(f"{r['pass']}/{r['fail']}/{r['other']}"),
                           _t(f"{v} #{r['last_seq']} {str(r['last_time'] or '')[:10]}", _STYLE.get(v, "")),
-                          _t(fmt.cosine(_num(r["last_min_cosine"]))), _t(fmt.cosine(_num(r["worst_min_cosine"]))), _t(fmt.kld(_num(r["last_kld_mean"]))))
+                          _t(fmt.cosine(_num(r["last_min_cosine"]))), _t(fmt.cosine(_num(r["worst_min_cosine"]))), _t(fmt.kld(_num(r["last_kld_mean"]))),
+                          _t(_speed(r["candidate_tokens_per_s_last"], r["candidate_speed_vs_median"])))
             out.append((key, t))
         return out
 
@@ -159,16 +172,18 @@ class LedgerView:
         out = []
         for key, rs in groups.items():
             t = self._table(key if key.startswith("withdrawals") else f"model {key}", [("#", dict(justify="right")), ("date", {}), ("kind", dict(max_width=8)), ("verdict", {}),
-                                             ("candidate", dict(max_width=28)), ("pos.", dict(justify="right")), ("lowest cos", dict(justify="right")),
-                                             ("KLD mean", dict(justify="right")), ("argmax", dict(justify="right")), ("receipt", {})])
+                                             ("candidate", dict(max_width=24)), ("pos.", dict(justify="right")), ("lowest cos", dict(justify="right")),
+                                             ("KLD mean", dict(justify="right")), ("argmax", dict(justify="right")),
+                                             ("tok/s", dict(justify="right")), ("receipt", {})])
             for r in rs:
                 v = r["verdict"] or "—"
                 if r["superseded_by"]:
-                    v += f" (withdrawn by #{r['superseded_by']})"
+                    v += f" †{r['superseded_by']}"
                 cand = f"withdraws #{r['supersedes']}: {r['reason']}" if r["kind"] == "supersede" else engine_name(r["candidate"]) or "—"
                 t.add_row(_t(r["seq"]), _t((r["time"] or "")[:10]), _t(_KIND.get(r["kind"], r["kind"])), _t(v, _STYLE.get(r["verdict"] or "", "")),
                           _t(cand), _t("—" if r["positions"] is None else r["positions"]), _t(fmt.cosine(r["min_cosine"])),
-                          _t(fmt.kld(r["kld_mean"])), _t(fmt.percent(r["argmax_agreement"])), _t((r["receipt_id"] or "—")[:8]))
+                          _t(fmt.kld(r["kld_mean"])), _t(fmt.percent(r["argmax_agreement"])), _t(_speed(r["candidate_tokens_per_s"], None)),
+                          _t((r["receipt_id"] or "—")[:8]))
             out.append((key, t))
         return out
 

@@ -259,16 +259,6 @@ def _engine_line(info: dict[str, Any] | None) -> Inline:
     return [Code(f"{info['name']}"), f" {info.get('version') or ''}; capabilities: {caps}" + (f"; settings: {settings}" if settings else "")]
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out += _flat(v, f"{prefix}{k}.")
-        else:
-            out.append((f"{prefix}{k}", v))
-    return out
-
-
 def _provenance(page: Page, rec: dict[str, Any], receipt_link: str | None) -> None:
     m, h, host = rec["model"], rec.get("harness") or {}, rec.get("host") or {}
     commit = (h.get("git_commit") or "")[:12] or fmt.NA
@@ -288,9 +278,30 @@ def _provenance(page: Page, rec: dict[str, Any], receipt_link: str | None) -> No
         p = rec["prompts"]
         rows.insert(5, ("prompts", [Code(str(p.get("id", ""))), f", {p.get('count', fmt.NA)} prompts, {p.get('positions', fmt.NA)} positions, sha256 ",
                                     Code(p["sha256"][:16])]))
-    for k, v in _flat(rec.get("timings") or {}):
-        rows.append((f"timing {k}", f"{fmt.number(v)} s" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)))
     page.h(2, "Provenance").fields(rows)
+    _timings_table(page, rec)
+
+
+def _seconds(v: Any) -> str:
+    return fmt.NA if v is None else f"{float(v):.3g} s"
+
+
+def _timings_table(page: Page, rec: dict[str, Any]) -> None:
+    """The run's speed per engine (``timings``, harness/engines/timing.py), when recorded:
+    three significant digits, the resolution a shared machine's timing supports."""
+    t = rec.get("timings") or {}
+    rows = []
+    for role in ("candidate", "reference"):
+        e = t.get(role)
+        if not e:
+            continue
+        name = (rec["engines"].get(role) or {}).get("name", role)
+        tps = e.get("prefill_tokens_per_s")
+        rows.append([role, Code(name), _seconds(e.get("wall_s")), _seconds(e.get("load_s")), _seconds(e.get("prefill_s")),
+                     str(e.get("tokens", fmt.NA)), fmt.NA if tps is None else f"{float(tps):.3g}", str(e.get("source", fmt.NA))])
+    if rows:
+        page.h(2, "Timings (report-only)")
+        page.table(["role", "engine", "wall", "load", "prefill", "tokens", "prefill tokens/s", "measured by"], rows, "llrrrrrl")
 
 
 def _receipt_link(receipt_json: Path, out: Path) -> str | None:
