@@ -43,8 +43,10 @@ ENGINE = textwrap.dedent(f"""
 os.environ["HARNESS_CONFIG"] = str(WORK / "harness.toml")
 os.environ["MPLBACKEND"] = "Agg"
 
+import harness.compare.explain  # noqa: E402  (the verdict page and the index each run writes)
 import harness.compare.parity  # noqa: E402
 import harness.evidence.ledger  # noqa: E402  (warm every module a run touches before forking)
+import harness.evidence.index  # noqa: E402
 import harness.evidence.receipts  # noqa: E402
 import harness.evidence.report  # noqa: E402
 from harness.cli import main  # noqa: E402

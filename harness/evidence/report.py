@@ -340,9 +340,6 @@ def has_activations(rec: dict[str, Any]) -> bool:
     return "activations" in (rec["engines"]["candidate"].get("capabilities") or [])
 
 
-_has_activations = has_activations
-
-
 def _parity_site(rec: dict[str, Any]) -> dict[str, Any] | None:
     """The position a FAIL is localized at: the first failing one, else the worst-cosine one."""
     g = rec["gated"]
@@ -406,7 +403,7 @@ def localize_command(rec: dict[str, Any], plan: dict[str, Any] | None, receipt_s
 
 
 def _localize_cell(rec: dict[str, Any], loc_cmd: str) -> Inline:
-    if not _has_activations(rec):
+    if not has_activations(rec):
         return "not available: the candidate does not declare the activations capability (docs/engine-protocol.md)"
     if rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None:
         return "nothing to localize: no probe failed"
@@ -447,7 +444,7 @@ def _localization_section(page: Page, rec: dict[str, Any], ex: Explanation, cmd:
     page.h(2, "Localization (first divergence against the oracle)")
     if loc is None:
         page.p(loc_note)
-        page.p("To localize by hand:" if _has_activations(rec) else "Once the engine returns its activations, localize with:")
+        page.p("To localize by hand:" if has_activations(rec) else "Once the engine returns its activations, localize with:")
         page.code(cmd)
         return
     plan = loc.get("plan") or {}
@@ -581,7 +578,7 @@ def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt:
         run = _cmd("harness", "parity", "--model", _model_spec(rec), "--candidate", eng["candidate"]["name"], "--reference", eng["reference"]["name"],
                    *_opts(rec), *ledger_opt)
     cmds = {"reproduce the run": run, "localize the first divergence": loc_cmd}
-    if not _has_activations(rec) or (rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None):
+    if not has_activations(rec) or (rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None):
         del cmds["localize the first divergence"]
     return cmds | {"re-render this report": _cmd("harness", "report", receipt_shown), "check the ledger": _cmd("harness", "ledger", "verify", *ledger_opt)}
 
