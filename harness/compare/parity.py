@@ -34,8 +34,8 @@ from harness.errors import (
     NotComparable,
     Verdict,
 )
-from harness.evidence.receipts import harness_info, host_info, report_only_headline
-from harness.evidence.record import record_evidence
+from harness.evidence.receipts import harness_info, host_info, prepare_receipt, report_only_headline
+from harness.evidence.record import preflight_evidence, record_evidence
 from harness.model.gguf_model import GGUFModel
 
 Progress = Callable[[str, int, int], None]
@@ -349,10 +349,13 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
 
     Order matters for honest failures: inputs (thresholds, model, prompts) are validated before
     any engine runs (``resolve_inputs``), so a threshold without a basis refuses to gate
-    (``InvalidInput``) without spending engine time. Raises ``InvalidInput``, ``EngineError``,
+    (``InvalidInput``) without spending engine time; so does evidence that could not be recorded
+    (``preflight_evidence``: an unwritable or ambiguous ledger path). Raises ``InvalidInput``, ``EngineError``,
     ``NotComparable``.
     """
     inputs = req.resolve()
+    if req.write_evidence:
+        preflight_evidence(req.ledger)
     resolved = inputs.resolved
     unknown = [g for g in resolved.gates if g not in PARITY_GATES]
     if unknown:
@@ -366,6 +369,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     receipt = build_receipt(req, inputs, result)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
+        prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
         return ParityOutcome(result, receipt, None, None, None)
     rec = record_evidence(receipt, result.per_position, req.ledger)
     return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path)

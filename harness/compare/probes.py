@@ -37,8 +37,8 @@ from harness.compare.reproducer import Reproducer, causes_breaking, failure_mess
 from harness.engines.base import Engine, gather
 from harness.engines.timing import timed
 from harness.errors import InvalidInput, Verdict
-from harness.evidence.receipts import harness_info, host_info
-from harness.evidence.record import record_evidence
+from harness.evidence.receipts import harness_info, host_info, prepare_receipt
+from harness.evidence.record import preflight_evidence, record_evidence
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -402,6 +402,8 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if unknown:
         raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
     inputs = req.resolve()
+    if req.write_evidence:
+        preflight_evidence(req.ledger)
     resolved = inputs.resolved
     tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
     engine = timed(lambda: inputs.engine(req.candidate))
@@ -426,6 +428,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         reference()
     receipt = _probe_receipt(req, inputs, engine, made[0] if made else None, results, max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
     if not req.write_evidence:
+        prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)
     rec = record_evidence(receipt, {}, req.ledger)
     return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row)

@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -45,6 +44,7 @@ from harness.errors import InvalidInput
 from harness.fixtures.resolve import fixture_names
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
+from harness.rundir import scratch_dir
 from harness.validation import schema_validator
 from harness.yamlnodes import check_size, duplicate_keys, line_of
 
@@ -320,8 +320,8 @@ def collect_tests(root: Path, files: Iterable[str]) -> dict[str, list[str]]:
     existing = [f for f in files if (root / f).exists()]
     found: dict[str, list[str]] = {}
     if existing:
-        with tempfile.TemporaryDirectory(prefix="harness-collect-") as d:
-            out = Path(d) / "collected.json"
+        with scratch_dir("collect-") as d:
+            out = d / "collected.json"
             cmd, env = pytest_command(root, ["--collect-only", "-q", "--harness-outcomes", str(out), *existing])
             proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
             if not out.exists():
