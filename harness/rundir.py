@@ -3,7 +3,7 @@
 Everything temporary the harness makes (engine requests and outputs, worker files, pytest runs
 of discharge) lives in ``scratch_dir``s inside ``run_dir()``: ``<tmp>/qwen35-harness-<uid>/
 run-<pid>-XXXX``. It is removed at exit (``atexit``); the CLI turns SIGTERM and SIGHUP into a
-normal exit (``exit_on_termination_signals``) so that happens then too; and a run killed with
+normal exit (``termination_exits``) so that happens then too; and a run killed with
 SIGKILL, which no process can catch, has its directory removed by the next run (``_sweep``:
 directories whose process is gone).
 """
@@ -95,15 +95,23 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def exit_on_termination_signals() -> None:
-    """Turn SIGTERM and SIGHUP into ``SystemExit(128 + signal)`` (main thread only), so the
-    ``finally`` blocks that kill engines and remove temporary files run when a run is stopped."""
+@contextlib.contextmanager
+def termination_exits() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` (main thread
+    only), so the ``finally`` blocks that kill engines and remove temporary files run when a run
+    is stopped; the previous handlers are restored after it."""
 
     def handler(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
+    previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         try:
-            signal.signal(sig, handler)
+            previous[sig] = signal.signal(sig, handler)
         except (ValueError, OSError):  # not the main thread, or not settable here
             pass
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)

@@ -36,7 +36,7 @@ from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
 from harness.engines.base import Engine, gather
 from harness.engines.timing import timed
-from harness.errors import InvalidInput, Verdict
+from harness.errors import EngineError, InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
 from harness.evidence.record import preflight_evidence, record_evidence
 
@@ -255,13 +255,18 @@ def probe_determinism(engine: Engine, tokens: Sequence[int]) -> ProbeResult:
 
 def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], min_cosine: float) -> ProbeResult:
     """≥ 1,024 positions against the reference with the parity gate's cosine; a FAIL names the
-    first position where the gate fails."""
+    first position where the gate fails. Raises ``EngineError`` when the reference returns a
+    non-finite logit (the reference failed, not the candidate)."""
     if reference is None:
         return ProbeResult("long", Verdict.UNMEASURED, reason="no reference engine given")
     if len(tokens) < 1024:
         return ProbeResult("long", Verdict.UNMEASURED, reason=f"only {len(tokens)} tokens; the long probe needs >= 1024")
     n = len(tokens)
     ref = gather(reference.logits(tokens), n)
+    bad = np.flatnonzero(~np.isfinite(ref).all(axis=1))
+    if bad.size:
+        raise EngineError(f"reference {reference.info.name} returned non-finite logits (NaN or Inf) at position {int(bad[0])} "
+                          "of the long probe; a reference that fails cannot judge the candidate")
     cand = gather(engine.logits(tokens), n)
     tol = ProbeTolerance(min_cosine=min_cosine, max_kld=float("inf"))
     return _verdict("long", [compare(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)

@@ -3,6 +3,9 @@
 Plots: per-position cosine (with the gate line) and KLD along each prompt; the reference's
 top-1/top-2 margin against argmax flips (near-tie vs hard); and, when a localization is given,
 the per-layer error profile (max NMSE and min cosine per layer against the bounds).
+
+Every string from the receipt (prompt ids, engine and model names, messages) is escaped for
+where it goes: ``display.mathtext`` in plot text, ``display.md`` in the Markdown.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from harness.display import mathtext as _tx
+from harness.display import md as _md
 from harness.evidence.receipts import load_receipt, per_prompt_rows
+from harness.fschecks import require_writable_dir
 
 
 def _plt():
@@ -45,17 +51,17 @@ def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: 
         if bad.any():
             ax.scatter(x[bad], np.where(np.isfinite(cos[bad]), cos[bad], gate), color="tab:red", s=12, zorder=3, label="failing")
         ax.set_ylabel("cosine")
-        ax.set_title(f"{p['id']}: per-position logit cosine", fontsize=9)
+        ax.set_title(f"{_tx(p['id'])}: per-position logit cosine", fontsize=9)
         lo = np.nanmin(np.concatenate([cos[np.isfinite(cos)], [gate]])) if np.isfinite(cos).any() else gate
         ax.set_ylim(min(lo, gate) - 0.002, 1.0005)
         ax.legend(fontsize=7, loc="lower left")
         ax2 = axes[i, 1]
         ax2.semilogy(x, np.maximum(kld, 1e-16), lw=0.8, color="tab:green")
         ax2.set_ylabel("KLD (nats)")
-        ax2.set_title(f"{p['id']}: KL(P_ref || P_cand) per position", fontsize=9)
+        ax2.set_title(f"{_tx(p['id'])}: KL(P_ref || P_cand) per position", fontsize=9)
     for ax in axes[-1]:
         ax.set_xlabel("position (tokens)")
-    fig.suptitle(f"{receipt['engines']['candidate']['name']} vs {receipt['engines']['reference']['name']} on {receipt['model']['name']} — {receipt['gated']['verdict']}")
+    fig.suptitle(_tx(f"{receipt['engines']['candidate']['name']} vs {receipt['engines']['reference']['name']} on {receipt['model']['name']} — {receipt['gated']['verdict']}"))
     fig.tight_layout()
     path = out / "positions.png"
     fig.savefig(path, dpi=110)
@@ -114,7 +120,7 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
         a.set_xlabel("layer")
         a.legend(fontsize=8)
     first = localization.get("first_divergence")
-    fig.suptitle("per-layer error vs the oracle" + (f" — first divergence {first['name']} (layer {first['layer']})" if first else ""))
+    fig.suptitle("per-layer error vs the oracle" + (_tx(f" — first divergence {first['name']} (layer {first['layer']})") if first else ""))
     fig.tight_layout()
     path = out / "layers.png"
     fig.savefig(path, dpi=110)
@@ -126,31 +132,40 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
     """Write ``report.md`` and its PNGs for a receipt; return the Markdown path.
 
     ``out_dir`` defaults to ``reports/<receipt id>/`` beside the receipts directory. Raises
-    ``InvalidInput`` for an unreadable or invalid receipt.
+    ``InvalidInput`` for an unreadable or invalid receipt, or an ``out_dir`` that cannot be
+    written (checked before any plot is drawn; a folder this call created is removed again when
+    it fails).
     """
     loaded = load_receipt(receipt_path)
     rec, arrays = loaded.receipt, loaded.arrays
     out = Path(out_dir) if out_dir else loaded.json_path.parent.parent / "reports" / rec["id"][:16]
-    out.mkdir(parents=True, exist_ok=True)
-    pngs = [plot_positions(rec, arrays, out), plot_margins(rec, arrays, out)]
-    if localization:
-        pngs.append(plot_layers(localization, out))
-        (out / "localization.json").write_text(json.dumps(localization, indent=1, default=str))
+    require_writable_dir(out, "report folder")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        pngs = [plot_positions(rec, arrays, out), plot_margins(rec, arrays, out)]
+        if localization:
+            pngs.append(plot_layers(localization, out))
+            (out / "localization.json").write_text(json.dumps(localization, indent=1, default=str))
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # no empty report folder left behind
+        raise
     g, ro = rec["gated"], rec["report_only"]
     th = rec["thresholds"]["gates"]["min_cosine"]
     lines = [
-        f"# Parity report: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']}",
+        f"# Parity report: {_md(rec['engines']['candidate']['name'])} vs {_md(rec['engines']['reference']['name'])}",
         "",
-        f"**Verdict: {g['verdict']}** — {g.get('message', '')}",
+        f"**Verdict: {g['verdict']}** — {_md(g.get('message', ''))}",
         "",
         "| | |",
         "|---|---|",
-        f"| model | `{rec['model']['name']}` ({rec['model']['arch']}, {rec['model']['file_type']}), sha256 `{rec['model']['sha256'][:16]}…` |",
+        f"| model | {_md(rec['model']['name'])} ({_md(rec['model']['arch'])}, {_md(rec['model']['file_type'])}), sha256 `{rec['model']['sha256'][:16]}…` |",
         f"| kind | {rec['kind']} |",
         f"| positions | {g['positions']} over {rec['prompts']['count']} prompts (gate needs ≥ {g['min_positions']}) |",
         f"| gate | per-position cosine ≥ {th['value']} (basis: {th['basis']['kind']}) |",
-        f"| min cosine | {g['min_cosine_observed']} at {g['min_cosine_where']} |",
-        f"| failing positions | {g['failing_positions']} (first: {g.get('first_failing')}) |",
+        f"| min cosine | {g['min_cosine_observed']} at {_md(g['min_cosine_where'])} |",
+        f"| failing positions | {g['failing_positions']} (first: {_md(g.get('first_failing'))}) |",
         f"| argmax agreement (report-only) | {ro['argmax_agreement']['rate']} [{ro['argmax_agreement']['ci_low']}, {ro['argmax_agreement']['ci_high']}] |",
         f"| flips (report-only) | {ro['flips']['near_tie']} near-tie, {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']}) |",
         f"| KLD mean (report-only) | {(ro.get('kld') or {}).get('mean')} |",
@@ -162,7 +177,7 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
         "|---|---|---|---|---|---|---|---|",
     ]
     for p in per_prompt_rows(rec):
-        lines.append(f"| {p['id']} | {p['positions']} | {p.get('min_cosine')} | {p.get('mean_cosine')} | {p.get('argmax_agreement')} | "
+        lines.append(f"| {_md(p['id'])} | {p['positions']} | {p.get('min_cosine')} | {p.get('mean_cosine')} | {p.get('argmax_agreement')} | "
                      f"{p.get('near_tie_flips')}/{p.get('hard_flips')} | {p.get('kld_mean')} | {p.get('failing_positions')} |")
     lines += ["", "## Plots", ""]
     for png in pngs:
@@ -170,7 +185,7 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
         lines.append("")
     if localization and localization.get("first_divergence"):
         f = localization["first_divergence"]
-        lines += ["## First divergence", "", f"Layer {f['layer']} ({f['layer_type']}), tensor `{f['name']}`, position {f['position']}: "
+        lines += ["## First divergence", "", f"Layer {f['layer']} ({_md(f['layer_type'])}), tensor {_md(f['name'])}, position {f['position']}: "
                   f"NMSE {f['nmse']}, cosine {f['cosine']}.", ""]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
