@@ -25,7 +25,8 @@ _RUN_DIR: Path | None = None
 _LOCK = threading.Lock()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -56,7 +57,7 @@ def _sweep(base: Path) -> None:
             pid = int(d.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -18,6 +18,7 @@ bytes and content match it) and by git history.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -40,6 +41,7 @@ from harness.evidence.receipts import (
 )
 from harness.provenance import sha256_bytes, sha256_file
 from harness.validation import best_error, make_validator
+from harness.rundir import pid_alive
 
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
@@ -451,8 +453,13 @@ def _check_head_for_append(ledger_path: Path, data: bytes, parsed: list) -> dict
 
 def _write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``; the
-    temporary file is removed when anything fails."""
+    temporary file is removed when anything fails, and those of killed runs (their process is
+    gone) are removed first. Called under the ledger lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by runs killed mid-render
+        pid = stale.name[len(path.name) + 2 : -4]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from harness.errors import InvalidInput
 from harness.paths import IS_CHECKOUT, SCHEMA_DIR, SOURCE_ROOT
 from harness.provenance import git_state, sha256_bytes, suite_pins
 from harness.validation import best_error, schema_validator
+from harness.rundir import pid_alive
 
 SCHEMA_ID = "harness-parity-receipt/v1"
 SCHEMA_PATH = SCHEMA_DIR / "receipt.schema.json"
@@ -223,7 +225,7 @@ def _write_new(directory: Path, name: str, write) -> bool:
     atomic step, so two writers racing cannot both succeed) and unlinked. Returns False, writing
     nothing, when ``name`` already exists. Raises ``OSError``; no temporary file is left behind.
     """
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -244,7 +246,7 @@ def _write_new(directory: Path, name: str, write) -> bool:
 def _replace_file(directory: Path, name: str, write) -> None:
     """Write via a temporary file in ``directory``, fsync, rename over ``name`` (used only for a
     sidecar whose existing copy does not hold the receipt's arrays)."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -257,6 +259,29 @@ def _replace_file(directory: Path, name: str, write) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+_TEMP_NAME = re.compile(r"^\.[0-9a-f]{64}\.(?:json|npz)\.(\d+)\.[^/]*\.tmp$")
+
+
+def sweep_temp_files(directory: Path) -> list[Path]:
+    """Remove the temporary files (``.<id>.<ext>.<pid>.*.tmp``) that writers killed before they
+    could clean up left in ``directory``: those whose process is gone. Returns what was removed.
+    A temporary file is never evidence (only linked names are); a live writer's are kept."""
+    removed = []
+    try:
+        names = [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for p in names:
+        m = _TEMP_NAME.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            try:
+                p.unlink()
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -331,6 +356,7 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
     try:
         text = json.dumps(r, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
         directory.mkdir(parents=True, exist_ok=True)
+        sweep_temp_files(directory)
         save = lambda f: np.savez(f, **arrays)  # noqa: E731
         if not _write_new(directory, npz_path.name, save) and not _sidecar_holds(npz_path, r["arrays"]["sha256"]):
             _replace_file(directory, npz_path.name, save)
