@@ -288,7 +288,7 @@ def test_bad_override_kv(command, text):
 
 CONFIG_BAD = {
     "toml-syntax": ("[engines.x\ncommand = 1\n", "invalid TOML"),
-    "command-a-string": ('[engines.x]\ncommand = "python engine.py {request}"\n', "list of strings (no shell)"),
+    "command-a-string": ('[engines.x]\ncommand = "python engine.py {request}"\n', "list of strings without NUL (no shell)"),
     "timeout-negative": ('[engines.x]\ncommand = ["a"]\ntimeout_s = -1\n', "timeout_s must be a finite number of seconds"),
     "engine-not-a-table": ("[engines]\nx = 3\n", "must be a table"),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,8 @@ def _parse_line(p: Path, lineno: int, line: str) -> Any:
         raise InvalidInput(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
     except RecursionError:
         raise InvalidInput(f"{p}:{lineno}: JSON nested too deeply (a prompt is an object of strings and ints)") from None
-    except ValueError as e:  # int(...) of an integer literal past sys.get_int_max_str_digits()
-        raise InvalidInput(f"{p}:{lineno}: invalid JSON ({str(e).splitlines()[0][:120]})") from None
+    except ValueError:  # int(...) of an integer literal past sys.get_int_max_str_digits()
+        raise InvalidInput(f"{p}:{lineno}: invalid JSON (a number of more than {sys.get_int_max_str_digits():,} digits)") from None
 
 
 def load_prompt_set(path: str | Path | None) -> PromptSet:

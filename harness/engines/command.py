@@ -78,20 +78,21 @@ def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
     if unknown:
         raise InvalidInput(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(SPEC_KEYS)}")
     cmd = t.get("command")
-    if not isinstance(cmd, list) or not cmd or not all(isinstance(a, str) for a in cmd):
-        raise InvalidInput(f"{where}.command must be a non-empty list of strings (no shell)")
+    if not isinstance(cmd, list) or not cmd or not all(isinstance(a, str) and "\x00" not in a for a in cmd):
+        raise InvalidInput(f"{where}.command must be a non-empty list of strings without NUL (no shell)")
     timeout = check_timeout(t.get("timeout_s", 600), f"{where}.timeout_s")
     caps = t.get("capabilities", [])
     if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
         raise InvalidInput(f"{where}.capabilities must be a list of strings")
     raw_cwd = t.get("cwd")
-    if raw_cwd is not None and not isinstance(raw_cwd, str):
+    if raw_cwd is not None and (not isinstance(raw_cwd, str) or "\x00" in raw_cwd):
         raise InvalidInput(f"{where}.cwd must be a string (a directory)")
     cwd = Path(raw_cwd) if raw_cwd is not None else cfg.base_dir
     if not cwd.is_absolute():
         cwd = cfg.base_dir / cwd
     env = t.get("env", {})
-    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in env.values()):
+    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) and "\x00" not in str(v)
+                                            and k and "=" not in k and "\x00" not in k for k, v in env.items()):
         raise InvalidInput(f"{where}.env must be a table of variable = \"value\" (strings or numbers)")
     return CommandSpec(name, list(cmd), timeout, list(caps), cwd, {str(k): str(v) for k, v in env.items()})
 

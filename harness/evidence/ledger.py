@@ -283,7 +283,7 @@ def markdown_path_for(ledger_path: str | Path, markdown_path: str | Path | None 
         raise InvalidInput(f"{md}: the rendered ledger would be the ledger itself; refusing")
     try:
         st = os.lstat(md)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there to protect (fschecks says whether it can be created)
         return md
     except OSError as e:
         raise InvalidInput(f"{md}: cannot use as the rendered ledger: {e.strerror or e}") from None

@@ -596,6 +596,9 @@ class GGUFModel:
             if not 0 <= sec <= dim:
                 raise InvalidInput(f"{self.path}: key '{arch}.rope.dimension_sections'[{i}] is {sec}; it must be in 0..{dim}")
         n_trunk = vals["n_layer_all"] - vals["n_layer_nextn"]
+        if n_trunk <= 0:
+            raise InvalidInput(f"{self.path}: {arch}.block_count {vals['n_layer_all']} minus {arch}.nextn_predict_layers "
+                               f"{vals['n_layer_nextn']} leaves no trunk layers")
         if n_trunk > self.blocks_present:
             raise InvalidInput(f"{self.path}: {arch}.block_count {vals['n_layer_all']} minus nextn_predict_layers "
                                f"{vals['n_layer_nextn']} counts {n_trunk} trunk blocks, but the file holds tensors for "
