@@ -23,9 +23,9 @@ that generates the kind's variants (the input named in the issue is one point of
 8. leftovers: every exit path of an engine that leaves children behind (``exit_paths``), runs
    stopped by SIGTERM or SIGKILL, report folders of failed reports.
 
-Hypothesis budgets are small and seeded in the default suite (``derandomize``, a few to a few
-dozen examples per strategy; tests/test_fuzz.py explains the convention); ``make fuzz`` runs them
-with ``HARNESS_FUZZ_EXAMPLES`` examples each, randomly seeded.
+Hypothesis budgets are small and seeded in the default suite (``derandomize``, 5 to 80 examples
+per strategy; tests/test_fuzz.py explains the convention); ``make fuzz`` scales them with
+``HARNESS_FUZZ_EXAMPLES`` (``budget``) and seeds them randomly.
 """
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u
 
 
 def budget(n: int):
-    """Hypothesis settings: ``n`` seeded examples by default, ``$HARNESS_FUZZ_EXAMPLES`` randomly
-    seeded ones under ``make fuzz``."""
-    return settings(max_examples=int(FUZZ_EXAMPLES) if FUZZ_EXAMPLES else n, deadline=None, derandomize=not RANDOM,
-                    database=None, suppress_health_check=list(HealthCheck))
+    """Hypothesis settings: ``n`` seeded examples by default; under ``make fuzz`` the same share of
+    ``$HARNESS_FUZZ_EXAMPLES`` as ``n`` is of test_fuzz.py's default 60 (a strategy that runs the
+    CLI or draws plots gets fewer than one that calls a function), randomly seeded."""
+    examples = max(n, int(FUZZ_EXAMPLES) * n // 60) if FUZZ_EXAMPLES else n
+    return settings(max_examples=examples, deadline=None, derandomize=not RANDOM, database=None,
+                    suppress_health_check=list(HealthCheck))
 
 
 # ---------------------------------------------------------------------------------------------
