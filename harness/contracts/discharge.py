@@ -55,6 +55,7 @@ from harness.contracts.loader import (
 from harness.engines.registry import engine_source_hashes
 from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
+from harness.fschecks import require_writable_dir
 from harness.paths import IS_CHECKOUT, SOURCE_ROOT
 from harness.provenance import git_state, sha256_bytes, sha256_file, suite_pins
 from harness.rundir import scratch_dir
@@ -429,8 +430,10 @@ def discharge(
     for ob in (ob for ob in obs if ob.tests):
         requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
         requests.append((Subject(candidate, ob.model), ob.tests))
-    runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
     out_dir = Path(evidence_dir) if evidence_dir else default_evidence_dir(contract)
+    if write:
+        require_writable_dir(out_dir, "discharge evidence folder")  # before any test session is spent
+    runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
     results = []
     for ob in obs:
         if not ob.tests:
