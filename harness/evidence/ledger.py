@@ -395,7 +395,9 @@ def append_row(
     Raises ``InvalidInput`` when the row breaks the row schema, names a receipt other than the
     file given, supersedes a row that does not exist, or when the ledger's last row is partial,
     malformed or edited (the chain is not extended from a broken head; run ``verify_ledger``),
-    or when the lock cannot be taken within ``lock_timeout`` seconds.
+    when the lock cannot be taken within ``lock_timeout`` seconds, when the ledger or its
+    rendering path is refused (``markdown_path_for``) or cannot be written. One function on
+    purpose: everything from taking the lock to releasing it is one critical section.
     """
     ledger_path = Path(ledger_path)
     md_path = markdown_path_for(ledger_path, markdown_path)
