@@ -39,7 +39,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from _hostile_util import Alarm as _Alarm
 from _hostile_util import make_non_regular
+from helpers import fake_engines_config
 from test_bad_input import GATES, V, cli, cli_process, write_prompts
 from test_receipts import make_receipt
 
@@ -76,9 +76,9 @@ def budget(n: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake command engines. Each is a Python body with ``req`` (the request), ``out`` (its output
-# folder), ``good`` (deterministic logits for the request's tokens) and ``ran()`` (appends to
-# ran.log beside the scripts: proof an engine ran) at hand.
+# Fake command engines (tests/helpers.py): each body has ``req``, ``out``, ``good`` (deterministic
+# logits for the request's tokens) and ``os`` at hand; every engine appends its name to ran.log
+# beside the scripts, the proof that an engine ran.
 # ---------------------------------------------------------------------------------------------
 ENGINES = {
     "good": "np.save(out + '/logits.npy', good)",
@@ -90,31 +90,18 @@ ENGINES = {
     "stderr-fifo": ("os.remove(os.path.dirname(sys.argv[1]) + '/stderr.txt'); os.mkfifo(os.path.dirname(sys.argv[1]) + '/stderr.txt');"
                     " np.save(out + '/logits.npy', good)"),
 }
-
-
-def write_engines(work: Path, bodies: dict[str, str], timeout_s: float = 30) -> Path:
-    """A $HARNESS_CONFIG file with one command engine per body; returns its path."""
-    tables = []
-    for name, body in bodies.items():
-        script = work / f"engine_{name.replace('-', '_')}.py"
-        script.write_text(textwrap.dedent(f"""
-            import json, os, sys
-            import numpy as np
-            req = json.load(open(sys.argv[1])); out = sys.argv[2]; V = {V}
-            open({str(work / 'ran.log')!r}, 'a').write({name!r} + '\\n')
-            good = np.stack([np.random.default_rng(t).standard_normal(V).astype(np.float32) for t in req['tokens']])
-        """) + body + "\n")
-        tables.append(f'[engines.{name}]\ncommand = ["{{python}}", "{script}", "{{request}}", "{{out_dir}}"]\ntimeout_s = {timeout_s}\n')
-    cfg = work / "harness.toml"
-    cfg.write_text("\n".join(tables))
-    return cfg
+PREAMBLE = """
+import os
+open(os.path.join(os.path.dirname(__file__), 'ran.log'), 'a').write(os.path.basename(__file__) + '\\n')
+good = np.stack([np.random.default_rng(t).standard_normal(V).astype(np.float32) for t in req['tokens']])
+"""
 
 
 @pytest.fixture()
 def engines(tmp_path, monkeypatch) -> Path:
     """The ``ENGINES`` configured through $HARNESS_CONFIG; returns the work folder (``ran.log``
     appears there when any engine ran)."""
-    monkeypatch.setenv("HARNESS_CONFIG", str(write_engines(tmp_path, ENGINES)))
+    fake_engines_config(tmp_path, monkeypatch, ENGINES, V, 30, PREAMBLE)
     return tmp_path
 
 
@@ -617,8 +604,8 @@ class _FakeOutcome:
         r = rec.receipt
         self.receipt, self.receipt_path, self.ledger_path, self.ledger_row = r, rec.receipt_path, rec.ledger_path, rec.row
         self.result = CellResult(Verdict.PASS, "parity", [], {}, r["report_only"],
-                                 [dict(id=s, positions=16, min_cosine=0.99, mean_cosine=0.99, argmax_agreement=1.0, flips_near_tie=0,
-                                       flips_hard=0, kld_mean=None, failing_positions=0)], {}, {}, {}, 31, s)
+                                 [dict(id=s, positions=16, min_cosine=0.99, mean_cosine=0.99, argmax_agreement=1.0, near_tie_flips=0,
+                                       hard_flips=0, kld_mean=None, failing_positions=0)], {}, {}, {}, 31, s)
 
 
 # =============================================================================================
