@@ -343,10 +343,11 @@ def test_yaml_aliases_to_large_scalars_are_refused(tmp_path):
 
 
 MEASURED_RUN = """
-import resource, sys
+import re, sys
 from harness.cli import main
 code = main(sys.argv[1:])
-print(f"maxrss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+# VmHWM: this process image's peak RSS (ru_maxrss would carry the forking parent's over exec)
+print("maxrss_kib", re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1), file=sys.stderr)
 sys.exit(code)
 """
 
