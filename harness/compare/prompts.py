@@ -55,9 +55,14 @@ MAX_TOKEN_ID = (1 << 31) - 1
 
 def _parse_line(p: Path, lineno: int, line: str) -> Any:
     """One JSON line; ``InvalidInput`` for bad JSON, numbers Python refuses to convert (an
-    integer of more than 4,300 digits) and nesting deeper than the parser's recursion limit."""
+    integer of more than 4,300 digits), nesting deeper than the parser's recursion limit, and
+    ``\\uD800``-style escapes of lone surrogates (no UTF-8 text holds them: no receipt could)."""
     try:
-        return json.loads(line)
+        obj = json.loads(line)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        return obj
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{p}:{lineno}: a string holds a lone surrogate escape (\\ud800-\\udfff), which is no text") from None
     except json.JSONDecodeError as e:
         raise InvalidInput(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
     except RecursionError:

@@ -140,8 +140,8 @@ def _depth(obj: Any, limit: int) -> int:
 
 def parse_info(raw: bytes, who: str) -> dict[str, Any]:
     """An engine's ``info.json`` bytes as a dict, validated before it goes near a receipt:
-    UTF-8 JSON object, finite numbers only (NaN/Infinity refused), nested at most
-    ``INFO_MAX_DEPTH`` deep, ``name``/``version`` strings or numbers, ``settings`` an object.
+    UTF-8 JSON object, finite numbers only (NaN/Infinity refused), no lone surrogate escapes,
+    nested at most ``INFO_MAX_DEPTH`` deep, ``name``/``version`` strings or numbers, ``settings`` an object.
     Raises ``EngineError`` naming ``who``."""
     try:
         info = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
@@ -150,6 +150,10 @@ def parse_info(raw: bytes, who: str) -> dict[str, Any]:
         raise EngineError(f"{who} wrote an unreadable info.json ({msg})") from None
     if not isinstance(info, dict):
         raise EngineError(f"{who} wrote an info.json that is not a JSON object")
+    try:
+        json.dumps(info, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        raise EngineError(f"{who} wrote an info.json holding a lone surrogate escape or nested too deeply") from None
     if _depth(info, INFO_MAX_DEPTH) > INFO_MAX_DEPTH:
         raise EngineError(f"{who} wrote an info.json nested more than {INFO_MAX_DEPTH} levels deep")
     for key in ("name", "version"):

@@ -480,9 +480,9 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def _cell(v: Any) -> str:
-    """A row's value as a Markdown table cell (``display.md``: no control characters, no cell
+    """A row's value as a Markdown table cell (``display.md_text``: no control characters, no cell
     breaks, links, code spans or HTML)."""
-    return display.md(v)
+    return display.md_text(v)
 
 
 def _speed(r: Mapping[str, Any]) -> str:

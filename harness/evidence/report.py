@@ -5,7 +5,7 @@ top-1/top-2 margin against argmax flips (near-tie vs hard); and, when a localiza
 the per-layer error profile (max NMSE and min cosine per layer against the bounds).
 
 Every string from the receipt (prompt ids, engine and model names, messages) is escaped for
-where it goes: ``display.mathtext`` in plot text, ``display.md`` in the Markdown.
+where it goes: ``display.mathtext`` in plot text, ``display.md_text`` in the Markdown.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from harness.display import mathtext as _tx
-from harness.display import md as _md
+from harness.display import md_text as _md
 from harness.evidence.receipts import load_receipt, per_prompt_rows
 from harness.fschecks import require_writable_dir
 
@@ -128,17 +128,9 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, localization: dict[str, Any] | None = None) -> Path:
-    """Write ``report.md`` and its PNGs for a receipt; return the Markdown path.
-
-    ``out_dir`` defaults to ``reports/<receipt id>/`` beside the receipts directory. Raises
-    ``InvalidInput`` for an unreadable or invalid receipt, or an ``out_dir`` that cannot be
-    written (checked before any plot is drawn; a folder this call created is removed again when
-    it fails).
-    """
-    loaded = load_receipt(receipt_path)
-    rec, arrays = loaded.receipt, loaded.arrays
-    out = Path(out_dir) if out_dir else loaded.json_path.parent.parent / "reports" / rec["id"][:16]
+def _draw_plots(rec: dict[str, Any], arrays: dict[str, np.ndarray], out: Path, localization: dict[str, Any] | None) -> list[Path]:
+    """The report's PNGs (and ``localization.json``) in ``out``, checked writable first
+    (``InvalidInput``); a folder this call created is removed again when drawing fails."""
     require_writable_dir(out, "report folder")
     created = not out.exists()
     try:
@@ -151,6 +143,21 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # no empty report folder left behind
         raise
+    return pngs
+
+
+def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, localization: dict[str, Any] | None = None) -> Path:
+    """Write ``report.md`` and its PNGs for a receipt; return the Markdown path.
+
+    ``out_dir`` defaults to ``reports/<receipt id>/`` beside the receipts directory. Raises
+    ``InvalidInput`` for an unreadable or invalid receipt, or an ``out_dir`` that cannot be
+    written (checked before any plot is drawn; a folder this call created is removed again when
+    it fails).
+    """
+    loaded = load_receipt(receipt_path)
+    rec, arrays = loaded.receipt, loaded.arrays
+    out = Path(out_dir) if out_dir else loaded.json_path.parent.parent / "reports" / rec["id"][:16]
+    pngs = _draw_plots(rec, arrays, out, localization)
     g, ro = rec["gated"], rec["report_only"]
     th = rec["thresholds"]["gates"]["min_cosine"]
     lines = [
