@@ -110,7 +110,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise InvalidInput(f"{path}: invalid TOML ({e})") from None
 
 
-STRING_KEYS = ("candidate", "reference", "prompts", "thresholds", "ledger", "evidence")
+STRING_KEYS = ("reference", "prompts", "thresholds", "ledger", "evidence")
+"""Keys read as one string (``candidate`` and ``model`` may also be lists: ``HarnessConfig.names``)."""
 
 
 def _checked(table: dict[str, Any], source: Path) -> dict[str, Any]:
