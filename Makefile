@@ -32,9 +32,11 @@ parity-tests: setup
 bench: setup
 	$(PY) benchmarks/run_all.py
 
-## a longer, randomly seeded fuzzing campaign (the default suite runs 60 fixed-seed examples per fuzz test)
+## a longer, randomly seeded fuzzing campaign (the default suite runs a few fixed-seed examples per
+## target): GGUF reader + lint, thresholds and contract loaders, the engine-output reader, the prompt
+## loader, and every hostile-input strategy of tests/test_hostile.py
 fuzz: setup
-	HARNESS_FUZZ_EXAMPLES=2000 HARNESS_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+	HARNESS_FUZZ_EXAMPLES=2000 HARNESS_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_hostile.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -3,7 +3,10 @@ place that renders tables for a terminal.
 
 Every command maps errors to the verdict exit codes of docs/design.md (see
 ``harness.errors``): a ``HarnessError`` prints one line ``harness: VERDICT: message`` to stderr
-and exits with its code; nothing prints a traceback unless ``HARNESS_DEBUG=1``.
+and exits with its code; nothing prints a traceback unless ``HARNESS_DEBUG=1``. Every string that
+did not come from the harness itself is shown through ``harness.display`` (``_p`` for plain
+lines, ``_m`` for rich markup, ``_lines`` for multi-line text): no prompt id, file name, engine
+output or metadata can reach the terminal as control sequences or be read as rich markup.
 
 Each command imports the library modules it runs inside its own body, marked ``# deferred:
 startup``: together they load NumPy, pandas, gguf and the oracle (seconds), and ``harness
@@ -20,7 +23,6 @@ from typing import Any, Iterable, Sequence
 
 import click
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -32,8 +34,13 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
+from harness.display import lines as _lines
+from harness.display import markup as _m
+from harness.display import plain as _p
 from harness.errors import HarnessError, InvalidInput, Unmeasured, Verdict
+from harness.fschecks import require_writable_dir, require_writable_file
 from harness.provenance import sha256_file
+from harness.rundir import termination_exits
 
 INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the harness, not a verdict
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -45,9 +52,10 @@ def _console(stderr: bool = False, width: int | None = None) -> Console:
     import shutil
 
     stream = sys.stderr if stderr else sys.stdout
+    # emoji off: ``:smile:`` in a prompt id is text, like everything else that is shown
     if stream.isatty():
-        return Console(stderr=stderr, width=min(shutil.get_terminal_size().columns, width) if width else None)
-    return Console(stderr=stderr, width=width or 160)
+        return Console(stderr=stderr, width=min(shutil.get_terminal_size().columns, width) if width else None, emoji=False)
+    return Console(stderr=stderr, width=width or 160, emoji=False)
 
 
 def _echo_json(obj: Any) -> None:
@@ -55,13 +63,14 @@ def _echo_json(obj: Any) -> None:
 
 
 def _render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None) -> None:
-    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green)."""
-    t = Table(title=title)
+    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green);
+    every other cell and the title shown literally (``display.markup``)."""
+    t = Table(title=_m(title))
     for col in columns:
         t.add_column(col, overflow="fold")
     for r in rows:
-        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else v for v in r])
-    Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0))).print(t)
+        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else _m(v) for v in r])
+    Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0)), emoji=False).print(t)
 
 
 def _short(msg: str, n: int = 140) -> str:
@@ -123,7 +132,7 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
         t.add_column(col, overflow="fold")
     for r in rows:
         mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
-        t.add_row(f"fixture:{r['name']}", r["arch"], r["quant"], mb, r["sha256"] or "(not built)", r["description"])
+        t.add_row(_m(f"fixture:{r['name']}"), _m(r["arch"]), _m(r["quant"]), mb, _m(r["sha256"] or "(not built)"), _m(r["description"]))
     _console().print(t)
 
 
@@ -141,7 +150,7 @@ def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
     for name in fx.fixture_names() if all_ else names:
         name = name.removeprefix("fixture:")
         path = fx.build(name, force=force)
-        click.echo(f"fixture:{name}  {path}  {sha256_file(path)}")
+        click.echo(_p(f"fixture:{name}  {path}  {sha256_file(path)}"))
 
 
 @fixtures.command("train")
@@ -202,12 +211,12 @@ def _parity_defaults() -> dict[str, Any]:
 def _render_parity(outcome) -> None:
     r, rec = outcome.result, outcome.receipt
     con = _console()
-    t = Table(title=f"parity: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']} on {rec['model']['name']} ({rec['model']['file_type']})")
+    t = Table(title=_m(f"parity: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']} on {rec['model']['name']} ({rec['model']['file_type']})"))
     for col in ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing"):
         t.add_column(col, justify="right" if col != "prompt" else "left")
     f = lambda v, spec: "-" if v is None else format(v, spec)
     for p in r.per_prompt:
-        t.add_row(p["id"], str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
+        t.add_row(_m(p["id"]), str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
                   f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
     con.print(t)
     th = rec["thresholds"]["gates"]["min_cosine"]
@@ -215,22 +224,22 @@ def _render_parity(outcome) -> None:
     note = f"basis {basis['kind']}" + (f" by {basis.get('who')}" if basis["kind"] == "declared" else f" on {th.get('basis_model')}")
     if th.get("basis_model_differs"):
         note += " (measured on another model than this one)"
-    con.print(f"gate: per-position cosine >= {th['value']} over >= {rec['gated']['min_positions']} positions ({note})")
+    con.print(_m(f"gate: per-position cosine >= {th['value']} over >= {rec['gated']['min_positions']} positions ({note})"))
     for g in rec["gated"].get("distribution_gates", []):
         obs = "-" if g["observed"] is None else f"{g['observed']:.3g}"
-        con.print(f"gate: {g['label']} {obs} <= {g['threshold']:.3g} ({g['name']}): {'ok' if g['ok'] else 'FAILED'}")
+        con.print(_m(f"gate: {g['label']} {obs} <= {g['threshold']:.3g} ({g['name']}): {'ok' if g['ok'] else 'FAILED'}"))
     ro = rec["report_only"]
     aa = ro["argmax_agreement"]
     if aa["rate"] is not None:
-        con.print(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
+        con.print(_m(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
                   f"flips {ro['flips']['near_tie']} near-tie / {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']})"
-                  + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else ""))
+                  + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else "")))
     if rec["kind"] == "self-consistency":
         con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
-    con.print(f"[bold]{r.verdict.value}[/bold]: {escape(r.message)}", soft_wrap=True)  # a reproducer line is never broken
+    con.print(f"[bold]{r.verdict.value}[/bold]: {_m(r.message)}", soft_wrap=True)  # a reproducer line is never broken
     if outcome.receipt_path:
-        con.print(f"receipt: {outcome.receipt_path}")
-        con.print(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})")
+        con.print(_m(f"receipt: {outcome.receipt_path}"))
+        con.print(_m(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})"))
 
 
 @cli.command()
@@ -264,7 +273,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
         except HarnessError as e:
             if len(specs) == 1:
                 raise
-            click.echo(f"harness: {e.verdict.value}: {spec}: {e}", err=True)
+            click.echo(f"harness: {e.verdict.value}: {_p(spec)}: {_p(e)}", err=True)
             verdicts.append(e.verdict)
             continue
         verdicts.append(outcome.result.verdict)
@@ -276,12 +285,12 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
         else:
             _render_parity(outcome)
             if report_path:
-                click.echo(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})")
+                click.echo(_p(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})"))
             elif outcome.result.verdict.value == "FAIL":
-                click.echo(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}")
+                click.echo(_p(f"next: localize the first divergence with: harness localize --candidate {req.candidate} --model {spec}"))
     worst = Verdict.worst(verdicts)
     if len(specs) > 1:
-        click.echo(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}")
+        click.echo(_p(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}"))
     sys.exit(worst.exit_code)
 
 
@@ -306,11 +315,11 @@ def _with_progress(fn, quiet: bool = False):
     if quiet:
         return fn(None)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+                  console=Console(stderr=True, emoji=False), transient=True) as bar:
         task = bar.add_task("engines running", total=None)
 
         def cb(prompt_id: str, done: int, total: int) -> None:
-            bar.update(task, description=f"prompt {prompt_id}", completed=done, total=total)
+            bar.update(task, description=f"prompt {_m(prompt_id)}", completed=done, total=total)
 
         return fn(cb)
 
@@ -339,25 +348,25 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]])
     con = _console(stderr=True)
-    run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {name} ...")))
+    run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
     if as_json:
         _echo_json(run.receipt)
     else:
-        t = Table(title=f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}")
+        t = Table(title=_m(f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
         for col in ("probe", "verdict", "comparisons", "detail"):
             t.add_column(col)
         for r in run.results:
-            t.add_row(r.name, r.verdict.value, str(len(r.comparisons)), r.summary())
+            t.add_row(_m(r.name), r.verdict.value, str(len(r.comparisons)), _m(r.summary()))
         _console().print(t)
         for r in run.results:
             if r.reproducer:
-                click.echo(r.reproducer)
-        click.echo(f"{run.verdict.value}: {run.message}")
+                click.echo(_p(r.reproducer))
+        click.echo(_p(f"{run.verdict.value}: {run.message}"))
         if run.receipt_path:
-            click.echo(f"receipt: {run.receipt_path}")
+            click.echo(_p(f"receipt: {run.receipt_path}"))
         if report_path:
-            click.echo(f"report:  {report_path}")
+            click.echo(_p(f"report:  {report_path}"))
     sys.exit(run.verdict.exit_code)
 
 
@@ -393,16 +402,16 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     if as_json:
         _echo_json(loc.to_dict())
     else:
-        t = Table(title=f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})")
+        t = Table(title=_m(f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})"))
         for col in ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine"):
             t.add_column(col, justify="right")
         for e in loc.per_layer:
-            t.add_row(str(e["layer"]) if e["layer"] >= 0 else "output", e["type"], str(e["compared"]), str(e["missing"]), str(e["over"]),
+            t.add_row(str(e["layer"]) if e["layer"] >= 0 else "output", _m(e["type"]), str(e["compared"]), str(e["missing"]), str(e["over"]),
                       f"{e['max_nmse']:.3g}", f"{e['min_cosine']:.6f}")
         _console().print(t)
         click.echo(f"{loc.compared} tensors compared")
         if loc.first:
-            click.echo(f"{loc.verdict.value}: {loc.message}")
+            click.echo(_p(f"{loc.verdict.value}: {loc.message}"))
         elif loc.verdict.value == "UNMEASURED":
             click.echo("UNMEASURED: no tensor of the candidate could be compared with the oracle")
         else:
@@ -423,10 +432,12 @@ def report(receipt, out_dir, localize_) -> None:
     # deferred: startup
     from harness.compare.explain import write_explained_report
 
+    if out_dir:
+        require_writable_dir(out_dir, "report folder")  # before any localization is spent
     con = _console(stderr=True)
     md = write_explained_report(receipt, out_dir, localize="auto" if localize_ is None else localize_, log=lambda m: con.print(Text(m)))
-    click.echo(f"report: {md}")
-    click.echo(f"html:   {md.with_suffix('.html')}")
+    click.echo(_p(f"report: {md}"))
+    click.echo(_p(f"html:   {md.with_suffix('.html')}"))
 
 
 # -- calibrate -------------------------------------------------------------------------------
@@ -445,31 +456,33 @@ def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> 
     from harness.evidence.receipts import harness_info
     from harness.gates import calibrate as cal
 
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
     plan = cal.CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None)
     if ladder:
         plan.ladder = tuple(ladder)
     con = _console(stderr=True)
-    res = cal.calibrate(plan, log=lambda m: con.print(m))
+    res = cal.calibrate(plan, log=lambda m: con.print(_m(m)))
     t = Table(title="known-bad pairs x gates (X = caught)")
     t.add_column("known-bad pair")
     for g in cal.GATES:
         t.add_column(g, justify="center")
     for label, row in res.matrix.items():
-        t.add_row(label, *("X" if row[g] else "." for g in cal.GATES))
+        t.add_row(_m(label), *("X" if row[g] else "." for g in cal.GATES))
     if not as_json:
         _console().print(t)
         for g in res.goods:
-            click.echo(f"good: {g.label} on {g.model}: min cos {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g}")
+            click.echo(_p(f"good: {g.label} on {g.model}: min cos {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g}"))
         for name, v in res.gates.items():
             click.echo(f"proposed {name}: {v['value']} (known-good floor {v['floor']:.8g}, CI {v['ci']:.8g})")
         for model, gm in res.per_model.items():
-            click.echo(f"proposed for {model}: " + ", ".join(f"{k} {v['value']}" for k, v in gm.items()))
+            click.echo(_p(f"proposed for {model}: " + ", ".join(f"{k} {v['value']}" for k, v in gm.items())))
         for k, v in {**res.probes, **res.localization}.items():
             click.echo(f"proposed probes.{k}: {v['value']} (floor {v['floor']:.8g})")
         missed = {g: [b for b, row in res.matrix.items() if not row[g]] for g in ("cosine",)}
-        click.echo(f"the cosine gate alone misses {len(missed['cosine'])} of {len(res.matrix)} known-bad pairs: {', '.join(missed['cosine'])}")
+        click.echo(_p(f"the cosine gate alone misses {len(missed['cosine'])} of {len(res.matrix)} known-bad pairs: {', '.join(missed['cosine'])}"))
         for s_ in res.skipped:
-            click.echo(f"skipped: {s_}")
+            click.echo(_p(f"skipped: {s_}"))
     else:
         _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads], "gates": res.gates,
                     "per_model": res.per_model, "probes": res.probes, "localization": res.localization, "matrix": res.matrix,
@@ -479,7 +492,7 @@ def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> 
     if not dry_run:
         doc = cal.thresholds_document(res, "harness " + " ".join(sys.argv[1:]), harness_info().get("git_commit"))
         cal.write_thresholds(doc, out)
-        click.echo(f"wrote {out}")
+        click.echo(_p(f"wrote {out}"))
 
 
 # -- ledger ----------------------------------------------------------------------------------
@@ -508,10 +521,10 @@ def ledger_verify(ledger_path, receipts, markdown) -> None:
     problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown)
     if problems:
         for p in problems:
-            click.echo(str(p))
-        click.echo(f"ledger {lp}: {len(problems)} problem(s)")
+            click.echo(_p(p))
+        click.echo(_p(f"ledger {lp}: {len(problems)} problem(s)"))
         sys.exit(1)
-    click.echo(f"ledger {lp}: OK ({len(read_rows(lp))} rows, chain and receipts verified)")
+    click.echo(_p(f"ledger {lp}: OK ({len(read_rows(lp))} rows, chain and receipts verified)"))
 
 
 @ledger.command("index")
@@ -607,7 +620,7 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
             _echo_json({"valid": False, "errors": [vars(x) for x in e.errors]})
         else:
             for err in e.errors:
-                click.echo(f"harness: INVALID: {err}", err=True)
+                click.echo(f"harness: INVALID: {_p(err)}", err=True)
         sys.exit(2)
     rows = summary_rows(loaded)
     if as_json:
@@ -697,7 +710,7 @@ def init(engine: str, force: bool) -> None:
 
     root = Path.cwd()
     for p in init_project(root, engine, suite_pins()["version"], force):
-        click.echo(f"wrote {p.relative_to(root).as_posix()}")
+        click.echo(_p(f"wrote {p.relative_to(root).as_posix()}"))
     click.echo(f"next: fill in [tool.harness.engines.{engine}] in pyproject.toml (the engine command), then\n"
                "  pytest -m parity                     # parity and probe cells on your engine\n"
                f"  harness discharge qwen35-e2e-verification-v1 --candidate command:{engine}\n"
@@ -706,21 +719,29 @@ def init(engine: str, force: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script; returns the process exit code."""
+    """Entry point of the console script; returns the process exit code. SIGTERM and SIGHUP
+    end a run like Ctrl-C does, through every ``finally`` (engines killed, temporary files
+    removed)."""
+    with termination_exits():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         cli.main(args=argv, prog_name="harness", standalone_mode=False)
     except HarnessError as e:
         if os.environ.get("HARNESS_DEBUG"):
             raise
-        click.echo(f"harness: {e.verdict.value}: {e}", err=True)
+        click.echo(f"harness: {e.verdict.value}: {_p(e)}", err=True)
         tail = getattr(e, "stderr_tail", "")
         if tail:
-            click.echo("engine stderr (last lines):\n" + tail, err=True)
+            click.echo("engine stderr (last lines):\n" + _lines(tail), err=True)
         return e.exit_code
     except click.exceptions.Abort:
         click.echo("harness: aborted", err=True)
         return 130
     except click.ClickException as e:
+        e.message = _p(e.message)  # an unknown option or bad value echoes what was typed
         e.show()
         return 2
     except SystemExit as e:
@@ -732,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("HARNESS_DEBUG"):
             raise
         msg = str(e).splitlines()[0] if str(e) else ""
-        click.echo(f"harness: INTERNAL-ERROR: {type(e).__name__}: {msg} (set HARNESS_DEBUG=1 for the traceback)", err=True)
+        click.echo(f"harness: INTERNAL-ERROR: {type(e).__name__}: {_p(msg)} (set HARNESS_DEBUG=1 for the traceback)", err=True)
         return INTERNAL_ERROR_EXIT
     return 0
 

@@ -101,29 +101,47 @@ class HarnessConfig:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise InvalidInput(f"{path}: cannot read config ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{path}: config is not UTF-8 text (byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise InvalidInput(f"{path}: invalid TOML ({e})") from None
+
+
+STRING_KEYS = ("reference", "prompts", "thresholds", "ledger", "evidence")
+"""Keys read as one string (``candidate`` and ``model`` may also be lists: ``HarnessConfig.names``)."""
+
+
+def _checked(table: dict[str, Any], source: Path) -> dict[str, Any]:
+    """``table`` after checking the kinds of the keys the harness reads as one string (without
+    NUL, which no path or engine name can hold) and that ``engines`` is a table (each engine is
+    checked when it is used). ``InvalidInput`` names the file and key."""
+    for key in STRING_KEYS:
+        if key in table and (not isinstance(table[key], str) or "\x00" in table[key]):
+            raise InvalidInput(f"{source}: {key} must be a string (without NUL), found {type(table[key]).__name__}")
+    if "engines" in table and not isinstance(table["engines"], dict):
+        raise InvalidInput(f"{source}: engines must be a table of [engines.NAME] tables")
+    return table
 
 
 def _harness_table(path: Path) -> dict[str, Any]:
     table = _read_toml(path).get("tool", {}).get("harness", {})
     if not isinstance(table, dict):
         raise InvalidInput(f"{path}: [tool.harness] must be a table")
-    return table
+    return _checked(table, path)
 
 
 def load_config(start: Path | None = None) -> HarnessConfig:
     """Find and read the harness configuration (see module docstring).
 
-    Raises ``InvalidInput`` for an unreadable or invalid file.
+    Raises ``InvalidInput`` for an unreadable or invalid file, or a known key of the wrong kind.
     """
     env = os.environ.get("HARNESS_CONFIG")
     if env:
         p = Path(env).resolve()
-        return HarnessConfig(_harness_table(p) if p.name == "pyproject.toml" else _read_toml(p), p, p.parent)
+        return HarnessConfig(_harness_table(p) if p.name == "pyproject.toml" else _checked(_read_toml(p), p), p, p.parent)
     d = (start or Path.cwd()).resolve()
     for parent in [d, *d.parents]:
         pp = parent / "pyproject.toml"

@@ -1,6 +1,7 @@
 """Bounded, line-aware reading of YAML node trees (``yaml.compose`` output), shared by every
-YAML file the harness reads (thresholds.yaml, contracts): refuse alias bombs, recursive aliases
-and deep nesting before any walk of the data, and find the line of a field for error messages.
+YAML file the harness reads (thresholds.yaml, contracts): refuse alias bombs (many nodes, or
+aliases to large scalars), recursive aliases and deep nesting before any walk of the data, and
+find the line of a field for error messages.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ from harness.errors import InvalidInput
 
 MAX_YAML_NODES = 100_000
 MAX_YAML_DEPTH = 64
+MAX_ALIAS_CHARS = 1 << 20
+"""Characters aliases may add to a document beyond its own text (1 Mi): sharing a basis between
+gates adds a few KB; ten thousand aliases of a 10 KB string add 100 MB to every receipt."""
 
 
 def check_size(path: Path, root: yaml.Node) -> None:
-    """Refuse a document whose aliases form a cycle or expand it past ``MAX_YAML_NODES`` nodes,
-    or that nests deeper than ``MAX_YAML_DEPTH`` (a thresholds file has a few hundred nodes, eight
-    levels deep), so every later walk of the data is bounded. One iterative pass over the node
-    tree as the aliases expand it, stopping at the first limit."""
-    count, on_path = 0, set()
+    """Refuse a document whose aliases form a cycle or expand it past ``MAX_YAML_NODES`` nodes
+    or past its own length plus ``MAX_ALIAS_CHARS`` characters of scalars, or that nests deeper
+    than ``MAX_YAML_DEPTH`` (a thresholds file has a few hundred nodes, eight levels deep), so
+    every later walk of the data, and every receipt that copies it, is bounded by the file. One
+    iterative pass over the node tree as the aliases expand it, stopping at the first limit."""
+    max_chars = max(0, root.end_mark.index - root.start_mark.index) + MAX_ALIAS_CHARS
+    count, chars, on_path = 0, 0, set()
     stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
     while stack:
         node, depth, leaving = stack.pop()
@@ -41,6 +47,10 @@ def check_size(path: Path, root: yaml.Node) -> None:
         elif isinstance(node, yaml.SequenceNode):
             children = list(node.value)
         else:
+            chars += len(node.value)
+            if chars > max_chars:
+                raise InvalidInput(f"{where}: YAML expands to more than {max_chars:,} characters through aliases "
+                                   f"(at most {MAX_ALIAS_CHARS:,} beyond the file's own text)")
             continue
         on_path.add(id(node))
         stack.append((node, depth, True))

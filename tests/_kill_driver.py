@@ -45,9 +45,10 @@ os.environ["MPLBACKEND"] = "Agg"
 
 import harness.compare.explain  # noqa: E402  (the verdict page and the index each run writes)
 import harness.compare.parity  # noqa: E402
-import harness.evidence.ledger  # noqa: E402  (warm every module a run touches before forking)
 import harness.evidence.index  # noqa: E402
+import harness.evidence.ledger  # noqa: E402  (warm every module a run touches before forking)
 import harness.evidence.receipts  # noqa: E402
+import harness.evidence.record  # noqa: E402
 import harness.evidence.report  # noqa: E402
 from harness.cli import main  # noqa: E402
 from harness.errors import InvalidInput  # noqa: E402
@@ -66,24 +67,27 @@ def _die(*_a, **_k):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _replace_hook(suffix: str, after: bool):
-    real = os.replace
+def _link_hook(suffix: str, after: bool):
+    """Die when a receipt file is linked into place (receipts are created with link semantics),
+    just before (its temporary file is written) or just after (it is visible, its temporary file
+    not yet removed)."""
+    real = os.link
 
-    def replace(src, dst, *a, **k):
+    def link(src, dst, *a, **k):
         if str(dst).endswith(suffix) and Path(dst).parent == RECEIPTS:
             if after:
                 real(src, dst, *a, **k)
             _die()
         return real(src, dst, *a, **k)
 
-    os.replace = replace
+    os.link = link
 
 
 HOOKS = {
-    "npz-temp-written": lambda: _replace_hook(".npz", after=False),
-    "npz-renamed-no-json": lambda: _replace_hook(".npz", after=True),
-    "json-temp-written": lambda: _replace_hook(".json", after=False),
-    "receipt-written-no-ledger-row": lambda: setattr(harness.evidence.ledger, "append_row", _die),
+    "npz-temp-written": lambda: _link_hook(".npz", after=False),
+    "npz-linked-no-json": lambda: _link_hook(".npz", after=True),
+    "json-temp-written": lambda: _link_hook(".json", after=False),
+    "receipt-written-no-ledger-row": lambda: setattr(harness.evidence.record, "append_row", _die),  # record.py's own name
     "row-appended-markdown-not-rendered": lambda: setattr(harness.evidence.ledger, "_write_text_atomic", _die),
     "report-half-written": lambda: setattr(harness.evidence.report, "plot_margins", _die),
 }

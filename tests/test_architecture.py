@@ -4,7 +4,8 @@ Every ``import`` of a harness module counts, at the top of a file or deferred in
 (a deferred import is still a dependency). The layers, lowest first:
 
 * base: ``errors``, ``paths``, ``config``, ``provenance`` (sha256, git state), ``validation``
-  (JSON Schema), ``yamlnodes``: import only each other;
+  (JSON Schema), ``yamlnodes``, ``display`` (escaping untrusted text), ``fschecks`` (can a path
+  be written), ``rundir`` (the per-run temporary folder): import only each other;
 * ``model`` (GGUF reading, hyperparameters, lint): base only; it knows nothing of fixtures,
   engines, comparisons, gates, evidence or contracts;
 * ``engines`` (protocol, oracle, mutants, llama.cpp, command, transformers, registry): base and
@@ -35,7 +36,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "harness"
-BASE = {"harness.errors", "harness.paths", "harness.config", "harness.provenance", "harness.validation", "harness.yamlnodes"}
+BASE = {"harness.errors", "harness.paths", "harness.config", "harness.provenance", "harness.validation", "harness.yamlnodes",
+        "harness.display", "harness.fschecks", "harness.rundir"}
 
 ALLOWED: dict[str, set[str]] = {
     "base": {"base"},

@@ -27,6 +27,19 @@ covers them, and ``test_catalogue_references_exist`` keeps that list honest.
 | run SIGKILLed mid-write (6 code points + 5 moments) | here | no partial receipt; verify 0; next run PASS |
 | contracts: YAML syntax, schema, unknown/duplicate obligation ids, unknown reds/oracles | here | INVALID 2, every error FILE:LINE: FIELD |
 | contracts: missing or unmarked test ids | test_contracts.py | INVALID 2 |
+
+Hostile inputs (issue 16), each kind with its inputs and a hypothesis strategy in test_hostile.py:
+
+| kind | inputs | verdict / exit |
+|---|---|---|
+| 1 evidence lost or corrupted | identical runs racing on one receipt; ``--ledger LEDGER.md``; ``--ledger notes/README.jsonl``; read-only ledger, rendering, lock, receipts | every row verifies; INVALID 2 before engines run, nothing written |
+| 2 resource exhaustion | ``block_count=int:1000000000`` (any count or size beyond the file); YAML aliases to large scalars; 600 MB engine stderr | INVALID 2 / lint QL103; INVALID 2; ENGINE-ERROR 3 with a 64 KiB tail |
+| 3 hangs | logits.npy (any output) a FIFO, socket, directory or link to a device; ``timeout_s = inf`` | ENGINE-ERROR 3; INVALID 2 |
+| 4 terminal and markup injection | ESC/OSC/C1/bidi, ``[link=…]``, ``[/bold]``, ``$\\notacommand$`` in ids, names, engine output | shown escaped everywhere, PASS 0 |
+| 5 exit 70 where the input is at fault | read-only HARNESS_CACHE_DIR; report ``--out`` under a file; config ``env = "X"``; a 5,000-digit token id; a prompt line nested 100k deep | INVALID 2, one line |
+| 6 wrong party blamed | reference returning NaN logits; NaN in an engine's info.json | ENGINE-ERROR 3 naming that engine |
+| 7 accepted nonsense | negative ``max_kld_mean``; NaN/Inf in token_embd, output, norms; NaN rms_eps; non-UTF-8 prompts; a depends_on cycle | INVALID 2 / lint QL406, QL111 |
+| 8 leftovers | engine children on every exit path; SIGTERM, SIGKILL mid-run; failed reports | no process, temp folder or empty report folder left |
 """
 
 from __future__ import annotations
@@ -288,8 +301,8 @@ def test_bad_override_kv(command, text):
 
 CONFIG_BAD = {
     "toml-syntax": ("[engines.x\ncommand = 1\n", "invalid TOML"),
-    "command-a-string": ('[engines.x]\ncommand = "python engine.py {request}"\n', "list of strings (no shell)"),
-    "timeout-negative": ('[engines.x]\ncommand = ["a"]\ntimeout_s = -1\n', "timeout_s must be a positive number"),
+    "command-a-string": ('[engines.x]\ncommand = "python engine.py {request}"\n', "list of strings without NUL (no shell)"),
+    "timeout-negative": ('[engines.x]\ncommand = ["a"]\ntimeout_s = -1\n', "timeout_s must be a finite number of seconds"),
     "engine-not-a-table": ("[engines]\nx = 3\n", "must be a table"),
 }
 
@@ -532,6 +545,37 @@ COVERED_ELSEWHERE = {
     "GGUF array length past the end of the file": "tests/test_fuzz.py::test_gguf_array_length_past_the_end_is_refused_at_once",
     "GGUF bytes mutated at random": "tests/test_fuzz.py::test_gguf_reader_and_lint_on_mutated_bytes",
     "thresholds.yaml alias bombs, recursive aliases, deep nesting": "tests/test_fuzz.py::test_thresholds_alias_bombs_and_deep_nesting_are_invalid",
+    "1 identical runs racing on one receipt id": "tests/test_hostile.py::test_concurrent_writers_never_lose_or_replace_evidence",
+    "1 --ledger LEDGER.md": "tests/test_hostile.py::test_ledger_named_like_a_rendering_is_refused_before_engines_run",
+    "1 --ledger notes/README.jsonl": "tests/test_hostile.py::test_ledger_beside_an_unrelated_markdown_is_refused",
+    "1 read-only ledger, rendering, lock, receipts": "tests/test_hostile.py::test_unwritable_evidence_is_refused_before_engines_run",
+    "1 any ledger path and what lies beside it": "tests/test_hostile.py::test_evidence_never_overwrites_what_the_harness_did_not_write",
+    "2 block_count=int:1000000000": "tests/test_hostile.py::test_block_count_override_beyond_the_file_is_refused",
+    "2 every count and size field oversized": "tests/test_hostile.py::test_every_count_and_size_field_is_bounded_by_the_file",
+    "2 YAML aliases to large scalars": "tests/test_hostile.py::test_yaml_aliases_to_large_scalars_are_refused",
+    "2 600 MB engine stderr": "tests/test_hostile.py::test_engine_stderr_flood_is_read_as_a_tail",
+    "3 FIFO logits.npy": "tests/test_hostile.py::test_fifo_logits_is_an_engine_error_not_a_hang",
+    "3 non-regular files wherever an engine writes": "tests/test_hostile.py::test_non_regular_engine_outputs_are_refused_without_blocking",
+    "3 infinite or non-positive timeouts": "tests/test_hostile.py::test_timeouts_must_be_finite_and_positive",
+    "4 ESC/OSC, rich markup, mathtext in prompt ids": "tests/test_hostile.py::test_hostile_prompt_ids_are_shown_escaped_everywhere",
+    "4 hostile text in every printed field": "tests/test_hostile.py::test_hostile_strings_in_every_printed_field",
+    "5 read-only HARNESS_CACHE_DIR": "tests/test_hostile.py::test_read_only_cache_dir",
+    "5 report --out under a regular file": "tests/test_hostile.py::test_report_out_under_a_regular_file",
+    "5 config env = \"X\"": "tests/test_hostile.py::test_config_env_not_a_table",
+    "5 a token id with 5,000 digits": "tests/test_hostile.py::test_token_id_with_5000_digits",
+    "5 a prompt line nested 100k deep": "tests/test_hostile.py::test_prompt_line_nested_100k_deep",
+    "6 reference returning NaN logits": "tests/test_hostile.py::test_reference_nan_is_an_engine_error_naming_the_reference",
+    "6 non-finite info.json": "tests/test_hostile.py::test_nonfinite_info_json_is_refused_the_same_in_dry_and_recording_runs",
+    "7 negative max_kld_mean": "tests/test_hostile.py::test_negative_max_kld_mean_is_refused_at_load",
+    "7 NaN/Inf weights, NaN rms_eps (lint)": "tests/test_hostile.py::test_lint_flags_nonfinite_weights_and_hyperparameters",
+    "7 non-UTF-8 prompt file": "tests/test_hostile.py::test_non_utf8_prompt_file_is_refused",
+    "7 depends_on cycle": "tests/test_hostile.py::test_depends_on_cycle_is_refused",
+    "8 engine children, temp folders on every exit path": "tests/test_hostile.py::test_no_engine_exit_path_leaves_children_or_temp_files",
+    "8 SIGTERM mid-run": "tests/test_hostile.py::test_sigterm_mid_run_kills_the_engine_and_removes_temp_files",
+    "8 SIGKILL mid-run": "tests/test_hostile.py::test_sigkilled_runs_temp_folders_are_removed_by_the_next_run",
+    "8 empty report folders": "tests/test_hostile.py::test_failed_report_leaves_no_empty_folder",
+    "engine-output reader fuzzing": "tests/test_fuzz.py::test_engine_output_reader_on_generated_outputs",
+    "prompt loader fuzzing": "tests/test_fuzz.py::test_prompt_loader_on_generated_files",
 }
 
 

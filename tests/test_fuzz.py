@@ -11,6 +11,12 @@ errors, never another exception (which the CLI would report as INTERNAL-ERROR, e
   whose gates resolve.
 - ``load_contracts`` on a committed contract with a sub-tree replaced or deleted, or text-level
   edits: ``ContractsInvalid`` naming file and line, or a loaded contract.
+- the engine-output reader (``harness.engines.command``: ``load_logits``, ``load_info``,
+  ``load_activations``) on generated output folders: valid, truncated and lying ``.npy`` headers,
+  wrong dtypes, zip bombs, NaN in info.json, FIFOs, sockets, directories and links to devices:
+  ``EngineError`` / ``NotComparable`` or the outputs as the protocol says, never a hang.
+- ``load_prompt_set`` on generated prompt files (valid and mutated JSON lines, deep nesting, long
+  numbers, stray bytes): ``InvalidInput`` or exactly the prompts the file holds.
 
 Budget: ``$HARNESS_FUZZ_EXAMPLES`` examples per test (default 60) with a fixed seed
 (``derandomize``), so the default suite is fast and reproducible. ``make fuzz`` runs a longer,
@@ -20,6 +26,7 @@ the mutation list as its reproducer; bugs found so far are the regular tests at 
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -27,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from _hostile_util import Alarm, make_non_regular
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -321,6 +329,155 @@ def test_contract_alias_bombs_and_deep_nesting_are_invalid(tmp_path, text):
     p.write_text(text)
     with pytest.raises(InvalidInput):
         load_contracts([p], check_tests=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine outputs (docs/engine-protocol.md) as a broken or hostile engine leaves them
+# ---------------------------------------------------------------------------------------------
+T_TOKENS, T_VOCAB, ACT_CAP = 4, 7, 1 << 16
+
+
+def _npy(arr: np.ndarray, shape_lie: tuple | None = None) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    data = buf.getvalue()
+    if shape_lie is not None:  # the header claims another shape than the data holds
+        data = data.replace(repr(tuple(arr.shape)).encode(), repr(shape_lie).encode(), 1)
+    return data
+
+
+def _npz(arrays: dict[str, np.ndarray], compressed: bool) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **arrays)
+    return buf.getvalue()
+
+
+shapes = st.tuples(st.integers(0, 6), st.integers(0, 9))
+logits_files = st.one_of(
+    st.none(),
+    st.builds(lambda sh, dt: _npy(np.ones(sh, dt)), shapes, st.sampled_from([np.float32, np.float64, np.int32, np.float16])),
+    st.builds(lambda sh: _npy(np.ones(sh + (2,), np.float32)), shapes),
+    st.builds(lambda sh, lie: _npy(np.ones(sh, np.float32), lie), shapes,
+              st.sampled_from([(4, 7), (1 << 40, 7), (4, 1 << 40), (2, 2, 2), ()])),
+    st.builds(lambda b: _npy(np.ones((T_TOKENS, T_VOCAB), np.float32))[: max(1, len(b))], st.binary(max_size=140)),
+    st.binary(max_size=200),
+    st.builds(lambda: _npz({"a": np.ones((T_TOKENS, T_VOCAB), np.float32)}, False)),
+    st.sampled_from(["fifo", "socket", "directory", "symlink-dev-zero", "dangling-symlink"]),
+)
+info_files = st.one_of(
+    st.none(),
+    st.binary(max_size=100),
+    st.sampled_from(['{"name": "x", "version": "1", "settings": {"t": 2}}', '{"version": NaN}', '{"settings": {"a": [1, Infinity]}}',
+                     '[1, 2]', '{"name": {"nested": 1}}', '{"settings": 3}', '"just a string"', '{"a": ' + "[" * 5000 + "]" * 5000 + "}",
+                     '{"a": ' + "[" * 40 + "]" * 40 + "}", '{"x": 1' + " " * (2 << 20) + "}"]),
+    st.sampled_from(["fifo", "directory", "symlink-dev-zero"]),
+)
+activation_files = st.one_of(
+    st.none(),
+    st.builds(lambda n, c: _npz({f"l_out-{i}": np.ones((T_TOKENS, 3), np.float32) for i in range(n)}, c), st.integers(0, 3), st.booleans()),
+    st.builds(lambda c: _npz({"bomb": np.zeros((T_TOKENS, 1 << 18), np.float32)}, c), st.booleans()),
+    st.binary(max_size=200),
+    st.sampled_from(["fifo", "socket", "symlink-dev-zero"]),
+)
+
+
+def _place(path: Path, content) -> None:
+    if content is None:
+        return
+    if isinstance(content, str) and content in ("fifo", "socket", "directory", "symlink-dev-zero", "dangling-symlink"):
+        make_non_regular(path, content)
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+@FUZZ
+@given(logits=logits_files, info=info_files, acts=activation_files)
+def test_engine_output_reader_on_generated_outputs(logits, info, acts):
+    """The protocol's reader (``load_logits``, ``load_info``, ``load_activations``) on any files,
+    special files and lies an engine can leave: ``EngineError`` / ``NotComparable`` or outputs
+    exactly as the protocol says (float32 ``[T, V]``, a finite JSON object, bounded arrays);
+    never another exception, never a blocked read (an alarm fails the test instead)."""
+    import tempfile
+
+    from harness.engines.command import load_activations, load_info, load_logits
+    from harness.errors import EngineError, NotComparable
+    from harness.evidence.receipts import canonical_json
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as d, Alarm(20):
+        out = Path(d)
+        _place(out / "logits.npy", logits)
+        _place(out / "info.json", info)
+        _place(out / "activations.npz", acts)
+        try:
+            arr = load_logits(out, "command:x", T_TOKENS, T_VOCAB)
+            assert arr.dtype == np.float32 and arr.shape == (T_TOKENS, T_VOCAB)
+            event("logits read")
+        except (EngineError, NotComparable) as e:
+            assert str(e) and "\n" not in str(e)
+        try:
+            canonical_json(load_info(out, "command:x"))
+        except EngineError as e:
+            assert "info.json" in str(e)
+        try:
+            got = load_activations(out, "command:x", T_TOKENS, ACT_CAP)
+            assert sum(a.nbytes for a in got.values()) <= ACT_CAP
+        except EngineError as e:
+            assert "activations.npz" in str(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt files
+# ---------------------------------------------------------------------------------------------
+prompt_objects = st.fixed_dictionaries(
+    {"id": st.one_of(st.text(max_size=8), st.integers(), st.none())},
+    optional={"text": st.one_of(st.text(max_size=12), st.integers()),
+              "tokens": st.one_of(st.lists(st.one_of(st.integers(-3, 1 << 40), st.booleans(), st.floats(0, 5)), max_size=4), st.text(max_size=3)),
+              "meta": values},
+).map(lambda o: json.dumps(o, ensure_ascii=False, allow_nan=True))
+prompt_line = st.one_of(
+    prompt_objects,
+    prompt_objects.flatmap(lambda line: st.builds(lambda e: _edit_text(line, e), text_edits(line, ["", "\"", "\\", "}", "[", ",", "\u2028",
+                                                                                                 "\r", "\x85", "\ufeff", "NaN", "9" * 5000]))),
+    st.integers(1, 50_000).map(lambda n: '{"id": "d", "x": ' + "[" * n + "]" * n + "}"),
+    st.integers(1, 6000).map(lambda n: '{"id": "n", "tokens": [' + "7" * n + "]}"),
+)
+prompt_files = st.one_of(
+    st.lists(prompt_line, min_size=0, max_size=5).map(lambda ls: "\n".join(ls).encode("utf-8", errors="surrogatepass")),
+    st.lists(prompt_line, min_size=1, max_size=3).flatmap(
+        lambda ls: st.binary(min_size=1, max_size=3).map(lambda junk: "\n".join(ls).encode("utf-8", errors="surrogatepass") + junk)),
+    st.binary(max_size=120),
+)
+
+
+@FUZZ
+@given(raw=prompt_files)
+def test_prompt_loader_on_generated_files(tmp_path_factory, raw):
+    """``load_prompt_set`` on generated prompt files (valid and mutated JSON lines, deep nesting,
+    long numbers, stray bytes, BOMs, U+2028 and CR inside lines): ``InvalidInput`` naming the
+    file, or prompts exactly as the file says — unique string ids, int32 token ids, and texts
+    equal to the JSON strings (no byte silently replaced)."""
+    from harness.compare.prompts import MAX_TOKEN_ID, load_prompt_set
+
+    p = tmp_path_factory.mktemp("fuzz-prompts") / "p.jsonl"
+    p.write_bytes(raw)
+    try:
+        ps = load_prompt_set(p)
+    except InvalidInput as e:
+        assert str(e).startswith(str(p)) and "\n" not in str(e)
+        event("refused")
+        return
+    event("loaded")
+    objs = [json.loads(line) for line in raw.decode("utf-8").split("\n") if line.strip()]
+    assert [pr.id for pr in ps] == [o["id"] for o in objs] and len({pr.id for pr in ps}) == len(objs)
+    for pr, o in zip(ps, objs):
+        if pr.tokens is not None:
+            assert pr.tokens == o["tokens"] and all(0 <= t <= MAX_TOKEN_ID for t in pr.tokens)
+        else:
+            assert pr.text == o["text"] and isinstance(pr.text, str) and pr.text
 
 
 # ---------------------------------------------------------------------------------------------

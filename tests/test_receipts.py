@@ -108,13 +108,13 @@ def test_same_measurement_twice_keeps_the_first_file(tmp_path):
     assert jp1 == jp2 and sha256_file(jp2) == before  # a ledger row's receipt hash stays valid
 
 
-def test_npz_is_renamed_into_place_before_json(tmp_path, monkeypatch):
+def test_npz_is_linked_into_place_before_json(tmp_path, monkeypatch):
     r, arrays = make_receipt()
-    renamed = []
-    real_replace = os.replace
-    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append(Path(dst).suffix), real_replace(src, dst)))
+    linked = []
+    real_link = os.link
+    monkeypatch.setattr(os, "link", lambda src, dst: (linked.append(Path(dst).suffix), real_link(src, dst)))
     write_receipt(r, arrays, tmp_path)
-    assert renamed == [".npz", ".json"]
+    assert linked == [".npz", ".json"]
 
 
 def test_failed_json_write_leaves_no_json_and_no_temp_files(tmp_path, monkeypatch):

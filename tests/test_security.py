@@ -209,7 +209,8 @@ def test_names_and_token_data_cannot_inject_arguments(tmp_path):
         argv = c["argv"]
         assert len(argv) == 5 and argv[0] == str(log) and argv[1] == "--model"
         assert argv[2] == str(model.resolve()) and argv[2].startswith("/")  # one whole, absolute argument
-        assert Path(argv[3]).name == "request.json" and Path(argv[3]).parent.parent == tmpdir
+        req = Path(argv[3])  # TMPDIR/qwen35-harness-UID/run-PID-*/cmd-*/request.json: the run's own folder
+        assert req.name == "request.json" and req.parents[3] == tmpdir and req.parents[1].name.startswith("run-")
         assert Path(argv[4]) == Path(argv[3]).parent / "out"
         assert c["model"] == str(model.resolve())
     assert calls[0]["tokens"] == tokens  # token data travels only inside the request file
@@ -217,6 +218,7 @@ def test_names_and_token_data_cannot_inject_arguments(tmp_path):
     assert rec["prompts"]["items"][0]["id"] == f"ids {NASTY}"
     assert len(rec["prompts"]["items"][1]["tokens"]) > 20  # the shell-syntax text was tokenized, not run
     assert not list(tmp_path.rglob("PWNED")) and not (Path.home() / "PWNED").exists()
+    assert not list(tmpdir.rglob("request.json"))  # the run's temporary folder is gone
 
 
 # ---------------------------------------------------------------------------------------------

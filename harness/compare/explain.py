@@ -19,10 +19,15 @@ from typing import Any, Callable, Mapping
 from harness.compare.causes import OPS, likely_causes
 from harness.compare.localize import LocalizeRequest, run_localize
 from harness.errors import HarnessError, InvalidInput
+from harness.evidence.index import refresh_index_quietly
 from harness.evidence.page import untrusted
 from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt
-from harness.evidence.index import refresh_index_quietly
-from harness.evidence.report import Explanation, has_activations, localization_plan, write_report
+from harness.evidence.report import (
+    Explanation,
+    has_activations,
+    localization_plan,
+    write_report,
+)
 from harness.fixtures import synthetic as fx
 from harness.model.gguf_model import GGUFModel
 from harness.model.vocab import Vocab

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import display
 from harness.compare.prompts import (
     DEFAULT_PROMPTS,
     PromptSet,
@@ -27,6 +28,7 @@ from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
 from harness.engines.base import Engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import resolve_engine
+from harness.errors import InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
 from harness.model.gguf_model import GGUFModel, Override, parse_overrides
@@ -140,8 +142,13 @@ def resolve_inputs(model: str, *, thresholds: str | Path | None = None, override
     """Resolve a run's inputs in the order that makes failures cheap (module docstring).
 
     Raises ``InvalidInput`` (bad override, thresholds without basis, unreadable or unsupported
-    model, bad prompt file) before any engine runs.
+    model, bad prompt file, a name that is not UTF-8 text) before any engine runs.
     """
+    for what, name in (("model", model), ("thresholds file", thresholds), ("prompt file", prompts)):
+        try:
+            str(name or "").encode("utf-8")
+        except UnicodeEncodeError:  # a file name of non-UTF-8 bytes: no receipt could record it
+            raise InvalidInput(f"{what} name {display.plain(name)} is not UTF-8 text; receipts record it as text") from None
     ov = parse_overrides(overrides or [])
     th = load_thresholds(resolve_thresholds_path(thresholds))
     path = resolve_model(model)

@@ -9,7 +9,8 @@ greedy agreement, margins, KLD and top-k overlap are recorded as report-only fie
 Verdicts (docs/design.md, "Verdicts and exit codes"): FAIL when any position fails the gate (a non-finite candidate
 row fails at its position); else UNMEASURED when fewer than ``min_positions`` positions were
 compared; else PASS. Differing vocab sizes or out-of-range / mismatched token ids are
-NOT-COMPARABLE; an engine that fails is ENGINE-ERROR.
+NOT-COMPARABLE; an engine that fails is ENGINE-ERROR — including a reference that returns a
+non-finite logit (it cannot judge anything, so the candidate is not blamed).
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ from harness.errors import (
     Verdict,
 )
 from harness.evidence import fmt
-from harness.evidence.receipts import harness_info, host_info, report_only_headline
-from harness.evidence.record import record_evidence
+from harness.evidence.receipts import (
+    harness_info,
+    host_info,
+    prepare_receipt,
+    report_only_headline,
+)
+from harness.evidence.record import preflight_evidence, record_evidence
 from harness.model.gguf_model import GGUFModel
 
 Progress = Callable[[str, int, int], None]
@@ -71,8 +77,13 @@ def _guarded(name: str, blocks: Iterator[LogitBlock]) -> Iterator[LogitBlock]:
         raise EngineError(f"{name} raised {type(e).__name__}: {e}") from None
 
 
-def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int) -> Iterator[np.ndarray]:
-    """Validate an engine's block stream (order, width, count) and yield its blocks."""
+def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, finite: str | None = None) -> Iterator[np.ndarray]:
+    """Validate an engine's block stream (order, width, count) and yield its blocks.
+
+    ``finite`` (the prompt id) demands finite logits: the reference's. A reference that returns
+    NaN or Inf has failed, not the candidate it was to judge: ``EngineError`` naming it and the
+    position, never a FAIL in the candidate's name.
+    """
     expect = 0
     for start, block in _guarded(name, blocks):
         block = np.asarray(block)
@@ -80,6 +91,11 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int) 
             raise EngineError(f"{name} returned a logit block of shape {block.shape}; expected [B, {n_vocab}]")
         if start != expect:
             raise EngineError(f"{name} returned a block starting at position {start}; expected {expect}")
+        if finite is not None:
+            bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+            if bad.size:
+                raise EngineError(f"{name} returned non-finite logits (NaN or Inf) at prompt {finite!r} position {start + int(bad[0])} "
+                                  f"({bad.size} position(s) in this block); a reference that fails cannot judge the candidate")
         expect += block.shape[0]
         if expect > n_tokens:
             raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
@@ -88,14 +104,17 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int) 
         raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
 
 
-def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: int, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: int, progress: Callable[[int], None] | None = None,
+                   prompt_id: str = "?") -> dict[str, np.ndarray]:
     """Per-position metrics (``metrics.position_metrics`` keys) of one prompt, streamed.
 
     The two engines' blocks are re-cut to common boundaries so neither side is gathered whole.
-    Raises ``EngineError`` on a malformed stream.
+    Raises ``EngineError`` on a malformed stream, and when the reference returns a non-finite
+    logit (naming the reference, ``prompt_id`` and the position; the candidate's non-finite rows
+    are measured and FAIL at their positions).
     """
     n = len(tokens)
-    ref_it = _rows(ref.logits(tokens), f"reference {ref.info.name}", n, n_vocab)
+    ref_it = _rows(ref.logits(tokens), f"reference {ref.info.name}", n, n_vocab, finite=prompt_id)
     cand_it = _rows(cand.logits(tokens), f"candidate {cand.info.name}", n, n_vocab)
     parts = []
     r_buf = np.zeros((0, n_vocab), np.float32)
@@ -173,7 +192,7 @@ def compare_prompts(reference: Engine, candidate: Engine, prompts: list[PromptTo
     done_before = 0
     for i, p in enumerate(prompts):
         cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
-        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb)
+        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id)
         pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
         pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
         parts.append(pm)
@@ -350,10 +369,13 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
 
     Order matters for honest failures: inputs (thresholds, model, prompts) are validated before
     any engine runs (``resolve_inputs``), so a threshold without a basis refuses to gate
-    (``InvalidInput``) without spending engine time. Raises ``InvalidInput``, ``EngineError``,
+    (``InvalidInput``) without spending engine time; so does evidence that could not be recorded
+    (``preflight_evidence``: an unwritable or ambiguous ledger path). Raises ``InvalidInput``, ``EngineError``,
     ``NotComparable``.
     """
     inputs = req.resolve()
+    if req.write_evidence:
+        preflight_evidence(req.ledger)
     resolved = inputs.resolved
     unknown = [g for g in resolved.gates if g not in PARITY_GATES]
     if unknown:
@@ -367,6 +389,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOu
     receipt = build_receipt(req, inputs, result)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
+        prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
         return ParityOutcome(result, receipt, None, None, None)
     rec = record_evidence(receipt, result.per_position, req.ledger)
     return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path)

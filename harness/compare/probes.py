@@ -36,9 +36,9 @@ from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
 from harness.engines.base import Engine, gather
 from harness.engines.timing import timed
-from harness.errors import InvalidInput, Verdict
-from harness.evidence.receipts import harness_info, host_info
-from harness.evidence.record import record_evidence
+from harness.errors import EngineError, InvalidInput, Verdict
+from harness.evidence.receipts import harness_info, host_info, prepare_receipt
+from harness.evidence.record import preflight_evidence, record_evidence
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -255,13 +255,18 @@ def probe_determinism(engine: Engine, tokens: Sequence[int]) -> ProbeResult:
 
 def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], min_cosine: float) -> ProbeResult:
     """≥ 1,024 positions against the reference with the parity gate's cosine; a FAIL names the
-    first position where the gate fails."""
+    first position where the gate fails. Raises ``EngineError`` when the reference returns a
+    non-finite logit (the reference failed, not the candidate)."""
     if reference is None:
         return ProbeResult("long", Verdict.UNMEASURED, reason="no reference engine given")
     if len(tokens) < 1024:
         return ProbeResult("long", Verdict.UNMEASURED, reason=f"only {len(tokens)} tokens; the long probe needs >= 1024")
     n = len(tokens)
     ref = gather(reference.logits(tokens), n)
+    bad = np.flatnonzero(~np.isfinite(ref).all(axis=1))
+    if bad.size:
+        raise EngineError(f"reference {reference.info.name} returned non-finite logits (NaN or Inf) at position {int(bad[0])} "
+                          "of the long probe; a reference that fails cannot judge the candidate")
     cand = gather(engine.logits(tokens), n)
     tol = ProbeTolerance(min_cosine=min_cosine, max_kld=float("inf"))
     return _verdict("long", [compare(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)
@@ -402,6 +407,8 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if unknown:
         raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
     inputs = req.resolve()
+    if req.write_evidence:
+        preflight_evidence(req.ledger)
     resolved = inputs.resolved
     tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
     engine = timed(lambda: inputs.engine(req.candidate))
@@ -426,6 +433,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         reference()
     receipt = _probe_receipt(req, inputs, engine, made[0] if made else None, results, max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
     if not req.write_evidence:
+        prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)
     rec = record_evidence(receipt, {}, req.ledger)
     return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row)

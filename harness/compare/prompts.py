@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.errors import InvalidInput, NotComparable
 from harness.paths import DEFAULT_PROMPTS
-
 
 
 @dataclass
@@ -47,40 +47,72 @@ class PromptSet:
         return len(self.prompts)
 
 
+MAX_TOKEN_ID = (1 << 31) - 1
+"""Token ids are llama.cpp ``llama_token`` (``int32_t``); a larger id is no token of any vocab."""
+
+
+def _parse_line(p: Path, lineno: int, line: str) -> Any:
+    """One JSON line; ``InvalidInput`` for bad JSON, numbers Python refuses to convert (an
+    integer of more than 4,300 digits), nesting deeper than the parser's recursion limit, and
+    ``\\uD800``-style escapes of lone surrogates (no UTF-8 text holds them: no receipt could)."""
+    try:
+        obj = json.loads(line)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        return obj
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{p}:{lineno}: a string holds a lone surrogate escape (\\ud800-\\udfff), which is no text") from None
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise InvalidInput(f"{p}:{lineno}: JSON nested too deeply (a prompt is an object of strings and ints)") from None
+    except ValueError:  # int(...) of an integer literal past sys.get_int_max_str_digits()
+        raise InvalidInput(f"{p}:{lineno}: invalid JSON (a number of more than {sys.get_int_max_str_digits():,} digits)") from None
+
+
 def load_prompt_set(path: str | Path | None) -> PromptSet:
     """Load a JSONL prompt file (``None``: the shipped default set).
 
-    Raises ``InvalidInput`` (exit 2) naming the file and line for unreadable files, bad JSON,
-    a missing/duplicate ``id``, or an entry with neither ``text`` nor a list of int ``tokens``.
+    Raises ``InvalidInput`` (exit 2) naming the file and line for unreadable files, bytes that
+    are not UTF-8 (never silently replaced: the text would not be the one the user meant), bad
+    JSON (including absurdly long numbers and deep nesting), a missing/duplicate ``id``, an
+    entry with neither ``text`` nor a list of int ``tokens``, or a token id outside
+    ``0..MAX_TOKEN_ID``.
     """
     p = Path(path) if path is not None else DEFAULT_PROMPTS
     try:
         raw = p.read_bytes()
     except OSError as e:
         raise InvalidInput(f"{p}: cannot read prompt file ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise InvalidInput(f"{p}:{lineno}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                           "prompt files are UTF-8 JSON lines") from None
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidInput(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
+        obj = _parse_line(p, lineno, line)
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not obj["id"]:
             raise InvalidInput(f"{p}:{lineno}: each line needs a string 'id'")
         pid = obj["id"]
         if pid in seen:
             raise InvalidInput(f"{p}:{lineno}: duplicate prompt id {pid!r}")
         seen.add(pid)
-        text, tokens = obj.get("text"), obj.get("tokens")
+        text_, tokens = obj.get("text"), obj.get("tokens")
         if tokens is not None:
             if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
                 raise InvalidInput(f"{p}:{lineno}: 'tokens' must be a non-empty list of non-negative ints")
-        elif not isinstance(text, str) or not text:
+            big = next((t for t in tokens if t > MAX_TOKEN_ID), None)
+            if big is not None:
+                shown = str(big) if big < 10**30 else f"{str(big)[:12]}… ({len(str(big))} digits)"
+                raise InvalidInput(f"{p}:{lineno}: token id {shown} is larger than any token id can be ({MAX_TOKEN_ID}, int32)")
+        elif not isinstance(text_, str) or not text_:
             raise InvalidInput(f"{p}:{lineno}: prompt {pid!r} needs a non-empty 'text' or 'tokens'")
         meta = {k: v for k, v in obj.items() if k not in ("id", "text", "tokens")}
-        prompts.append(Prompt(pid, text if tokens is None else None, tokens, meta))
+        prompts.append(Prompt(pid, text_ if tokens is None else None, tokens, meta))
     if not prompts:
         raise InvalidInput(f"{p}: no prompts")
     return PromptSet(p, hashlib.sha256(raw).hexdigest(), prompts)

@@ -27,6 +27,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Sequence
 
+from harness import display
 from harness.engines.mutants import MUTANTS, SHOWS_FIRST_AT
 
 MAX_CAUSES = 4
@@ -34,8 +35,9 @@ MAX_CAUSES = 4
 
 
 def printable(s: object) -> str:
-    """``str(s)`` with control characters (terminal escapes, newlines) written as ``\\xNN`` escapes."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(s))
+    """``str(s)`` with control characters (terminal escapes, newlines) written as ``\\xNN`` escapes:
+    ``harness.display.plain``, the harness's one escaping function."""
+    return display.plain(s)
 
 
 def command(*argv: object) -> str:

@@ -35,7 +35,6 @@ import datetime
 import json
 import os
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -56,8 +55,10 @@ from harness.contracts.loader import (
 from harness.engines.registry import engine_source_hashes
 from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
+from harness.fschecks import require_writable_dir
 from harness.paths import IS_CHECKOUT, SOURCE_ROOT
 from harness.provenance import git_state, sha256_bytes, sha256_file, suite_pins
+from harness.rundir import scratch_dir
 
 SCHEMA_ID = "harness-discharge/v1"
 SESSION_TIMEOUT_S = 1200
@@ -145,8 +146,8 @@ def run_session(root: Path, session: Session, timeout_s: float = SESSION_TIMEOUT
     failures (they are data). ``project``: whose configuration (command engines) the tests see
     and whose git state the run records (default: the repository at ``root``). Raises
     ``InvalidInput`` when pytest could not run at all."""
-    with tempfile.TemporaryDirectory(prefix="harness-discharge-") as d:
-        out = Path(d) / "outcomes.json"
+    with scratch_dir("discharge-") as d:
+        out = d / "outcomes.json"
         args = ["-q", "--harness-outcomes", str(out), "--candidate", ",".join(session.candidates), "--model", ",".join(session.models)]
         if session.plant:
             args += ["--plant", session.plant]
@@ -429,8 +430,10 @@ def discharge(
     for ob in (ob for ob in obs if ob.tests):
         requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
         requests.append((Subject(candidate, ob.model), ob.tests))
-    runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
     out_dir = Path(evidence_dir) if evidence_dir else default_evidence_dir(contract)
+    if write:
+        require_writable_dir(out_dir, "discharge evidence folder")  # before any test session is spent
+    runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
     results = []
     for ob in obs:
         if not ob.tests:

@@ -12,7 +12,7 @@ line and the field (lines come from the YAML node marks of ``yaml.compose``):
 
 * YAML syntax, duplicate keys, the JSON Schema;
 * ``id`` equals the file name; contract ids and obligation ids are unique across all contracts;
-  ``depends_on`` names existing contracts; an obligation's ``equation`` names one of its
+  ``depends_on`` names existing contracts, without cycles; an obligation's ``equation`` names one of its
   contract's equations;
 * every equation's ``oracle`` resolves to an attribute (``harness.engines.oracle.qwen35.gdn_gate``);
 * every ``red`` names a known mutant (``harness.engines.mutants.MUTANTS``), plant (``PLANTS``) or
@@ -26,12 +26,12 @@ contract's numbers and its tests cannot drift apart.
 
 from __future__ import annotations
 
+import graphlib
 import importlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -45,6 +45,7 @@ from harness.errors import InvalidInput
 from harness.fixtures.resolve import fixture_names
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
+from harness.rundir import scratch_dir
 from harness.validation import schema_validator
 from harness.yamlnodes import check_size, duplicate_keys, line_of
 
@@ -320,8 +321,8 @@ def collect_tests(root: Path, files: Iterable[str]) -> dict[str, list[str]]:
     existing = [f for f in files if (root / f).exists()]
     found: dict[str, list[str]] = {}
     if existing:
-        with tempfile.TemporaryDirectory(prefix="harness-collect-") as d:
-            out = Path(d) / "collected.json"
+        with scratch_dir("collect-") as d:
+            out = d / "collected.json"
             cmd, env = pytest_command(root, ["--collect-only", "-q", "--harness-outcomes", str(out), *existing])
             proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
             if not out.exists():
@@ -394,6 +395,22 @@ def contract_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return out
 
 
+def _cycle_errors(contracts: Sequence[Contract], roots: dict[str, yaml.Node | None]) -> list[ContractError]:
+    """One error for a ``depends_on`` cycle (``graphlib``), at the first contract of the cycle:
+    a contract cannot rest on itself, directly or through others."""
+    graph = {c.id: [d for d in c.data.get("depends_on", []) if isinstance(d, str)] for c in contracts}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        cycle = list(reversed(e.args[1]))  # graphlib lists predecessors first; a -> b here: a depends on b
+        first = next(c for c in contracts if c.id == cycle[0])
+        deps = first.data.get("depends_on", [])
+        i = deps.index(cycle[1]) if cycle[1] in deps else 0
+        return [ContractError(str(first.path), line_of(roots[str(first.path)], ["depends_on", i]), f"depends_on[{i}]",
+                              f"depends_on cycle: {' -> '.join(cycle)}")]
+    return []
+
+
 def load_contracts(paths: Iterable[str | os.PathLike], check_tests: bool = True) -> list[Contract]:
     """Load and validate contracts (files or folders).
 
@@ -442,6 +459,7 @@ def load_contracts(paths: Iterable[str | os.PathLike], check_tests: bool = True)
         for i, dep in enumerate(c.data.get("depends_on", [])):
             if dep not in ids:
                 errors.append(ContractError(str(c.path), line_of(roots[str(c.path)], ["depends_on", i]), f"depends_on[{i}]", f"unknown contract {dep!r}"))
+    errors += _cycle_errors(contracts, roots)
     selected = [c for c in contracts if c.path in named]
     if check_tests and not errors:
         errors += _binding_errors(selected, roots)

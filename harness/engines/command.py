@@ -10,7 +10,12 @@ inside the request file, so they cannot inject arguments). The engine writes ``l
 Timeouts, non-zero exits, missing or unreadable files and wrong shapes are ``EngineError`` with
 the engine's stderr tail; a logits width different from the model's vocab is ``NotComparable``;
 NaN/Inf inside well-formed logits is passed through (the parity gate FAILs that position).
-Outputs are read with ``np.load(allow_pickle=False)``.
+Outputs are read by ``read_outputs``, with every resource bounded (``harness.engines.process``):
+each must be a regular file (a FIFO, socket, directory or a link to a device is refused before it
+is opened), ``info.json`` at most ``INFO_MAX_BYTES`` of finite JSON, ``activations.npz`` at most
+what the model's activations can hold, arrays read with ``np.load(allow_pickle=False)``. The
+engine's process group is killed on every exit path and its files live in the run's temporary
+directory.
 """
 
 from __future__ import annotations
@@ -18,9 +23,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -30,19 +34,31 @@ import numpy as np
 
 from harness.config import HarnessConfig, load_config
 from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
+from harness.engines.process import (
+    check_timeout,
+    read_small_file,
+    regular_file,
+    run_process,
+)
 from harness.errors import EngineError, InvalidInput, NotComparable
-from harness.model.gguf_model import GGUFModel, Override
+from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
+from harness.rundir import scratch_dir
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
+SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env")
+INFO_MAX_BYTES = 1 << 20
+"""``info.json`` larger than this (1 MiB) is refused: it is a few hundred bytes of settings."""
+INFO_MAX_DEPTH = 32
 
 
 @dataclass
 class CommandSpec:
     """One ``[tool.harness.engines.NAME]`` table.
 
-    ``command``: argument list with placeholders; ``timeout_s``: wall-clock limit per request;
-    ``capabilities``: protocol features the engine supports (``chunks``, ``activations``);
-    ``cwd``: working directory (default: the config file's directory); ``env``: extra variables.
+    ``command``: argument list with placeholders; ``timeout_s``: wall-clock limit per request
+    (finite, positive); ``capabilities``: protocol features the engine supports (``chunks``,
+    ``activations``); ``cwd``: working directory (default: the config file's directory); ``env``:
+    extra variables.
     """
 
     name: str
@@ -53,33 +69,46 @@ class CommandSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
+    """One engine table, validated; ``InvalidInput`` names the engine and the field."""
+    where = f"{cfg.source}: engines.{name}"
+    if not isinstance(t, dict):
+        raise InvalidInput(f"{where} must be a table")
+    unknown = [k for k in t if k not in SPEC_KEYS]
+    if unknown:
+        raise InvalidInput(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(SPEC_KEYS)}")
+    cmd = t.get("command")
+    if not isinstance(cmd, list) or not cmd or not all(isinstance(a, str) and "\x00" not in a for a in cmd):
+        raise InvalidInput(f"{where}.command must be a non-empty list of strings without NUL (no shell)")
+    timeout = check_timeout(t.get("timeout_s", 600), f"{where}.timeout_s")
+    caps = t.get("capabilities", [])
+    if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
+        raise InvalidInput(f"{where}.capabilities must be a list of strings")
+    raw_cwd = t.get("cwd")
+    if raw_cwd is not None and (not isinstance(raw_cwd, str) or "\x00" in raw_cwd):
+        raise InvalidInput(f"{where}.cwd must be a string (a directory)")
+    cwd = Path(raw_cwd) if raw_cwd is not None else cfg.base_dir
+    if not cwd.is_absolute():
+        cwd = cfg.base_dir / cwd
+    env = t.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) and "\x00" not in str(v)
+                                            and k and "=" not in k and "\x00" not in k for k, v in env.items()):
+        raise InvalidInput(f"{where}.env must be a table of variable = \"value\" (strings or numbers)")
+    return CommandSpec(name, list(cmd), timeout, list(caps), cwd, {str(k): str(v) for k, v in env.items()})
+
+
 def configured_commands(config: HarnessConfig | None = None) -> dict[str, CommandSpec]:
     """Every command engine in the configuration, validated.
 
-    Raises ``InvalidInput`` naming the engine and field for a malformed table.
+    Raises ``InvalidInput`` naming the engine and field for a malformed table (unknown keys, a
+    command that is not an argument list, a timeout that is not a finite positive number, an
+    ``env`` that is not a table of strings, ...).
     """
     cfg = config or load_config()
     engines = cfg.get("engines", {}) or {}
-    out = {}
-    for name, t in engines.items():
-        where = f"{cfg.source}: engines.{name}"
-        if not isinstance(t, dict):
-            raise InvalidInput(f"{where} must be a table")
-        cmd = t.get("command")
-        if not isinstance(cmd, list) or not cmd or not all(isinstance(a, str) for a in cmd):
-            raise InvalidInput(f"{where}.command must be a non-empty list of strings (no shell)")
-        timeout = t.get("timeout_s", 600)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InvalidInput(f"{where}.timeout_s must be a positive number")
-        caps = t.get("capabilities", [])
-        if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
-            raise InvalidInput(f"{where}.capabilities must be a list of strings")
-        cwd = Path(t["cwd"]) if "cwd" in t else cfg.base_dir
-        if not cwd.is_absolute():
-            cwd = cfg.base_dir / cwd
-        env = {str(k): str(v) for k, v in (t.get("env") or {}).items()}
-        out[name] = CommandSpec(name, list(cmd), float(timeout), list(caps), cwd, env)
-    return out
+    if not isinstance(engines, dict):
+        raise InvalidInput(f"{cfg.source}: engines must be a table of [engines.NAME] tables")
+    return {name: _spec(name, t, cfg) for name, t in engines.items()}
 
 
 def _substitute(arg: str, values: dict[str, str]) -> str:
@@ -87,12 +116,121 @@ def _substitute(arg: str, values: dict[str, str]) -> str:
     return values.get(arg, arg)
 
 
-def _tail(path: Path, n: int = 8) -> str:
+# ------------------------------------------------------------------------------ reading outputs
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, stopping at ``limit + 1`` (iterative)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            break
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return deepest
+
+
+def parse_info(raw: bytes, who: str) -> dict[str, Any]:
+    """An engine's ``info.json`` bytes as a dict, validated before it goes near a receipt:
+    UTF-8 JSON object, finite numbers only (NaN/Infinity refused), no lone surrogate escapes,
+    nested at most ``INFO_MAX_DEPTH`` deep, ``name``/``version`` strings or numbers, ``settings`` an object.
+    Raises ``EngineError`` naming ``who``."""
     try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.strip().splitlines()[-n:])
+        info = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        msg = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise EngineError(f"{who} wrote an unreadable info.json ({msg})") from None
+    if not isinstance(info, dict):
+        raise EngineError(f"{who} wrote an info.json that is not a JSON object")
+    try:
+        json.dumps(info, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        raise EngineError(f"{who} wrote an info.json holding a lone surrogate escape or nested too deeply") from None
+    if _depth(info, INFO_MAX_DEPTH) > INFO_MAX_DEPTH:
+        raise EngineError(f"{who} wrote an info.json nested more than {INFO_MAX_DEPTH} levels deep")
+    for key in ("name", "version"):
+        if key in info and (isinstance(info[key], bool) or not isinstance(info[key], (str, int, float))):
+            raise EngineError(f"{who} wrote an info.json whose {key!r} is not a string")
+    if "settings" in info and not isinstance(info["settings"], dict):
+        raise EngineError(f"{who} wrote an info.json whose 'settings' is not an object")
+    return info
+
+
+def activation_bytes_cap(h: Qwen35HParams, n_tokens: int) -> int:
+    """The most ``activations.npz`` may hold for ``n_tokens`` positions (uncompressed bytes):
+    per position, 64 float64 tensors per block (and the output) as wide as the widest row the
+    model has (embedding, vocab, FFN, attention or recurrent width). Far above any real capture,
+    and finite: a zip bomb or an engine gone wild is refused before anything is decompressed."""
+    widest = max(h.n_embd, h.n_vocab, h.n_ff, h.n_ff_exp * max(h.n_expert, 1), 2 * h.n_head * h.head_dim, h.conv_dim, 1)
+    return max(n_tokens, 1) * (h.n_layer_all + 1) * 64 * widest * 8
+
+
+def load_logits(out_dir: Path, who: str, n_tokens: int, n_vocab: int, stderr_tail: str = "") -> np.ndarray:
+    """``out_dir/logits.npy`` memory-mapped (float32 ``[n_tokens, n_vocab]``).
+
+    Raises ``EngineError`` (missing, not a regular file, unreadable, pickled, wrong dtype or
+    shape) and ``NotComparable`` (a column count other than ``n_vocab``).
+    """
+    path = out_dir / "logits.npy"
+    try:
+        st = regular_file(path, who)
+    except EngineError as e:
+        raise EngineError(str(e), stderr_tail) from None
+    if st is None:
+        raise EngineError(f"{who} wrote no logits.npy", stderr_tail)
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise EngineError(f"{who} wrote an unreadable logits.npy ({str(e).splitlines()[0] if str(e) else type(e).__name__})", stderr_tail) from None
+    if not isinstance(arr, np.ndarray):
+        raise EngineError(f"{who} wrote a logits.npy that is not one array", stderr_tail)
+    if arr.dtype != np.float32:
+        raise EngineError(f"{who} wrote logits of dtype {arr.dtype}; the protocol requires float32", stderr_tail)
+    if arr.ndim != 2 or arr.shape[0] != n_tokens:
+        raise EngineError(f"{who} wrote logits of shape {arr.shape}; expected [{n_tokens}, V]", stderr_tail)
+    if arr.shape[1] != n_vocab:
+        raise NotComparable(f"{who} logits have {arr.shape[1]} columns but the model's vocab has {n_vocab}")
+    return arr
+
+
+def load_info(out_dir: Path, who: str, stderr_tail: str = "") -> dict[str, Any]:
+    """``out_dir/info.json`` parsed by ``parse_info`` ({} when absent); ``EngineError`` when it
+    is not a regular file, larger than ``INFO_MAX_BYTES`` or invalid."""
+    try:
+        raw = read_small_file(out_dir / "info.json", who, INFO_MAX_BYTES)
+        return {} if raw is None else parse_info(raw, who)
+    except EngineError as e:
+        raise EngineError(str(e), stderr_tail) from None
+
+
+def load_activations(out_dir: Path, who: str, n_tokens: int, max_bytes: int, stderr_tail: str = "") -> dict[str, np.ndarray]:
+    """``out_dir/activations.npz`` as ``{name: array}``; the zip's declared uncompressed sizes
+    must total at most ``max_bytes`` (zipfile never inflates a member past its declared size).
+    Raises ``EngineError`` (missing, not a regular file, unreadable, pickled, too large)."""
+    path = out_dir / "activations.npz"
+    try:
+        st = regular_file(path, who)
+    except EngineError as e:
+        raise EngineError(str(e), stderr_tail) from None
+    if st is None:
+        raise EngineError(f"{who} wrote no activations.npz", stderr_tail)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            total = sum(i.file_size for i in zf.infolist())
+        if total > max_bytes:
+            raise EngineError(f"{who} wrote an activations.npz holding {total:,} bytes; at most {max_bytes:,} for {n_tokens} positions", stderr_tail)
+        with np.load(path, allow_pickle=False) as z:
+            return {k: np.array(z[k]) for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError) as e:
+        raise EngineError(f"{who} wrote an unreadable activations.npz ({str(e).splitlines()[0] if str(e) else type(e).__name__})", stderr_tail) from None
 
 
 class CommandEngine:
@@ -105,15 +243,23 @@ class CommandEngine:
         self.block_size = block_size
         self._last_info: dict[str, Any] = {}
 
+    @property
+    def who(self) -> str:
+        return f"command:{self.spec.name}"
+
     @cached_property
+    def _hparams(self) -> Qwen35HParams:
+        return GGUFModel(self.model_path, self.overrides).hparams
+
+    @property
     def n_vocab(self) -> int:
-        return GGUFModel(self.model_path, self.overrides).hparams.n_vocab
+        return self._hparams.n_vocab
 
     @property
     def info(self) -> EngineInfo:
         reported = self._last_info
         return EngineInfo(
-            name=f"command:{self.spec.name}",
+            name=self.who,
             version=str(reported.get("version", "unknown")),
             settings={"command": self.spec.command, "timeout_s": self.spec.timeout_s, "reported": reported.get("settings", {}),
                       "overrides": [o.to_flag() for o in self.overrides]},
@@ -121,7 +267,8 @@ class CommandEngine:
             build={"reported_name": reported.get("name")},
         )
 
-    def _run(self, tokens: list[int], chunks: list[int] | None, want: list[str], workdir: Path) -> Path:
+    def _run(self, tokens: list[int], chunks: list[int] | None, want: list[str], workdir: Path) -> tuple[Path, str]:
+        """Run the engine once in ``workdir``; return its output folder and stderr tail."""
         out_dir = workdir / "out"
         out_dir.mkdir()
         request = {
@@ -136,58 +283,36 @@ class CommandEngine:
         req_path.write_text(json.dumps(request))
         values = {"{request}": str(req_path), "{out_dir}": str(out_dir), "{model}": str(self.model_path), "{python}": sys.executable}
         argv = [_substitute(a, values) for a in self.spec.command]
-        err_path = workdir / "stderr.txt"
-        env = {**os.environ, **self.spec.env}
+        if self.spec.cwd is not None and not self.spec.cwd.is_dir():
+            raise InvalidInput(f"{self.who}: cwd {self.spec.cwd} is not a directory")
         try:
-            with open(err_path, "wb") as err:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=self.spec.cwd, env=env,
-                                        start_new_session=True)
-                try:
-                    rc = proc.wait(timeout=self.spec.timeout_s)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    raise EngineError(f"command:{self.spec.name} timed out after {self.spec.timeout_s:g} s", _tail(err_path)) from None
+            res = run_process(argv, timeout_s=self.spec.timeout_s, workdir=workdir, cwd=self.spec.cwd, env={**os.environ, **self.spec.env})
         except FileNotFoundError:
-            raise EngineError(f"command:{self.spec.name}: program {argv[0]!r} not found") from None
+            raise EngineError(f"{self.who}: program {argv[0]!r} not found") from None
         except PermissionError:
-            raise EngineError(f"command:{self.spec.name}: program {argv[0]!r} is not executable") from None
-        if rc != 0:
-            what = f"died with {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
-            raise EngineError(f"command:{self.spec.name} {what}", _tail(err_path))
-        info_path = out_dir / "info.json"
-        if info_path.exists():
+            raise EngineError(f"{self.who}: program {argv[0]!r} is not executable") from None
+        except OSError as e:
+            raise EngineError(f"{self.who}: program {argv[0]!r} cannot be started ({e.strerror or e})") from None
+        if res.returncode is None:
+            raise EngineError(f"{self.who} timed out after {self.spec.timeout_s:g} s", res.tail)
+        if res.returncode != 0:
+            rc = res.returncode
             try:
-                info = json.loads(info_path.read_text())
-                self._last_info = info if isinstance(info, dict) else {}
-            except (OSError, json.JSONDecodeError):
-                raise EngineError(f"command:{self.spec.name} wrote an unreadable info.json", _tail(err_path)) from None
-        return out_dir
-
-    def _load_logits(self, out_dir: Path, n_tokens: int, stderr_tail: str) -> np.ndarray:
-        path = out_dir / "logits.npy"
-        if not path.exists():
-            raise EngineError(f"command:{self.spec.name} wrote no logits.npy", stderr_tail)
-        try:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise EngineError(f"command:{self.spec.name} wrote an unreadable logits.npy ({str(e).splitlines()[0] if str(e) else type(e).__name__})", stderr_tail) from None
-        if arr.dtype != np.float32:
-            raise EngineError(f"command:{self.spec.name} wrote logits of dtype {arr.dtype}; the protocol requires float32")
-        if arr.ndim != 2 or arr.shape[0] != n_tokens:
-            raise EngineError(f"command:{self.spec.name} wrote logits of shape {arr.shape}; expected [{n_tokens}, V]")
-        if arr.shape[1] != self.n_vocab:
-            raise NotComparable(f"command:{self.spec.name} logits have {arr.shape[1]} columns but the model's vocab has {self.n_vocab}")
-        return arr
+                what = f"died with {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
+            except ValueError:
+                what = f"died with signal {-rc}"
+            raise EngineError(f"{self.who} {what}", res.tail)
+        self._last_info = load_info(out_dir, self.who, res.tail)
+        return out_dir, res.tail
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         tokens = [int(t) for t in tokens]
         pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
         if pieces is not None and "chunks" not in self.spec.capabilities:
-            raise EngineError(f"command:{self.spec.name} does not declare the 'chunks' capability")
-        with tempfile.TemporaryDirectory(prefix="harness-cmd-") as d:
-            out_dir = self._run(tokens, pieces, ["logits"], Path(d))
-            arr = self._load_logits(out_dir, len(tokens), _tail(Path(d) / "stderr.txt"))
+            raise EngineError(f"{self.who} does not declare the 'chunks' capability")
+        with scratch_dir("cmd-") as d:
+            out_dir, tail = self._run(tokens, pieces, ["logits"], d)
+            arr = load_logits(out_dir, self.who, len(tokens), self.n_vocab, tail)
             for start in range(0, len(tokens), self.block_size):
                 yield start, npy_rows(arr, start, start + self.block_size)
             del arr
@@ -195,19 +320,12 @@ class CommandEngine:
     def activations(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Named activations ``{name: [T, ...]}`` from ``activations.npz`` (capability ``activations``)."""
         if "activations" not in self.spec.capabilities:
-            raise EngineError(f"command:{self.spec.name} does not declare the 'activations' capability")
+            raise EngineError(f"{self.who} does not declare the 'activations' capability")
         tokens = [int(t) for t in tokens]
         pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
-        with tempfile.TemporaryDirectory(prefix="harness-cmd-") as d:
-            out_dir = self._run(tokens, pieces, ["logits", "activations"], Path(d))
-            path = out_dir / "activations.npz"
-            if not path.exists():
-                raise EngineError(f"command:{self.spec.name} wrote no activations.npz", _tail(Path(d) / "stderr.txt"))
-            try:
-                with np.load(path, allow_pickle=False) as z:
-                    return {k: np.array(z[k]) for k in z.files}
-            except (ValueError, OSError, EOFError) as e:
-                raise EngineError(f"command:{self.spec.name} wrote an unreadable activations.npz ({e})") from None
+        with scratch_dir("cmd-") as d:
+            out_dir, tail = self._run(tokens, pieces, ["logits", "activations"], d)
+            return load_activations(out_dir, self.who, len(tokens), activation_bytes_cap(self._hparams, len(tokens)), tail)
 
 
 def load_command_engine(name: str, model_path: str | os.PathLike, overrides: Sequence[Override] = ()) -> CommandEngine:

@@ -21,7 +21,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -31,8 +30,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
+from harness.engines.process import read_tail, tail_lines
 from harness.errors import EngineError
 from harness.model.gguf_model import Override
+from harness.rundir import scratch_dir
 
 _ERROR_LINE = re.compile(r"(error loading model[^\n]*|llama_model_load: error[^\n]*|GGML_ASSERT[^\n]*|failed to[^\n]*|missing tensor[^\n]*|error:[^\n]*)", re.I)
 
@@ -136,8 +137,9 @@ class LlamaCppEngine:
             proc.kill()
             proc.wait()
             rc = None
-        stderr = (workdir / "stderr.txt").read_text(errors="replace")
-        tail = "\n".join(stderr.strip().splitlines()[-8:])
+        with open(workdir / "stderr.txt", "rb") as f:
+            stderr = read_tail(f)  # at most the last 64 KiB, whatever the worker wrote
+        tail = tail_lines(stderr)
         if rc is None:
             raise EngineError(f"llama.cpp worker timed out after {self.timeout_s:.0f} s on {self.model_path.name}", tail)
         if rc != 0:
@@ -160,8 +162,8 @@ class LlamaCppEngine:
 
     @cached_property
     def _static_info(self) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
-            return self._run({"op": "info"}, Path(d))
+        with scratch_dir("llamacpp-") as d:
+            return self._run({"op": "info"}, d)
 
     @property
     def n_vocab(self) -> int:
@@ -184,16 +186,15 @@ class LlamaCppEngine:
 
     def tokenize_many(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, in one worker run."""
-        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
-            self._run({"op": "tokenize", "texts": list(texts)}, Path(d))
-            return json.loads((Path(d) / "tokens.json").read_text())
+        with scratch_dir("llamacpp-") as d:
+            self._run({"op": "tokenize", "texts": list(texts)}, d)
+            return json.loads((d / "tokens.json").read_text())
 
     def _stream(self, request: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
         """Start a worker on ``request`` and yield its logits as ``(start, float32 [B, V])``
         blocks of ``block_size`` rows while it decodes. Rows of several sequences (``sequences``)
         arrive interleaved with their indices and are put in order through a file first."""
-        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
-            workdir = Path(d)
+        with scratch_dir("llamacpp-") as workdir:
             r, w = os.pipe()
             try:
                 proc = self._start({**request, "stream_fd": w}, workdir, pass_fds=(w,))
@@ -279,11 +280,11 @@ class LlamaCppEngine:
         pieces = validate_chunks(len(tokens), chunks)
         req = {"op": "activations", "tokens": tokens, "chunks": pieces, "settings": self.settings.resolved(len(tokens)),
                "names": list(names) if names else None}
-        with tempfile.TemporaryDirectory(prefix="harness-llamacpp-") as d:
-            info = self._run(req, Path(d))
+        with scratch_dir("llamacpp-") as d:
+            info = self._run(req, d)
             self.last_ops = info.get("ops", {})
             try:
-                with np.load(Path(d) / "activations.npz", allow_pickle=False) as z:
+                with np.load(d / "activations.npz", allow_pickle=False) as z:
                     return {k: np.array(z[k]) for k in z.files}
             except (OSError, ValueError) as e:
                 raise EngineError(f"llama.cpp worker wrote unreadable activations: {e}") from None

@@ -18,9 +18,11 @@ bytes and content match it) and by git history.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,6 +31,7 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock, Timeout
 
+from harness import display
 from harness.errors import InvalidInput
 from harness.evidence.receipts import (
     canonical_json,
@@ -37,6 +40,7 @@ from harness.evidence.receipts import (
     utc_now,
 )
 from harness.provenance import sha256_bytes, sha256_file
+from harness.rundir import pid_alive
 from harness.validation import best_error, make_validator
 
 GENESIS = "0" * 64
@@ -239,6 +243,66 @@ def default_markdown_path(ledger_path: str | Path) -> Path:
     return p.with_suffix(".md")
 
 
+RENDER_TITLE = "# Sign-off ledger"
+"""First line of every rendering; with the ``Rendered from `LEDGER`.`` line it marks a file the
+harness wrote (``markdown_path_for`` refuses to write over anything else)."""
+
+
+def _shown_ledger(ledger_path: Path, md_path: Path | None) -> str:
+    """How a rendering names its ledger: the ledger's path relative to the rendering's folder."""
+    base = md_path.parent if md_path else ledger_path.parent
+    try:
+        return display.plain(os.path.relpath(ledger_path, base))
+    except ValueError:
+        return display.plain(ledger_path)
+
+
+def markdown_path_for(ledger_path: str | Path, markdown_path: str | Path | None = None) -> Path:
+    """The rendering ``append_row`` will write for ``ledger_path`` (``markdown_path`` or
+    ``default_markdown_path``), refused with ``InvalidInput`` (exit 2) when writing it could
+    destroy something the harness did not create:
+
+    - the ledger's name does not end in ``.jsonl`` (``--ledger LEDGER.md`` would make the
+      rendering the ledger itself; any other suffix makes the pair ambiguous);
+    - the rendering is the ledger file (same path, or a link to it);
+    - the rendering exists and is not a regular file, or is not a rendering of this ledger (its
+      first line is not ``RENDER_TITLE`` or it names another ledger): ``--ledger
+      notes/README.jsonl`` must never overwrite ``notes/README.md``.
+
+    Only the first 4 KiB of an existing rendering are read.
+    """
+    ledger_path = Path(ledger_path)
+    if ledger_path.suffix != ".jsonl":
+        raise InvalidInput(f"{ledger_path}: a ledger's file name must end in .jsonl (its Markdown rendering is written "
+                           "beside it as .md); refusing an ambiguous ledger path")
+    md = Path(markdown_path) if markdown_path else default_markdown_path(ledger_path)
+    same = os.path.abspath(md) == os.path.abspath(ledger_path)
+    if not same and md.exists() and ledger_path.exists():
+        same = os.path.samefile(md, ledger_path)
+    if same:
+        raise InvalidInput(f"{md}: the rendered ledger would be the ledger itself; refusing")
+    try:
+        st = os.lstat(md)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there to protect (fschecks says whether it can be created)
+        return md
+    except OSError as e:
+        raise InvalidInput(f"{md}: cannot use as the rendered ledger: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidInput(f"{md}: the rendered ledger path is not a regular file; refusing to write over it")
+    try:
+        with open(md, "rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace").split("\n")
+    except OSError as e:
+        raise InvalidInput(f"{md}: cannot read the rendered ledger: {e.strerror or e}") from None
+    if head[0] != RENDER_TITLE or not any(ln.startswith("Rendered from `") for ln in head[1:4]):
+        raise InvalidInput(f"{md}: exists and is not a ledger rendering written by the harness; refusing to overwrite it "
+                           f"(choose a --ledger whose .md sibling is free)")
+    shown = _shown_ledger(ledger_path, md)
+    if not any(ln.startswith(f"Rendered from `{shown}`") for ln in head[1:4]):
+        raise InvalidInput(f"{md}: is the rendering of another ledger, not {shown}; refusing to overwrite it")
+    return md
+
+
 def _parse_lines(data: bytes) -> list[tuple[int, dict[str, Any] | None, str | None]]:
     """``(line_no, row or None, error or None)`` for each line of a ledger file."""
     lines = data.split(b"\n")
@@ -331,37 +395,54 @@ def append_row(
     Raises ``InvalidInput`` when the row breaks the row schema, names a receipt other than the
     file given, supersedes a row that does not exist, or when the ledger's last row is partial,
     malformed or edited (the chain is not extended from a broken head; run ``verify_ledger``),
-    or when the lock cannot be taken within ``lock_timeout`` seconds.
+    when the lock cannot be taken within ``lock_timeout`` seconds, when the ledger or its
+    rendering path is refused (``markdown_path_for``) or cannot be written. One function on
+    purpose: everything from taking the lock to releasing it is one critical section.
     """
     ledger_path = Path(ledger_path)
-    md_path = Path(markdown_path) if markdown_path else default_markdown_path(ledger_path)
+    md_path = markdown_path_for(ledger_path, markdown_path)
     new = _complete(row)
     for owned in ("seq", "prev_hash", "row_hash"):
         new.pop(owned, None)
     if receipt_path is not None:
         _bind_receipt(new, Path(receipt_path))
-    ledger_path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        ledger_path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
             data = _read(ledger_path)
-            if data and not data.endswith(b"\n"):
-                partial = data.count(b"\n") + 1
-                raise InvalidInput(f"{ledger_path}: ends in a partial row (line {partial}); run `harness ledger verify`")
             parsed = _parse_lines(data)
             rows = [r for _, r, _ in parsed if r is not None]
-            _chain(new, _check_head_for_append(ledger_path, parsed), rows, ledger_path)
+            _chain(new, _check_head_for_append(ledger_path, data, parsed), rows, ledger_path)
             with open(ledger_path, "ab") as f:
                 f.write(canonical_json(new) + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
             rows.append(new)
-            _write_text_atomic(md_path, render_markdown(rows, ledger_path, md_path))
+            try:
+                _write_text_atomic(md_path, render_markdown(rows, ledger_path, md_path))
+            except OSError as e:
+                raise InvalidInput(f"{md_path}: row seq {new['seq']} was appended to {ledger_path}, but the rendering could not "
+                                   f"be rewritten ({e.strerror or e}); the next append re-renders it") from None
     except Timeout as e:
         raise InvalidInput(f"{ledger_path}: could not take the ledger lock within {lock_timeout:g} s") from e
+    except OSError as e:
+        raise InvalidInput(f"{ledger_path}: cannot append to the ledger: {e.strerror or e}") from None
     return new
 
 
-def _check_head_for_append(ledger_path: Path, parsed: list) -> dict[str, Any] | None:
+def check_ledger_head(ledger_path: str | Path) -> dict[str, Any] | None:
+    """The row a new row would chain from (None for an empty or missing ledger), checked as
+    ``append_row`` checks it; raises ``InvalidInput`` when the ledger cannot be extended (a
+    partial, malformed or edited last row, an unreadable file). Called before engines run."""
+    ledger_path = Path(ledger_path)
+    data = _read(ledger_path)
+    return _check_head_for_append(ledger_path, data, _parse_lines(data))
+
+
+def _check_head_for_append(ledger_path: Path, data: bytes, parsed: list) -> dict[str, Any] | None:
+    if data and not data.endswith(b"\n"):
+        partial = data.count(b"\n") + 1
+        raise InvalidInput(f"{ledger_path}: ends in a partial row (line {partial}); run `harness ledger verify`")
     if not parsed:
         return None
     line, head, err = parsed[-1]
@@ -373,10 +454,20 @@ def _check_head_for_append(ledger_path: Path, parsed: list) -> dict[str, Any] | 
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``; the
+    temporary file is removed when anything fails, and those of killed runs (their process is
+    gone) are removed first. Called under the ledger lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by runs killed mid-render
+        pid = stale.name[len(path.name) + 2 : -4]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- render
@@ -389,7 +480,9 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def _cell(v: Any) -> str:
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    """A row's value as a Markdown table cell (``display.md_text``: no control characters, no cell
+    breaks, links, code spans or HTML)."""
+    return display.md_text(v)
 
 
 def _speed(r: Mapping[str, Any]) -> str:
@@ -446,16 +539,12 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
     Superseded rows stay, their verdict struck through and pointing at the superseding row.
     """
     ledger_path = Path(ledger_path)
-    base = Path(markdown_path).parent if markdown_path else ledger_path.parent
-    try:
-        shown = os.path.relpath(ledger_path, base)
-    except ValueError:
-        shown = str(ledger_path)
+    shown = _shown_ledger(ledger_path, Path(markdown_path) if markdown_path else None)
     superseded = {r.get("supersedes"): r.get("seq") for r in rows if r.get("kind") == "supersede"}
     head = rows[-1] if rows else None
     speed = any(r.get("candidate_tokens_per_s") is not None or r.get("candidate_wall_s") is not None for r in rows)
     lines = [
-        "# Sign-off ledger",
+        RENDER_TITLE,
         "",
         f"Rendered from `{shown}`, the source of truth, after every append. Do not edit by hand:",
         "`harness ledger verify` checks the hash chain, this file's head and each row against its receipt.",

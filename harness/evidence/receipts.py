@@ -10,8 +10,9 @@ arrays, both in one directory (``evidence/parity/receipts/``). Its fields are in
   hashes).
 - ``arrays.sha256`` (``arrays_sha256``) hashes the arrays' names, dtypes, shapes and bytes, not the
   npz file (whose zip headers carry timestamps), so the id binds the sidecar's contents.
-- Writes are atomic: each file goes to a temporary file in the same directory, is fsynced and
-  ``os.replace``d into place, the npz first, so a visible ``.json`` always has its ``.npz``.
+- Writes are atomic and exclusive: each file goes to a temporary file in the same directory, is
+  fsynced and hard-linked into place, the npz first, so a visible ``.json`` always has its
+  ``.npz``; a ``.json`` that exists is never replaced (a ledger row hashed its bytes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import sys
 import tempfile
@@ -34,6 +36,7 @@ import numpy as np
 from harness.errors import InvalidInput
 from harness.paths import IS_CHECKOUT, SCHEMA_DIR, SOURCE_ROOT
 from harness.provenance import git_state, sha256_bytes, suite_pins
+from harness.rundir import pid_alive
 from harness.validation import best_error, schema_validator
 
 SCHEMA_ID = "harness-parity-receipt/v1"
@@ -214,23 +217,71 @@ def per_prompt_rows(receipt: Mapping[str, Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------ write / load
 
 
-def _atomic_write(directory: Path, name: str, write) -> Path:
-    """Write via a temporary file in ``directory``, fsync, rename over ``name``."""
-    final = directory / name
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+def _write_new(directory: Path, name: str, write) -> bool:
+    """Create ``directory/name`` with ``write(file)``'s bytes, never replacing an existing file.
+
+    The bytes go to a temporary file in ``directory`` (fsynced), which is then hard-linked to
+    ``name`` (``link`` fails with EEXIST when the name exists: the check and the write are one
+    atomic step, so two writers racing cannot both succeed) and unlinked. Returns False, writing
+    nothing, when ``name`` already exists. Raises ``OSError``; no temporary file is left behind.
+    """
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            os.link(tmp, directory / name)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _replace_file(directory: Path, name: str, write) -> None:
+    """Write via a temporary file in ``directory``, fsync, rename over ``name`` (used only for a
+    sidecar whose existing copy does not hold the receipt's arrays)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
     except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise
-    return final
+
+
+_TEMP_NAME = re.compile(r"^\.[0-9a-f]{64}\.(?:json|npz)\.(\d+)\.[^/]*\.tmp$")
+
+
+def sweep_temp_files(directory: Path) -> list[Path]:
+    """Remove the temporary files (``.<id>.<ext>.<pid>.*.tmp``) that writers killed before they
+    could clean up left in ``directory``: those whose process is gone. Returns what was removed.
+    A temporary file is never evidence (only linked names are); a live writer's are kept."""
+    removed = []
+    try:
+        names = [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for p in names:
+        m = _TEMP_NAME.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            try:
+                p.unlink()
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -246,24 +297,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path) -> tuple[Path, Path]:
-    """Write ``<id>.npz`` then ``<id>.json`` into ``directory``, atomically; return their paths.
+def prepare_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The receipt exactly as ``write_receipt`` would write it, validated, without writing.
 
-    The caller's ``receipt`` is not modified. Written: ``schema`` (set), ``arrays`` (set from
-    ``arrays``: ``arrays_manifest``), ``created`` (kept if given, else now), ``id`` (the content
-    hash). Arrays must be numeric NumPy arrays (e.g. ``metrics.position_metrics`` output plus
-    ``prompt_index`` and ``position``).
-
-    Idempotent: if a valid receipt with the same id is already there it is left as it is (its
-    bytes, and so any ledger row's hash of them, stay valid) and its paths are returned.
-
-    Raises ``InvalidInput`` when the receipt breaks the schema, holds NaN/Inf or a ``schema``
-    other than ``harness-parity-receipt/v1``, or the directory cannot be written.
+    Sets ``schema`` (kept if given), ``arrays`` (``arrays_manifest``), ``created`` (kept if
+    given, else now) and ``id`` (the content hash); NumPy scalars become plain JSON values. A dry
+    run (``--no-evidence``) calls this too, so a receipt that could not be recorded fails the dry
+    run the same way. Raises ``InvalidInput`` when the receipt breaks its schema, holds NaN/Inf,
+    names an unknown ``schema`` or holds object arrays.
     """
     schema_id = receipt.get("schema", SCHEMA_ID)
     if schema_id not in SCHEMAS:
         raise InvalidInput(f"receipt schema {schema_id!r}; this writer writes {', '.join(SCHEMAS)}")
-    arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     r = {k: v for k, v in receipt.items() if k != "id"}
     r["schema"] = schema_id
     r["arrays"] = arrays_manifest(arrays)
@@ -273,23 +318,58 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
     # Round-trip through canonical JSON: NumPy scalars become plain values before validation.
     r = json.loads(canonical_json(r))
     validate_receipt(r, where=f"receipt {rid[:12]}")
+    return r
 
+
+def _sidecar_holds(npz_path: Path, sha: str) -> bool:
+    try:
+        with np.load(npz_path, allow_pickle=False) as z:
+            return arrays_sha256({k: z[k] for k in z.files}) == sha
+    except (OSError, ValueError, EOFError):
+        return False
+
+
+def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path) -> tuple[Path, Path]:
+    """Write ``<id>.npz`` then ``<id>.json`` into ``directory``; return their paths.
+
+    The caller's ``receipt`` is not modified; what is written is ``prepare_receipt``'s result.
+    Arrays must be numeric NumPy arrays (e.g. ``metrics.position_metrics`` output plus
+    ``prompt_index`` and ``position``).
+
+    A receipt, once written, is never replaced: a ledger row holds the sha256 of its bytes, and
+    the bytes include ``created``, so the same content written again later differs. The json is
+    created with link semantics (``_write_new``): when ``<id>.json`` exists — an earlier run, or
+    an identical run racing this one — it is left as it is and, if it loads and checks, its paths
+    are returned; if it does not, ``InvalidInput`` says so (it is evidence: ``harness ledger
+    verify`` tells whether a row names it). The sidecar is hashed by content, not bytes: an
+    existing one holding the same arrays is kept, a missing or damaged one is (re)written.
+
+    Raises ``InvalidInput`` when the receipt breaks the schema, holds NaN/Inf or object arrays,
+    names an unknown ``schema``, the directory cannot be written, or an existing ``<id>.json``
+    is damaged.
+    """
+    arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
+    r = prepare_receipt(receipt, arrays)
+    rid = r["id"]
     directory = Path(directory)
     json_path, npz_path = directory / f"{rid}.json", directory / f"{rid}.npz"
-    if json_path.exists() and npz_path.exists():
-        try:
-            load_receipt(json_path)
-            return json_path, npz_path
-        except InvalidInput:
-            pass  # a damaged earlier copy: replace it
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory, npz_path.name, lambda f: np.savez(f, **arrays))
         text = json.dumps(r, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
-        _atomic_write(directory, json_path.name, lambda f: f.write(text.encode("utf-8")))
+        directory.mkdir(parents=True, exist_ok=True)
+        sweep_temp_files(directory)
+        save = lambda f: np.savez(f, **arrays)  # noqa: E731
+        if not _write_new(directory, npz_path.name, save) and not _sidecar_holds(npz_path, r["arrays"]["sha256"]):
+            _replace_file(directory, npz_path.name, save)
+        created = _write_new(directory, json_path.name, lambda f: f.write(text.encode("utf-8")))
         _fsync_dir(directory)
     except OSError as e:
         raise InvalidInput(f"{directory}: cannot write receipt {rid}: {e.strerror or e}") from e
+    if not created:
+        try:
+            load_receipt(json_path)
+        except InvalidInput as e:
+            raise InvalidInput(f"{json_path} already exists and is damaged ({e}); it is evidence and is not replaced: "
+                               "run `harness ledger verify`, then move it aside") from None
     return json_path, npz_path
 
 

@@ -11,6 +11,7 @@ Sources: llama.cpp ``src/models/qwen35.cpp`` / ``qwen35moe.cpp`` (``load_arch_hp
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections import OrderedDict
@@ -36,6 +37,13 @@ from harness.provenance import sha256_file
 SUPPORTED_ARCHES = ("qwen35", "qwen35moe")
 
 OVERRIDE_TYPES = ("int", "float", "bool", "str")
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+"""llama.cpp stores an ``int`` override as ``int64_t`` (``llama_model_kv_override``)."""
+LLAMA_MAX_LAYERS = 512
+"""llama.cpp's ``LLAMA_MAX_LAYERS`` (``src/llama-hparams.h``): its per-layer arrays hold this many
+entries and it refuses a larger ``block_count``."""
+NOT_TENSOR_SIZES = ("context_length", "full_attention_interval")
+"""Integer hyperparameters that are not sizes of any tensor (the rest are bounded by the file)."""
 
 DEQUANT_CHUNK = 1 << 20
 """Elements per ``gguf.quants.dequantize`` call in ``GGUFModel.tensor`` (about 4 MB of float32)."""
@@ -59,7 +67,8 @@ class Override:
 def parse_override(text: str) -> Override:
     """Parse ``KEY=TYPE:VALUE`` (TYPE in int, float, bool, str) into an ``Override``.
 
-    Raises ``InvalidInput`` (exit 2) with the accepted syntax on any malformed string.
+    Raises ``InvalidInput`` (exit 2) with the accepted syntax on any malformed string, an int
+    outside int64 or a float that is not finite.
     """
     key, sep, rest = text.partition("=")
     typ, sep2, raw = rest.partition(":")
@@ -69,9 +78,13 @@ def parse_override(text: str) -> Override:
         )
     try:
         if typ == "int":
-            value: Any = int(raw)
+            value: Any = int(raw) if len(raw.strip()) <= 20 else None
+            if value is None or not INT64_MIN <= value <= INT64_MAX:
+                raise InvalidInput(f"bad --override-kv {text[:80]!r}: an int override must fit in 64 bits (llama.cpp's int64_t)")
         elif typ == "float":
             value = float(raw)
+            if not math.isfinite(value):
+                raise InvalidInput(f"bad --override-kv {text!r}: {raw!r} is not a finite float")
         elif typ == "bool":
             if raw.lower() not in ("true", "false"):
                 raise ValueError(raw)
@@ -494,8 +507,8 @@ class GGUFModel:
 
     @cached_property
     def hparams(self) -> Qwen35HParams:
-        """Typed hyperparameters. Raises ``InvalidInput`` on an unsupported arch or a missing or
-        wrongly typed key."""
+        """Typed hyperparameters. Raises ``InvalidInput`` on an unsupported arch, a missing or
+        wrongly typed key, or a value beyond what the file holds (``_check_bounds``)."""
         arch = self.require_supported()
         vals: dict[str, Any] = {}
         for fname, suffix, typ, required in HPARAM_KEYS:
@@ -517,7 +530,10 @@ class GGUFModel:
         sections = list(sections or [0, 0, 0, 0])
         if len(sections) < 4:
             sections = sections + [0] * (4 - len(sections))
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in sections[:4]):
+            raise InvalidInput(f"{self.path}: key '{arch}.rope.dimension_sections' should hold integers")
         vals["rope_sections"] = tuple(int(s) for s in sections[:4])
+        self._check_bounds(arch, vals)
         n_all = vals["n_layer_all"]
         n_trunk = n_all - vals["n_layer_nextn"]
         if n_trunk <= 0:
@@ -538,6 +554,55 @@ class GGUFModel:
         n_vocab = self.metadata_length("tokenizer.ggml.tokens") or (int(tok.shape[1]) if tok is not None and len(tok.shape) > 1 else 0)
         vals["n_vocab"] = n_vocab
         return Qwen35HParams(arch=arch, **vals)
+
+    @cached_property
+    def max_tensor_dim(self) -> int:
+        """The largest dimension of any tensor in the file (ggml ``ne``), 0 without tensors."""
+        return max((int(x) for t in self.reader.tensors for x in t.shape), default=0)
+
+    @cached_property
+    def blocks_present(self) -> int:
+        """1 + the highest block index ``blk.N.`` among the file's tensors (0 without blocks)."""
+        idx = [int(n.split(".", 2)[1]) for n in self._tensors if n.startswith("blk.") and n.split(".", 2)[1].isdigit()]
+        return max(idx, default=-1) + 1
+
+    def _check_bounds(self, arch: str, vals: dict[str, Any]) -> None:
+        """Every hyperparameter bounded by what the file holds, before anything is sized by it.
+
+        Counts and sizes are non-negative and at most the largest tensor dimension in the file
+        (an ``--override-kv qwen35.embedding_length=int:1000000000`` on a 2 MB model describes
+        no tensor it has); ``block_count`` is in 1..``LLAMA_MAX_LAYERS`` and its trunk
+        (``block_count - nextn_predict_layers``) has blocks in the file; the RMSNorm epsilon and
+        rope base are finite and positive. Raises ``InvalidInput`` naming the key.
+        """
+        dim = self.max_tensor_dim
+        for fname, suffix, typ, _ in HPARAM_KEYS:
+            if fname not in vals:
+                continue
+            key, v = f"{arch}.{suffix}", vals[fname]
+            if typ is float:
+                if not (math.isfinite(v) and v > 0):
+                    raise InvalidInput(f"{self.path}: key {key!r} is {v!r}; it must be a finite positive number")
+            elif v < 0:
+                raise InvalidInput(f"{self.path}: key {key!r} is {v}; it must not be negative")
+            elif fname == "n_layer_all":
+                if not 1 <= v <= LLAMA_MAX_LAYERS:
+                    raise InvalidInput(f"{self.path}: key {key!r} is {v}; llama.cpp takes 1..{LLAMA_MAX_LAYERS} blocks")
+            elif fname == "n_layer_nextn":
+                continue  # bounded through the trunk below
+            elif suffix not in NOT_TENSOR_SIZES and v > dim:
+                raise InvalidInput(f"{self.path}: key {key!r} is {v}, larger than any tensor dimension in the file ({dim})")
+        for i, sec in enumerate(vals["rope_sections"]):
+            if not 0 <= sec <= dim:
+                raise InvalidInput(f"{self.path}: key '{arch}.rope.dimension_sections'[{i}] is {sec}; it must be in 0..{dim}")
+        n_trunk = vals["n_layer_all"] - vals["n_layer_nextn"]
+        if n_trunk <= 0:
+            raise InvalidInput(f"{self.path}: {arch}.block_count {vals['n_layer_all']} minus {arch}.nextn_predict_layers "
+                               f"{vals['n_layer_nextn']} leaves no trunk layers")
+        if n_trunk > self.blocks_present:
+            raise InvalidInput(f"{self.path}: {arch}.block_count {vals['n_layer_all']} minus nextn_predict_layers "
+                               f"{vals['n_layer_nextn']} counts {n_trunk} trunk blocks, but the file holds tensors for "
+                               f"{self.blocks_present} block(s)")
 
     # -- tensors ----------------------------------------------------------------------------
     @property
@@ -590,6 +655,29 @@ class GGUFModel:
         except NotImplementedError:
             raise InvalidInput(f"{self.path}: cannot dequantize {name} of type {t.tensor_type.name}") from None
         return out.reshape(shape)
+
+    def nonfinite_count(self, name: str, chunk_elements: int = 1 << 22) -> tuple[int, int]:
+        """``(NaN or ±Inf values, all values)`` of tensor ``name`` after dequantization, read in
+        chunks of about ``chunk_elements`` so memory stays bounded (a 248,320-row embedding is
+        never materialised as float64). Raises ``KeyError`` if absent, ``InvalidInput`` if the
+        `gguf` package cannot dequantize its type."""
+        t = self._tensors[name]
+        raw = np.asarray(t.data)
+        size = int(np.prod([int(x) for x in t.shape]))
+        plain_float = t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.F16)
+        rows = raw.reshape(-1) if plain_float else raw.reshape(-1, raw.shape[-1])
+        per_row = 1 if plain_float else max(1, size // max(rows.shape[0], 1))
+        step = max(1, chunk_elements // per_row)
+        bad = 0
+        for i in range(0, rows.shape[0], step):
+            part = rows[i : i + step]
+            if not plain_float:
+                try:
+                    part = dequantize(part, t.tensor_type)
+                except NotImplementedError:
+                    raise InvalidInput(f"{self.path}: cannot dequantize {name} of type {t.tensor_type.name}") from None
+            bad += int(np.count_nonzero(~np.isfinite(part)))
+        return bad, size
 
     @cached_property
     def sha256(self) -> str:

@@ -25,6 +25,7 @@ QL107  error    ssm.inner_size != ssm.time_step_rank × ssm.state_size
 QL108  error    rope.dimension_count odd, ≤ 0 or > head_dim
 QL109  error    2 × sum(rope.dimension_sections) != rope.dimension_count
 QL110  error    expert_used_count is 0 or exceeds expert_count
+QL111  error    a float hyperparameter (rms epsilon, rope base) is NaN, infinite or not positive
 QL201  error    MTP declared but absent (block_count counts nextn blocks that have no tensors)
 QL202  warning  MTP-only file (nextn blocks present, no trunk)
 QL203  error    tensors for blocks beyond block_count (undeclared MTP or stray blocks)
@@ -38,11 +39,13 @@ QL402  error    shifted norm has mean < 0.5 (missing +1 shift)
 QL403  error    shifted norm has mean > 1.5 (double +1 shift)
 QL404  error    ssm_norm has mean > 1.5 (wrongly shifted; the converter does not shift it)
 QL405  error    SSM scalar, conv kernel or norm weight not stored F32
+QL406  error    NaN or Inf in token_embd, output, a norm weight or ssm_a (llama.cpp computes garbage)
 ====== ======== =============================================================================
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -51,6 +54,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
 
+from harness import display
 from harness.errors import InvalidInput
 from harness.model.gguf_model import (
     ATTENTION,
@@ -77,6 +81,7 @@ _CODE_TABLE: list[tuple[str, str, str]] = [
     ("QL108", "error", "rope dims odd or > head_dim"),
     ("QL109", "error", "2 x sum(rope sections) != rope dims"),
     ("QL110", "error", "expert_used_count out of range"),
+    ("QL111", "error", "float hyperparameter not finite and positive"),
     ("QL201", "error", "MTP declared but absent"),
     ("QL202", "warning", "MTP-only file"),
     ("QL203", "error", "tensors beyond block_count"),
@@ -90,6 +95,7 @@ _CODE_TABLE: list[tuple[str, str, str]] = [
     ("QL403", "error", "norm double +1 shift"),
     ("QL404", "error", "ssm_norm wrongly shifted"),
     ("QL405", "error", "tensor must be F32"),
+    ("QL406", "error", "non-finite tensor values"),
 ]
 CODES: dict[str, str] = {c: t for c, _, t in _CODE_TABLE}
 """Finding code → short title (stable; documented in the module docstring)."""
@@ -164,7 +170,7 @@ class LintReport:
 
     def render(self) -> str:
         """A plain-text table: one row per finding (code, severity, message), its remedy beneath,
-        then the info lines and a one-line verdict."""
+        then the info lines and a one-line verdict; every line escaped (``display.plain``)."""
         m = self.model
         ov = " ".join(f"--override-kv {o}" for o in m.get("overrides", []))
         lines = [f"lint {m['path']}  arch={m['arch']}  sha256={m['sha256'][:16]}" + (f"  {ov}" if ov else "")]
@@ -179,7 +185,7 @@ class LintReport:
         lines += [f"info: {s}" for s in self.info]
         ne, nw = len(self.errors), len(self.warnings)
         lines.append(f"result: {ne} error(s), {nw} warning(s) -> exit {self.exit_code}")
-        return "\n".join(lines)
+        return "\n".join(display.plain(ln) for ln in lines)  # tensor names and metadata come from the file
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +261,23 @@ def check_keys(model: GGUFModel) -> list[Finding]:
         if not ok:
             out.append(_finding("QL102", f"key {key} has type {gtype}; llama.cpp expects {expected}", key=key,
                                 expected=expected, found=gtype))
+    out += check_float_keys(model)
+    return out
+
+
+def check_float_keys(model: GGUFModel) -> list[Finding]:
+    """QL111: every float hyperparameter present (file or override) is finite and positive; a NaN
+    RMSNorm epsilon passes llama.cpp's loader and then poisons (or aborts) the first forward."""
+    arch = model.arch
+    out = []
+    for suffix, kind, _ in KEY_RULES:
+        key = f"{arch}.{suffix}"
+        v = model.metadata(key)
+        if kind != "f32" or v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if not (math.isfinite(v) and v > 0):
+            out.append(_finding("QL111", f"key {key} is {v!r}; it must be a finite positive number", "re-convert with the "
+                                "model's config value (rms_norm_eps, rope_theta)", key=key, found=repr(v)))
     return out
 
 
@@ -309,7 +332,8 @@ class TensorRule:
     layer kinds it belongs to (global, recurrent, attention, mtp); ``required`` False for tensors
     llama.cpp creates with TENSOR_NOT_REQUIRED; ``alt`` a fused tensor whose presence satisfies
     this one. Checks: ``vocab`` (dim 1 is n_vocab: a mismatch there is QL303), ``f32`` (QL405),
-    ``norm`` "shifted" (QL402/403) or "unshifted" (QL404), ``negative`` (QL401).
+    ``norm`` "shifted" (QL402/403) or "unshifted" (QL404), ``negative`` (QL401), ``finite``
+    (QL406; norm and negative rows are always checked for it too).
     """
 
     tensor: MODEL_TENSOR
@@ -322,6 +346,7 @@ class TensorRule:
     f32: bool = False
     norm: str | None = None
     negative: bool = False
+    finite: bool = False
 
     @property
     def template(self) -> str:
@@ -353,9 +378,9 @@ def _conv_dim(h: Qwen35HParams) -> int:
 
 T, W = MODEL_TENSOR, "weight"
 _COMMON: list[TensorRule] = [
-    TensorRule(T.TOKEN_EMBD, W, lambda h: (h.n_embd, h.n_vocab), G, vocab=True),
+    TensorRule(T.TOKEN_EMBD, W, lambda h: (h.n_embd, h.n_vocab), G, vocab=True, finite=True),
     TensorRule(T.OUTPUT_NORM, W, lambda h: (h.n_embd,), G, f32=True, norm="shifted"),
-    TensorRule(T.OUTPUT, W, lambda h: (h.n_embd, h.n_vocab), G, required=False, vocab=True),
+    TensorRule(T.OUTPUT, W, lambda h: (h.n_embd, h.n_vocab), G, required=False, vocab=True, finite=True),
     TensorRule(T.ATTN_NORM, W, lambda h: (h.n_embd,), ALL, f32=True, norm="shifted"),
     TensorRule(T.ATTN_POST_NORM, W, lambda h: (h.n_embd,), ALL, f32=True, norm="shifted"),
     # gated attention (trunk attention layers and the MTP block); attn_q holds query and gate per head
@@ -380,8 +405,8 @@ _MTP: list[TensorRule] = [  # MTP (nextn) block extras
     TensorRule(T.NEXTN_EH_PROJ, W, lambda h: (2 * h.n_embd, h.n_embd), M),
     TensorRule(T.NEXTN_ENORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted"),
     TensorRule(T.NEXTN_HNORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted"),
-    TensorRule(T.NEXTN_EMBED_TOKENS, W, lambda h: (h.n_embd, h.n_vocab), M, required=False, vocab=True),
-    TensorRule(T.NEXTN_SHARED_HEAD_HEAD, W, lambda h: (h.n_embd, h.n_vocab), M, required=False, vocab=True),
+    TensorRule(T.NEXTN_EMBED_TOKENS, W, lambda h: (h.n_embd, h.n_vocab), M, required=False, vocab=True, finite=True),
+    TensorRule(T.NEXTN_SHARED_HEAD_HEAD, W, lambda h: (h.n_embd, h.n_vocab), M, required=False, vocab=True, finite=True),
     TensorRule(T.NEXTN_SHARED_HEAD_NORM, W, lambda h: (h.n_embd,), M, required=False, f32=True),
 ]
 _DENSE_FFN: list[TensorRule] = [
@@ -571,14 +596,17 @@ def check_tensors(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> list[Fi
 
 
 def check_values(model: GGUFModel, h: Qwen35HParams) -> list[Finding]:
-    """QL401–QL405: storage type and value range of the tensors whose rule asks for it.
+    """QL401–QL406: storage type and value range of the tensors whose rule asks for it.
 
     ssm_a = −exp(A_log) must be strictly negative; shifted norms (GGUF stores 1 + w) have mean ≈ 1;
     ssm_norm is not shifted (mean ≈ 1, ≈ 2 means it was); SSM scalars, the conv kernel and norm
-    weights must be F32 (llama.cpp's quantizer never converts them; ggml's SSM ops need F32).
+    weights must be F32 (llama.cpp's quantizer never converts them; ggml's SSM ops need F32);
+    token_embd, output, the norms and ssm_a hold no NaN or Inf (QL406; a norm that is not finite
+    is not also judged by its mean). Large tensors are checked in chunks
+    (``GGUFModel.nonfinite_count``), so memory stays bounded at any vocab.
     """
     out: list[Finding] = []
-    rules = [(r, il) for r in TENSOR_TABLES[h.arch] if r.f32 or r.norm or r.negative
+    rules = [(r, il) for r in TENSOR_TABLES[h.arch] if r.f32 or r.norm or r.negative or r.finite
              for il in ([None] if GLOBAL in r.layers else range(h.n_layer_all))]
     for rule, il in rules:
         name = rule.name(il)
@@ -589,23 +617,36 @@ def check_values(model: GGUFModel, h: Qwen35HParams) -> list[Finding]:
             out.append(_finding("QL405", f"{name} is stored {info.type}; it must be F32", "re-convert keeping SSM scalars, "
                                 "ssm_conv1d and norm weights in F32 (llama.cpp's quantizer does)", layer=il, tensor=name,
                                 expected="F32", found=info.type))
-        if not (rule.norm or rule.negative):
+        if not (rule.norm or rule.negative or rule.finite):
             continue
-        w = model.tensor(name)
-        if rule.negative and not (np.all(np.isfinite(w)) and np.all(w < 0)):
-            out.append(_finding("QL401", f"{name} must be strictly negative (ssm_a = -exp(A_log)); max {np.nanmax(w):.4g}, "
-                                f"{int(np.sum(~(w < 0)))} of {w.size} values not < 0",
-                                "store -exp(A_log), not A_log or exp(A_log)", layer=il, tensor=name, found=float(np.nanmax(w))))
-        mean = float(np.mean(w))
-        if rule.norm == "shifted" and mean < SHIFT_LOW:
-            out.append(_finding("QL402", f"{name} has mean {mean:.3f}; the converter stores 1 + w (mean ≈ 1): the +1 shift is missing",
-                                "add 1 to the weight when converting (Qwen3.5 RMSNorm applies x̂·(1+w))", layer=il, tensor=name, found=mean))
-        elif rule.norm == "shifted" and mean > SHIFT_HIGH:
-            out.append(_finding("QL403", f"{name} has mean {mean:.3f}; expected ≈ 1: the +1 shift was applied twice",
-                                "apply the +1 shift once", layer=il, tensor=name, found=mean))
-        elif rule.norm == "unshifted" and mean > SHIFT_HIGH:
-            out.append(_finding("QL404", f"{name} has mean {mean:.3f}; ssm_norm is not shifted by the converter (expected ≈ 1)",
-                                "store the gated-norm weight as is, without +1", layer=il, tensor=name, found=mean))
+        bad, size = model.nonfinite_count(name)
+        if bad:
+            out.append(_finding("QL406", f"{name} holds {bad} non-finite (NaN or Inf) of {size} values", "re-convert from the "
+                                "original weights; a NaN or Inf here makes every logit NaN", layer=il, tensor=name, found=bad))
+        elif rule.norm or rule.negative:  # sign and mean mean nothing once a value is NaN
+            out += _range_findings(rule, il, name, model.tensor(name))
+    return out
+
+
+def _range_findings(rule: TensorRule, il: int | None, name: str, w: np.ndarray) -> list[Finding]:
+    """QL401–QL404 for one finite tensor ``w`` (float64, NumPy order)."""
+    out = []
+    if rule.negative and not np.all(w < 0):
+        out.append(_finding("QL401", f"{name} must be strictly negative (ssm_a = -exp(A_log)); max {np.max(w):.4g}, "
+                            f"{int(np.sum(~(w < 0)))} of {w.size} values not < 0",
+                            "store -exp(A_log), not A_log or exp(A_log)", layer=il, tensor=name, found=float(np.max(w))))
+    if not rule.norm:
+        return out
+    mean = float(np.mean(w))
+    if rule.norm == "shifted" and mean < SHIFT_LOW:
+        out.append(_finding("QL402", f"{name} has mean {mean:.3f}; the converter stores 1 + w (mean ≈ 1): the +1 shift is missing",
+                            "add 1 to the weight when converting (Qwen3.5 RMSNorm applies x̂·(1+w))", layer=il, tensor=name, found=mean))
+    elif rule.norm == "shifted" and mean > SHIFT_HIGH:
+        out.append(_finding("QL403", f"{name} has mean {mean:.3f}; expected ≈ 1: the +1 shift was applied twice",
+                            "apply the +1 shift once", layer=il, tensor=name, found=mean))
+    elif rule.norm == "unshifted" and mean > SHIFT_HIGH:
+        out.append(_finding("QL404", f"{name} has mean {mean:.3f}; ssm_norm is not shifted by the converter (expected ≈ 1)",
+                            "store the gated-norm weight as is, without +1", layer=il, tensor=name, found=mean))
     return out
 
 

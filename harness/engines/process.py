@@ -1,0 +1,165 @@
+"""Running engine processes and reading what they leave, with every resource bounded.
+
+- Time: ``check_timeout`` accepts only finite, positive timeouts; ``run_process`` waits at most
+  that long.
+- Leftovers: ``run_process`` starts the engine in a new session and kills its whole process
+  group (SIGKILL) on every exit path — success, failure, timeout, an exception or Ctrl-C in the
+  harness — so a child the engine left running dies with it. Engines work in a
+  ``harness.rundir.scratch_dir`` (one per-run temporary directory, removed at exit).
+- Memory: an engine's stderr goes to a file the harness opened; only its last
+  ``STDERR_TAIL_BYTES`` are ever read back (``read_tail``), whatever the engine wrote.
+- Hangs: ``regular_file`` refuses an output that is not a regular file (a FIFO would block the
+  reader forever; a socket, directory or a symlink to a device is no output either) before it is
+  opened, and opens with ``O_NONBLOCK``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from harness.errors import EngineError, InvalidInput
+
+STDERR_TAIL_BYTES = 64 * 1024
+"""At most this much of an engine's stderr is read back (the end of it)."""
+TAIL_LINES = 8
+TAIL_LINE_CHARS = 400
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A timeout longer than a week is taken as a mistake (``check_timeout``)."""
+
+
+
+# ------------------------------------------------------------------------------ timeouts
+
+
+def check_timeout(value: Any, where: str) -> float:
+    """``value`` as seconds, refused with ``InvalidInput`` unless a finite number in
+    (0, ``MAX_TIMEOUT_S``] (TOML allows ``inf`` and ``nan``; a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise InvalidInput(f"{where} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], found {value!r}")
+    return float(value)
+
+
+# ------------------------------------------------------------------------------ running
+
+
+@dataclass
+class ProcessResult:
+    """How an engine process ended: ``returncode`` (negative: killed by that signal; None: it
+    ran past its timeout and was killed) and the last lines of its stderr (``tail``, at most
+    ``TAIL_LINES`` lines, raw: escape before showing) and the last ``STDERR_TAIL_BYTES`` of it
+    (``stderr_end``)."""
+
+    returncode: int | None
+    tail: str
+    stderr_end: str
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def read_tail(f: Any, max_bytes: int = STDERR_TAIL_BYTES) -> str:
+    """The last ``max_bytes`` of the open binary file ``f`` as text (invalid UTF-8 replaced; a
+    line cut at the start dropped). Reads at most ``max_bytes``, whatever the file's size."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+        start = max(0, size - max_bytes)
+        f.seek(start)
+        data = f.read(max_bytes)
+    except (OSError, ValueError):
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    if start > 0 and "\n" in text:
+        text = text.split("\n", 1)[1]
+    return text
+
+
+def tail_lines(text: str, n: int = TAIL_LINES) -> str:
+    """The last ``n`` non-empty lines of ``text``, each cut at ``TAIL_LINE_CHARS`` characters."""
+    out = [ln if len(ln) <= TAIL_LINE_CHARS else ln[:TAIL_LINE_CHARS] + "…" for ln in text.strip().splitlines()[-n:]]
+    return "\n".join(out)
+
+
+def run_process(argv: Sequence[str], *, timeout_s: float, workdir: Path, cwd: str | os.PathLike | None = None,
+                env: Mapping[str, str] | None = None) -> ProcessResult:
+    """Run ``argv`` (no shell) with stdin closed and stdout+stderr into ``workdir/stderr.txt``,
+    in a new session; wait at most ``timeout_s``; kill its process group on every exit path.
+
+    Raises ``FileNotFoundError`` / ``PermissionError`` when the program cannot be started (the
+    caller names the engine); never leaves a process of the group running.
+    """
+    with open(workdir / "stderr.txt", "w+b") as err:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=cwd,
+                                env=dict(env) if env is not None else None, start_new_session=True)
+        rc: int | None
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _kill_group(proc)
+        end = read_tail(err)
+    return ProcessResult(rc, tail_lines(end), end)
+
+
+# ------------------------------------------------------------------------------ reading outputs
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def regular_file(path: Path, who: str, max_bytes: int | None = None) -> os.stat_result | None:
+    """The ``os.stat`` of an engine's output ``path``, or None when there is none.
+
+    Raises ``EngineError`` naming ``who`` when the path (after symlinks) is not a regular file
+    — a FIFO, socket, directory, device, or a dangling link — or, with ``max_bytes``, is larger.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise EngineError(f"{who} wrote {path.name} as a dangling symbolic link") from None
+        return None
+    except OSError as e:
+        raise EngineError(f"{who} wrote an unreadable {path.name} ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise EngineError(f"{who} wrote {path.name} as {_kind(st.st_mode)}; outputs must be regular files")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise EngineError(f"{who} wrote a {path.name} of {st.st_size:,} bytes; at most {max_bytes:,} are read")
+    return st
+
+
+def read_small_file(path: Path, who: str, max_bytes: int) -> bytes | None:
+    """The bytes of a small engine output (at most ``max_bytes``), or None when absent; opened
+    with ``O_NONBLOCK`` after ``regular_file``, and checked again on the open descriptor."""
+    if regular_file(path, who, max_bytes) is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise EngineError(f"{who} wrote an unreadable {path.name} ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise EngineError(f"{who} replaced {path.name} while it was read")
+        return f.read(max_bytes + 1)[:max_bytes]
