@@ -38,7 +38,7 @@ def main(request_path, out_dir):
     logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float32)
     out = Path(out_dir)
     np.save(out / "logits.npy", logits)
-    info = {"name": "example-llamacpp", "version": llama_cpp.__version__,
+    info = {"name": "example-llamacpp", "version": llama_cpp.__version__, "compute_class": "f32",
             "settings": {"n_ctx": n_ctx, "n_batch": 512, "n_threads": 2, "overrides": req.get("overrides", [])}}
     (out / "info.json").write_text(json.dumps(info))
 

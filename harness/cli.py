@@ -219,15 +219,14 @@ def _render_parity(outcome) -> None:
         t.add_row(_m(p["id"]), str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
                   f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
     con.print(t)
-    th = rec["thresholds"]["gates"]["min_cosine"]
-    basis = th["basis"]
-    note = f"basis {basis['kind']}" + (f" by {basis.get('who')}" if basis["kind"] == "declared" else f" on {th.get('basis_model')}")
-    if th.get("basis_model_differs"):
-        note += " (measured on another model than this one)"
-    con.print(_m(f"gate: per-position cosine >= {th['value']} over >= {rec['gated']['min_positions']} positions ({note})"))
-    for g in rec["gated"].get("distribution_gates", []):
-        obs = "-" if g["observed"] is None else f"{g['observed']:.3g}"
-        con.print(_m(f"gate: {g['label']} {obs} <= {g['threshold']:.3g} ({g['name']}): {'ok' if g['ok'] else 'FAILED'}"))
+    g = rec["gated"]
+    con.print(_p(g["release"]["line"]), markup=False)
+    con.print(_p(g["calibrated"]["line"]), markup=False)
+    th = rec["thresholds"]
+    if th.get("self_calibration"):
+        con.print(f"calibrated tier measured on this model: calibration receipt {th['self_calibration'][:12]}", markup=False)
+    if not g.get("class_declared", True):
+        con.print(f"compute class: {g['compute_class']} (assumed: the candidate declares none)", markup=False)
     ro = rec["report_only"]
     aa = ro["argmax_agreement"]
     if aa["rate"] is not None:
@@ -254,8 +253,15 @@ def _render_parity(outcome) -> None:
 @click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize the first divergence in the report: default on a FAIL whose candidate exposes activations.")
-def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_) -> None:
-    """Run a candidate and the reference on the same token ids; gate on per-position logit cosine."""
+@click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
+              help="transformers candidate: the torch dtype it runs in (its compute class follows).")
+@click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tier on the model: leave it UNMEASURED.")
+@click.option("--require-calibrated", is_flag=True, help="An unmeasured calibrated tier makes the verdict UNMEASURED (exit 5).")
+def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, no_calibrate,
+           require_calibrated) -> None:
+    """Run a candidate and the reference on the same token ids; judge the release gate (cosine
+    >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
+    candidate's compute class."""
     # deferred: startup
     from harness.compare.parity import ParityRequest, run_parity
 
@@ -267,9 +273,11 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             model=spec, candidate=candidate or d["candidate"], reference=reference or d["reference"],
             prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+            measure_tier=_measure_tier(no_calibrate), require_calibrated=require_calibrated,
+            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
         )
         try:
-            outcome = _with_progress(lambda cb: run_parity(req, cb), quiet=as_json)
+            outcome = _with_progress(lambda cb: run_parity(req, cb, log=_stderr_log(as_json)), quiet=as_json)
         except HarnessError as e:
             if len(specs) == 1:
                 raise
@@ -310,6 +318,29 @@ def _write_report(receipt_path, localize_: bool | None, quiet: bool = False) -> 
         return None
 
 
+def _dtype_settings(dtype: str | None, candidate: str) -> dict[str, Any]:
+    if dtype is None:
+        return {}
+    if candidate != "transformers":
+        raise InvalidInput(f"--dtype applies to the transformers engine, not {candidate}")
+    return {"dtype": dtype}
+
+
+def _measure_tier(no_calibrate: bool):
+    """What measures the calibrated tier on the model when no row fits (None: ``--no-calibrate``)."""
+    if no_calibrate:
+        return None
+    # deferred: startup
+    from harness.gates.subject import measure_and_record
+
+    return measure_and_record
+
+
+def _stderr_log(quiet: bool):
+    con = _console(stderr=True)
+    return (lambda m: None) if quiet else (lambda m: con.print(m, markup=False))
+
+
 def _with_progress(fn, quiet: bool = False):
     """Run ``fn(progress_callback)`` under a rich progress bar on stderr (positions compared)."""
     if quiet:
@@ -337,7 +368,10 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--json", "as_json", is_flag=True, help="Print the probe receipt (JSON).")
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize a failing probe in the report: default on a FAIL whose candidate exposes activations.")
-def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json, localize_) -> None:
+@click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
+              help="transformers candidate: the torch dtype it runs in (its compute class follows).")
+@click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
+def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
     # deferred: startup
@@ -346,7 +380,8 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
     d = _parity_defaults()
     req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
-                       ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]])
+                       ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
+                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
@@ -442,19 +477,40 @@ def report(receipt, out_dir, localize_) -> None:
 
 # -- calibrate -------------------------------------------------------------------------------
 @cli.command()
-@click.option("--model", "base_model", default="fixture:trained-qwen35", show_default=True, help="F32 trained model for the default gates.")
+@click.option("--model", "subject", default=None, metavar="SPEC",
+              help="Measure the calibrated tier on this model itself (with --class) and record it; without it, calibrate every row.")
+@click.option("--class", "compute_class", default="f32", show_default=True, type=click.Choice(["f64", "f32", "bf16", "f16", "mixed"]),
+              help="With --model: the compute class to measure.")
+@click.option("--base-model", default="fixture:trained-qwen35", show_default=True, help="F32 trained model: the mutants run on it.")
 @click.option("--moe-model", default="fixture:trained-qwen35moe", show_default=True)
-@click.option("--ladder", multiple=True, help="Quantized models for per-quant rows (default: the trained-qwen35-256 ladder).")
+@click.option("--ladder", multiple=True, help="Models for the file-type rows (default: every shipped file type of the 256-wide trained bases).")
+@click.option("--classes", multiple=True, type=click.Choice(["f64", "f32", "bf16", "f16", "mixed"]), help="Classes to measure (default: all).")
+@click.option("--max-tokens", default=None, type=int, help="Tokens per prompt (default: 256 on the F32 trained models, 128 with --model).")
+@click.option("--ladder-max-tokens", default=128, show_default=True, type=int, help="Tokens per prompt on the file-type ladder.")
 @click.option("--mutant", "mutants", multiple=True, help="Only these mutants (default: all).")
+@click.option("--ledger", default=None, type=click.Path(), help="With --model: the ledger the calibration receipt and row go to.")
 @click.option("--out", default="thresholds.yaml", show_default=True, type=click.Path(), help="Where to write the measured thresholds.")
+@click.option("--matrix-out", default="docs/gates-matrix.md", show_default=True, type=click.Path(), help="Where to write the per-class mutant matrix.")
 @click.option("--dry-run", is_flag=True, help="Measure and print; do not write.")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> None:
-    """Measure known-good and known-bad pairs; write thresholds with measured bases (exit 1 and
-    write nothing when a good pair spreads past a threshold or a mutant passes every gate)."""
+def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
+              dry_run, as_json) -> None:
+    """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
+    compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
+    every gate); with --model, measure one row on that model and record it as evidence."""
+    if subject:
+        _calibrate_subject(subject, compute_class, max_tokens or 128, ledger, as_json)
+        return
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.gates import calibrate as cal
+    from harness.gates.calibrate import (
+        CalibrationPlan,
+        CalibrationRefused,
+        matrix_markdown,
+        thresholds_document,
+        write_thresholds,
+    )
+    from harness.gates.calibrate import calibrate as run
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
@@ -464,35 +520,70 @@ def calibrate(base_model, moe_model, ladder, mutants, out, dry_run, as_json) -> 
     con = _console(stderr=True)
     res = cal.calibrate(plan, log=lambda m: con.print(_m(m)))
     t = Table(title="known-bad pairs x gates (X = caught)")
+    plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None,
+                           ladder=tuple(ladder) or None, classes=tuple(classes) or CalibrationPlan.classes,
+                           max_tokens=max_tokens or 256, ladder_max_tokens=ladder_max_tokens)
+    con = _console(stderr=True)
+    res = run(plan, log=lambda m: con.print(m, markup=False))
+    if as_json:
+        _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads],
+                    "rows": [{k: v for k, v in r.items() if k != "goods"} for r in res.rows], "probes": res.probes,
+                    "localization": res.localization, "matrix": res.matrix, "class_matrix": res.class_matrix,
+                    "skipped": res.skipped, "problems": res.problems})
+    else:
+        _render_calibration(res)
+    if res.problems:
+        raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
+    if not dry_run:
+        command = "harness " + " ".join(sys.argv[1:])
+        write_thresholds(thresholds_document(res, command, harness_info().get("git_commit")), out)
+        click.echo(f"wrote {out}")
+        from pathlib import Path
+
+        Path(matrix_out).write_text(matrix_markdown(res, command))
+        click.echo(f"wrote {matrix_out}")
+
+
+def _render_calibration(res) -> None:
+    # deferred: startup
+    from rich.table import Table
+
+    from harness.gates.calibrate import GATES
+
+    t = Table(title="known-bad pairs x gates at f64 (X = caught)")
     t.add_column("known-bad pair")
-    for g in cal.GATES:
+    for g in GATES:
         t.add_column(g, justify="center")
     for label, row in res.matrix.items():
-        t.add_row(_m(label), *("X" if row[g] else "." for g in cal.GATES))
-    if not as_json:
-        _console().print(t)
-        for g in res.goods:
-            click.echo(_p(f"good: {g.label} on {g.model}: min cos {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g}"))
-        for name, v in res.gates.items():
-            click.echo(f"proposed {name}: {v['value']} (known-good floor {v['floor']:.8g}, CI {v['ci']:.8g})")
-        for model, gm in res.per_model.items():
-            click.echo(_p(f"proposed for {model}: " + ", ".join(f"{k} {v['value']}" for k, v in gm.items())))
-        for k, v in {**res.probes, **res.localization}.items():
-            click.echo(f"proposed probes.{k}: {v['value']} (floor {v['floor']:.8g})")
-        missed = {g: [b for b, row in res.matrix.items() if not row[g]] for g in ("cosine",)}
-        click.echo(_p(f"the cosine gate alone misses {len(missed['cosine'])} of {len(res.matrix)} known-bad pairs: {', '.join(missed['cosine'])}"))
-        for s_ in res.skipped:
-            click.echo(_p(f"skipped: {s_}"))
-    else:
-        _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads], "gates": res.gates,
-                    "per_model": res.per_model, "probes": res.probes, "localization": res.localization, "matrix": res.matrix,
-                    "skipped": res.skipped, "problems": res.problems})
-    if res.problems:
-        raise cal.CalibrationRefused("calibration refused: " + "; ".join(res.problems))
-    if not dry_run:
-        doc = cal.thresholds_document(res, "harness " + " ".join(sys.argv[1:]), harness_info().get("git_commit"))
-        cal.write_thresholds(doc, out)
-        click.echo(_p(f"wrote {out}"))
+        t.add_row(label, *("X" if row[g] else "." for g in GATES))
+    _console().print(t)
+    rows = Table(title="calibrated rows (weights x class)")
+    for col in ("weights", "class", "file types", "min cosine", "KLD mean", "KLD p99", "pairs"):
+        rows.add_column(col)
+    for r in res.rows:
+        g = r["gates"]
+        rows.add_row(r["weights"], r["class"], ", ".join(r["file_types"]), str(g["min_cosine"]["value"]), f"{g['max_kld_mean']['value']:.2g}",
+                     f"{g['max_kld_p99']['value']:.2g}", str(len(r["goods"])))
+    _console().print(rows)
+    for cls, col in res.class_matrix.items():
+        below = [m for m, v in col.items() if v.startswith("below")]
+        click.echo(f"class {cls}: {len(col) - len(below)} of {len(col)} mutants caught" + (f"; below the class floor: {', '.join(below)}" if below else ""))
+    for s_ in res.skipped:
+        click.echo(f"skipped: {s_}")
+
+
+def _calibrate_subject(spec: str, compute_class: str, max_tokens: int, ledger: str | None, as_json: bool) -> None:
+    # deferred: startup
+    from harness.gates.subject import describe_row, measure_and_record
+
+    con = _console(stderr=True)
+    row, rid, path = measure_and_record(spec, compute_class, ledger or _parity_defaults()["ledger"], ["harness", *sys.argv[1:]],
+                                        max_tokens, log=lambda m: con.print(m, markup=False))
+    if as_json:
+        _echo_json({"receipt": str(path), "id": rid, "row": row.to_receipt()})
+        return
+    click.echo(f"calibrated tier for {spec} ({row.weights}, class {compute_class}): {describe_row(row)}")
+    click.echo(f"receipt: {path}")
 
 
 # -- ledger ----------------------------------------------------------------------------------

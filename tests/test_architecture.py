@@ -13,9 +13,11 @@ Every ``import`` of a harness module counts, at the top of a file or deferred in
 * ``fixtures`` (synthetic, defects, convert, training, resolve): base and model;
 * ``evidence`` (receipts, ledger, report, record): base only, so a record can be read without
   running anything;
-* ``gates.thresholds``: base only; ``compare`` (inputs, prompts, metrics, parity, probes,
-  localize): everything above plus thresholds and evidence; ``gates.calibrate``: compare and
-  everything below it;
+* ``gates.thresholds`` and ``gates.tiers`` (the gate data: rows, subjects): base only;
+  ``compare`` (inputs, prompts, metrics, parity, probes, localize, verdicts, calibrated):
+  everything above plus thresholds and evidence; ``gates.calibrate`` and ``gates.subject``
+  (measuring the calibrated tier, recording it as evidence): compare, evidence and everything
+  below them;
 * ``contracts`` (loader, discharge): base, model, engines, fixtures; discharge runs the bound
   tests in pytest subprocesses rather than importing them;
 * ``conformance`` (the shipped parity and probe cells, pytest tests a repository collects):
@@ -45,9 +47,9 @@ ALLOWED: dict[str, set[str]] = {
     "engines": {"base", "model", "engines"},
     "fixtures": {"base", "model", "fixtures"},
     "evidence": {"base", "evidence"},
-    "thresholds": {"base"},
+    "thresholds": {"base", "thresholds"},
     "compare": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare"},
-    "calibrate": {"base", "model", "engines", "fixtures", "thresholds", "compare"},
+    "calibrate": {"base", "model", "engines", "fixtures", "thresholds", "compare", "evidence", "calibrate"},
     "contracts": {"base", "model", "engines", "fixtures", "contracts"},
     "conformance": {"base", "compare"},
     "scaffold": {"base", "evidence"},
@@ -80,7 +82,8 @@ def layer(module: str) -> str:
     """The layer of a harness module (see the module docstring)."""
     if module in BASE or module == "harness":
         return "base"
-    special = {"harness.gates": "thresholds", "harness.gates.thresholds": "thresholds", "harness.gates.calibrate": "calibrate",
+    special = {"harness.gates": "thresholds", "harness.gates.thresholds": "thresholds", "harness.gates.tiers": "thresholds",
+               "harness.gates.calibrate": "calibrate", "harness.gates.subject": "calibrate",
                "harness.pytest_plugin": "pytest_plugin", "harness.cli": "cli", "harness.__main__": "main",
                "harness.conformance": "conformance", "harness.scaffold": "scaffold"}
     if module in special:

@@ -106,8 +106,8 @@ def cli_process(*args: str, env: dict[str, str] | None = None, cwd: Path | None 
     return Run(p.returncode, p.stdout, p.stderr)
 
 
-GATES = """schema: harness-thresholds/v1
-gates:
+GATES = """schema: harness-thresholds/v2
+release:
   min_positions: {value: 64, basis: {kind: declared, who: tests/test_bad_input.py, why: fixed gate so these tests do not follow calibration}}
   min_cosine: {value: 0.98, basis: {kind: declared, who: tests/test_bad_input.py, why: fixed gate so these tests do not follow calibration}}
 """
@@ -248,21 +248,21 @@ def test_gguf_unsupported_architecture(llama_arch, command):
 # ---------------------------------------------------------------------------------------------
 BASIS = "basis: {kind: declared, who: test, why: test}"
 THRESHOLDS_BAD = {
-    "yaml-syntax": ("schema: harness-thresholds/v1\ngates:\n  min_cosine: {value: 0.98\n", ["YAML syntax error", ":4:"]),
-    "yaml-tab-indent": ("schema: harness-thresholds/v1\ngates:\n\tmin_cosine: 1\n", ["YAML syntax error"]),
+    "yaml-syntax": ("schema: harness-thresholds/v2\nrelease:\n  min_cosine: {value: 0.98\n", ["YAML syntax error", ":4:"]),
+    "yaml-tab-indent": ("schema: harness-thresholds/v2\nrelease:\n\tmin_cosine: 1\n", ["YAML syntax error"]),
     "not-a-mapping": ("- 1\n- 2\n", ["must be a mapping"]),
     "empty-file": ("", ["must be a mapping"]),
-    "wrong-schema-id": (f"schema: harness-thresholds/v9\ngates:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: 0.98, {BASIS}}}\n", ["schema"]),
-    "value-not-a-number": (f"schema: harness-thresholds/v1\ngates:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: high, {BASIS}}}\n", ["gates.min_cosine"]),
-    "gate-missing": (f"schema: harness-thresholds/v1\ngates:\n  min_positions: {{value: 64, {BASIS}}}\n", ["min_cosine"]),
-    "unknown-basis-kind": ("schema: harness-thresholds/v1\ngates:\n  min_positions: {value: 64, basis: {kind: guessed}}\n"
+    "wrong-schema-id": (f"schema: harness-thresholds/v9\nrelease:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: 0.98, {BASIS}}}\n", ["schema"]),
+    "value-not-a-number": (f"schema: harness-thresholds/v2\nrelease:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: high, {BASIS}}}\n", ["release.min_cosine"]),
+    "gate-missing": (f"schema: harness-thresholds/v2\nrelease:\n  min_positions: {{value: 64, {BASIS}}}\n", ["min_cosine"]),
+    "unknown-basis-kind": ("schema: harness-thresholds/v2\nrelease:\n  min_positions: {value: 64, basis: {kind: guessed}}\n"
                            f"  min_cosine: {{value: 0.98, {BASIS}}}\n", ["invalid basis"]),
-    "duplicate-key": (f"schema: harness-thresholds/v1\ngates:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: 0.98, {BASIS}}}\n"
+    "duplicate-key": (f"schema: harness-thresholds/v2\nrelease:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: 0.98, {BASIS}}}\n"
                       f"  min_cosine: {{value: 0.5, {BASIS}}}\n", ["duplicate key 'min_cosine'", ":5"]),
-    "non-finite": (f"schema: harness-thresholds/v1\ngates:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: .nan, {BASIS}}}\n", ["finite"]),
-    "no-basis": ("schema: harness-thresholds/v1\ngates:\n  min_positions: {value: 64, basis: {kind: declared, who: a, why: b}}\n"
-                 "  min_cosine: {value: 0.98}\n", ["gates.min_cosine has no basis", ":4"]),
-    "bare-number": (f"schema: harness-thresholds/v1\ngates:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: 0.98\n", ["has no basis"]),
+    "non-finite": (f"schema: harness-thresholds/v2\nrelease:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: {{value: .nan, {BASIS}}}\n", ["finite"]),
+    "no-basis": ("schema: harness-thresholds/v2\nrelease:\n  min_positions: {value: 64, basis: {kind: declared, who: a, why: b}}\n"
+                 "  min_cosine: {value: 0.98}\n", ["release.min_cosine has no basis", ":4"]),
+    "bare-number": (f"schema: harness-thresholds/v2\nrelease:\n  min_positions: {{value: 64, {BASIS}}}\n  min_cosine: 0.98\n", ["has no basis"]),
     "not-utf8": (b"schema: \xff\xfe\n", ["not UTF-8"]),
 }
 

@@ -16,6 +16,7 @@ from harness.gates.calibrate import (
     write_thresholds,
 )
 from harness.gates.thresholds import load_thresholds
+from harness.gates.tiers import Subject
 
 
 def pair(label, good, cos_mins, kld_level, n=50, seed=0, **extra):
@@ -54,22 +55,37 @@ def test_catch_matrix_distinguishes_gates():
     assert not any(m2[k] for k in ("cosine", "kld_mean", "kld_p99")) and m2["probe_split"]
 
 
-def test_thresholds_document_validates(tmp_path):
-    goods = [pair("oracle vs llama.cpp", True, [0.9999999] * 6, 3e-8)]
-    bads = [pair("mutant:x", False, [0.5] * 6, 2.0, localize=True, first_divergence="attn_gated-3")]
-    gates = propose(goods)
+def _row(weights, cls, goods, file_type, name, n_layer=8, n_embd=96):
+    for g in goods:
+        g.compute_class, g.weights = cls, weights
+        g.extra.update(file_type=file_type, dims={"name": name, "sha256": "0" * 64, "arch": "qwen35", "n_layer": n_layer, "n_embd": n_embd})
+    return {"weights": weights, "class": cls, "goods": goods, "gates": propose(goods), "file_types": [file_type],
+            "basis_models": [goods[0].extra["dims"]]}
+
+
+def test_thresholds_document_validates_and_resolves_rows(tmp_path):
+    good = pair("oracle vs llama.cpp", True, [0.9999999] * 6, 3e-8)
     q = pair("oracle vs llama.cpp", True, [0.998] * 6, 7e-4)
-    q.model, q.extra["quant_key"] = "fixture:trained-qwen35-256-Q4_K_M", "quant:Q4_K_M"
-    res = CalibrationResult(goods + [q], bads, gates, {"quant:Q4_K_M": propose([q])},
-                            {"min_cosine": {"value": 0.999999, "floor": 0.99999999}, "max_kld": {"value": 1e-5, "floor": 2e-7}},
-                            {"localize_max_nmse": {"value": 1e-5, "floor": 8e-8, "n": 160}, "localize_min_cosine": {"value": 0.9999, "floor": 0.99999996, "n": 160}},
-                            {"mutant:x": caught(bads[0], gates)}, [], [])
+    q.model = "fixture:trained-qwen35-256-Q4_K_M"
+    bads = [pair("mutant:x", False, [0.5] * 6, 2.0, localize=True, first_divergence="attn_gated-3")]
+    rows = [_row("F32", "f64", [good], "ALL_F32", "fixture:trained-qwen35"),
+            _row("F32+Q4_K+Q6_K", "f64", [q], "Q4_K_M", "fixture:trained-qwen35-256-Q4_K_M", 4, 256)]
+    probes = {"f64": {"min_cosine": {"value": 0.999999, "floor": 0.99999999}, "max_kld": {"value": 1e-5, "floor": 2e-7}}}
+    loc = {"localize_max_nmse": {"value": 1e-5, "floor": 8e-8, "n": 160}, "localize_min_cosine": {"value": 0.9999, "floor": 0.99999996, "n": 160}}
+    res = CalibrationResult([good, q], bads, rows, probes, loc, {"mutant:x": caught(bads[0], rows[0]["gates"])}, {}, [], [])
     doc = thresholds_document(res, "harness calibrate", "abc123")
-    path = write_thresholds(doc, tmp_path / "thresholds.yaml")
-    th = load_thresholds(path)
-    r = th.for_model("0" * 64, "fixture:other", "quant:Q4_K_M")
-    assert r.gates["min_cosine"].value == pytest.approx(1 - 2 * 2e-3)
-    assert r.gates["min_cosine"].basis["kind"] == "measured" and r.gates["min_cosine"].basis_model_differs
-    d = th.for_model("0" * 64, "fixture:trained-qwen35")
-    assert d.gates["max_kld_mean"].basis["known_bad"][0]["what"] == "mutant:x"
-    assert not d.gates["min_cosine"].basis_model_differs
+    assert doc["release"]["min_cosine"]["value"] == 0.98 and doc["release"]["min_cosine"]["basis"]["kind"] == "declared"
+    th = load_thresholds(write_thresholds(doc, tmp_path / "thresholds.yaml"))
+    r = th.resolve(Subject("F32+Q4_K+Q6_K", "Q4_K_M", "f64", True, 8, 512, "0" * 64), "fixture:other")
+    assert r.row.gates["min_cosine"]["value"] == pytest.approx(1 - 2 * 2e-3)
+    assert r.row.gates["min_cosine"]["basis"]["kind"] == "measured"
+    d = th.resolve(Subject("F32", "ALL_F32", "f64", True, 8, 96, "0" * 64), "fixture:trained-qwen35")
+    assert d.row.gates["max_kld_mean"]["basis"]["known_bad"][0]["what"] == "mutant:x"
+    assert d.gate("min_cosine", "probes").value == 0.999999
+    # the quantized row has no f32 twin: an f32 engine on that file is not judged by the f64 row
+    assert th.resolve(Subject("F32+Q4_K+Q6_K", "Q4_K_M", "f32", True, 4, 256, "0" * 64)).row is None
+
+
+def test_a_row_never_loosens_the_release_floor():
+    noisy = pair("bf16 engine", True, [0.95] * 6, 1e-2)
+    assert propose([noisy])["min_cosine"]["value"] == 0.98

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from harness.errors import InvalidInput, Unmeasured
 from harness.fixtures import synthetic as fx
 from harness.gates.thresholds import load_thresholds
+from harness.gates.tiers import Subject
 from harness.model.gguf_model import GGUFModel, PlainReader
 from harness.model.lint import lint_model
 
@@ -194,11 +195,11 @@ def test_harness_reader_parses_fixtures_exactly_as_gguf_py(name):
 SHIPPED = Path(__file__).resolve().parents[1] / "thresholds.yaml"
 SHIPPED_TEXT = SHIPPED.read_text()
 SHIPPED_DATA = yaml.safe_load(SHIPPED_TEXT)
-KEYS = ["schema", "gates", "probes", "models", "report_only", "near_tie_margin", "min_cosine", "min_positions", "value",
+KEYS = ["schema", "release", "calibrated", "gates", "probes", "weights", "class", "basis_models", "n_layer", "n_embd", "file_type", "report_only", "near_tie_margin", "min_cosine", "min_positions", "value",
         "basis", "kind", "measured", "declared", "who", "why", "command", "n", "model", "date", "known_good_floor",
         "known_bad", "what", "note", "fixture:tiny-qwen35", "0" * 64]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                    st.sampled_from(KEYS + ["harness-thresholds/v1", "2026-11-29", ""]), st.text(max_size=12))
+                    st.sampled_from(KEYS + ["harness-thresholds/v2", "F32", "f32", "bf16", "2026-11-29", ""]), st.text(max_size=12))
 values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
                                                       st.dictionaries(st.one_of(st.sampled_from(KEYS), scalars), kids, max_size=4)),
                       max_leaves=16)
@@ -256,9 +257,12 @@ def check_thresholds(path: Path) -> None:
     except InvalidInput as e:
         assert str(e)
         return
-    r = t.for_model("0" * 64, "fixture:tiny-qwen35")
-    r.to_receipt()
-    assert -1 <= r.min_cosine <= 1 and r.min_positions >= 1
+    for cls in ("f64", "f32", "bf16"):
+        r = t.resolve(Subject("F32", "ALL_F32", cls, True, 8, 64, "0" * 64), "fixture:tiny-qwen35")
+        r.to_receipt()
+        assert -1 <= r.release_min_cosine <= 1 and r.min_positions >= 1
+        if r.row is not None:
+            assert r.release_min_cosine <= float(r.row.gates["min_cosine"]["value"]) <= 1  # no row loosens the floor
     try:
         r.gate("split_min_cosine", "probes")
     except Unmeasured:
@@ -510,9 +514,11 @@ def test_gguf_array_length_past_the_end_is_refused_at_once(tmp_path, itype, alen
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "truncated:" in lines[0] and "Traceback" not in r.stderr
-_HEAD = "schema: harness-thresholds/v1\n"
+
+
+_HEAD = "schema: harness-thresholds/v2\n"
 _LAUGHS = _HEAD + 'a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
-    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)) + "gates: *a8\n"
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)) + "release: *a8\n"
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -531,7 +537,7 @@ def test_thresholds_alias_bombs_and_deep_nesting_are_invalid(tmp_path, text, nee
 
 def test_thresholds_aliases_that_share_a_basis_still_load(tmp_path):
     p = tmp_path / "t.yaml"
-    p.write_text(_HEAD + "gates:\n  min_positions: {value: 64, basis: &b {kind: declared, who: me, why: shared}}\n"
+    p.write_text(_HEAD + "release:\n  min_positions: {value: 64, basis: &b {kind: declared, who: me, why: shared}}\n"
                  "  min_cosine: {value: 0.98, basis: *b}\n")
-    r = load_thresholds(p).for_model("fixture:x")
-    assert r.gates["min_cosine"].basis == r.gates["min_positions"].basis == {"kind": "declared", "who": "me", "why": "shared"}
+    r = load_thresholds(p).resolve(Subject("F32", "ALL_F32", "f32", True, 8, 64, "0" * 64), "fixture:x")
+    assert r.release["min_cosine"].basis == r.release["min_positions"].basis == {"kind": "declared", "who": "me", "why": "shared"}

@@ -180,8 +180,11 @@ def test_cli_parity_writes_receipt_and_ledger_and_verify_detects_edit(tmp_path):
     assert len(receipts) == 1 and len(list((tmp_path / "ev" / "receipts").glob("*.npz"))) == 1
     rec = json.loads(receipts[0].read_text())
     assert rec["gated"]["verdict"] == "PASS" and rec["kind"] == "parity"
-    assert rec["thresholds"]["gates"]["min_cosine"]["basis"]["kind"] == "measured"
+    assert rec["thresholds"]["release"]["min_cosine"]["value"] == 0.98 and rec["gated"]["release"]["status"] == "ok"
+    assert rec["thresholds"]["calibrated"]["weights"] == "F32" and rec["thresholds"]["calibrated"]["compute_class"] == "f64"
+    assert rec["gated"]["calibrated"]["status"] == "ok" and rec["gated"]["basis_kind"] == "measured"
     assert {g["name"] for g in rec["gated"]["distribution_gates"]} == {"max_kld_mean", "max_kld_p99"}
+    assert "release gate cosine ≥ 0.98 over ≥ 64 positions: ok" in r.stdout
     assert rec["prompts"]["positions"] >= 512
     t = rec["timings"]  # speed as evidence: llama.cpp's own load/decode seconds, the oracle's measured by the harness
     assert t["reference"]["source"] == "engine" and t["candidate"]["source"] == "harness"
@@ -201,7 +204,7 @@ def test_cli_parity_writes_receipt_and_ledger_and_verify_detects_edit(tmp_path):
 
 def test_cli_threshold_without_basis_exits_2(tmp_path):
     th = tmp_path / "thresholds.yaml"
-    th.write_text("schema: harness-thresholds/v1\ngates:\n  min_positions: {value: 64, basis: {kind: declared, who: x, why: y}}\n  min_cosine: {value: 0.98}\n")
+    th.write_text("schema: harness-thresholds/v2\nrelease:\n  min_positions: {value: 64, basis: {kind: declared, who: x, why: y}}\n  min_cosine: {value: 0.98}\n")
     r = run_cli("parity", "--thresholds", str(th), "--ledger", str(tmp_path / "l.jsonl"))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "min_cosine" in r.stderr and "basis" in r.stderr

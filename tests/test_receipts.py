@@ -18,6 +18,7 @@ from harness.evidence.receipts import (
     write_receipt,
 )
 from harness.gates.thresholds import load_thresholds
+from harness.gates.tiers import Subject
 from harness.provenance import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def make_receipt(seed: int = 0, n: int = 64, v: int = 97, noise: float = 0.01, v
             "positions": n,
             "items": [{"id": "p0", "source": "ids", "tokens": tokens}],
         },
-        "thresholds": load_thresholds(REPO / "thresholds.yaml").for_model(MODEL_SHA).to_receipt(),
+        "thresholds": load_thresholds(REPO / "thresholds.yaml").resolve(Subject("F32", "ALL_F32", "f64", True, 8, 96, MODEL_SHA)).to_receipt(),
         "gated": {
             "verdict": verdict,
             "metric": "cosine",
@@ -169,7 +170,7 @@ def test_pickled_npz_is_refused(tmp_path):
         (lambda r: r.__setitem__("kind", "parity-ish"), "kind: 'parity-ish' is not one of"),
         (lambda r: r["model"].__setitem__("sha256", "xyz"), "model.sha256"),
         (lambda r: r["gated"].__setitem__("verdict", "OK"), "gated.verdict"),
-        (lambda r: r["thresholds"]["gates"]["min_cosine"].pop("basis"), "'basis' is a required property"),
+        (lambda r: r["thresholds"]["release"]["min_cosine"].pop("basis"), "'basis' is a required property"),
         (lambda r: r["report_only"]["kld"].__setitem__("mean", float("nan")), r"report_only\.kld\.mean is not a finite number"),
     ],
 )

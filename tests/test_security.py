@@ -192,7 +192,7 @@ def test_names_and_token_data_cannot_inject_arguments(tmp_path):
     cfg = tmp_path / "harness.toml"
     cfg.write_text(f"[engines.echo]\ncommand = {json.dumps(['{python}', str(script), str(log), '--model', '{model}', '{request}', '{out_dir}'])}\n")
     gates = tmp_path / "gates.yaml"  # a fixed gate: the repository's thresholds.yaml is calibrated and moves
-    gates.write_text("schema: harness-thresholds/v1\ngates:\n"
+    gates.write_text("schema: harness-thresholds/v2\nrelease:\n"
                      "  min_positions: {value: 64, basis: {kind: declared, who: tests, why: fixed}}\n"
                      "  min_cosine: {value: 0.98, basis: {kind: declared, who: tests, why: fixed}}\n")
     env = {**os.environ, "HARNESS_CONFIG": str(cfg), "TMPDIR": str(tmpdir)}

@@ -9,6 +9,7 @@ import pytest
 
 from harness.errors import InvalidInput, Unmeasured
 from harness.gates.thresholds import load_thresholds
+from harness.gates.tiers import Subject
 
 REPO = Path(__file__).resolve().parents[1]
 SHA_A = "a" * 64
@@ -29,29 +30,86 @@ def write(tmp_path: Path, text: str, name: str = "thresholds.yaml") -> Path:
 
 def base(extra: str = "", min_cosine: str = f"{{value: 0.98, basis: {DECLARED}}}") -> str:
     return (
-        "schema: harness-thresholds/v1\n"
-        "gates:\n"
+        "schema: harness-thresholds/v2\n"
+        "release:\n"
         f"  min_positions: {{value: 64, basis: {DECLARED}}}\n"
         f"  min_cosine: {min_cosine}\n" + extra
     )
 
 
-def test_shipped_file_carries_calibrated_gates():
-    """The shipped thresholds come from `harness calibrate`: measured on the trained model, with
-    per-quant rows that apply to any model of that type (flagged when measured on another)."""
+def row(weights: str = "F32", cls: str = "f32", cos: float = 0.9999, basis: str = MEASURED_ON_A, probes: bool = True,
+        n_layer: int = 8, n_embd: int = 96) -> str:
+    out = (f"  - weights: {weights}\n    class: {cls}\n    file_type: ALL_F32\n"
+           f"    basis_models: [{{name: '{SHA_A}', n_layer: {n_layer}, n_embd: {n_embd}}}]\n"
+           f"    gates:\n      min_cosine: {{value: {cos}, basis: {basis}}}\n"
+           f"      max_kld_mean: {{value: 1.0e-6, basis: {basis}}}\n")
+    if probes:
+        out += f"    probes:\n      min_cosine: {{value: 0.99999, basis: {basis}}}\n      max_kld: {{value: 1.0e-5, basis: {basis}}}\n"
+    return out
+
+
+def subject(weights: str = "F32", cls: str = "f32", n_layer: int = 8, n_embd: int = 96, sha: str = SHA_B, declared: bool = True) -> Subject:
+    return Subject(weights, "ALL_F32", cls, declared, n_layer, n_embd, sha)
+
+
+def test_shipped_file_has_the_release_floor_and_measured_rows():
+    """The shipped thresholds come from `harness calibrate`: the declared release gate (0.98 over
+    64 positions) and measured rows keyed by weights × class, none looser than the floor."""
     t = load_thresholds(REPO / "thresholds.yaml")
-    r = t.for_model("fixture:trained-qwen35")
-    assert (r.min_positions, r.near_tie_margin) == (64, 0.25)
-    assert 0.98 <= r.min_cosine < 1
-    g = r.gates["min_cosine"]
-    assert g.basis_kind == "measured" and g.basis["model"] == "fixture:trained-qwen35" and g.basis_model_differs is False
-    assert g.basis["known_good_floor"] >= r.min_cosine > max(k["value"] for k in g.basis["known_bad"])
-    assert {"max_kld_mean", "max_kld_p99"} <= set(r.gates)
-    assert r.basis_mismatches == []
+    r = t.resolve(subject(sha="0" * 64, cls="f64"), "fixture:trained-qwen35")
+    assert (r.release_min_cosine, r.min_positions, r.near_tie_margin) == (0.98, 64, 0.25)
+    assert r.release["min_cosine"].basis_kind == "declared"
+    assert r.row is not None and (r.row.weights, r.row.compute_class) == ("F32", "f64")
+    g = r.row.gates["min_cosine"]
+    assert g["basis"]["kind"] == "measured" and 0.98 < g["value"] < 1
+    assert g["basis"]["known_good_floor"] >= g["value"] > max(k["value"] for k in g["basis"]["known_bad"])
+    assert {"max_kld_mean", "max_kld_p99"} <= set(r.row.gates)
+    assert {"min_cosine", "max_kld", "localize_max_nmse", "localize_min_cosine"} <= set(r.probes)
+    keys = {(x.weights, x.compute_class) for x in t.rows}
+    for ft_key in ("F32", "F32+Q4_K+Q6_K", "F32+Q8_0"):
+        assert {(ft_key, c) for c in ("f64", "f32")} <= keys, ft_key
+    assert all(float(x.gates["min_cosine"]["value"]) >= 0.98 for x in t.rows)
     assert len(t.sha256) == 64
-    q = t.for_model("0" * 64, "fixture:someone-else", "quant:Q4_K_M")
-    assert q.min_cosine < r.min_cosine  # activation quantization: a looser per-quant row
-    assert "gates.min_cosine" not in q.basis_mismatches or q.gates["min_cosine"].basis_model_differs
+
+
+def test_a_row_is_never_borrowed_by_another_key_or_class(tmp_path):
+    t = load_thresholds(write(tmp_path, base("calibrated:\n" + row("F32", "f32") + row("F32+Q4_K+Q6_K", "f32", 0.99))))
+    assert t.resolve(subject("F32", "f32")).row.compute_class == "f32"
+    other_class = t.resolve(subject("F32", "bf16"))
+    assert other_class.row is None and other_class.row_misfit == "no calibrated row for weights F32 (ALL_F32), class bf16"
+    other_weights = t.resolve(subject("F32+Q5_K+Q6_K", "f32"))
+    assert other_weights.row is None and "F32+Q5_K+Q6_K" in other_weights.row_misfit
+    with pytest.raises(Unmeasured, match="class bf16"):
+        other_class.gate("min_cosine", "probes")  # no row: the probe tolerances are unmeasured, not borrowed
+
+
+def test_a_row_fits_models_up_to_twice_its_basis(tmp_path):
+    t = load_thresholds(write(tmp_path, base("calibrated:\n" + row(n_layer=8, n_embd=96))))
+    assert t.resolve(subject(n_layer=16, n_embd=192)).row is not None
+    deep = t.resolve(subject(n_layer=17, n_embd=96))
+    assert deep.row is None and "n_layer 8, n_embd 96" in deep.row_misfit and "17 × 96" in deep.row_misfit
+    assert t.resolve(subject(n_layer=8, n_embd=193)).row is None
+
+
+def test_a_row_looser_than_the_release_floor_is_refused_naming_it(tmp_path):
+    p = write(tmp_path, base("calibrated:\n" + row("F32", "f32") + row("F32+Q8_0", "bf16", 0.97)))
+    with pytest.raises(InvalidInput) as err:
+        load_thresholds(p)
+    msg = str(err.value)
+    assert err.value.exit_code == 2
+    assert msg.startswith(f"{p}:") and "calibrated[1] (weights F32+Q8_0, class bf16)" in msg
+    assert "0.97 is looser than the release floor 0.98" in msg
+
+
+def test_two_rows_for_one_key_are_refused(tmp_path):
+    with pytest.raises(InvalidInput, match=r"calibrated\[1\] \(weights F32, class f32\) repeats the key of calibrated\[0\]"):
+        load_thresholds(write(tmp_path, base("calibrated:\n" + row() + row(cos=0.9998))))
+
+
+def test_v1_files_are_refused_with_the_command_that_rewrites_them(tmp_path):
+    p = write(tmp_path, base().replace("harness-thresholds/v2", "harness-thresholds/v1").replace("release:", "gates:"))
+    with pytest.raises(InvalidInput, match="re-run `harness calibrate`"):
+        load_thresholds(p)
 
 
 @pytest.mark.parametrize(
@@ -67,13 +125,13 @@ def test_gate_without_basis_is_invalid_and_names_key_and_line(tmp_path, min_cosi
         load_thresholds(p)
     assert err.value.exit_code == 2
     msg = str(err.value)
-    assert msg.startswith(f"{p}:{line}: gates.min_cosine has no basis")
+    assert msg.startswith(f"{p}:{line}: release.min_cosine has no basis")
 
 
-def test_override_without_basis_names_the_override(tmp_path):
-    p = write(tmp_path, base('models:\n  "fixture:tiny":\n    gates:\n      min_cosine: {value: 0.99}\n'))
-    with pytest.raises(InvalidInput, match=r":8: models\.fixture:tiny\.gates\.min_cosine has no basis"):
-        load_thresholds(p)
+def test_row_gate_without_basis_names_the_row(tmp_path):
+    text = base("calibrated:\n" + row()).replace(f"min_cosine: {{value: 0.9999, basis: {MEASURED_ON_A}}}", "min_cosine: {value: 0.9999}")
+    with pytest.raises(InvalidInput, match=r":11: calibrated\.0\.gates\.min_cosine has no basis"):
+        load_thresholds(write(tmp_path, text))
 
 
 def test_probe_without_basis_is_invalid(tmp_path):
@@ -87,7 +145,7 @@ def test_incomplete_measured_basis_is_invalid(tmp_path):
     with pytest.raises(InvalidInput) as err:
         load_thresholds(p)
     msg = str(err.value)
-    assert msg.startswith(f"{p}:4: gates.min_cosine.basis: invalid basis:")
+    assert msg.startswith(f"{p}:4: release.min_cosine.basis: invalid basis:")
     for missing in ("model", "date", "known_good_floor", "known_bad"):
         assert f"'{missing}' is a required property" in msg
 
@@ -102,8 +160,8 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     p = write(
         tmp_path,
         """
-        schema: harness-thresholds/v1
-        gates:
+        schema: harness-thresholds/v2
+        release:
           min_positions: {value: 64, basis: {kind: declared, who: a, why: b}
           min_cosine: {value: 0.98, basis: {kind: declared, who: a, why: b}}
         """,
@@ -126,8 +184,9 @@ def test_duplicate_key_is_rejected_with_both_lines(tmp_path):
         (base(min_cosine=f"{{value: 1.5, basis: {DECLARED}}}"), "1.5 is greater than the maximum of 1"),
         (base(min_cosine=f"{{value: .nan, basis: {DECLARED}}}"), "gates need finite numbers"),
         (base().replace("value: 64", "value: 6.5"), "6.5 is not of type 'integer'"),
-        (base().replace("v1", "v2"), "harness-thresholds/v1"),
-        (base('models:\n  "m.gguf": {}\n'), "does not match"),
+        (base().replace("v2", "v3"), "harness-thresholds/v2"),
+        (base("calibrated:\n" + row()).replace("class: f32", "class: f8"), "'f8' is not one of"),
+        (base("calibrated:\n" + row()).replace("weights: F32", "weights: f32 weights"), "does not match"),
         (base("extra: 1\n"), "Additional properties"),
     ],
 )
@@ -144,57 +203,32 @@ def test_missing_and_unreadable_files_are_invalid(tmp_path):
         load_thresholds(tmp_path / "bin.yaml")
 
 
-def test_measured_and_declared_parse_and_per_model_override(tmp_path):
-    p = write(
-        tmp_path,
-        base(
-            "report_only: {near_tie_margin: 0.5}\n"
-            "probes:\n"
-            f"  split_prompt_cosine: {{value: 0.99999, basis: {DECLARED}}}\n"
-            "models:\n"
-            f"  '{SHA_A}':\n"
-            "    gates:\n"
-            f"      min_cosine: {{value: 0.9985, basis: {MEASURED_ON_A}}}\n"
-            "  'fixture:tiny':\n"
-            "    gates:\n"
-            f"      min_cosine: {{value: 0.95, basis: {DECLARED}}}\n"
-            "    probes:\n"
-            f"      split_prompt_cosine: {{value: 0.999, basis: {MEASURED_ON_A}}}\n"
-        ),
-    )
+def test_measured_and_declared_parse_and_resolve(tmp_path):
+    p = write(tmp_path, base("report_only: {near_tie_margin: 0.5}\n"
+                             f"probes:\n  localize_max_nmse: {{value: 0.001, basis: {DECLARED}}}\n"
+                             "calibrated:\n" + row()))
     t = load_thresholds(p)
-
-    a = t.for_model(SHA_A)  # measured on itself: not flagged
-    g = a.gates["min_cosine"]
-    assert (g.value, g.basis_kind, g.basis_model, g.basis_model_differs) == (0.9985, "measured", SHA_A, False)
-    assert g.basis["n"] == 2048 and g.basis["date"] == "2026-11-20"  # unquoted YAML date kept as text
-    assert g.basis["known_bad"] == [{"value": 0.41, "what": "scrambled position"}]
-    assert g.source == f'models["{SHA_A}"].gates'
-    assert a.min_positions == 64 and a.gates["min_positions"].source == "gates"
+    a = t.resolve(subject(sha=SHA_A))  # measured on itself: not flagged
+    g = a.row.gates["min_cosine"]
+    assert (g["value"], g["basis"]["kind"], g["basis"]["model"]) == (0.9999, "measured", SHA_A)
+    assert g["basis"]["n"] == 2048 and g["basis"]["date"] == "2026-11-20"  # unquoted YAML date kept as text
+    assert g["basis"]["known_bad"] == [{"value": 0.41, "what": "scrambled position"}]
+    assert a.row.source == f"{p} calibrated[0]"
+    assert a.min_positions == 64 and a.release["min_positions"].source == "release"
     assert a.near_tie_margin == 0.5
-
-    b = t.for_model(SHA_B)  # no override: the declared default
-    assert b.min_cosine == 0.98 and b.gates["min_cosine"].basis_kind == "declared"
-
-    # Both the fixture name and the sha256 have overrides: the primary id (sha256) wins for
-    # min_cosine, the fixture name's probe override still applies, and its measured basis was
-    # taken on model A, not this subject: flagged.
-    tiny = t.for_model(SHA_B, "fixture:tiny")
-    assert tiny.min_cosine == 0.95
-    probe = tiny.gate("split_prompt_cosine", "probes")
-    assert (probe.value, probe.basis_model_differs) == (0.999, True)
-    assert tiny.basis_mismatches == ["probes.split_prompt_cosine"]
-    both = t.for_model(SHA_A, "fixture:tiny")
-    assert both.min_cosine == 0.9985
-
-    receipt = tiny.to_receipt()
-    assert receipt["gates"]["min_cosine"]["value"] == 0.95
-    assert receipt["probes"]["split_prompt_cosine"]["basis_model_differs"] is True
+    probe = a.gate("min_cosine", "probes")
+    assert (probe.value, probe.basis_model_differs, probe.source) == (0.99999, False, f"{p} calibrated[0].probes")
+    b = t.resolve(subject(sha=SHA_B))  # measured on another model: flagged
+    assert b.gate("max_kld", "probes").basis_model_differs is True and "probes.max_kld" in b.basis_mismatches
+    receipt = b.to_receipt()
+    assert receipt["release"]["min_cosine"]["value"] == 0.98
+    assert receipt["calibrated"]["weights"] == "F32" and receipt["calibrated_misfit"] is None
+    assert receipt["subject"]["compute_class"] == "f32"
     assert receipt["sha256"] == t.sha256
 
 
 def test_missing_gate_is_unmeasured_not_pass(tmp_path):
-    r = load_thresholds(write(tmp_path, base())).for_model(SHA_A)
+    r = load_thresholds(write(tmp_path, base())).resolve(subject())
     with pytest.raises(Unmeasured) as err:
         r.gate("split_prompt_cosine", "probes")
     assert err.value.exit_code == 5

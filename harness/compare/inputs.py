@@ -3,17 +3,17 @@
 ``harness parity``, ``probe``, ``localize`` (and the pytest plugin) all need the same things
 before an engine runs: ``--override-kv`` flags parsed, thresholds loaded (a gate without a basis
 refuses here, before engine time is spent), the model resolved (path or ``fixture:NAME``) and its
-hyperparameters validated, the thresholds resolved for that model (by sha256, fixture name and
-``quant:FILE_TYPE``), the prompt set loaded, and engines named the same way everywhere.
-``resolve_inputs`` does that once; ``RunInputs`` then hands out engines, the reference tokenizer
-and token ids.
+hyperparameters validated, the prompt set loaded, and engines named the same way everywhere.
+``resolve_inputs`` does that once; ``RunInputs`` then hands out engines, the reference tokenizer,
+token ids, and the thresholds for a candidate (``thresholds_for``: the calibrated tier is keyed by
+the candidate's compute class, which a command engine may only state when it runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from harness import display
 from harness.compare.prompts import (
@@ -25,12 +25,13 @@ from harness.compare.prompts import (
 )
 from harness.compare.reproducer import Reproducer
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
-from harness.engines.base import Engine
+from harness.engines.base import ASSUMED_CLASS, Engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import resolve_engine
 from harness.errors import InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
+from harness.gates.tiers import Subject
 from harness.model.gguf_model import GGUFModel, Override, parse_overrides
 from harness.paths import SUITE_ROOT
 
@@ -68,17 +69,17 @@ class RunInputs:
     overrides: list[Override]
     model: GGUFModel
     thresholds: Thresholds
-    resolved: ResolvedThresholds
     prompt_set: PromptSet
 
     @property
     def display_name(self) -> str:
         return model_display_name(self.model_spec)
 
-    def engine(self, name: str) -> Engine:
+    def engine(self, name: str, **settings: Any) -> Engine:
         """A new instance of the engine ``name`` (registry names) on this model, with the run's
-        overrides. Raises ``InvalidInput`` (unknown name) or ``EngineError`` (cannot load)."""
-        return resolve_engine(name, self.path, self.overrides)
+        overrides and engine-specific ``settings`` (e.g. ``dtype`` for ``transformers``).
+        Raises ``InvalidInput`` (unknown name or setting) or ``EngineError`` (cannot load)."""
+        return resolve_engine(name, self.path, self.overrides, **settings)
 
     def tokenizer(self, reference: Engine | None = None) -> Any:
         """The reference's tokenizer: ``reference`` itself when it tokenizes, else llama.cpp on
@@ -100,6 +101,15 @@ class RunInputs:
         return Reproducer(candidate, self.model_spec, self.model.sha256, overrides=[o.to_flag() for o in self.overrides],
                           prompts_file=None if self.prompt_set.path == DEFAULT_PROMPTS else str(self.prompt_set.path),
                           thresholds_file=None if Path(th).resolve() == resolve_thresholds_path(None).resolve() else str(th))
+    def thresholds_for(self, candidate_info: Mapping[str, Any] | None = None) -> ResolvedThresholds:
+        """The thresholds for this model judged with a candidate of ``candidate_info`` (its
+        ``compute_class``; the assumed class when None or undeclared): the release gate, the
+        calibrated row that fits (or why none does) and the probe tolerances."""
+        declared = (candidate_info or {}).get("compute_class")
+        hp = self.model.hparams
+        subject = Subject(self.model.weights_key, self.model.file_type, declared or ASSUMED_CLASS, declared is not None,
+                          hp.n_layer, hp.n_embd, self.model.sha256)
+        return self.thresholds.resolve(subject, self.model_spec, self.display_name)
 
     def model_record(self) -> dict[str, Any]:
         """The receipt's ``model`` field: path, display name, sha256, arch, file type, overrides."""
@@ -154,5 +164,4 @@ def resolve_inputs(model: str, *, thresholds: str | Path | None = None, override
     path = resolve_model(model)
     gm = GGUFModel(path, ov)
     gm.hparams  # validates arch and required keys (InvalidInput) before any engine runs
-    resolved = th.for_model(gm.sha256, model, model_display_name(model), f"quant:{gm.file_type}")
-    return RunInputs(model, path, ov, gm, th, resolved, load_prompt_set(prompts))
+    return RunInputs(model, path, ov, gm, th, load_prompt_set(prompts))

@@ -178,7 +178,7 @@ def run_localize(req: LocalizeRequest) -> Localization:
     """
     inputs = req.resolve()
     hp = inputs.model.hparams
-    resolved = inputs.resolved
+    resolved = inputs.thresholds_for()
     max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)
     min_cos = float(resolved.gate("localize_min_cosine", "probes").value)
     if req.tokens is not None:

@@ -2,36 +2,38 @@
 
 Both engines get identical token ids (tokenized by the reference, llama.cpp, unless a prompt
 carries its own ids). Logits are compared block by block as the two engines stream them, so
-nothing holds ``n_tokens × n_vocab`` when a block will do. The gate is the per-position cosine of
-raw logits against ``min_cosine`` over at least ``min_positions`` positions (thresholds.yaml);
-greedy agreement, margins, KLD and top-k overlap are recorded as report-only fields.
+nothing holds ``n_tokens × n_vocab`` when a block will do. Two tiers judge the cell
+(``harness.gates.tiers``): the release gate (per-position cosine of raw logits ≥ 0.98 over ≥ 64
+positions) and the calibrated tier (cosine, KLD mean, KLD p99 from the row for the file's
+weights × the candidate's compute class, or measured on the subject); greedy agreement, margins
+and top-k overlap are recorded as report-only fields.
 
-Verdicts (docs/design.md, "Verdicts and exit codes"): FAIL when any position fails the gate (a non-finite candidate
-row fails at its position); else UNMEASURED when fewer than ``min_positions`` positions were
-compared; else PASS. Differing vocab sizes or out-of-range / mismatched token ids are
-NOT-COMPARABLE; an engine that fails is ENGINE-ERROR — including a reference that returns a
+Verdicts: FAIL when either tier fails (a non-finite candidate row fails at its position); else
+UNMEASURED when fewer than the release gate's positions were compared (or the calibrated tier is
+unmeasured and required); else PASS. Differing vocab sizes or out-of-range / mismatched token ids
+are NOT-COMPARABLE; an engine that fails is ENGINE-ERROR — including a reference that returns a
 non-finite logit (it cannot judge anything, so the candidate is not blamed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.compare import metrics
+from harness.compare import metrics, verdicts
+from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest
 from harness.compare.localize import DEFAULT_MAX_TOKENS
 from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
-from harness.engines.base import Engine, LogitBlock
+from harness.engines.base import ASSUMED_CLASS, Engine, LogitBlock
 from harness.engines.timing import timed
 from harness.errors import (
     EngineError,
     HarnessError,
-    InvalidInput,
     NotComparable,
     Verdict,
 )
@@ -43,7 +45,10 @@ from harness.evidence.receipts import (
     report_only_headline,
 )
 from harness.evidence.record import preflight_evidence, record_evidence
+from harness.gates import tiers
+from harness.gates.thresholds import ResolvedThresholds
 from harness.model.gguf_model import GGUFModel
+from harness.paths import SOURCE_ROOT
 
 Progress = Callable[[str, int, int], None]
 """``progress(prompt_id, positions_done, positions_total)``."""
@@ -144,15 +149,12 @@ def same_engine(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 PARITY_OBLIGATION = "QE2E-PAR-001"
-"""The contract obligation a failing parity cell breaks (contracts/qwen35-e2e-verification-v1.yaml)."""
-KLD_GATES = {"max_kld_mean": ("mean", "KLD mean"), "max_kld_p99": ("p99", "KLD p99")}
-"""Optional distribution gates (added by calibration): gate name → (summary key, label)."""
-PARITY_GATES = ("min_cosine", "min_positions", *KLD_GATES)
+"""The e2e contract's parity obligation: the mutants that break it are a parity FAIL's likely causes."""
 
 
 def check_comparable(model: GGUFModel, reference: Engine, candidate: Engine, prompts: list[PromptTokens]) -> int:
-    """The cell's vocab size, once both engines, the model's token list and every prompt's token
-    ids agree on it. Raises ``NotComparable`` naming the first disagreement."""
+    """The shared vocab size of both engines and the model. Raises ``NotComparable`` when the
+    vocab sizes differ or a token id is outside the vocab."""
     n_vocab_ref, n_vocab_cand = int(reference.n_vocab), int(candidate.n_vocab)
     if n_vocab_ref != n_vocab_cand:
         raise NotComparable(f"vocab sizes differ: reference {n_vocab_ref}, candidate {n_vocab_cand}")
@@ -166,8 +168,7 @@ def check_comparable(model: GGUFModel, reference: Engine, candidate: Engine, pro
     return n_vocab_ref
 
 
-def _prompt_row(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, near_tie_margin: float) -> dict[str, Any]:
-    """The receipt's ``per_prompt`` entry of one prompt's per-position metrics."""
+def _prompt_summary(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, near_tie_margin: float) -> dict[str, Any]:
     s = metrics.summarize(pm, near_tie_margin)
     fails = metrics.cosine_failures(pm, min_cosine)
     return {
@@ -183,11 +184,34 @@ def _prompt_row(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, n
     }
 
 
-def compare_prompts(reference: Engine, candidate: Engine, prompts: list[PromptTokens], n_vocab: int, min_cosine: float,
-                    near_tie_margin: float, progress: Progress | None = None) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-    """Per-position metrics of every prompt, concatenated (with ``prompt_index`` and ``position``
-    saying where each row came from), and the per-prompt summaries. Raises ``EngineError``."""
-    parts, per_prompt = [], []
+@dataclass
+class Measured:
+    """Both engines run over the prompts: per-position metrics (concatenated, with
+    ``prompt_index``/``position``), the report-only summary, and both engines' infos."""
+
+    prompts: list[PromptTokens]
+    per_position: dict[str, np.ndarray]
+    summary: dict[str, Any]
+    candidate_info: dict[str, Any]
+    reference_info: dict[str, Any]
+    n_vocab: int
+
+    def where(self, idx: int | None) -> dict[str, Any] | None:
+        """``{prompt, position, token}`` of a concatenated index."""
+        if idx is None:
+            return None
+        pi, pos = int(self.per_position["prompt_index"][idx]), int(self.per_position["position"][idx])
+        return {"prompt": self.prompts[pi].id, "position": pos, "token": int(self.prompts[pi].tokens[pos])}
+
+
+def measure_cell(model: GGUFModel, reference: Engine, candidate: Engine, prompts: list[PromptTokens],
+                 near_tie_margin: float = metrics.NEAR_TIE_MARGIN, progress: Progress | None = None) -> Measured:
+    """Run both engines over ``prompts`` and compute every per-position metric (nothing judged).
+
+    Raises ``NotComparable`` (``check_comparable``) and ``EngineError``.
+    """
+    n_vocab = check_comparable(model, reference, candidate, prompts)
+    parts = []
     total = sum(len(p.tokens) for p in prompts)
     done_before = 0
     for i, p in enumerate(prompts):
@@ -196,84 +220,77 @@ def compare_prompts(reference: Engine, candidate: Engine, prompts: list[PromptTo
         pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
         pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
         parts.append(pm)
-        per_prompt.append(_prompt_row(p, pm, min_cosine, near_tie_margin))
         done_before += len(p.tokens)
-    return metrics.concat_metrics(parts), per_prompt
+    per_position = metrics.concat_metrics(parts)
+    summary = metrics.summarize(per_position, near_tie_margin)
+    return Measured(prompts, per_position, summary, candidate.info.to_dict(), reference.info.to_dict(), n_vocab)
 
 
-def judge_gates(per_position: dict[str, np.ndarray], summary: dict[str, Any], prompts: list[PromptTokens], min_cosine: float,
-                min_positions: int, kld_gates: dict[str, float] | None = None) -> dict[str, Any]:
-    """The receipt's gated fields: the cosine gate per position (failing positions, the first and
-    the worst, each as prompt id / position / token) and each KLD gate on the whole set
-    (``distribution_gates``: threshold, observed, ok). Judges; decides no verdict."""
-    fails = metrics.cosine_failures(per_position, min_cosine)
+def subject_of(model: GGUFModel, candidate_info: dict[str, Any]) -> tiers.Subject:
+    """The calibrated tier's key for ``model`` judged with a candidate of ``candidate_info``
+    (its ``compute_class``; ``tiers.ASSUMED_CLASS`` when it declares none)."""
+    declared = candidate_info.get("compute_class")
+    hp = model.hparams
+    return tiers.Subject(model.weights_key, model.file_type, declared or ASSUMED_CLASS, declared is not None,
+                         hp.n_layer, hp.n_embd, model.sha256)
 
-    def where(idx: int | None) -> dict[str, Any] | None:
-        if idx is None:
-            return None
-        pi, pos = int(per_position["prompt_index"][idx]), int(per_position["position"][idx])
-        return {"prompt": prompts[pi].id, "position": pos, "token": int(prompts[pi].tokens[pos])}
 
-    worst = None
-    if fails.size:
-        cos = np.where(np.isfinite(per_position["cosine"]), per_position["cosine"], -np.inf)
-        worst = int(fails[np.argmin(cos[fails])])
-    kld_results = []
-    for name, value in (kld_gates or {}).items():
-        key, label = KLD_GATES[name]
-        observed = (summary.get("kld") or {}).get(key)
-        ok = observed is not None and observed <= value
-        kld_results.append({"name": name, "label": label, "threshold": float(value), "observed": observed, "ok": bool(ok)})
-    kld = np.asarray(per_position.get("kld", np.zeros(0)), np.float64)
+def cell_gate(m: Measured, rel: verdicts.TierResult, cal: verdicts.TierResult, release: dict[str, dict[str, Any]],
+              row: tiers.Row | None, subject: tiers.Subject) -> dict[str, Any]:
+    """The receipt's ``gated`` fields for judged tiers: the cosine threshold that applied (the
+    calibrated row's, else the release gate's) with its failing, first and worst positions (each
+    as prompt id / position / token), both tiers, the class, the KLD gates and where the largest
+    KLD is. Judges nothing itself."""
+    pp = m.per_position
+    applied = cal if cal.status != "unmeasured" else rel
+    cos_thr = applied.checks[0].threshold
+    fails = metrics.cosine_failures(pp, cos_thr)
+    worst = verdicts.worst_position(pp, fails)
+    kld = np.asarray(pp.get("kld", np.zeros(0)), np.float64)
     worst_kld = int(np.argmax(np.where(np.isfinite(kld), kld, -np.inf))) if np.isfinite(kld).any() else None
     return {
         "metric": "cosine",
-        "min_cosine": min_cosine,
-        "min_positions": min_positions,
-        "positions": int(summary["positions"]),
+        "min_cosine": cos_thr,
+        "min_positions": int(release["min_positions"]["value"]),
+        "positions": int(m.summary["positions"]),
         "failing_positions": int(fails.size),
-        "first_failing": where(int(fails[0])) if fails.size else None,
-        "worst": where(worst),
-        "worst_cosine": (None if worst is None or not np.isfinite(per_position["cosine"][worst]) else float(per_position["cosine"][worst])),
-        "min_cosine_observed": summary["min_cosine"],
-        "min_cosine_where": where(summary["min_cosine_index"]),
-        "nonfinite_positions": summary["nonfinite_positions"],
-        "first_nonfinite": where(summary["first_nonfinite_index"]),
-        "distribution_gates": kld_results,
+        "first_failing": m.where(int(fails[0])) if fails.size else None,
+        "worst": m.where(worst),
+        "worst_cosine": (None if worst is None or not np.isfinite(pp["cosine"][worst]) else float(pp["cosine"][worst])),
+        "min_cosine_observed": m.summary["min_cosine"],
+        "min_cosine_where": m.where(m.summary["min_cosine_index"]),
+        "nonfinite_positions": m.summary["nonfinite_positions"],
+        "first_nonfinite": m.where(m.summary["first_nonfinite_index"]),
         "max_kld": None if worst_kld is None else float(kld[worst_kld]),
-        "max_kld_where": where(worst_kld),  # the position a distribution-gate failure is reported at
+        "max_kld_where": m.where(worst_kld),
+        "release": rel.to_dict(),
+        "calibrated": cal.to_dict(),
+        "compute_class": subject.compute_class,
+        "class_declared": subject.class_declared,
+        "basis_kind": (row.gates["min_cosine"].get("basis", {}).get("kind", "declared") if row is not None and cal.status != "unmeasured"
+                       else release["min_cosine"].get("basis", {}).get("kind", "declared")),
+        "distribution_gates": [{"name": c.name, "label": c.label, "threshold": c.threshold, "observed": c.observed, "ok": bool(c.ok)}
+                               for c in cal.checks if c.name != "min_cosine"],
     }
 
 
-def cell_verdict(gate: dict[str, Any], summary: dict[str, Any], prompts: list[PromptTokens],
-                 case: Callable[[], Reproducer]) -> tuple[Verdict, str]:
-    """The verdict of judged gates, and its message (docs/design.md, "Verdicts and exit codes").
-
-    FAIL when a cosine position or a measured KLD gate failed: the message is a reproducer
-    (``harness.compare.reproducer``) of ``case()`` (called only then: it may hash the model) on the
-    first failing prompt; UNMEASURED when fewer than ``min_positions`` positions were compared;
-    else PASS.
-    """
-    n_pos, min_cosine = gate["positions"], gate["min_cosine"]
-    kld_failed = [g for g in gate["distribution_gates"] if not g["ok"] and g["observed"] is not None]
-    if gate["failing_positions"] or kld_failed:
-        case_, parts = case(), []
-        if gate["failing_positions"]:
-            f, w = gate["first_failing"], gate["worst"]
-            worst_cos = fmt.cosine(gate["worst_cosine"]) if gate["worst_cosine"] is not None else "non-finite"
-            parts.append(f"{gate['failing_positions']} of {n_pos} positions below cosine {min_cosine}; first: prompt {f['prompt']!r} "
-                         f"position {f['position']}; worst: prompt {w['prompt']!r} position {w['position']} (cosine {worst_cos})")
-            first = next(p for p in prompts if p.id == f["prompt"])
-            case_ = replace(case_, prompt=first.id, n_tokens=len(first.tokens))
-        parts += [f"{g['label']} {g['observed']:.3g} > {g['threshold']:.3g} ({g['name']})" for g in kld_failed]
-        if kld_failed and gate.get("max_kld_where"):
-            w = gate["max_kld_where"]
-            parts.append(f"largest KLD {gate['max_kld']:.3g} at prompt {w['prompt']!r} position {w['position']}")
-        fallback = f"the first op that leaves the oracle, which `{_localize_command(case_, gate['first_failing'])}` names"
-        return Verdict.FAIL, failure_message("; ".join(parts), case_, causes_breaking(PARITY_OBLIGATION), fallback)
-    if n_pos < gate["min_positions"]:
-        return Verdict.UNMEASURED, f"only {n_pos} positions compared; the gate needs at least {gate['min_positions']}"
-    return Verdict.PASS, f"all {n_pos} positions have cosine >= {min_cosine} (min {fmt.cosine(summary['min_cosine'])})"
+def failure_text(gate: dict[str, Any], message: str, prompts: list[PromptTokens], case: Reproducer) -> str:
+    """A FAIL's message as a reproducer (``harness.compare.reproducer``): the failed tiers' lines,
+    the first and worst failing positions, the largest KLD when a KLD gate failed, the case on the
+    first failing prompt, and the ``harness localize`` command that names the first divergent op."""
+    parts = [message]
+    if gate["failing_positions"]:
+        f, w = gate["first_failing"], gate["worst"]
+        worst_cos = gate["worst_cosine"] if gate["worst_cosine"] is not None else "non-finite"
+        parts.append(f"first failing: prompt {f['prompt']!r} position {f['position']}; worst: prompt {w['prompt']!r} "
+                     f"position {w['position']} (cosine {worst_cos})")
+        first = next(p for p in prompts if p.id == f["prompt"])
+        case = replace(case, prompt=first.id, n_tokens=len(first.tokens))
+    if any(g["ok"] is False and g["observed"] is not None for g in gate["distribution_gates"]) and gate.get("max_kld_where"):
+        w = gate["max_kld_where"]
+        parts.append(f"largest KLD {gate['max_kld']:.3g} at prompt {w['prompt']!r} position {w['position']}")
+    fallback = f"the first op that leaves the oracle, which `{_localize_command(case, gate['first_failing'])}` names"
+    return failure_message("; ".join(parts), case, causes_breaking(PARITY_OBLIGATION), fallback)
 
 
 def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) -> str:
@@ -286,38 +303,48 @@ def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) ->
     return case.harness("localize", *args)
 
 
+def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row | None, subject: tiers.Subject,
+               near_tie_margin: float = metrics.NEAR_TIE_MARGIN, unmeasured_reason: str = "",
+               command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None) -> CellResult:
+    """Judge a measured cell with the two tiers (``harness.compare.verdicts``): the release gate
+    (``release``: ``{"min_cosine": {"value"}, "min_positions": {"value"}}``) and the calibrated
+    row (None: unmeasured, with ``unmeasured_reason`` and the ``command`` that would measure it).
+    ``case`` starts a failure's reproducer (default: the candidate's name and the model's sha256)."""
+    pp = m.per_position
+    rel = verdicts.judge_release(pp, release)
+    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command)
+    verdict, msg = verdicts.overall(rel, cal, subject, require_calibrated)
+    gate = cell_gate(m, rel, cal, release, row, subject)
+    if verdict is Verdict.FAIL:
+        msg = failure_text(gate, msg, m.prompts, case or Reproducer(m.candidate_info["name"], "MODEL", subject.sha256))
+    per_prompt = [_prompt_summary(p, {k: v[pp["prompt_index"] == i] for k, v in pp.items()}, gate["min_cosine"], near_tie_margin)
+                  for i, p in enumerate(m.prompts)]
+    kind = "self-consistency" if same_engine(m.candidate_info, m.reference_info) else "parity"
+    return CellResult(verdict, kind, m.prompts, pp, m.summary, per_prompt, gate, m.candidate_info, m.reference_info, m.n_vocab, msg)
+
+
 def run_cell(
     model: GGUFModel,
     reference: Engine,
     candidate: Engine,
     prompts: list[PromptTokens],
-    min_cosine: float,
-    min_positions: int,
+    min_cosine: float = 0.98,
+    min_positions: int = 64,
     near_tie_margin: float = metrics.NEAR_TIE_MARGIN,
     progress: Progress | None = None,
-    kld_gates: dict[str, float] | None = None,
-    case: Reproducer | None = None,
+    row: tiers.Row | None = None,
 ) -> CellResult:
-    """Run both engines over ``prompts`` and judge the gates: comparability
-    (``check_comparable``), the numbers (``compare_prompts``), the gate judgement (``judge_gates``)
-    and the verdict with its message (``cell_verdict``).
+    """Measure and judge one cell: the release gate ``min_cosine`` over ``min_positions`` and,
+    when given, the calibrated ``row`` (``measure_cell`` + ``judge_cell``). Used where the caller
+    already knows the row; ``run_parity`` resolves it from thresholds.yaml.
 
-    The cosine gate is per position; ``kld_gates`` (``max_kld_mean``, ``max_kld_p99``: KL(P_ref ‖
-    P_cand) in nats over all positions), when given, are judged on the whole prompt set and FAIL
-    the cell when exceeded — they see scale errors that cosine cannot. ``case`` is the reproducer a
-    failure message starts from (candidate and model as the user named them, sha256, overrides,
-    prompt file); default: the candidate's info name and the model's path, sha256 and overrides.
     Raises ``NotComparable`` (vocab sizes differ, token id out of range) and ``EngineError``.
     """
-    n_vocab = check_comparable(model, reference, candidate, prompts)
-    per_position, per_prompt = compare_prompts(reference, candidate, prompts, n_vocab, min_cosine, near_tie_margin, progress)
-    summary = metrics.summarize(per_position, near_tie_margin)
-    gate = judge_gates(per_position, summary, prompts, min_cosine, min_positions, kld_gates)
-    ci, ri = candidate.info.to_dict(), reference.info.to_dict()
-    default_case = lambda: Reproducer(ci["name"], str(model.path), model.sha256, overrides=[o.to_flag() for o in model.overrides.values()])  # noqa: E731
-    verdict, msg = cell_verdict(gate, summary, prompts, (lambda: case) if case else default_case)
-    kind = "self-consistency" if same_engine(ci, ri) else "parity"
-    return CellResult(verdict, kind, prompts, per_position, summary, per_prompt, gate, ci, ri, n_vocab, msg)
+    m = measure_cell(model, reference, candidate, prompts, near_tie_margin, progress)
+    release = {"min_cosine": {"value": min_cosine}, "min_positions": {"value": min_positions}}
+    subject = subject_of(model, m.candidate_info)
+    case = Reproducer(m.candidate_info["name"], str(model.path), model.sha256, overrides=[o.to_flag() for o in model.overrides.values()])
+    return judge_cell(m, release, row, subject, near_tie_margin, "no calibrated row given" if row is None else "", case=case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +352,16 @@ def run_cell(
 # ---------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class ParityRequest(RunRequest):
-    """Inputs of one ``harness parity`` cell (``RunRequest``)."""
+    """Inputs of one ``harness parity`` cell (``RunRequest``), and how the calibrated tier is
+    found when no committed row fits: ``measure_tier`` (measures it on the model:
+    ``harness.gates.subject.measure_and_record``; None leaves it unmeasured), ``require_calibrated``
+    (an unmeasured tier makes the verdict UNMEASURED), ``calibrate_max_tokens`` (per prompt);
+    ``candidate_settings`` are engine-specific (``dtype`` for ``transformers``)."""
+
+    measure_tier: MeasureTier | None = None
+    require_calibrated: bool = False
+    calibrate_max_tokens: int = 128
+    candidate_settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -337,15 +373,17 @@ class ParityOutcome:
     receipt_path: Path | None
     ledger_row: dict[str, Any] | None
     ledger_path: Path | None
+    calibration_receipt: Path | None = None
 
 
-def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult) -> dict[str, Any]:
+def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, resolved: ResolvedThresholds,
+                  self_calibration: str | None = None) -> dict[str, Any]:
     """The receipt dict (schema ``harness-parity-receipt/v1``, before id/arrays are added)."""
     prompt_set = inputs.prompt_set
     return {
         "kind": result.kind,
         "host": host_info(),
-        "harness": harness_info(),
+        "harness": harness_info(SOURCE_ROOT),
         "command": list(req.argv) or ["harness", "parity"],
         "model": inputs.model_record(),
         "engines": {"reference": result.reference_info, "candidate": result.candidate_info},
@@ -357,39 +395,39 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult) -> 
             "positions": sum(len(p.tokens) for p in result.prompts),
             "items": [{"id": p.id, "source": p.source, "tokens": p.tokens} for p in result.prompts],
         },
-        "thresholds": inputs.resolved.to_receipt(),
+        "thresholds": {**resolved.to_receipt(), "self_calibration": self_calibration},
         "gated": {"verdict": result.verdict.value, "message": result.message, **result.gate},
         "report_only": result.summary,
         "per_prompt": result.per_prompt,
     }
 
 
-def run_parity(req: ParityRequest, progress: Progress | None = None) -> ParityOutcome:
+def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callable[[str], None] | None = None) -> ParityOutcome:
     """Run one parity cell end to end and write its evidence.
 
     Order matters for honest failures: inputs (thresholds, model, prompts) are validated before
     any engine runs (``resolve_inputs``), so a threshold without a basis refuses to gate
-    (``InvalidInput``) without spending engine time; so does evidence that could not be recorded
-    (``preflight_evidence``: an unwritable or ambiguous ledger path). Raises ``InvalidInput``, ``EngineError``,
-    ``NotComparable``.
+    (``InvalidInput``) without spending engine time. The calibrated tier is resolved after the
+    engines ran (a command engine states its compute class in its ``info.json``): the committed
+    row that fits, else the tier measured on the subject (``compare.calibrated.resolve_row``), else UNMEASURED.
+    Raises ``InvalidInput``, ``EngineError``, ``NotComparable``.
     """
     inputs = req.resolve()
     if req.write_evidence:
         preflight_evidence(req.ledger)
-    resolved = inputs.resolved
-    unknown = [g for g in resolved.gates if g not in PARITY_GATES]
-    if unknown:
-        raise InvalidInput(f"{resolved.path}: unknown gate {unknown[0]!r}; parity gates: {', '.join(PARITY_GATES)}")
     reference = timed(lambda: inputs.engine(req.reference))
-    candidate = timed(lambda: inputs.engine(req.candidate))
+    candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prompts = inputs.tokens(reference.engine)
-    kld_gates = {g: float(resolved.gates[g].value) for g in KLD_GATES if g in resolved.gates}
-    result = run_cell(inputs.model, reference, candidate, prompts, resolved.min_cosine, resolved.min_positions,
-                      inputs.thresholds.near_tie_margin, progress, kld_gates, inputs.reproducer(req.candidate))
-    receipt = build_receipt(req, inputs, result)
+    m = measure_cell(inputs.model, reference, candidate, prompts, inputs.thresholds.near_tie_margin, progress)
+    measure = req.measure_tier if req.write_evidence else None
+    resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
+                                                      measure, req.calibrate_max_tokens, log)
+    result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
+                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate))
+    receipt = build_receipt(req, inputs, result, resolved, cal_id)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
         return ParityOutcome(result, receipt, None, None, None)
     rec = record_evidence(receipt, result.per_position, req.ledger)
-    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path)
+    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path)

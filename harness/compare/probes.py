@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from harness.compare import metrics
+from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest
 from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
@@ -39,6 +40,7 @@ from harness.engines.timing import timed
 from harness.errors import EngineError, InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
 from harness.evidence.record import preflight_evidence, record_evidence
+from harness.gates.thresholds import ResolvedThresholds
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -291,6 +293,8 @@ class ProbeRequest(RunRequest):
 
     only: list[str] = field(default_factory=list)
     seed: int = 0
+    measure_tier: MeasureTier | None = None
+    candidate_settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -319,6 +323,18 @@ def overall_verdict(results: Sequence[ProbeResult]) -> tuple[Verdict, str]:
     return Verdict.PASS, f"all {len(measured)} measured probes pass" + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else "")
 
 
+TOLERANCED = ("split", "decode", "ubatch", "multiseq")
+"""Probes judged by the class's tolerances (determinism is exact; the long probe uses the release gate)."""
+
+
+def probe_tolerance(resolved: ResolvedThresholds) -> ProbeTolerance | None:
+    """The probe tolerances of the calibrated row that fits the subject (None: no row fits, so
+    the toleranced probes are UNMEASURED, never judged with another class's numbers)."""
+    if "min_cosine" not in resolved.probes or "max_kld" not in resolved.probes:
+        return None
+    return ProbeTolerance(min_cosine=float(resolved.probes["min_cosine"].value), max_kld=float(resolved.probes["max_kld"].value))
+
+
 @dataclass
 class ProbeCase:
     """One probe as ``run_probes`` runs it: ``run()`` returns its result; ``prompt`` (id, or ids)
@@ -329,20 +345,21 @@ class ProbeCase:
     n_tokens: int
 
 
-def plan_probes(req: ProbeRequest, inputs: RunInputs, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance,
+def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
                 ptoks: list[PromptTokens]) -> dict[str, ProbeCase]:
     """Every probe on the run's prompts ``ptoks``: split, ubatch and determinism on the longest
     prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its first 80,
     multiseq on the three longest prompts' first 60, long (against ``reference()``, made only if
-    it runs) on every prompt cycled to 1,024 tokens."""
+    it runs, judged by the release gate) on every prompt cycled to 1,024 tokens. ``tol`` None (no
+    calibrated row for the engine's class): the toleranced probes are UNMEASURED, naming why."""
     first = max(ptoks, key=lambda p: len(p.tokens))
     main = first.tokens[:MAIN_TOKENS]
     short = main[:80]
     three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
     side_by_side = [p.tokens[:60] for p in three]
     long = long_tokens([p.tokens for p in ptoks])
-    min_cosine = inputs.resolved.min_cosine
-    return {
+    min_cosine = resolved.release_min_cosine
+    cases = {
         "split": ProbeCase(lambda: probe_split(engine, main, tol, req.seed), first.id, len(main)),
         "decode": ProbeCase(lambda: probe_decode(engine, short, tol), first.id, len(short)),
         "ubatch": ProbeCase(lambda: probe_ubatch(engine, main, tol), first.id, len(main)),
@@ -350,6 +367,11 @@ def plan_probes(req: ProbeRequest, inputs: RunInputs, engine: Engine, reference:
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
     }
+    if tol is None:
+        why = f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})"
+        for name in TOLERANCED:
+            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens)
+    return cases
 
 
 def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
@@ -365,15 +387,16 @@ def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
     return failure_message(numbers, case, causes, kind.if_fails, case.harness("probe", "--only", result.name, *extra))
 
 
-def _probe_receipt(req: ProbeRequest, inputs: RunInputs, engine: Any, reference: Any, results: list[ProbeResult], main: Sequence[int]) -> dict[str, Any]:
+def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThresholds, tier: dict[str, Any], engine: Any, reference: Any,
+                   results: list[ProbeResult], main: Sequence[int]) -> dict[str, Any]:
     """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``engine`` and
     ``reference`` (None when the long probe did not run) are ``TimedEngine``s whose timings it
-    records."""
-    resolved = inputs.resolved
+    records; ``tier`` says where the tolerances came from (``source``, ``self_calibration``) or
+    why there were none (``unmeasured_reason``, ``command``)."""
     verdict, message = overall_verdict(results)
     ref_info = reference.info.to_dict() if reference is not None else None
     cosines = [c.min_cosine for r in results for c in r.comparisons if c.min_cosine is not None]
-    kinds = {resolved.gate(g, "probes").basis_kind for g in ("min_cosine", "max_kld")}
+    kinds = {resolved.probes[g].basis_kind for g in ("min_cosine", "max_kld") if g in resolved.probes} or {"declared"}
     return {
         "schema": "harness-probe-receipt/v1",
         "kind": "probe",
@@ -383,7 +406,9 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, engine: Any, reference:
         "model": inputs.model_record(),
         "engines": {"candidate": engine.info.to_dict(), "reference": ref_info},
         "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main},
-        "thresholds": resolved.to_receipt(),
+        "thresholds": {**resolved.to_receipt(), "self_calibration": tier.get("self_calibration")},
+        "tier": {k: v for k, v in tier.items() if k != "self_calibration"},
+        "compute_class": resolved.subject.compute_class,
         "probes": [r.to_dict() for r in results],
         "verdict": verdict.value,
         "message": message,
@@ -409,9 +434,12 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     inputs = req.resolve()
     if req.write_evidence:
         preflight_evidence(req.ledger)
-    resolved = inputs.resolved
-    tol = ProbeTolerance(min_cosine=float(resolved.gate("min_cosine", "probes").value), max_kld=float(resolved.gate("max_kld", "probes").value))
-    engine = timed(lambda: inputs.engine(req.candidate))
+    engine = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
+    resolved, cal_id, _, command = resolve_row(inputs.thresholds_for(engine.info.to_dict()), req.model, req.ledger,
+                                               req.measure_tier if req.write_evidence else None, log=progress)
+    tol = probe_tolerance(resolved)
+    tier = {"source": resolved.row.source if resolved.row else None, "self_calibration": cal_id,
+            "unmeasured_reason": None if tol else resolved.row_misfit, "command": None if tol else command}
     made: list[Any] = []  # the timed reference, made on first use (the long probe)
 
     def reference() -> Any:
@@ -419,7 +447,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         return made[0]
 
     ptoks = inputs.tokens()
-    plan = plan_probes(req, inputs, engine, reference, tol, ptoks)
+    plan = plan_probes(req, resolved, engine, reference, tol, ptoks)
     results = []
     for n in names:
         if progress:
@@ -431,7 +459,8 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     verdict, message = overall_verdict(results)
     if "long" in names:
         reference()
-    receipt = _probe_receipt(req, inputs, engine, made[0] if made else None, results, max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
+    receipt = _probe_receipt(req, inputs, resolved, tier, engine, made[0] if made else None, results,
+                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
     if not req.write_evidence:
         prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)

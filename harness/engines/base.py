@@ -18,13 +18,23 @@ LogitBlock = tuple[int, np.ndarray]
 """``(start, logits)``: ``logits`` is float32 ``[B, V]`` for positions ``start .. start+B-1``."""
 
 
+COMPUTE_CLASSES = ("f64", "f32", "bf16", "f16", "mixed")
+"""The precision an engine computes in, which decides which calibrated gates apply to it:
+``f64``/``f32``/``f16``/``bf16`` when its matmul inputs and accumulations are in that format
+(norms, softmax and recurrent state may be kept in f32 by a ``bf16``/``f16`` engine, as GPU
+engines do), ``mixed`` for anything else (e.g. per-layer choices)."""
+ASSUMED_CLASS = "f32"
+"""The class an engine that declares none is judged as (its verdict says so and how to declare)."""
+
+
 @dataclass
 class EngineInfo:
     """What a receipt records about an engine.
 
     ``settings`` holds every setting that changes numerics (threads, n_ctx, n_batch, n_ubatch,
     KV cache types, flash attention, backend, overrides); ``capabilities`` lists optional protocol
-    features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``).
+    features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``);
+    ``compute_class`` is one of ``COMPUTE_CLASSES``, or None when the engine declares none.
     """
 
     name: str
@@ -32,6 +42,7 @@ class EngineInfo:
     settings: dict[str, Any] = field(default_factory=dict)
     capabilities: list[str] = field(default_factory=list)
     build: dict[str, Any] = field(default_factory=dict)
+    compute_class: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -40,6 +51,7 @@ class EngineInfo:
             "settings": self.settings,
             "capabilities": list(self.capabilities),
             "build": self.build,
+            "compute_class": self.compute_class,
         }
 
 

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.config import HarnessConfig, load_config
-from harness.engines.base import EngineInfo, LogitBlock, npy_rows, validate_chunks
+from harness.engines.base import COMPUTE_CLASSES, EngineInfo, LogitBlock, npy_rows, validate_chunks
 from harness.engines.process import (
     check_timeout,
     read_small_file,
@@ -45,7 +45,7 @@ from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
 from harness.rundir import scratch_dir
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
-SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env")
+SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class")
 INFO_MAX_BYTES = 1 << 20
 """``info.json`` larger than this (1 MiB) is refused: it is a few hundred bytes of settings."""
 INFO_MAX_DEPTH = 32
@@ -58,7 +58,8 @@ class CommandSpec:
     ``command``: argument list with placeholders; ``timeout_s``: wall-clock limit per request
     (finite, positive); ``capabilities``: protocol features the engine supports (``chunks``,
     ``activations``); ``cwd``: working directory (default: the config file's directory); ``env``:
-    extra variables.
+    extra variables; ``compute_class``: the precision it computes in (``f64``, ``f32``, ``bf16``,
+    ``f16``, ``mixed``), which picks its calibrated gates (its ``info.json`` may state it instead).
     """
 
     name: str
@@ -67,6 +68,7 @@ class CommandSpec:
     capabilities: list[str] = field(default_factory=list)
     cwd: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    compute_class: str | None = None
 
 
 def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
@@ -94,7 +96,10 @@ def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
     if not isinstance(env, dict) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) and "\x00" not in str(v)
                                             and k and "=" not in k and "\x00" not in k for k, v in env.items()):
         raise InvalidInput(f"{where}.env must be a table of variable = \"value\" (strings or numbers)")
-    return CommandSpec(name, list(cmd), timeout, list(caps), cwd, {str(k): str(v) for k, v in env.items()})
+    cls = t.get("compute_class")
+    if cls is not None and cls not in COMPUTE_CLASSES:
+        raise InvalidInput(f"{where}.compute_class must be one of {', '.join(COMPUTE_CLASSES)}")
+    return CommandSpec(name, list(cmd), timeout, list(caps), cwd, {str(k): str(v) for k, v in env.items()}, cls)
 
 
 def configured_commands(config: HarnessConfig | None = None) -> dict[str, CommandSpec]:
@@ -161,6 +166,9 @@ def parse_info(raw: bytes, who: str) -> dict[str, Any]:
             raise EngineError(f"{who} wrote an info.json whose {key!r} is not a string")
     if "settings" in info and not isinstance(info["settings"], dict):
         raise EngineError(f"{who} wrote an info.json whose 'settings' is not an object")
+    if info.get("compute_class") is not None and info["compute_class"] not in COMPUTE_CLASSES:
+        raise EngineError(f"{who} wrote an info.json whose compute_class {str(info['compute_class'])[:40]!r} is not one of "
+                          f"{', '.join(COMPUTE_CLASSES)}")
     return info
 
 
@@ -265,6 +273,7 @@ class CommandEngine:
                       "overrides": [o.to_flag() for o in self.overrides]},
             capabilities=list(self.spec.capabilities),
             build={"reported_name": reported.get("name")},
+            compute_class=reported.get("compute_class") or self.spec.compute_class,
         )
 
     def _run(self, tokens: list[int], chunks: list[int] | None, want: list[str], workdir: Path) -> tuple[Path, str]:

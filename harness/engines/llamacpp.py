@@ -178,6 +178,7 @@ class LlamaCppEngine:
             settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
             capabilities=["chunks", "n_ubatch", "multi_seq", "activations"],
             build={"system_info": si.get("system_info", ""), "model_desc": si.get("model_desc", "")},
+            compute_class="f32",
         )
 
     def tokenize(self, text: str) -> list[int]:

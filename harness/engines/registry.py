@@ -1,7 +1,8 @@
 """Engine names, how each is loaded, and which source files its numbers come from: one table.
 
 Names: ``llama.cpp`` (the reference, in a worker process), ``oracle`` (exact float64 NumPy
-forward), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
+forward), ``oracle-bf16`` / ``oracle-f16`` (the oracle with bf16/f16 matmuls and residual
+stream: a compute class's emulation), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
 engine configured in ``[tool.harness.engines.NAME]``), ``transformers`` (optional extra).
 ``planted:NAME`` is no engine of its own: it names a fault planted into another engine's output
 (the pytest plugin's ``--plant``), listed here for its source files only.
@@ -31,6 +32,7 @@ from harness.engines import (
     transformers_engine,
 )
 from harness.engines.base import Engine
+from harness.engines.oracle import lowp
 from harness.errors import InvalidInput
 from harness.model import gguf_model
 from harness.model.gguf_model import Override
@@ -84,6 +86,8 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("llama.cpp", _llamacpp, (llamacpp, _llamacpp_worker, base), aliases=("llamacpp", "llama-cpp"),
                 distributions=("llama-cpp-python",)),
     EngineEntry("oracle", lambda rest, path, ov, s: oracle.load_oracle(path, ov), _ORACLE),
+    EngineEntry("oracle-bf16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "bf16", ov), _ORACLE),
+    EngineEntry("oracle-f16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "f16", ov), _ORACLE),
     EngineEntry("mutant:", lambda rest, path, ov, s: mutants.load_mutant(rest, path, ov), _ORACLE + (mutants,)),
     EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, base, config)),
     EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),

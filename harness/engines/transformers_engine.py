@@ -2,12 +2,15 @@
 
 The GGUF is turned back into a transformers ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``
 by the inverse conversion (``harness.fixtures.convert.to_transformers``) and run on CPU in float32
-(float64 on request). Where the oracle and transformers agree and a candidate does not, the
-candidate is wrong.
+(``--dtype float64``, ``bfloat16`` or ``float16`` on request). Where the oracle and transformers
+agree and a candidate does not, the candidate is wrong.
 
 Numerics worth knowing (transformers 5 ``models/qwen3_5*/modeling_*.py``): the RMSNorms and the
 gated delta rule cast to float32 internally whatever the model dtype, so float64 mode is float64
-in the matmuls and attention only. Without flash-linear-attention / causal-conv1d installed,
+in the matmuls and attention only, and bfloat16/float16 mode is how GPU serving engines run
+Qwen3.5: low-precision weights, matmuls and residual stream with float32 norms and recurrent
+state. Its compute class (``DTYPE_CLASS``) says so: ``bf16`` / ``f16``, not ``mixed``, since the
+f32 islands are the ones every such engine keeps. Without flash-linear-attention / causal-conv1d installed,
 transformers uses its reference PyTorch kernels (chunked gated delta rule for prompts, the
 recurrent rule for single-token steps).
 
@@ -28,7 +31,9 @@ from harness.errors import EngineError, InvalidInput
 from harness.fixtures.convert import to_transformers
 from harness.model.gguf_model import GGUFModel, Override
 
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPE_CLASS = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+"""torch dtype → the engine's compute class (``harness.engines.base.COMPUTE_CLASSES``)."""
 
 
 def _require_torch():
@@ -101,6 +106,7 @@ class TransformersEngine:
             },
             capabilities=["chunks", "activations"],
             build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.fixtures.convert.to_transformers"},
+            compute_class=DTYPE_CLASS[self.dtype],
         )
 
     # -- forward --------------------------------------------------------------------------
@@ -179,9 +185,10 @@ class TransformersEngine:
         finally:
             for h in hooks:
                 h.remove()
-        out = {k: self.torch.cat(v, dim=0).numpy() for k, v in store.items()}
+        out = {k: self.torch.cat(v, dim=0).float().numpy() if self.dtype in ("bfloat16", "float16") else self.torch.cat(v, dim=0).numpy()
+               for k, v in store.items()}
         if keep("result_output"):
-            out["result_output"] = logits.numpy()
+            out["result_output"] = logits.float().numpy()
         return out
 
 
@@ -190,7 +197,7 @@ def load_transformers(
 ) -> TransformersEngine:
     """The ``transformers`` engine for a qwen35 / qwen35moe GGUF (registry name ``transformers``).
 
-    ``dtype`` ``float32`` (default) or ``float64``; other settings: ``threads``, ``block_size``.
+    ``dtype`` ``float32`` (default), ``float64``, ``bfloat16`` or ``float16``; other settings: ``threads``, ``block_size``.
     Raises ``InvalidInput`` with the install command when torch or transformers is missing.
     """
     return TransformersEngine(model_path, overrides, dtype=dtype, **settings)

@@ -46,7 +46,7 @@ from harness.validation import best_error, make_validator
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
-KINDS = ("parity", "self-consistency", "probe", "supersede")
+KINDS = ("parity", "self-consistency", "probe", "calibration", "supersede")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -72,7 +72,11 @@ TIMING_FIELDS = ("candidate_wall_s", "candidate_load_s", "candidate_tokens_per_s
 measurement, so not re-derived from the receipt by ``verify_ledger`` (identical runs share one
 receipt, whose timings are the first run's)."""
 
-OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", *TIMING_FIELDS)
+TIER_FIELDS = ("compute_class", "release", "calibrated")
+"""The candidate's compute class and each tier's status (ok, fail, unmeasured), in rows of
+receipts that judge two tiers (``harness-thresholds/v2``)."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", *TIMING_FIELDS, *TIER_FIELDS)
 """Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows,
 rows of runs that recorded no timings)."""
 
@@ -112,6 +116,9 @@ ROW_SCHEMA: dict[str, Any] = {
         "row_hash": _HEX64,
         "supersedes": {"type": "integer", "minimum": 1},
         **{f: {"type": ["number", "null"], "minimum": 0} for f in TIMING_FIELDS},
+        "compute_class": {"enum": ["f64", "f32", "bf16", "f16", "mixed", None]},
+        "release": {"enum": ["ok", "fail", "unmeasured", None]},
+        "calibrated": {"enum": ["ok", "fail", "unmeasured", None]},
         "reason": {"type": "string", "minLength": 1},
     },
     "allOf": [
@@ -160,19 +167,28 @@ def _engine_label(info: Mapping[str, Any]) -> str:
 
 
 def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
-    """The ledger fields a receipt determines (``RECEIPT_FIELDS``), for ``append_row``.
+    """The ledger fields a receipt determines (``RECEIPT_FIELDS``, and for receipts that judge two
+    tiers ``compute_class``, ``release`` and ``calibrated``: each tier's status), for ``append_row``.
 
     ``model`` is the receipt's ``model.name`` (else the file name), ``quant`` its GGUF file type,
     ``candidate``/``reference`` ``"NAME VERSION"``, ``min_cosine`` the observed minimum,
-    ``basis_kind`` the kind of the min_cosine threshold's basis.
+    ``basis_kind`` the kind of the basis of the cosine threshold that judged it. A calibration
+    receipt's row names the class as its candidate and its verdict is MEASURED.
     """
     model = receipt["model"]
+    base = {"model": model.get("name") or Path(model["path"]).name, "model_sha256": model["sha256"], "quant": model["file_type"],
+            "receipt_id": receipt["id"]}
+    if receipt.get("schema") == "harness-calibration-receipt/v1":
+        gates = receipt["row"]["gates"]
+        return {"kind": "calibration", **base, "candidate": f"class {receipt['compute_class']}", "reference": "llama.cpp",
+                "positions": receipt["positions"], "min_cosine": min(p["min_cosine"] for p in receipt["pairs"]),
+                "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None,
+                "kld_mean": max(p["kld_mean"] for p in receipt["pairs"]), "basis_kind": gates["min_cosine"]["basis"]["kind"],
+                "compute_class": receipt["compute_class"]}
     if receipt.get("schema") == "harness-probe-receipt/v1":
-        return {
+        row = {
             "kind": "probe",
-            "model": model.get("name") or Path(model["path"]).name,
-            "model_sha256": model["sha256"],
-            "quant": model["file_type"],
+            **base,
             "candidate": _engine_label(receipt["engines"]["candidate"]),
             "reference": _engine_label(receipt["engines"]["reference"]) if receipt["engines"].get("reference") else None,
             "positions": receipt["positions"],
@@ -183,23 +199,25 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
             "hard_flips": None,
             "kld_mean": None,
             "basis_kind": receipt["basis_kind"],
-            "receipt_id": receipt["id"],
         }
+        if "compute_class" in receipt:
+            row["compute_class"] = receipt["compute_class"]
+        return row
     gated = receipt["gated"]
-    return {
+    row = {
         "kind": receipt["kind"],
-        "model": model.get("name") or Path(model["path"]).name,
-        "model_sha256": model["sha256"],
-        "quant": model["file_type"],
+        **base,
         "candidate": _engine_label(receipt["engines"]["candidate"]),
         "reference": _engine_label(receipt["engines"]["reference"]),
         "positions": gated["positions"],
         "min_cosine": gated["min_cosine_observed"],
         "verdict": gated["verdict"],
         **report_only_headline(receipt["report_only"]),
-        "basis_kind": receipt["thresholds"]["gates"]["min_cosine"]["basis"]["kind"],
-        "receipt_id": receipt["id"],
+        "basis_kind": gated.get("basis_kind") or receipt["thresholds"]["gates"]["min_cosine"]["basis"]["kind"],
     }
+    if "release" in gated:  # two-tier receipts (harness-thresholds/v2)
+        row.update(compute_class=gated["compute_class"], release=gated["release"]["status"], calibrated=gated["calibrated"]["status"])
+    return row
 
 
 def timing_fields(receipt: Mapping[str, Any]) -> dict[str, Any]:

@@ -60,15 +60,13 @@ def plot_text(s: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- plots
-
-
 def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
     """Per-position cosine (gate line dashed, failing points red) and KLD on a log scale with the
     KLD gates (mean: dashed, p99: dotted), one panel pair per prompt; writes ``positions.png``."""
     plt = _plt()
     prompts = receipt["prompts"]["items"]
-    gates = receipt["thresholds"]["gates"]
-    gate = gates["min_cosine"]["value"]
+    gate = receipt["gated"]["min_cosine"]  # the cosine threshold that judged the cell
+    gates = {d["name"]: {"value": d["threshold"]} for d in receipt["gated"].get("distribution_gates") or []}
     n = len(prompts)
     fig, axes = plt.subplots(n, 2, figsize=(12, 2.2 * n + 0.8), squeeze=False)
     pidx, pos = arrays["prompt_index"], arrays["position"]
@@ -495,7 +493,7 @@ def _where_kld(rec: dict[str, Any], arrays: dict[str, np.ndarray], where: dict[s
 def _parity_headline(rec: dict[str, Any]) -> str:
     g = rec["gated"]
     v = g["verdict"]
-    th = rec["thresholds"]["gates"]["min_cosine"]["value"]
+    th = g["min_cosine"]
     if v == "PASS":
         return f"all {g['positions']} positions have logit cosine ≥ {fmt.cosine_threshold(th)} (lowest {fmt.cosine(g['min_cosine_observed'])}) and every KLD gate holds."
     if v == "UNMEASURED":
@@ -512,7 +510,38 @@ def _parity_headline(rec: dict[str, Any]) -> str:
     return "; ".join(parts) + "." if parts else "the gates failed."
 
 
+def _tier_table(page: Page, rec: dict[str, Any]) -> None:
+    """The gates of a receipt judged by two tiers (``harness-thresholds/v2``): the release gate's
+    rows, then the calibrated tier's (or why it is unmeasured and the command that measures it)."""
+    g, th = rec["gated"], rec["thresholds"]
+    judged = g["verdict"] != "UNMEASURED"
+    rel, cal = g["release"], g["calibrated"]
+    rows: list[list[Inline]] = []
+    for c in rel["checks"]:
+        rows.append([f"release gate: {c['label']} (every position)", f"≥ {fmt.cosine_threshold(c['threshold'])}",
+                     f"lowest {fmt.cosine(c['observed'])}; {fmt.count(rel['failing_positions'], g['positions'])} below",
+                     _basis(th["release"]["min_cosine"]), _ok(c["ok"]) if judged else "not judged"])
+    mp = th["release"]["min_positions"]
+    rows.append(["release gate: positions compared", f"≥ {fmt.number(mp['value'])}", str(g["positions"]), _basis(mp),
+                 "ok" if g["positions"] >= g["min_positions"] else Bold("too few: UNMEASURED")])
+    row_gates = (th.get("calibrated") or {}).get("gates", {})
+    for c in cal["checks"]:
+        shown = (f"lowest {fmt.cosine(c['observed'])}; {fmt.count(cal['failing_positions'], g['positions'])} below"
+                 if c["name"] == "min_cosine" else fmt.kld(c["observed"]))
+        op = "≥" if c["name"] == "min_cosine" else "≤"
+        value = fmt.cosine_threshold(c["threshold"]) if c["name"] == "min_cosine" else fmt.number(c["threshold"])
+        rows.append([f"calibrated tier: {c['label']}", f"{op} {value}", shown, _basis(row_gates.get(c["name"], {})), _ok(c["ok"])])
+    if cal["status"] == "unmeasured":
+        rows.append(["calibrated tier", "UNMEASURED", untrusted(cal.get("reason") or ""), untrusted(cal.get("command") or ""), "not judged"])
+    page.h(2, "Gates").table(["gate", "threshold", "observed", "basis", "ok"], rows, "llllc")
+    page.p(untrusted(rel["line"]))
+    page.p(untrusted(cal["line"]))
+
+
 def _gates_table(page: Page, rec: dict[str, Any]) -> None:
+    if "release" in rec["gated"]:
+        _tier_table(page, rec)
+        return
     g, gates = rec["gated"], rec["thresholds"]["gates"]
     cos, mp = gates["min_cosine"], gates["min_positions"]
     judged = g["verdict"] != "UNMEASURED"

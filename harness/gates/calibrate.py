@@ -1,31 +1,41 @@
-"""Calibration: thresholds from measurement, and which gate catches which known-bad engine.
+"""Calibration: the calibrated tier's rows from measurement, and which gate catches which
+known-bad engine.
 
-Known-good pairs (candidate vs llama.cpp at default settings, on the trained fixtures and the
-quantized ladder of ``trained-qwen35-256``): the oracle, transformers (when the ``hf`` extra is
-installed), and llama.cpp itself at other ``n_ubatch`` and thread counts. Known-bad pairs: every
-mutant (``harness.engines.mutants``) against llama.cpp. n ≥ 5 prompts per pair (the shipped set).
+Known-good pairs are candidate vs llama.cpp (the reference, default settings), one set of real
+engines per compute class (``KNOWN_GOOD``):
 
-Each gated number gets its threshold from the known-good floor with a margin, using a bootstrap
-confidence interval taken **by prompt** (positions inside a prompt are correlated;
-``scipy.stats.bootstrap`` resampling prompt indices):
+- ``f64``: the exact oracle;
+- ``f32``: llama.cpp itself at another ``n_ubatch`` and thread count, and transformers in float32
+  (which, unlike llama.cpp, does not quantize activations on quantized files: without it an f32
+  row would hold every other correct f32 engine to llama.cpp's own rounding);
+- ``bf16`` / ``f16``: the oracle's low-precision emulation (``oracle-bf16`` / ``oracle-f16``) and
+  transformers in bfloat16 / float16 — a class's floor is the maximum over both, never the
+  emulation alone, so calibration refuses to write a bf16/f16 row without transformers;
+- ``mixed``: every engine of the bf16, f16 and f32 classes (the loosest of them).
 
-- ``min_cosine`` = 1 − 2·(1 − lower CI of the good pairs' minimum per-position cosine);
-- ``max_kld_mean`` / ``max_kld_p99`` = 2 × upper CI of the good pairs' KLD mean / p99;
-- probe tolerances from llama.cpp's own self-consistency floor; localization bounds from
-  llama.cpp-vs-oracle per-tensor NMSE/cosine on the F32 fixture.
+They run on the F32 trained fixtures and on every shipped file type of the 256-wide trained bases
+(``fixtures.synthetic.TRAINED_LADDER``, dense and MoE); each (weights key × class) gets one row,
+its gates proposed by ``propose`` from the pairs measured on files with that key. Known-bad
+pairs: every mutant (``harness.engines.mutants``) on the F32 trained fixtures.
 
-Every threshold is written to thresholds.yaml with a ``measured`` basis (command, n, known-good
-floor, known-bad values, model, date). Calibration refuses (``CalibrationRefused``, exit 1) when a
-known-good pair spreads past its proposed threshold or when some mutant passes every gate, naming
-the pairs. The printed matrix of known-bad pairs × gates shows which gate catches which.
+Rule (``propose``), with bootstrap confidence intervals taken **by prompt** (positions inside a
+prompt are correlated; ``scipy.stats.bootstrap`` resampling prompt indices):
+``min_cosine`` = 1 − MARGIN·(1 − lower CI of the good pairs' minimum per-position cosine), never
+below the release floor; ``max_kld_mean`` / ``max_kld_p99`` = MARGIN × upper CI of the good pairs'
+KLD mean / p99. Probe tolerances per class from the class engines' own self-consistency floor
+(split and decode vs whole). Localization bounds from llama.cpp-vs-oracle per-tensor NMSE/cosine.
+
+``calibrate_subject`` measures one row on the subject itself (``harness calibrate --model``):
+the same rule over a bounded number of positions, used where no committed row fits.
+
+Calibration refuses (``CalibrationRefused``, exit 1) when a known-good pair spreads past its
+row, or when a mutant passes every gate at f32/f64, naming them.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -35,25 +45,24 @@ import yaml
 from scipy import stats
 
 from harness.compare import metrics
-from harness.compare.localize import localize_activations
-from harness.compare.probes import (
-    ProbeTolerance,
-    probe_decode,
-    probe_determinism,
-    probe_split,
-)
-from harness.compare.prompts import load_prompt_set, tokenize_prompts
-from harness.engines.base import gather
-from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
-from harness.engines.mutants import MUTANTS
-from harness.engines.registry import resolve_engine
-from harness.errors import HarnessError, Verdict
-from harness.fixtures.resolve import resolve_model
-from harness.gates.thresholds import load_thresholds
-from harness.model.gguf_model import GGUFModel
+from harness.engines.base import COMPUTE_CLASSES, gather
+from harness.errors import HarnessError, InvalidInput, Verdict
+from harness.gates.tiers import Row
 
 MARGIN = 2.0
 GATES = ("cosine", "kld_mean", "kld_p99", "probe_split", "probe_decode", "probe_determinism", "localize")
+RELEASE = {
+    "min_cosine": {"value": 0.98, "basis": {
+        "kind": "declared", "who": "harness maintainers (the product's release gate)",
+        "why": "Per-position logit cosine >= 0.98 over >= 64 positions is the product's release gate: a floor every engine "
+               "of every precision must meet on every file. Calibrated rows tighten it; none may loosen it.",
+        "date": "2026-11-30"}},
+    "min_positions": {"value": 64, "basis": {
+        "kind": "declared", "who": "harness maintainers (the product's release gate)",
+        "why": "Fewest positions over the whole prompt set for a cosine minimum to mean anything; below it the cell is "
+               "UNMEASURED, not PASS.", "date": "2026-11-30"}},
+}
+"""The release gate as thresholds.yaml declares it."""
 
 
 class CalibrationRefused(HarnessError):
@@ -62,10 +71,12 @@ class CalibrationRefused(HarnessError):
     verdict = Verdict.FAIL
 
 
+# ------------------------------------------------------------------------------- measuring
 @dataclass
 class PairStats:
     """One pair's numbers over the prompt set: per-prompt arrays for the bootstrap and the
-    whole-set statistics."""
+    whole-set statistics. ``compute_class`` is the candidate's class; ``weights`` the model's
+    ``weights_key``."""
 
     label: str
     good: bool
@@ -76,10 +87,17 @@ class PairStats:
     per_prompt_min_cos: np.ndarray
     per_prompt_kld: list[np.ndarray]
     extra: dict[str, Any] = field(default_factory=dict)
+    compute_class: str = "f64"
+    weights: str = ""
+
+    @property
+    def n(self) -> int:
+        return int(sum(k.size for k in self.per_prompt_kld))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "good": self.good, "model": self.model, "min_cosine": self.min_cosine,
-                "kld_mean": self.kld_mean, "kld_p99": self.kld_p99, **self.extra}
+        return {"label": self.label, "good": self.good, "model": self.model, "class": self.compute_class,
+                "weights": self.weights, "min_cosine": self.min_cosine, "kld_mean": self.kld_mean,
+                "kld_p99": self.kld_p99, **{k: v for k, v in self.extra.items() if k != "dims"}}
 
 
 class CachedReference:
@@ -97,18 +115,17 @@ class CachedReference:
 
 
 def measure_pair(label: str, good: bool, model: str, ref: CachedReference, cand, prompts: list[list[int]]) -> PairStats:
-    """Per-position metrics of ``cand`` vs the cached reference over ``prompts``."""
+    """Per-position metrics of ``cand`` vs the cached reference over ``prompts``; the pair's class
+    is the candidate's declared ``compute_class`` (``f64`` when none: the oracle's mutants)."""
     mins, klds = [], []
     for toks in prompts:
-        r = ref.get(toks)
-        c = gather(cand.logits(toks), len(toks))
-        pm = metrics.position_metrics(r, c)
+        pm = metrics.position_metrics(ref.get(toks), gather(cand.logits(toks), len(toks)))
         cos = np.where(pm["finite"], pm["cosine"], -1.0)
         mins.append(float(np.min(cos)))
         klds.append(np.where(pm["finite"], pm["kld"], np.inf))
     allk = np.concatenate(klds)
     return PairStats(label, good, model, float(min(mins)), float(np.mean(allk)), float(np.quantile(allk, 0.99)),
-                     np.array(mins), klds)
+                     np.array(mins), klds, compute_class=cand.info.compute_class or "f64")
 
 
 def bootstrap_by_prompt(pair: PairStats, stat: str, n_resamples: int = 999, seed: int = 0) -> tuple[float, float]:
@@ -138,240 +155,423 @@ def _round_up(x: float, digits: int = 2) -> float:
     return float(f"{math.ceil(q - 1e-9 * q) * 10**e:.{digits}g}")  # 1e-9: float noise is not a digit
 
 
-def propose(goods: list[PairStats]) -> dict[str, dict[str, Any]]:
-    """Proposed parity gates from known-good pairs (see module docstring)."""
+def propose(goods: list[PairStats], floor_cosine: float = RELEASE["min_cosine"]["value"]) -> dict[str, dict[str, Any]]:
+    """Proposed gates from known-good pairs (module docstring); ``min_cosine`` never below
+    ``floor_cosine`` (the release gate: a row may tighten it, never loosen it)."""
     cos_lo = min(bootstrap_by_prompt(g, "min_cosine")[0] for g in goods)
     kmean_hi = max(bootstrap_by_prompt(g, "kld_mean")[1] for g in goods)
     kp99_hi = max(bootstrap_by_prompt(g, "kld_p99")[1] for g in goods)
-    floor = min(g.min_cosine for g in goods)
+    cos = max(round(1 - _round_up(max(MARGIN * (1 - cos_lo), 1e-6)), 8), floor_cosine)
     return {
-        "min_cosine": {"value": round(1 - _round_up(max(MARGIN * (1 - cos_lo), 1e-6)), 8), "floor": floor, "ci": cos_lo},
+        "min_cosine": {"value": cos, "floor": min(g.min_cosine for g in goods), "ci": cos_lo},
         "max_kld_mean": {"value": _round_up(max(MARGIN * kmean_hi, 1e-7)), "floor": max(g.kld_mean for g in goods), "ci": kmean_hi},
         "max_kld_p99": {"value": _round_up(max(MARGIN * kp99_hi, 1e-7)), "floor": max(g.kld_p99 for g in goods), "ci": kp99_hi},
     }
 
 
-def caught(pair: PairStats, gates: dict[str, dict[str, Any]], probe_tol: dict[str, float] | None = None) -> dict[str, bool]:
-    """Which gates the pair violates (True = caught)."""
+def propose_probes(floor_cos: float, floor_kld: float) -> dict[str, dict[str, Any]]:
+    """Probe tolerances from an engine class's own self-consistency floor (20× in 1−cosine,
+    50× in KLD, with the smallest steps 1e-6 so an exact engine is not held to zero)."""
+    return {
+        "min_cosine": {"value": round(1 - _round_up(max(20 * (1 - floor_cos), 1e-6)), 8), "floor": floor_cos},
+        "max_kld": {"value": _round_up(max(50 * floor_kld, 1e-6)), "floor": floor_kld},
+    }
+
+
+def caught(pair: PairStats, gates: dict[str, dict[str, Any]], probes: dict[str, dict[str, Any]] | None = None) -> dict[str, bool]:
+    """Which gates the pair violates (True = caught). With ``probes`` (a class's probe
+    tolerances), the split/decode probes are judged by them from the pair's worst recorded
+    comparison (``extra["probe_split_worst"]`` = (min cosine, max KLD)); else by the recorded
+    verdicts."""
     out = {
         "cosine": pair.min_cosine < gates["min_cosine"]["value"],
         "kld_mean": pair.kld_mean > gates["max_kld_mean"]["value"],
         "kld_p99": pair.kld_p99 > gates["max_kld_p99"]["value"],
     }
     for name in ("probe_split", "probe_decode", "probe_determinism", "localize"):
-        out[name] = bool(pair.extra.get(name, False))
+        worst = pair.extra.get(f"{name}_worst")
+        if probes is not None and worst is not None:
+            out[name] = worst[0] < probes["min_cosine"]["value"] or worst[1] > probes["max_kld"]["value"]
+        else:
+            out[name] = bool(pair.extra.get(name, False))
     return out
+
+
+def _worst(result) -> tuple[float, float] | None:
+    """(min cosine, max KLD) over a probe's comparisons (None: nothing compared)."""
+    comps = [c for c in result.comparisons if c.min_cosine is not None]
+    if not comps:
+        return None
+    return min(c.min_cosine for c in comps), max(c.max_kld for c in comps)
+
+
+# ------------------------------------------------------------------------------- the plan
+def _llama(path, **settings):
+    from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+
+    return LlamaCppEngine(path, settings=LlamaCppSettings(**settings))
+
+
+def _oracle(path):
+    from harness.engines.oracle import load_oracle
+
+    return load_oracle(path)
+
+
+def _lowp(cls):
+    def make(path):
+        from harness.engines.oracle.lowp import load_lowp_oracle
+
+        return load_lowp_oracle(path, cls)
+    return make
+
+
+def _transformers(dtype):
+    def make(path):
+        from harness.engines.transformers_engine import load_transformers
+
+        return load_transformers(path, dtype=dtype)
+    return make
+
+
+KNOWN_GOOD: dict[str, list[tuple[str, Callable[[Path], Any], bool]]] = {
+    "f64": [("oracle", _oracle, False)],
+    "f32": [("llama.cpp n_ubatch=7", lambda p: _llama(p, n_ubatch=7), False),
+            ("llama.cpp n_threads=1", lambda p: _llama(p, n_threads=1), False),
+            ("transformers float32", _transformers("float32"), True)],
+    "bf16": [("oracle-bf16", _lowp("bf16"), False), ("transformers bfloat16", _transformers("bfloat16"), True)],
+    "f16": [("oracle-f16", _lowp("f16"), False), ("transformers float16", _transformers("float16"), True)],
+}
+"""Compute class → known-good engines of that class: (label, factory(path), needs the hf extra).
+``llama.cpp`` at default settings is the reference itself; its variants are the f32 engines."""
+CLASS_MEMBERS = {"f64": ("f64",), "f32": ("f32",), "bf16": ("bf16",), "f16": ("f16",), "mixed": ("f32", "bf16", "f16")}
+"""The classes whose known-good pairs make each class's row (``mixed``: the loosest of them)."""
+NEEDS_REAL_ENGINE = ("bf16", "f16")
+"""Classes whose rows need a real engine beside the emulation (refused without the hf extra)."""
+
+
+def have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass
 class CalibrationPlan:
-    """What to measure: models for the parity gates, the quantized ladder, engines."""
+    """What to measure: the F32 trained models (mutants run on these), the file-type ladder,
+    the compute classes, the mutants, and the tokens per prompt (``max_tokens`` on the F32 trained
+    models, where the mutants run and 160 tokens span the delta rule's 64-token chunks;
+    ``ladder_max_tokens`` on the file-type ladder, where only known-good pairs run)."""
 
     base_model: str = "fixture:trained-qwen35"
     moe_model: str = "fixture:trained-qwen35moe"
-    ladder: tuple[str, ...] = ("fixture:trained-qwen35-256", "fixture:trained-qwen35-256-Q8_0", "fixture:trained-qwen35-256-Q6_K", "fixture:trained-qwen35-256-Q4_K_M")
+    ladder: tuple[str, ...] | None = None  # None: every TRAINED_LADDER entry plus the F16 bases
+    classes: tuple[str, ...] = COMPUTE_CLASSES
     mutants: tuple[str, ...] | None = None  # None: all
     include_transformers: bool = True
+    max_tokens: int = 256
+    ladder_max_tokens: int = 128
+
+    def models(self) -> list[str]:
+        from harness.fixtures.synthetic import LADDER_BASES, TRAINED_LADDER
+
+        ladder = self.ladder if self.ladder is not None else tuple(
+            f"fixture:{n}" for n in (*LADDER_BASES, *TRAINED_LADDER))
+        return [m for m in (self.base_model, self.moe_model, *ladder) if m]
+
+
+@dataclass
+class ModelMeasurement:
+    """What calibration measured on one model."""
+
+    spec: str
+    path: Path
+    weights: str
+    file_type: str
+    dims: dict[str, Any]
+    prompts: list[list[int]]
+    ref: CachedReference
 
 
 @dataclass
 class CalibrationResult:
-    """Measured pairs, proposed thresholds per model group, the known-bad × gates matrix."""
+    """Measured pairs, one row per weights key × class, probe/localization tolerances, the
+    known-bad × gates matrix (at f64, the mutants' own class) and the per-class detection matrix."""
 
     goods: list[PairStats]
     bads: list[PairStats]
-    gates: dict[str, dict[str, Any]]
-    per_model: dict[str, dict[str, dict[str, Any]]]
-    probes: dict[str, dict[str, Any]]
+    rows: list[dict[str, Any]]
+    probes: dict[str, dict[str, dict[str, Any]]]
     localization: dict[str, dict[str, Any]]
     matrix: dict[str, dict[str, bool]]
+    class_matrix: dict[str, dict[str, str]]
     skipped: list[str]
     problems: list[str]
 
+    @property
+    def gates(self) -> dict[str, dict[str, Any]]:
+        """The f64 row on F32 weights (the oracle's class on the default model's file type)."""
+        return next(r["gates"] for r in self.rows if r["weights"] == "F32" and r["class"] == "f64")
 
-def _prompts(model_path, n_max_tokens: int = 256) -> list[list[int]]:
+
+def _prompts(model_path: Path, n_max_tokens: int) -> list[list[int]]:
+    from harness.compare.prompts import load_prompt_set, tokenize_prompts
+    from harness.engines.llamacpp import LlamaCppEngine
 
     ps = tokenize_prompts(load_prompt_set(None), LlamaCppEngine(model_path))
     return [p.tokens[:n_max_tokens] for p in ps]
 
 
-@dataclass
-class _ModelRun:
-    """One model calibration measures on: its spec, file, token ids and cached llama.cpp logits."""
+def open_for_calibration(spec: str, max_tokens: int) -> ModelMeasurement:
+    """Resolve ``spec`` (building a ladder fixture if needed) and set up its cached reference."""
+    from harness.engines.llamacpp import LlamaCppEngine
+    from harness.fixtures.resolve import resolve_model
+    from harness.model.gguf_model import GGUFModel
 
-    model: str
-    path: Path
-    prompts: list[list[int]]
-    ref: CachedReference
+    path = resolve_model(spec)
+    m = GGUFModel(path)
+    hp = m.hparams
+    dims = {"name": spec, "sha256": m.sha256, "arch": hp.arch, "n_layer": hp.n_layer, "n_embd": hp.n_embd}
+    return ModelMeasurement(spec, path, m.weights_key, m.file_type, dims, _prompts(path, max_tokens), CachedReference(LlamaCppEngine(path)))
 
 
-def _good_pairs(plan: CalibrationPlan, model: str, log: Callable[[str], None], skipped: list[str]) -> tuple[list[PairStats], _ModelRun]:
-    """Phase 1, per F32 model: the known-good pairs (oracle, llama.cpp at n_ubatch 7 and at one
-    thread, transformers when torch is installed) against llama.cpp at default settings."""
-    path = resolve_model(model)
-    run = _ModelRun(model, path, _prompts(path), CachedReference(LlamaCppEngine(path)))
-    cands: list[tuple[str, Callable[[], Any]]] = [
-        ("oracle", lambda: resolve_engine("oracle", path)),
-        ("llama.cpp n_ubatch=7", lambda: LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))),
-        ("llama.cpp n_threads=1", lambda: LlamaCppEngine(path, settings=LlamaCppSettings(n_threads=1))),
-    ]
-    if plan.include_transformers:
-        try:
-            import torch  # noqa: F401
-
-            cands.append(("transformers", lambda: resolve_engine("transformers", path)))
-        except ImportError:
-            skipped.append(f"transformers vs llama.cpp on {model}: the hf extra (torch) is not installed")
+def measure_goods(mm: ModelMeasurement, classes: Sequence[str], use_torch: bool, log: Callable[[str], None]) -> list[PairStats]:
+    """Every known-good engine of the member classes of ``classes`` on one model."""
+    wanted = sorted({c for k in classes for c in CLASS_MEMBERS[k]}, key=COMPUTE_CLASSES.index)
     out = []
-    for label, make in cands:
-        log(f"  good: {label} vs llama.cpp on {model}")
-        out.append(measure_pair(f"{label} vs llama.cpp", True, model, run.ref, make(), run.prompts))
-    return out, run
+    for cls in wanted:
+        for label, make, needs_torch in KNOWN_GOOD[cls]:
+            if needs_torch and not use_torch:
+                continue
+            log(f"  good ({cls}): {label} vs llama.cpp on {mm.spec}")
+            p = measure_pair(f"{label} vs llama.cpp", True, mm.spec, mm.ref, make(mm.path), mm.prompts)
+            p.compute_class, p.weights = cls, mm.weights
+            p.extra.update(file_type=mm.file_type, dims=mm.dims)
+            out.append(p)
+    return out
 
 
-def _f32_gates(plan: CalibrationPlan, log: Callable[[str], None], skipped: list[str]) -> tuple[list[PairStats], dict[str, dict[str, Any]], _ModelRun, _ModelRun | None]:
-    """Phase 1: the default parity gates, proposed from the known-good pairs on the F32 trained
-    models (the MoE one skipped, with a reason, when it cannot be resolved)."""
-    goods, base = _good_pairs(plan, plan.base_model, log, skipped)
-    moe = None
-    if plan.moe_model:
-        try:
-            resolve_model(plan.moe_model)
-        except HarnessError as e:
-            skipped.append(f"{plan.moe_model}: {e}")
-        else:
-            moe_goods, moe = _good_pairs(plan, plan.moe_model, log, skipped)
-            goods += moe_goods
-    return goods, propose(goods), base, moe
+def rows_from_goods(goods: list[PairStats], classes: Sequence[str], use_torch: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per (weights key × class) of ``classes`` from the pairs measured on files with that
+    key; a bf16/f16 row needs a real engine of the class, not only the emulation."""
+    rows, skipped = [], []
+    for weights in dict.fromkeys(g.weights for g in goods):
+        for cls in classes:
+            members = [g for g in goods if g.weights == weights and g.compute_class in CLASS_MEMBERS[cls]]
+            if not members:
+                continue
+            if any(c in NEEDS_REAL_ENGINE for c in CLASS_MEMBERS[cls]) and not use_torch:
+                skipped.append(f"class {cls} on weights {weights}: no real engine of the class (pip install -e .[hf]); "
+                               "the emulation alone does not make a row")
+                continue
+            rows.append({"weights": weights, "class": cls, "goods": members, "gates": propose(members),
+                         "file_types": sorted({g.extra["file_type"] for g in members}),
+                         "basis_models": list({g.extra["dims"]["name"]: g.extra["dims"] for g in members}.values())})
+    return rows, skipped
 
 
-def _quant_rows(plan: CalibrationPlan, log: Callable[[str], None], skipped: list[str]) -> tuple[list[PairStats], dict[str, dict[str, dict[str, Any]]]]:
-    """Phase 2: a per-quant row of gates from oracle vs llama.cpp on each model of the ladder
-    (each good pair tagged with its ``quant_key``)."""
-    goods: list[PairStats] = []
-    per_model: dict[str, dict[str, dict[str, Any]]] = {}
-    for model in plan.ladder:
-        try:
-            path = resolve_model(model)
-        except HarnessError as e:
-            skipped.append(f"{model}: {e}")
+def probe_floors(path: Path, tokens: list[int], classes: Sequence[str], use_torch: bool, log: Callable[[str], None]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Probe tolerances per class from the class engines' own split/decode (and, for llama.cpp,
+    n_ubatch) floor on one model."""
+    from harness.compare.probes import ProbeTolerance, probe_decode, probe_split
+
+    loose = ProbeTolerance(min_cosine=-1, max_kld=math.inf)
+    floors: dict[str, tuple[float, float]] = {}
+    engines = {"f32": [("llama.cpp", lambda p: _llama(p))]}
+    for cls, goods in KNOWN_GOOD.items():
+        engines.setdefault(cls, [])
+        engines[cls] += [(label, make) for label, make, needs_torch in goods
+                         if (use_torch or not needs_torch) and not label.startswith("llama.cpp")]
+    needed = {c for k in classes for c in CLASS_MEMBERS[k]}
+    for cls, engs in engines.items():
+        if cls not in needed:
             continue
-        prompts = _prompts(path)
-        ref = CachedReference(LlamaCppEngine(path))
-        log(f"  good: oracle vs llama.cpp on {model}")
-        g = measure_pair("oracle vs llama.cpp", True, model, ref, resolve_engine("oracle", path), prompts)
-        goods.append(g)
-        per_model[f"quant:{GGUFModel(path).file_type}"] = propose([g])
-        g.extra["quant_key"] = f"quant:{GGUFModel(path).file_type}"
-    return goods, per_model
+        cos, kld = 1.0, 0.0
+        for label, make in engs:
+            log(f"  probe floor ({cls}): {label}")
+            e = make(path)
+            for r in (probe_split(e, tokens, loose), probe_decode(e, tokens[:80], loose)):
+                for c in r.comparisons:
+                    cos, kld = min(cos, c.min_cosine), max(kld, c.max_kld)
+        if cls == "f32":
+            pm = metrics.position_metrics(gather(_llama(path).logits(tokens), len(tokens)), gather(_llama(path, n_ubatch=7).logits(tokens), len(tokens)))
+            cos, kld = min(cos, float(np.min(pm["cosine"]))), max(kld, float(np.max(pm["kld"])))
+        floors[cls] = (cos, kld)
+    out = {}
+    for cls in classes:
+        members = CLASS_MEMBERS[cls]
+        out[cls] = propose_probes(min(floors[c][0] for c in members), max(floors[c][1] for c in members))
+    return out
 
 
-def _probe_floor(base: _ModelRun) -> dict[str, dict[str, Any]]:
-    """Phase 3a: probe tolerances from llama.cpp's own disagreement with itself (split points,
-    decode, n_ubatch 7 against the default) on the longest prompt, with 20× (cosine) and 50× (KLD)
-    margins."""
-    floor = {"min_cosine": 1.0, "max_kld": 0.0}
-    ll = LlamaCppEngine(base.path)
-    main = max(base.prompts, key=len)[:160]
-    for r in (probe_split(ll, main, ProbeTolerance(min_cosine=-1, max_kld=math.inf)),
-              probe_decode(ll, main[:80], ProbeTolerance(min_cosine=-1, max_kld=math.inf))):
-        for c in r.comparisons:
-            floor["min_cosine"] = min(floor["min_cosine"], c.min_cosine)
-            floor["max_kld"] = max(floor["max_kld"], c.max_kld)
-    ub = LlamaCppEngine(base.path, settings=LlamaCppSettings(n_ubatch=7))
-    a = gather(ll.logits(main), len(main))
-    b = gather(ub.logits(main), len(main))
-    pm = metrics.position_metrics(a, b)
-    floor["min_cosine"] = min(floor["min_cosine"], float(np.min(pm["cosine"])))
-    floor["max_kld"] = max(floor["max_kld"], float(np.max(pm["kld"])))
-    return {
-        "min_cosine": {"value": round(1 - _round_up(max(20 * (1 - floor["min_cosine"]), 1e-6)), 8), "floor": floor["min_cosine"]},
-        "max_kld": {"value": _round_up(max(50 * floor["max_kld"], 1e-6)), "floor": floor["max_kld"]},
-    }
-
-
-def _localization_floor(base: _ModelRun) -> tuple[dict[str, dict[str, Any]], list[int], dict[str, np.ndarray]]:
-    """Phase 3b: localization bounds from llama.cpp (F32) against the oracle, tensor by tensor, on
-    the first prompt's first 96 tokens, with a 100× margin; also the oracle's activations and the
-    tokens, which the mutants' localization reuses."""
-    loc_tokens = base.prompts[0][:96]
-    oracle_acts = resolve_engine("oracle", base.path).activations(loc_tokens)
-    ll_acts = LlamaCppEngine(base.path).activations(loc_tokens)
-    ok_rows = [r for r in metrics.compare_activations(oracle_acts, ll_acts) if r["status"] == "ok"]
+def localization_bounds(path: Path, tokens: list[int]) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+    """Per-tensor bounds from llama.cpp (F32) against the oracle, and the oracle's activations."""
+    oracle_acts = _oracle(path).activations(tokens)
+    rows = metrics.compare_activations(oracle_acts, _llama(path).activations(tokens))
+    ok_rows = [r for r in rows if r["status"] == "ok"]
     nm_floor = max(r["nmse"] for r in ok_rows)
     cos_floor = min(r["cosine"] for r in ok_rows)
-    localization = {
+    return {
         "localize_max_nmse": {"value": _round_up(max(100 * nm_floor, 1e-6)), "floor": nm_floor, "n": len(ok_rows)},
         "localize_min_cosine": {"value": round(1 - _round_up(max(100 * (1 - cos_floor), 1e-4)), 8), "floor": cos_floor, "n": len(ok_rows)},
-    }
-    return localization, loc_tokens, oracle_acts
+    }, oracle_acts
 
 
-def _bad_pairs(plan: CalibrationPlan, base: _ModelRun, moe: _ModelRun | None, probes: dict[str, dict[str, Any]],
-               localization: dict[str, dict[str, Any]], loc_tokens: list[int], oracle_acts: dict[str, np.ndarray],
-               log: Callable[[str], None], skipped: list[str]) -> list[PairStats]:
-    """Phase 4: every mutant (or ``plan.mutants``) against llama.cpp on the model whose arch it
-    affects: the parity numbers, and whether the split, decode and determinism probes and the
-    localization (at the proposed tolerances) catch it."""
-    ptol = ProbeTolerance(min_cosine=probes["min_cosine"]["value"], max_kld=probes["max_kld"]["value"])
-    bads = []
+def measure_mutants(plan: CalibrationPlan, base: ModelMeasurement, moe: ModelMeasurement | None, ptol, localization,
+                    oracle_acts: dict[str, np.ndarray], log: Callable[[str], None]) -> tuple[list[PairStats], list[str]]:
+    """Every mutant vs llama.cpp on the F32 trained model of its arch, with the probes and
+    first-divergence localization it trips."""
+    from harness.compare.localize import localize_activations
+    from harness.compare.probes import probe_decode, probe_determinism, probe_split
+    from harness.engines.mutants import MUTANTS
+    from harness.engines.registry import resolve_engine
+    from harness.model.gguf_model import GGUFModel
+
+    bads, skipped = [], []
+    loc_tokens = base.prompts[0][:96]
     for name in plan.mutants or tuple(MUTANTS):
         m = MUTANTS[name]
-        if "qwen35" not in m.archs and moe is None:
+        use_moe = "qwen35" not in m.archs
+        if use_moe and moe is None:
             skipped.append(f"mutant:{name}: needs a qwen35moe model ({plan.moe_model} unavailable)")
             continue
-        run = moe if "qwen35" not in m.archs else base
-        log(f"  bad: mutant:{name} vs llama.cpp on {run.model}")
-        eng = resolve_engine(f"mutant:{name}", run.path)
-        p = measure_pair(f"mutant:{name}", False, run.model, run.ref, eng, run.prompts)
-        toks = max(run.prompts, key=len)[:160]
-        p.extra["probe_split"] = probe_split(eng, toks, ptol).verdict is Verdict.FAIL
-        p.extra["probe_decode"] = probe_decode(eng, toks[:48], ptol).verdict is Verdict.FAIL
+        mm = moe if use_moe else base
+        log(f"  bad: mutant:{name} vs llama.cpp on {mm.spec}")
+        eng = resolve_engine(f"mutant:{name}", mm.path)
+        p = measure_pair(f"mutant:{name}", False, mm.spec, mm.ref, eng, mm.prompts)
+        p.weights = mm.weights
+        toks = max(mm.prompts, key=len)[:160]
+        split, decode = probe_split(eng, toks, ptol), probe_decode(eng, toks[:48], ptol)
+        p.extra["probe_split"], p.extra["probe_split_worst"] = split.verdict is Verdict.FAIL, _worst(split)
+        p.extra["probe_decode"], p.extra["probe_decode_worst"] = decode.verdict is Verdict.FAIL, _worst(decode)
         p.extra["probe_determinism"] = probe_determinism(eng, toks[:64]).verdict is Verdict.FAIL
-        mhp = GGUFModel(run.path).hparams
-        o_acts = oracle_acts if run.path == base.path else resolve_engine("oracle", run.path).activations(loc_tokens)
-        loc = localize_activations(mhp, o_acts, eng.activations(loc_tokens), localization["localize_max_nmse"]["value"],
-                                   localization["localize_min_cosine"]["value"])
+        o_acts = oracle_acts if mm is base else _oracle(mm.path).activations(loc_tokens)
+        loc = localize_activations(GGUFModel(mm.path).hparams, o_acts, eng.activations(loc_tokens),
+                                   localization["localize_max_nmse"]["value"], localization["localize_min_cosine"]["value"])
         p.extra["localize"] = loc.first is not None
         p.extra["first_divergence"] = loc.first.name if loc.first else None
         bads.append(p)
-    return bads
+    return bads, skipped
 
 
-def _refusals(goods: list[PairStats], bads: list[PairStats], gates: dict[str, dict[str, Any]],
-              per_model: dict[str, dict[str, dict[str, Any]]]) -> tuple[dict[str, dict[str, bool]], list[str]]:
-    """Phase 5: the known-bad × gates matrix, and the reasons to refuse: a mutant no gate catches,
-    a known-good pair past the thresholds proposed for it (its quant row, else the default)."""
+def class_detection(bads: list[PairStats], rows: list[dict[str, Any]], probes: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Per class, each mutant ``caught`` (by the class's row on F32 weights, or by a probe with
+    that class's tolerances, or by localization) or ``below the class floor`` (its logits are
+    within what a correct engine of that class produces), with its numbers."""
+    out: dict[str, dict[str, str]] = {}
+    for r in rows:
+        if r["weights"] != "F32":
+            continue
+        col = {}
+        for b in bads:
+            c = caught(b, r["gates"], probes.get(r["class"]))
+            by = [g for g, hit in c.items() if hit]
+            nums = f"min cos {b.min_cosine:.6f}, KLD mean {b.kld_mean:.3g}"
+            col[b.label] = (f"caught by {', '.join(by)}" if by else "below the class floor") + f" ({nums})"
+        out[r["class"]] = col
+    return out
+
+
+def consistency_problems(goods: list[PairStats], bads: list[PairStats], rows: list[dict[str, Any]],
+                         probes: dict[str, dict[str, Any]]) -> list[str]:
+    """Known-good pairs past their own row, and mutants no gate catches at f64/f32 on F32."""
     problems = []
-    matrix = {b.label: caught(b, gates) for b in bads}
-    for b in bads:
-        if not any(matrix[b.label].values()):
-            problems.append(f"{b.label} passes every gate (min cosine {b.min_cosine:.6f}, KLD mean {b.kld_mean:.3g})")
-    for g in goods:
-        th = per_model.get(g.extra.get("quant_key", ""), gates)
-        if g.min_cosine < th["min_cosine"]["value"] or g.kld_mean > th["max_kld_mean"]["value"] or g.kld_p99 > th["max_kld_p99"]["value"]:
-            problems.append(f"known-good {g.label} on {g.model} spreads past the proposed thresholds "
-                            f"(min cosine {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g})")
-    return matrix, problems
+    for r in rows:
+        g = r["gates"]
+        for p in r["goods"]:
+            if p.min_cosine < g["min_cosine"]["value"] or p.kld_mean > g["max_kld_mean"]["value"] or p.kld_p99 > g["max_kld_p99"]["value"]:
+                problems.append(f"known-good {p.label} on {p.model} spreads past the row {r['weights']} × {r['class']} "
+                                f"(min cosine {p.min_cosine:.8f}, KLD mean {p.kld_mean:.3g}, p99 {p.kld_p99:.3g})")
+    for r in rows:
+        if r["weights"] == "F32" and r["class"] in ("f64", "f32"):
+            for b in bads:
+                if not any(caught(b, r["gates"], probes.get(r["class"])).values()):
+                    problems.append(f"{b.label} passes every gate of the {r['class']} row (min cosine {b.min_cosine:.6f}, KLD mean {b.kld_mean:.3g})")
+    return problems
 
 
 def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> CalibrationResult:
-    """Run every pair of ``plan`` and propose thresholds (does not write them), in five phases:
-    F32 known-good pairs → default gates (``_f32_gates``); the quantized ladder → per-quant rows
-    (``_quant_rows``); llama.cpp's own probe and localization floors (``_probe_floor``,
-    ``_localization_floor``); every mutant as a known-bad pair (``_bad_pairs``); the catch matrix
-    and the refusals (``_refusals``). See the module docstring for the arithmetic."""
-    skipped: list[str] = []
-    goods, gates, base, moe = _f32_gates(plan, log, skipped)
-    ladder_goods, per_model = _quant_rows(plan, log, skipped)
-    goods += ladder_goods
-    probes = _probe_floor(base)
-    localization, loc_tokens, oracle_acts = _localization_floor(base)
-    bads = _bad_pairs(plan, base, moe, probes, localization, loc_tokens, oracle_acts, log, skipped)
-    matrix, problems = _refusals(goods, bads, gates, per_model)
-    return CalibrationResult(goods, bads, gates, per_model, probes, localization, matrix, skipped, problems)
+    """Run every pair of ``plan`` and propose the thresholds (does not write them).
+
+    Long because it is the phases in order, each a named function: open the models, measure the
+    known-good pairs per class, make the rows, probe and localization floors, mutants, checks.
+    """
+    from harness.compare.probes import ProbeTolerance
+
+    use_torch = plan.include_transformers and have_torch()
+    skipped = [] if use_torch else ["transformers (every class): the hf extra (torch) is not installed"]
+    models: list[ModelMeasurement] = []
+    for spec in plan.models():
+        tokens = plan.max_tokens if spec in (plan.base_model, plan.moe_model) else plan.ladder_max_tokens
+        try:
+            models.append(open_for_calibration(spec, tokens))
+        except HarnessError as e:
+            skipped.append(f"{spec}: {e}")
+    if not models or models[0].spec != plan.base_model:
+        raise InvalidInput(f"calibration needs its base model {plan.base_model}")
+    goods = [p for mm in models for p in measure_goods(mm, plan.classes, use_torch, log)]
+    rows, row_skips = rows_from_goods(goods, plan.classes, use_torch)
+    skipped += row_skips
+    base = models[0]
+    moe = next((mm for mm in models if mm.spec == plan.moe_model), None)
+    main = max(base.prompts, key=len)[:160]
+    probes = probe_floors(base.path, main, [r["class"] for r in rows if r["weights"] == "F32"] or ["f32"], use_torch, log)
+    localization, oracle_acts = localization_bounds(base.path, base.prompts[0][:96])
+    p64 = probes.get("f64", probes.get("f32"))
+    ptol = ProbeTolerance(min_cosine=p64["min_cosine"]["value"], max_kld=p64["max_kld"]["value"])
+    bads, mut_skips = measure_mutants(plan, base, moe, ptol, localization, oracle_acts, log)
+    skipped += mut_skips
+    f64 = next((r["gates"] for r in rows if r["weights"] == "F32" and r["class"] == "f64"), None)
+    matrix = {b.label: caught(b, f64) for b in bads} if f64 else {}
+    return CalibrationResult(goods, bads, rows, probes, localization, matrix, class_detection(bads, rows, probes), skipped,
+                             consistency_problems(goods, bads, rows, probes))
 
 
+# ------------------------------------------------------------------------------- the subject
+@dataclass
+class SubjectCalibration:
+    """``calibrate_subject``'s result: the row, the pairs it came from, and what was left out."""
+
+    row: Row
+    goods: list[PairStats]
+    model: ModelMeasurement
+    skipped: list[str]
+
+
+def calibrate_subject(spec: str, compute_class: str, max_tokens: int = 128, use_torch: bool | None = None,
+                      log: Callable[[str], None] = print) -> SubjectCalibration:
+    """Measure the calibrated tier on the subject itself: the known-good engines of
+    ``compute_class`` against llama.cpp on ``spec`` over the shipped prompts cut to
+    ``max_tokens`` each (a bounded cost), the row by ``propose``, and the class's probe
+    tolerances from the same engines' self-consistency on this model.
+
+    Raises ``InvalidInput`` (unknown class; a bf16/f16 class without a real engine of it) and
+    ``EngineError``.
+    """
+    if compute_class not in CLASS_MEMBERS:
+        raise InvalidInput(f"unknown compute class {compute_class!r}; classes: {', '.join(COMPUTE_CLASSES)}")
+    use_torch = have_torch() if use_torch is None else use_torch
+    if any(c in NEEDS_REAL_ENGINE for c in CLASS_MEMBERS[compute_class]) and not use_torch:
+        raise InvalidInput(f"measuring class {compute_class} needs a real engine of that class beside the emulation "
+                           "(transformers): pip install -e .[hf]")
+    mm = open_for_calibration(spec, max_tokens)
+    goods = measure_goods(mm, [compute_class], use_torch, log)
+    probes = probe_floors(mm.path, max(mm.prompts, key=len)[:160], [compute_class], use_torch, log)[compute_class]
+    gates = propose(goods)
+    n = sum(g.n for g in goods)
+    basis = {name: {"value": v["value"], "basis": _basis("harness calibrate --model " + spec + " --class " + compute_class, max(n, 1), spec,
+                                                         v["floor"], [], f"measured on the subject itself by {', '.join(g.label for g in goods)}; "
+                                                         f"{MARGIN}x the bootstrap CI by prompt.")} for name, v in gates.items()}
+    pbasis = {name: {"value": v["value"], "basis": _basis("harness calibrate --model " + spec + " --class " + compute_class, 1, spec, v["floor"], [],
+                                                          "the class engines' own split/decode floor on the subject.")} for name, v in probes.items()}
+    row = Row(mm.weights, compute_class, (mm.dims,), basis, pbasis, f"measured on the subject ({spec})", mm.file_type)
+    return SubjectCalibration(row, goods, mm, [] if use_torch else ["transformers: the hf extra is not installed"])
+
+
+# ------------------------------------------------------------------------------- writing
 def _basis(command: str, n: int, model: str, floor: float, bads: list[tuple[float, str]], note: str,
            threshold: float | None = None, lower_is_bad: bool = True) -> dict[str, Any]:
     """A measured basis. ``known_bad`` lists the known-bad values this gate separates (beyond
@@ -381,7 +581,7 @@ def _basis(command: str, n: int, model: str, floor: float, bads: list[tuple[floa
         sep = [(v, w) for v, w in vals if (v < threshold if lower_is_bad else v > threshold)]
         missed = [w for v, w in vals if (v, w) not in sep]
         if missed:
-            note += f" Missed by this gate alone (caught by another): {', '.join(missed)}."
+            note += f" Missed by this gate alone (caught by another, or below this class's floor): {', '.join(missed)}."
         vals = sep
     known_bad = [{"value": v, "what": w} for v, w in vals][:12]
     if not known_bad:
@@ -390,77 +590,103 @@ def _basis(command: str, n: int, model: str, floor: float, bads: list[tuple[floa
             "known_good_floor": float(floor), "known_bad": known_bad, "note": note}
 
 
-def thresholds_document(res: CalibrationResult, command: str, commit: str | None, near_tie_margin: float = 0.25) -> dict[str, Any]:
-    """The thresholds.yaml content with measured bases for every gate calibration measured."""
-    base = res.goods[0].model
-    n_pos = sum(int(sum(k.size for k in g.per_prompt_kld)) for g in res.goods if g.model == base)
-    goods_txt = "; ".join(f"{g.label} on {g.model}: min cos {g.min_cosine:.8f}, KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g}" for g in res.goods)
-    commit_txt = f" harness commit {commit}." if commit else ""
-    g = res.gates
-    bad_cos = [(b.min_cosine, b.label) for b in sorted(res.bads, key=lambda b: -b.min_cosine)]
-    bad_km = [(b.kld_mean, b.label) for b in sorted(res.bads, key=lambda b: b.kld_mean)]
-    bad_kp = [(b.kld_p99, b.label) for b in sorted(res.bads, key=lambda b: b.kld_p99)]
-    doc: dict[str, Any] = {
-        "schema": "harness-thresholds/v1",
-        "report_only": {"near_tie_margin": near_tie_margin},
+def _row_document(r: dict[str, Any], res: CalibrationResult, command: str, commit_txt: str) -> dict[str, Any]:
+    g = r["gates"]
+    n = sum(p.n for p in r["goods"])
+    model = r["basis_models"][0]["name"]
+    goods_txt = "; ".join(f"{p.label} on {p.model}: min cos {p.min_cosine:.8f}, KLD mean {p.kld_mean:.3g}, p99 {p.kld_p99:.3g}" for p in r["goods"])
+    f32_mutants = r["weights"] == "F32"
+    bad_cos = [(b.min_cosine, b.label) for b in sorted(res.bads, key=lambda b: -b.min_cosine)] if f32_mutants else []
+    bad_km = [(b.kld_mean, b.label) for b in sorted(res.bads, key=lambda b: b.kld_mean)] if f32_mutants else []
+    bad_kp = [(b.kld_p99, b.label) for b in sorted(res.bads, key=lambda b: b.kld_p99)] if f32_mutants else []
+    where = "Known-bad values are the mutants' (F32 trained models)." if f32_mutants else \
+        "No mutant runs on this file type; the per-class mutant matrix is measured on F32."
+    doc = {
+        "weights": r["weights"], "class": r["class"], "file_type": ", ".join(r["file_types"]),
+        "basis_models": [{k: d[k] for k in ("name", "sha256", "arch", "n_layer", "n_embd")} for d in r["basis_models"]],
         "gates": {
-            "min_positions": {"value": 64, "basis": {"kind": "declared", "who": "harness maintainers (issue 5)",
-                                                      "why": "Fewest positions over the whole prompt set for a cosine minimum to mean anything; below it the cell is UNMEASURED, not PASS.",
-                                                      "date": "2026-11-29"}},
-            "min_cosine": {"value": g["min_cosine"]["value"], "basis": _basis(command, n_pos, base, g["min_cosine"]["floor"], bad_cos,
-                           f"1 - {MARGIN}x(1 - lower 95% bootstrap CI by prompt {g['min_cosine']['ci']:.8f}) of the known-good floor over F32 trained models. Known-good: {goods_txt}.{commit_txt}",
-                           g["min_cosine"]["value"], True)},
-            "max_kld_mean": {"value": g["max_kld_mean"]["value"], "basis": _basis(command, n_pos, base, g["max_kld_mean"]["floor"], bad_km,
-                             f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_mean']['ci']:.3g}) of the known-good KLD mean; catches scale errors cosine cannot see.{commit_txt}",
+            "min_cosine": {"value": g["min_cosine"]["value"], "basis": _basis(command, n, model, g["min_cosine"]["floor"], bad_cos,
+                           f"1 - {MARGIN}x(1 - lower 95% bootstrap CI by prompt {g['min_cosine']['ci']:.8f}), never below the release floor. "
+                           f"Known-good ({r['class']}): {goods_txt}. {where}{commit_txt}", g["min_cosine"]["value"], True)},
+            "max_kld_mean": {"value": g["max_kld_mean"]["value"], "basis": _basis(command, n, model, g["max_kld_mean"]["floor"], bad_km,
+                             f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_mean']['ci']:.3g}) of the known-good KLD mean.{commit_txt}",
                              g["max_kld_mean"]["value"], False)},
-            "max_kld_p99": {"value": g["max_kld_p99"]["value"], "basis": _basis(command, n_pos, base, g["max_kld_p99"]["floor"], bad_kp,
-                            f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_p99']['ci']:.3g}) of the known-good KLD p99 (tail).{commit_txt}",
+            "max_kld_p99": {"value": g["max_kld_p99"]["value"], "basis": _basis(command, n, model, g["max_kld_p99"]["floor"], bad_kp,
+                            f"{MARGIN}x upper 95% bootstrap CI by prompt ({g['max_kld_p99']['ci']:.3g}) of the known-good KLD p99.{commit_txt}",
                             g["max_kld_p99"]["value"], False)},
         },
+    }
+    pr = res.probes.get(r["class"])
+    if pr:
+        split_bads = [b.label for b in res.bads if b.extra.get("probe_split")]
+        doc["probes"] = {
+            "min_cosine": {"value": pr["min_cosine"]["value"], "basis": _basis(command, 1, res.goods[0].model, pr["min_cosine"]["floor"],
+                           [(0.0, b) for b in split_bads], f"20x (in 1 - cosine) the {r['class']} engines' own floor across split points and decode"
+                           f"{' and n_ubatch 7' if r['class'] in ('f32', 'mixed') else ''}; known-bad: mutants the split probe fails.{commit_txt}")},
+            "max_kld": {"value": pr["max_kld"]["value"], "basis": _basis(command, 1, res.goods[0].model, pr["max_kld"]["floor"],
+                        [(1.0, b) for b in split_bads], f"50x the {r['class']} engines' own max KLD across split points and decode.{commit_txt}")},
+        }
+    return doc
+
+
+def thresholds_document(res: CalibrationResult, command: str, commit: str | None, near_tie_margin: float = 0.25) -> dict[str, Any]:
+    """The thresholds.yaml (``harness-thresholds/v2``) content: the declared release gate, the
+    localization bounds and one measured row per weights key × class."""
+    commit_txt = f" harness commit {commit}." if commit else ""
+    base = res.goods[0].model
+    loc_bads = [b for b in res.bads if b.extra.get("localize")]
+    lz = res.localization
+    return {
+        "schema": "harness-thresholds/v2",
+        "report_only": {"near_tie_margin": near_tie_margin},
+        "release": RELEASE,
         "probes": {
-            "min_cosine": {"value": res.probes["min_cosine"]["value"], "basis": _basis(command, 1, base, res.probes["min_cosine"]["floor"],
-                           [(0.0, b.label) for b in res.bads if b.extra.get("probe_split")],
-                           "llama.cpp's own floor across split points, decode and n_ubatch 7 (20x margin in 1-cosine); known-bad: mutants the split probe fails." + commit_txt)},
-            "max_kld": {"value": res.probes["max_kld"]["value"], "basis": _basis(command, 1, base, res.probes["max_kld"]["floor"],
-                        [(1.0, b.label) for b in res.bads if b.extra.get("probe_split")],
-                        "50x llama.cpp's own max KLD across split points, decode and n_ubatch 7." + commit_txt)},
-            "localize_max_nmse": {"value": res.localization["localize_max_nmse"]["value"], "basis": _basis(command, res.localization["localize_max_nmse"]["n"], base,
-                                  res.localization["localize_max_nmse"]["floor"], [(1.0, f"{b.label} (first divergence {b.extra.get('first_divergence')})") for b in res.bads if b.extra.get("localize")],
+            "localize_max_nmse": {"value": lz["localize_max_nmse"]["value"], "basis": _basis(command, lz["localize_max_nmse"]["n"], base,
+                                  lz["localize_max_nmse"]["floor"], [(1.0, f"{b.label} (first divergence {b.extra.get('first_divergence')})") for b in loc_bads],
                                   "100x the largest per-tensor NMSE of llama.cpp (F32) against the oracle." + commit_txt)},
-            "localize_min_cosine": {"value": res.localization["localize_min_cosine"]["value"], "basis": _basis(command, res.localization["localize_min_cosine"]["n"], base,
-                                    res.localization["localize_min_cosine"]["floor"], [(0.0, b.label) for b in res.bads if b.extra.get("localize")],
+            "localize_min_cosine": {"value": lz["localize_min_cosine"]["value"], "basis": _basis(command, lz["localize_min_cosine"]["n"], base,
+                                    lz["localize_min_cosine"]["floor"], [(0.0, b.label) for b in loc_bads],
                                     "1 - 100x(1 - smallest per-tensor cosine of llama.cpp (F32) against the oracle), at most 0.9999." + commit_txt)},
         },
-        "models": {},
+        "calibrated": [_row_document(r, res, command, commit_txt) for r in res.rows],
     }
-    for key, gm in res.per_model.items():
-        good = next(x for x in res.goods if x.extra.get("quant_key") == key)
-        model = good.model
-        n = int(sum(k.size for k in good.per_prompt_kld))
-        doc["models"][key] = {"gates": {
-            "min_cosine": {"value": gm["min_cosine"]["value"], "basis": _basis(command, n, model, gm["min_cosine"]["floor"], bad_cos,
-                           f"per-quant row for every {key.split(':')[1]} model, measured on {model}: oracle (exact dequantized weights) vs llama.cpp, which quantizes activations; 1 - {MARGIN}x(1 - lower CI {gm['min_cosine']['ci']:.8f}). Known-bad values are the mutants' on {base} (F32).{commit_txt}",
-                           gm["min_cosine"]["value"], True)},
-            "max_kld_mean": {"value": gm["max_kld_mean"]["value"], "basis": _basis(command, n, model, gm["max_kld_mean"]["floor"], bad_km,
-                             f"per-quant row, {MARGIN}x upper CI {gm['max_kld_mean']['ci']:.3g}.{commit_txt}", gm["max_kld_mean"]["value"], False)},
-            "max_kld_p99": {"value": gm["max_kld_p99"]["value"], "basis": _basis(command, n, model, gm["max_kld_p99"]["floor"], bad_kp,
-                            f"per-quant row, {MARGIN}x upper CI {gm['max_kld_p99']['ci']:.3g}.{commit_txt}", gm["max_kld_p99"]["value"], False)},
-        }}
-    return doc
+
+
+def matrix_markdown(res: CalibrationResult, command: str) -> str:
+    """The per-class detection matrix as Markdown: each mutant caught (by which gates) or below
+    the class floor, per class, with its numbers (``class_detection``)."""
+    classes = list(res.class_matrix)
+    lines = ["# Mutants × compute classes: caught, or below the class floor", "",
+             f"Written by `{command}` ({datetime.date.today().isoformat()}). Each mutant runs against llama.cpp on the F32 trained",
+             "fixture of its architecture; a cell says which gates of that class's F32 row (`cosine`, `kld_mean`, `kld_p99`),",
+             "probes (`probe_split`, `probe_decode`, `probe_determinism`) or first-divergence localization (`localize`) catch it,",
+             "or that its logits are **below the class floor**: within what a correct engine of that class produces.", "",
+             "| mutant | " + " | ".join(classes) + " |", "|---|" + "---|" * len(classes)]
+    for b in res.bads:
+        lines.append(f"| `{b.label}` | " + " | ".join(res.class_matrix[c].get(b.label, "-") for c in classes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+HEADER = (
+    "# Every number that gates a verdict, each with its basis (docs/gates.md).\n"
+    "# Written by `harness calibrate` (harness/gates/calibrate.py): the release gate is a declared floor;\n"
+    "# every calibrated row is measured (command, n, known-good floor, known-bad values it separates) for one\n"
+    "# weights key x compute class. Schema: harness/schemas/thresholds.schema.json. Edit by re-running\n"
+    "# calibration, or replace a value with a declared basis (who, why) -- a number without a basis refuses\n"
+    "# to gate (exit 2), and no row may be looser than the release floor.\n"
+)
 
 
 def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
     """Write ``doc`` as thresholds.yaml (header comment + YAML) atomically, then validate it by
     loading it back (``InvalidInput`` if it does not validate)."""
+    import os
+    import tempfile
+
+    from harness.gates.thresholds import load_thresholds
+
     path = Path(path)
-    header = (
-        "# Every number that gates a verdict, each with its basis (docs/design.md, \"Thresholds\").\n"
-        "# Written by `harness calibrate` (harness/gates/calibrate.py): measured bases name the command, n, the\n"
-        "# known-good floor and the known-bad values each threshold separates. Schema:\n"
-        "# harness/schemas/thresholds.schema.json. Edit by re-running calibration, or replace a value with a\n"
-        "# declared basis (who, why) — a number without a basis refuses to gate (exit 2).\n"
-    )
-    text = header + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+    text = HEADER + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".thresholds.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)

@@ -1,27 +1,33 @@
 """thresholds.yaml: every gating number with its basis; fail closed without one.
 
-Schema ``harness-thresholds/v1`` (``harness/schemas/thresholds.schema.json``)::
+Schema ``harness-thresholds/v2`` (``harness/schemas/thresholds.schema.json``), two tiers
+(``harness.gates.tiers``)::
 
-    schema: harness-thresholds/v1
+    schema: harness-thresholds/v2
     report_only: {near_tie_margin: 0.25}          # parameters of report-only fields, no basis
-    gates:                                        # parity gates; min_positions and min_cosine required
+    release:                                      # the release gate: a declared floor
       min_cosine: {value: 0.98, basis: {kind: declared, who: ..., why: ...}}
-    probes: {NAME: {value, basis}}                # probe tolerances, same rule
-    models:                                       # per-model overrides, by sha256 or fixture name
-      "fixture:trained-qwen35": {gates: {min_cosine: {value: ..., basis: {kind: measured, ...}}}}
+      min_positions: {value: 64, basis: {kind: declared, ...}}
+    probes: {localize_max_nmse: {value, basis}, ...}     # class-independent tolerances
+    calibrated:                                   # measured rows, keyed by weights × class
+      - {weights: F32+Q4_K+Q6_K, class: f32, file_type: Q4_K_M,
+         basis_models: [{name: fixture:trained-qwen35-256-Q4_K_M, n_layer: 4, n_embd: 256}],
+         gates: {min_cosine: {value, basis}, max_kld_mean: ..., max_kld_p99: ...},
+         probes: {min_cosine: ..., max_kld: ...}}
 
 A basis is ``kind: measured`` (command, n, model, date, known_good_floor, known_bad) or
 ``kind: declared`` (who, why). A gate without one is ``InvalidInput`` (exit 2) naming the key and
-its line; so are YAML syntax errors, duplicate keys and non-finite values.
-``Thresholds.for_model`` resolves the overrides for one model and flags every measured basis
-that was measured on a different model than the subject (docs/design.md, "Thresholds").
+its line; so are YAML syntax errors, duplicate keys, non-finite values, two rows for one
+weights × class key, and a row looser than the release floor (its ``min_cosine`` below
+``release.min_cosine``). ``Thresholds.resolve`` picks the row that fits a subject
+(``tiers.find_row``) — never one of another key.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,14 +35,16 @@ import jsonschema
 import yaml
 
 from harness.errors import InvalidInput, Unmeasured
+from harness.gates.tiers import Row, Subject, find_row
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.validation import schema_validator
 from harness.yamlnodes import check_size, duplicate_keys, line_of
 
-SCHEMA_ID = "harness-thresholds/v1"
+SCHEMA_ID = "harness-thresholds/v2"
 SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
-SECTIONS = ("gates", "probes")
+SECTIONS = ("release", "probes")
+ROW_SECTIONS = ("gates", "probes")
 DEFAULT_NEAR_TIE_MARGIN = 0.25
 
 
@@ -44,9 +52,9 @@ DEFAULT_NEAR_TIE_MARGIN = 0.25
 class Gate:
     """One resolved gating number.
 
-    ``source`` says where it came from (``gates`` or ``models["ID"].gates``); ``basis_model`` is
-    the model a measured basis was taken on (None for a declared basis) and
-    ``basis_model_differs`` is True when that is not the subject (None for declared).
+    ``source`` says where it came from (``release``, ``probes``, ``calibrated[3].gates``, or a
+    calibration receipt); ``basis_model`` is the model a measured basis was taken on (None for a
+    declared basis) and ``basis_model_differs`` is True when that is not the subject.
     """
 
     name: str
@@ -71,57 +79,82 @@ class Gate:
         }
 
 
+def _gate(name: str, g: Mapping[str, Any], source: str, ids: tuple[str, ...]) -> Gate:
+    basis = dict(g["basis"])
+    if basis["kind"] == "measured":
+        return Gate(name, g["value"], basis, source, basis["model"], basis["model"] not in ids)
+    return Gate(name, g["value"], basis, source)
+
+
 @dataclass(frozen=True)
 class ResolvedThresholds:
-    """The thresholds that apply to one subject model (``Thresholds.for_model``)."""
+    """The thresholds that apply to one subject (``Thresholds.resolve``).
 
-    model_id: str
-    aliases: tuple[str, ...]
-    gates: dict[str, Gate]
+    ``release``: the release gate (``min_cosine``, ``min_positions``); ``row``: the calibrated
+    row that fits the subject, or None with ``row_misfit`` saying why; ``probes``: the
+    class-independent tolerances plus, when a row fits, its probe tolerances.
+    """
+
+    subject: Subject
+    release: dict[str, Gate]
+    row: Row | None
+    row_misfit: str
     probes: dict[str, Gate]
     near_tie_margin: float
     path: str
     sha256: str
+    ids: tuple[str, ...] = ()
 
     @property
-    def min_cosine(self) -> float:
-        return float(self.gates["min_cosine"].value)
+    def release_min_cosine(self) -> float:
+        return float(self.release["min_cosine"].value)
 
     @property
     def min_positions(self) -> int:
-        return int(self.gates["min_positions"].value)
+        return int(self.release["min_positions"].value)
 
-    def gate(self, name: str, section: str = "gates") -> Gate:
-        """The named gate of ``section`` (``gates`` or ``probes``).
+    @property
+    def release_gates(self) -> dict[str, dict[str, Any]]:
+        return {n: {"value": g.value, "basis": g.basis} for n, g in self.release.items()}
 
-        Raises ``Unmeasured`` when the file has no such number: a gate never passes by default.
+    def gate(self, name: str, section: str = "release") -> Gate:
+        """The named number of ``section`` (``release`` or ``probes``).
+
+        Raises ``Unmeasured`` when there is no such number for this subject: a gate never passes
+        by default, and a row of another weights key or class is never borrowed.
         """
-        table = {"gates": self.gates, "probes": self.probes}[section]
+        table = {"release": self.release, "probes": self.probes}[section]
         if name not in table:
+            why = f" ({self.row_misfit})" if section == "probes" and self.row is None and self.row_misfit else ""
             raise Unmeasured(
-                f"{self.path}: no threshold {section}.{name} for model {self.model_id}; "
+                f"{self.path}: no threshold {section}.{name} for {self.subject.key_text()}{why}; "
                 "a number that is not in thresholds.yaml cannot gate (UNMEASURED)"
             )
         return table[name]
 
+    def with_row(self, row: Row) -> ResolvedThresholds:
+        """The same thresholds with ``row`` (e.g. measured on the subject itself) as the calibrated tier."""
+        probes = dict(self.probes)
+        probes.update({n: _gate(n, g, f"{row.source}.probes", self.ids) for n, g in row.probes.items()})
+        return replace(self, row=row, row_misfit="", probes=probes)
+
     @property
     def basis_mismatches(self) -> list[str]:
-        """``section.name`` of every gate whose measured basis was taken on another model."""
-        return [
-            f"{sec}.{g.name}"
-            for sec, table in (("gates", self.gates), ("probes", self.probes))
-            for g in table.values()
-            if g.basis_model_differs
-        ]
+        """``section.name`` of every release/probe number whose measured basis was taken on another model."""
+        return [f"{sec}.{g.name}" for sec, table in (("release", self.release), ("probes", self.probes))
+                for g in table.values() if g.basis_model_differs]
 
     def to_receipt(self) -> dict[str, Any]:
-        """JSON-ready record for a receipt: file, sha256, near-tie margin and every gate."""
+        """JSON-ready record for a receipt: file, sha256, subject key, the release gate, the
+        calibrated row used (or why none fits), and the probe tolerances."""
         return {
             "file": self.path,
             "sha256": self.sha256,
-            "subject": self.model_id,
+            "subject": self.subject.to_dict(),
             "near_tie_margin": self.near_tie_margin,
-            "gates": {n: g.to_dict() for n, g in self.gates.items()},
+            "release": {n: g.to_dict() for n, g in self.release.items()},
+            "calibrated": self.row.to_receipt() if self.row else None,
+            "calibrated_misfit": self.row_misfit or None,
             "probes": {n: g.to_dict() for n, g in self.probes.items()},
         }
 
@@ -139,47 +172,24 @@ class Thresholds:
         return float(self.data.get("report_only", {}).get("near_tie_margin", DEFAULT_NEAR_TIE_MARGIN))
 
     @property
-    def model_keys(self) -> list[str]:
-        return list(self.data.get("models", {}))
+    def rows(self) -> list[Row]:
+        """The calibrated rows, in file order (``source`` names each by index)."""
+        return [
+            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], r.get("probes", {}),
+                f"{self.path} calibrated[{i}]", r["file_type"])
+            for i, r in enumerate(self.data.get("calibrated", []))
+        ]
 
-    def for_model(self, model_id: str, *aliases: str) -> ResolvedThresholds:
-        """Resolve the gates for one model.
-
-        Args:
-            model_id: the subject's identity, its sha256 or fixture name (``fixture:NAME``).
-            aliases: its other identities (e.g. the fixture name when ``model_id`` is a sha256).
-
-        Overrides under ``models`` keyed by any identity replace the default gate of the same
-        name; when several keys match, ``model_id``'s wins over the aliases'. Each measured basis
-        is flagged when its ``model`` is none of the subject's identities.
-        """
-        ids = (model_id, *aliases)
-        models = self.data.get("models", {})
-        resolved: dict[str, dict[str, Gate]] = {}
-        for section in SECTIONS:
-            table = {
-                name: self._gate(name, g, section, ids) for name, g in self.data.get(section, {}).items()
-            }
-            for key in reversed(ids):  # model_id applied last, so it wins
-                for name, g in models.get(key, {}).get(section, {}).items():
-                    table[name] = self._gate(name, g, f'models["{key}"].{section}', ids)
-            resolved[section] = table
-        return ResolvedThresholds(
-            model_id=model_id,
-            aliases=tuple(aliases),
-            gates=resolved["gates"],
-            probes=resolved["probes"],
-            near_tie_margin=self.near_tie_margin,
-            path=self.path,
-            sha256=self.sha256,
-        )
-
-    @staticmethod
-    def _gate(name: str, g: Mapping[str, Any], source: str, ids: tuple[str, ...]) -> Gate:
-        basis = dict(g["basis"])
-        if basis["kind"] == "measured":
-            return Gate(name, g["value"], basis, source, basis["model"], basis["model"] not in ids)
-        return Gate(name, g["value"], basis, source)
+    def resolve(self, subject: Subject, *ids: str) -> ResolvedThresholds:
+        """The release gate, the calibrated row that fits ``subject`` (``tiers.find_row``) and the
+        probe tolerances. ``ids``: the subject model's identities (sha256, fixture name), used to
+        flag measured bases taken on another model."""
+        ids = (subject.sha256, *ids)
+        release = {n: _gate(n, g, "release", ids) for n, g in self.data["release"].items()}
+        probes = {n: _gate(n, g, "probes", ids) for n, g in self.data.get("probes", {}).items()}
+        row, misfit = find_row(self.rows, subject)
+        resolved = ResolvedThresholds(subject, release, None, misfit, probes, self.near_tie_margin, self.path, self.sha256, ids)
+        return resolved.with_row(row) if row is not None else resolved
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -215,6 +225,9 @@ def load_thresholds(path: str | Path) -> Thresholds:
     data = _dates_as_text(data)
     if not isinstance(data, dict):
         raise InvalidInput(f"{path}:1: thresholds file must be a mapping with `schema: {SCHEMA_ID}`")
+    if data.get("schema") == "harness-thresholds/v1":
+        raise InvalidInput(f"{path}:1: harness-thresholds/v1 has one set of gates for every file; v2 keys them by weights "
+                           "and compute class under a release floor: re-run `harness calibrate` to write it")
     errors = sorted(schema_validator(SCHEMA_PATH.name).iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         first = _most_useful(errors)
@@ -225,6 +238,7 @@ def load_thresholds(path: str | Path) -> Thresholds:
         ] if first.validator == "required" else []
         raise InvalidInput(_schema_error_message(path, root, first) + "".join(f"; {m}" for m in missing))
     _check_finite(path, root, data)
+    _check_rows(path, root, data)
     return Thresholds(path=str(path), sha256=sha256_bytes(raw), data=data)
 
 
@@ -248,7 +262,7 @@ def _yaml_error_message(path: Path, e: yaml.YAMLError) -> str:
 
 
 def _is_gate_path(p: list[Any]) -> bool:
-    return (len(p) == 2 and p[0] in SECTIONS) or (len(p) == 4 and p[0] == "models" and p[2] in SECTIONS)
+    return (len(p) == 2 and p[0] in SECTIONS) or (len(p) == 4 and p[0] == "calibrated" and p[2] in ROW_SECTIONS)
 
 
 def _most_useful(errors: list[jsonschema.ValidationError]) -> jsonschema.ValidationError:
@@ -279,15 +293,30 @@ def _schema_error_message(path: Path, root: yaml.Node | None, e: jsonschema.Vali
     return f"{where}: {dotted}: {e.message}"
 
 
+def _gate_values(data: Mapping[str, Any]) -> list[tuple[list[Any], Any]]:
+    """``(key path, value)`` of every gating number in the file."""
+    out = [([sec, name, "value"], g["value"]) for sec in SECTIONS for name, g in data.get(sec, {}).items()]
+    for i, row in enumerate(data.get("calibrated", [])):
+        out += [(["calibrated", i, sec, name, "value"], g["value"]) for sec in ROW_SECTIONS for name, g in row.get(sec, {}).items()]
+    return out
+
+
 def _check_finite(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> None:
-    def check(keys: list[Any], value: Any) -> None:
+    for keys, value in _gate_values(data):
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidInput(f"{path}:{line_of(root, keys)}: {'.'.join(map(str, keys))} is {value}; gates need finite numbers")
 
-    for section in SECTIONS:
-        for name, g in data.get(section, {}).items():
-            check([section, name, "value"], g["value"])
-    for key, m in data.get("models", {}).items():
-        for section in SECTIONS:
-            for name, g in m.get(section, {}).items():
-                check(["models", key, section, name, "value"], g["value"])
+
+def _check_rows(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> None:
+    """One row per weights × class key, and none looser than the release floor."""
+    floor = float(data["release"]["min_cosine"]["value"])
+    seen: dict[tuple[str, str], int] = {}
+    for i, row in enumerate(data.get("calibrated", [])):
+        key = (row["weights"], row["class"])
+        where = f"{path}:{line_of(root, ['calibrated', i])}: calibrated[{i}] (weights {key[0]}, class {key[1]})"
+        if key in seen:
+            raise InvalidInput(f"{where} repeats the key of calibrated[{seen[key]}]; one row per weights × class")
+        seen[key] = i
+        cos = float(row["gates"]["min_cosine"]["value"])
+        if cos < floor:
+            raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")

@@ -697,6 +697,16 @@ class GGUFModel:
         types = [t.tensor_type.name for t in self.reader.tensors]
         return max(set(types), key=types.count) if types else "unknown"
 
+    @property
+    def weights_key(self) -> str:
+        """What the file's weights hold, as the calibrated gates are keyed: the sorted ggml type
+        names of every tensor with two or more dimensions (matmul weights, embeddings, conv
+        kernels), joined by ``+`` (e.g. ``F32``, ``F16+F32``, ``F32+Q4_K+Q6_K``). Two files of one
+        ``general.file_type`` differ here when the quantizer fell back on narrow rows or when
+        per-tensor type overrides were used, which is what changes the known-good floor."""
+        types = {t.tensor_type.name for t in self.reader.tensors if sum(int(x) > 1 for x in t.shape) >= 2}
+        return "+".join(sorted(types)) or "none"
+
     def describe(self) -> dict[str, Any]:
         """Model identity for receipts: path, sha256, arch, file type, tensor count, overrides."""
         return {

@@ -454,6 +454,7 @@ class Qwen35Oracle:
             },
             capabilities=["chunks", "activations"],
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
+            compute_class="f64",
         )
 
     @property

@@ -1,0 +1,159 @@
+"""Judging a measured cell with the two tiers (``harness.gates.tiers``): the release gate every
+verdict shows, the calibrated tier where a row fits, and how they combine into the verdict.
+
+Every tier has one line that receipts, reports, ledger rows and the terminal show as it is, e.g.
+``release gate cosine ≥ 0.98 over ≥ 64 positions: ok, min 0.99593 over 1479 positions``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from harness.compare import metrics
+from harness.engines.base import ASSUMED_CLASS, COMPUTE_CLASSES
+from harness.errors import Verdict
+from harness.gates.tiers import KLD_GATES, Row, Subject
+
+
+@dataclass
+class GateCheck:
+    """One judged number: ``ok`` None means it could not be computed (never counted as passed)."""
+
+    tier: str
+    name: str
+    label: str
+    threshold: float
+    observed: float | None
+    ok: bool | None
+    basis_kind: str = "declared"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "name": self.name, "label": self.label, "threshold": self.threshold,
+                "observed": self.observed, "ok": self.ok, "basis_kind": self.basis_kind}
+
+
+@dataclass
+class TierResult:
+    """A tier's judgement: ``status`` is ``ok``, ``fail`` or ``unmeasured``; ``line`` is the one
+    line every receipt, report and ledger row shows; ``command`` measures an unmeasured tier."""
+
+    tier: str
+    status: str
+    checks: list[GateCheck] = field(default_factory=list)
+    line: str = ""
+    source: str | None = None
+    reason: str | None = None
+    command: str | None = None
+    failing_positions: int = 0
+    first_failing: int | None = None
+    worst: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "status": self.status, "line": self.line, "source": self.source,
+                "reason": self.reason, "command": self.command, "failing_positions": self.failing_positions,
+                "checks": [c.to_dict() for c in self.checks]}
+
+
+def _cosine_check(tier: str, per_position: Mapping[str, np.ndarray], threshold: float, basis_kind: str) -> tuple[GateCheck, np.ndarray]:
+    fails = metrics.cosine_failures(per_position, threshold)
+    cos = np.asarray(per_position["cosine"], dtype=np.float64)
+    finite = np.asarray(per_position["finite"], bool) & np.asarray(per_position["ref_finite"], bool) & np.isfinite(cos)
+    observed = float(np.min(cos[finite])) if finite.any() else None  # non-finite rows fail through ``fails``
+    return GateCheck(tier, "min_cosine", "cosine", float(threshold), observed, bool(cos.size) and fails.size == 0, basis_kind), fails
+
+
+def worst_position(per_position: Mapping[str, np.ndarray], fails: np.ndarray) -> int | None:
+    """Index of the failing position with the lowest cosine (non-finite counts lowest), or None."""
+    if not fails.size:
+        return None
+    cos = np.where(np.isfinite(per_position["cosine"]), per_position["cosine"], -np.inf)
+    return int(fails[np.argmin(cos[fails])])
+
+
+def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, Mapping[str, Any]]) -> TierResult:
+    """The release gate over concatenated per-position metrics (``metrics.position_metrics``).
+
+    ``release``: ``{"min_cosine": {"value": 0.98, ...}, "min_positions": {"value": 64, ...}}``.
+    Status ``unmeasured`` when fewer than ``min_positions`` positions were compared (a cosine
+    failure among them is still ``fail``).
+    """
+    thr = float(release["min_cosine"]["value"])
+    need = int(release["min_positions"]["value"])
+    check, fails = _cosine_check("release", per_position, thr, release["min_cosine"].get("basis", {}).get("kind", "declared"))
+    n = int(np.asarray(per_position["cosine"]).size)
+    obs = "non-finite" if check.observed is None else f"{check.observed:.5f}"
+    if fails.size:
+        status, word = "fail", "FAIL"
+    elif n < need:
+        status, word = "unmeasured", "UNMEASURED"
+        check.ok = None
+    else:
+        status, word = "ok", "ok"
+    line = f"release gate cosine ≥ {thr:g} over ≥ {need} positions: {word}, min {obs} over {n} positions"
+    if fails.size:
+        line += f" ({fails.size} below)"
+    return TierResult("release", status, [check], line, "thresholds.yaml release", None, None, int(fails.size),
+                      int(fails[0]) if fails.size else None, worst_position(per_position, fails))
+
+
+def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[str, Any], row: Row | None,
+                     subject: Subject, unmeasured_reason: str = "", command: str | None = None) -> TierResult:
+    """The calibrated tier: ``row``'s cosine and KLD gates (KL(P_ref ‖ P_cand), nats, over all
+    positions), or ``unmeasured`` with ``unmeasured_reason`` and the ``command`` that would measure
+    it when no row fits (``row`` None)."""
+    if row is None:
+        line = f"calibrated tier ({subject.key_text()}): UNMEASURED — {unmeasured_reason}"
+        if command:
+            line += f"; measure it with: {command}"
+        return TierResult("calibrated", "unmeasured", [], line, None, unmeasured_reason, command)
+    g = row.gates["min_cosine"]
+    cos_check, fails = _cosine_check("calibrated", per_position, float(g["value"]), g.get("basis", {}).get("kind", "declared"))
+    checks = [cos_check]
+    for name, (key, label) in KLD_GATES.items():
+        if name not in row.gates:
+            continue
+        thr = float(row.gates[name]["value"])
+        observed = (summary.get("kld") or {}).get(key)
+        ok = None if observed is None else bool(observed <= thr)
+        checks.append(GateCheck("calibrated", name, label, thr, observed, ok, row.gates[name].get("basis", {}).get("kind", "declared")))
+    failed = [c for c in checks if c.ok is False]
+    status = "fail" if failed else "ok"
+    parts = [f"{c.label} {'≥' if c.name == 'min_cosine' else '≤'} {c.threshold:g}: "
+             f"{'ok' if c.ok else ('FAIL' if c.ok is False else 'not computed')} ({_fmt(c.observed)})" for c in checks]
+    line = f"calibrated tier ({subject.key_text()}, {row.source}): " + "; ".join(parts)
+    return TierResult("calibrated", status, checks, line, row.source, None, None, int(fails.size),
+                      int(fails[0]) if fails.size else None, worst_position(per_position, fails))
+
+
+def _fmt(x: float | None) -> str:
+    """An observed number for a tier line: a cosine close to 1 as 1 − cos (two significant
+    digits), anything else with three."""
+    if x is None:
+        return "n/a"
+    if 0.999 < x <= 1.0:
+        return f"min 1 − {1 - x:.2g}"
+    return f"{x:.3g}"
+
+
+def class_advice(subject: Subject) -> str:
+    """The one line telling an engine that declared no class how to declare it."""
+    return (f"the candidate declares no compute class, so it was judged as {ASSUMED_CLASS}; if it computes in "
+            f"another precision, declare it: \"compute_class\": \"bf16\" in info.json (one of {', '.join(COMPUTE_CLASSES)})")
+
+
+def overall(release: TierResult, calibrated: TierResult, subject: Subject, require_calibrated: bool = False) -> tuple[Verdict, str]:
+    """Combine the tiers into the run's verdict and its one-line message (module docstring)."""
+    advice = "" if subject.class_declared else f"; {class_advice(subject)}"
+    if release.status == "fail" or calibrated.status == "fail":
+        failed = [t.line for t in (release, calibrated) if t.status == "fail"]
+        return Verdict.FAIL, "; ".join(failed) + (advice if calibrated.status == "fail" else "")
+    if release.status == "unmeasured":
+        return Verdict.UNMEASURED, release.line
+    if calibrated.status == "unmeasured":
+        if require_calibrated:
+            return Verdict.UNMEASURED, f"{calibrated.line} (required by --require-calibrated)"
+        return Verdict.PASS, f"{release.line}; verdict is the release gate's ({calibrated.line})"
+    return Verdict.PASS, f"{release.line}; {calibrated.line}"

@@ -1,0 +1,115 @@
+"""The two-tier gate model's data: what the calibrated tier is keyed by (``Subject``), its rows
+(``Row``) and which row fits a subject (``find_row``). The judgement itself is
+``harness.compare.verdicts``.
+
+1. **Release gate** (the product's gate): per-position logit cosine ≥ ``release.min_cosine``
+   (0.98) over ≥ ``release.min_positions`` (64) positions. A declared floor: it can always be
+   computed, so it always gives a verdict, and no calibrated row may be looser
+   (``thresholds.load_thresholds`` refuses such a row).
+2. **Calibrated tier**: cosine, KLD mean, KLD p99 (parity) and the probe tolerances, from a row
+   keyed by what the file's matmul weights hold (``GGUFModel.weights_key``, e.g. ``F32`` or
+   ``F32+Q4_K+Q6_K``) and by the candidate's compute class (``f64``, ``f32``, ``bf16``, ``f16``,
+   ``mixed``). A row fits only when both match and the subject is at most ``MAX_SCALE`` times the
+   row's largest basis model in ``n_layer`` and ``n_embd``; a row for another weights key or class
+   is never borrowed. Where no row fits, the tier is measured on the subject itself
+   (``harness calibrate --model``) or is UNMEASURED, naming the command that would measure it.
+
+Verdict (``harness.compare.verdicts.overall``): FAIL when either tier fails; UNMEASURED when
+fewer than ``release.min_positions`` positions were compared, or when the calibrated tier is
+unmeasured and it was required (``--require-calibrated``, sign-off); else PASS (the release
+gate's verdict, with the calibrated tier's status on its own line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+MAX_SCALE = 2.0
+"""A row measured on a model up to ``n_layer`` × ``n_embd`` fits subjects up to this many times
+larger in each (a deeper, wider model accumulates more rounding: another known-good floor)."""
+
+KLD_GATES = {"max_kld_mean": ("mean", "KLD mean"), "max_kld_p99": ("p99", "KLD p99")}
+"""Distribution gates of the calibrated tier: gate name → (key of ``summary["kld"]``, label)."""
+CALIBRATED_GATES = ("min_cosine", *KLD_GATES)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What the calibrated tier is keyed by, for one run.
+
+    ``weights``: ``GGUFModel.weights_key`` (sorted ggml types of every ≥2-D tensor, ``+``-joined);
+    ``file_type``: ``general.file_type`` as llama.cpp names it (a label); ``compute_class``: the
+    candidate's class (``ASSUMED_CLASS`` when it declares none, ``class_declared`` False);
+    ``n_layer``/``n_embd``: the model's ``block_count``/``embedding_length``.
+    """
+
+    weights: str
+    file_type: str
+    compute_class: str
+    class_declared: bool
+    n_layer: int
+    n_embd: int
+    sha256: str = ""
+
+    def key_text(self) -> str:
+        return f"weights {self.weights} ({self.file_type}), class {self.compute_class}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "file_type": self.file_type, "compute_class": self.compute_class,
+                "class_declared": self.class_declared, "n_layer": self.n_layer, "n_embd": self.n_embd}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One calibrated row: gates measured for one weights key × compute class.
+
+    ``gates`` / ``probes``: ``{name: {"value": float, "basis": {...}}}``; ``basis_models``: the
+    models it was measured on, each ``{"name", "n_layer", "n_embd", ...}``; ``source`` says where
+    the row came from (``thresholds.yaml calibrated[3]``, or a calibration receipt id).
+    """
+
+    weights: str
+    compute_class: str
+    basis_models: tuple[Mapping[str, Any], ...]
+    gates: Mapping[str, Mapping[str, Any]]
+    probes: Mapping[str, Mapping[str, Any]]
+    source: str
+    file_type: str = ""
+
+    @property
+    def max_dims(self) -> tuple[int, int]:
+        return (max(int(m["n_layer"]) for m in self.basis_models), max(int(m["n_embd"]) for m in self.basis_models))
+
+    def misfit(self, s: Subject) -> str | None:
+        """Why this row does not fit ``s`` (None: it fits)."""
+        if self.weights != s.weights:
+            return f"weights {self.weights}"
+        if self.compute_class != s.compute_class:
+            return f"class {self.compute_class}"
+        nl, ne = self.max_dims
+        if s.n_layer > MAX_SCALE * nl or s.n_embd > MAX_SCALE * ne:
+            return (f"measured on models up to n_layer {nl}, n_embd {ne}; the subject's {s.n_layer} × {s.n_embd} "
+                    f"exceeds {MAX_SCALE:g}× that")
+        return None
+
+    def to_receipt(self) -> dict[str, Any]:
+        return {"weights": self.weights, "compute_class": self.compute_class, "file_type": self.file_type,
+                "source": self.source, "basis_models": [dict(m) for m in self.basis_models],
+                "gates": {k: dict(v) for k, v in self.gates.items()}, "probes": {k: dict(v) for k, v in self.probes.items()}}
+
+
+def find_row(rows: list[Row], subject: Subject) -> tuple[Row | None, str]:
+    """The row that fits ``subject``, or None and why none does (one line)."""
+    same_key = [r for r in rows if r.weights == subject.weights and r.compute_class == subject.compute_class]
+    for r in same_key:
+        if r.misfit(subject) is None:
+            return r, ""
+    if same_key:
+        return None, f"the row for {subject.key_text()} was {same_key[0].misfit(subject)}"
+    return None, f"no calibrated row for {subject.key_text()}"
+
+
+def calibrate_command(model_spec: str, compute_class: str) -> str:
+    """The command that measures the calibrated tier on the subject itself."""
+    return f"harness calibrate --model {model_spec} --class {compute_class}"
