@@ -514,17 +514,11 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
-    plan = cal.CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None)
-    if ladder:
-        plan.ladder = tuple(ladder)
-    con = _console(stderr=True)
-    res = cal.calibrate(plan, log=lambda m: con.print(_m(m)))
-    t = Table(title="known-bad pairs x gates (X = caught)")
     plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None,
                            ladder=tuple(ladder) or None, classes=tuple(classes) or CalibrationPlan.classes,
                            max_tokens=max_tokens or 256, ladder_max_tokens=ladder_max_tokens)
     con = _console(stderr=True)
-    res = run(plan, log=lambda m: con.print(m, markup=False))
+    res = run(plan, log=lambda m: con.print(_p(m), markup=False))
     if as_json:
         _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads],
                     "rows": [{k: v for k, v in r.items() if k != "goods"} for r in res.rows], "probes": res.probes,

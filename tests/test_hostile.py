@@ -579,7 +579,7 @@ def test_hostile_strings_in_every_printed_field(tmp_path_factory, s):
     receipt["engines"]["candidate"]["name"] = "command:" + s
     receipt["engines"]["reference"]["version"] = s
     receipt["model"]["name"] = s
-    receipt["thresholds"]["gates"]["min_cosine"]["basis"] = {"kind": "declared", "who": s, "why": s}
+    receipt["thresholds"]["release"]["min_cosine"]["basis"] = {"kind": "declared", "who": s, "why": s}
     receipt["gated"]["message"] = s
     rec = record_evidence(receipt, arrays, d / "ev" / "ledger.jsonl")
     outcome = _FakeOutcome(rec, s)
@@ -880,11 +880,11 @@ def test_depends_on_cycle_is_refused(tmp_path):
 
 
 bad_gates = st.one_of(
-    st.tuples(st.sampled_from(["gates.max_kld_mean", "gates.max_kld_p99", "probes.max_kld", "probes.localize_max_nmse"]),
+    st.tuples(st.sampled_from(["calibrated.0.gates.max_kld_mean", "calibrated.0.gates.max_kld_p99", "probes.max_kld", "probes.localize_max_nmse"]),
               st.floats(max_value=-1e-300, allow_nan=False, allow_infinity=False)),
-    st.tuples(st.sampled_from(["gates.min_cosine", "probes.min_cosine", "probes.localize_min_cosine"]),
+    st.tuples(st.sampled_from(["release.min_cosine", "probes.min_cosine", "probes.localize_min_cosine"]),
               st.one_of(st.floats(min_value=1.0000001, allow_nan=False, allow_infinity=False), st.floats(max_value=-1.0000001, allow_nan=False, allow_infinity=False))),
-    st.tuples(st.just("gates.min_positions"), st.one_of(st.integers(max_value=0), st.floats(0.1, 1e6).filter(lambda x: x != int(x)))),
+    st.tuples(st.just("release.min_positions"), st.one_of(st.integers(max_value=0), st.floats(0.1, 1e6).filter(lambda x: x != int(x)))),
 )
 
 
@@ -896,19 +896,21 @@ def test_out_of_range_gate_values_are_refused_at_load(tmp_path_factory, case):
     from harness.gates.thresholds import load_thresholds
 
     where, value = case
-    section, name = where.split(".")
-    text = "schema: harness-thresholds/v1\ngates:\n"
-    gates = {"min_positions": 64, "min_cosine": 0.98}
-    probes = {}
-    (gates if section == "gates" else probes)[name] = value
+    section, name = where.split(".")[0], where.split(".")[-1]
     basis = "basis: {kind: declared, who: t, why: t}"
     num = lambda v: str(v) if isinstance(v, int) else f"{v:.17e}"  # noqa: E731  (YAML reads 1e-300 without a dot as text)
-    text += "".join(f"  {k}: {{value: {num(v)}, {basis}}}\n" for k, v in gates.items())
+    release = {"min_positions": 64, "min_cosine": 0.98}
+    probes, row = {}, {"min_cosine": 0.99}
+    {"release": release, "probes": probes, "calibrated": row}[section][name] = value
+    text = "schema: harness-thresholds/v2\nrelease:\n" + "".join(f"  {k}: {{value: {num(v)}, {basis}}}\n" for k, v in release.items())
     if probes:
         text += "probes:\n" + "".join(f"  {k}: {{value: {num(v)}, {basis}}}\n" for k, v in probes.items())
+    text += ("calibrated:\n  - weights: F32\n    class: f32\n    file_type: ALL_F32\n"
+             "    basis_models: [{name: m, n_layer: 8, n_embd: 96}]\n    gates:\n"
+             + "".join(f"      {k}: {{value: {num(v)}, {basis}}}\n" for k, v in row.items()))
     p = tmp_path_factory.mktemp("gates") / "t.yaml"
     p.write_text(text)
-    with pytest.raises(InvalidInput, match=re.escape(f"{section}.{name}.value")):
+    with pytest.raises(InvalidInput, match=re.escape(f"{where}.value")):
         load_thresholds(p)
 
 

@@ -37,7 +37,6 @@ from harness.errors import (
     NotComparable,
     Verdict,
 )
-from harness.evidence import fmt
 from harness.evidence.receipts import (
     harness_info,
     host_info,

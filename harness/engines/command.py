@@ -33,7 +33,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.config import HarnessConfig, load_config
-from harness.engines.base import COMPUTE_CLASSES, EngineInfo, LogitBlock, npy_rows, validate_chunks
+from harness.engines.base import (
+    COMPUTE_CLASSES,
+    EngineInfo,
+    LogitBlock,
+    npy_rows,
+    validate_chunks,
+)
 from harness.engines.process import (
     check_timeout,
     read_small_file,
