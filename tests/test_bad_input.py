@@ -423,7 +423,8 @@ def test_nonfinite_logits_fail_at_their_position(engines_config, prompts_80, gat
     r = cli(*_parity_cmd(prompts_80, f"command:{name}", "command:good", "--no-evidence", "--thresholds", gates))
     assert r.code == 1, r.err + r.out
     assert "Traceback" not in r.out + r.err
-    assert f"FAIL: 1 of 80 positions below cosine 0.98; first: prompt 'p80' position {pos}" in r.out
+    assert "FAIL: release gate cosine ≥ 0.98 over ≥ 64 positions: FAIL" in r.out and "(1 below)" in r.out
+    assert f"first failing: prompt 'p80' position {pos}" in r.out
     assert "non-finite" in r.out
 
 
