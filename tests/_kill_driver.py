@@ -97,7 +97,7 @@ def argv(i: int) -> list[str]:
     prompts = WORK / f"prompts-{i}.jsonl"
     prompts.write_text(json.dumps({"id": f"run{i}", "tokens": [(7 * k + i) % V for k in range(96)]}) + "\n")
     return ["parity", "--model", "fixture:tiny-qwen35", "--prompts", str(prompts), "--candidate", "command:near",
-            "--reference", "command:good", "--ledger", str(LEDGER), "--json", "--thresholds", str(WORK / "gates.yaml")]
+            "--reference", "command:good", "--ledger", str(LEDGER), "--json", "--thresholds", str(WORK / "gates.yaml"), "--no-calibrate"]
 
 
 def fork_run(i: int, hook: str | None = None, kill_after: float | None = None) -> dict:

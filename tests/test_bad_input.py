@@ -415,7 +415,9 @@ def prompts_80(tmp_path) -> Path:
 
 
 def _parity_cmd(prompts: Path, candidate: str, reference: str = "command:good", *extra) -> list:
-    return ["parity", "--model", "fixture:tiny-qwen35", "--prompts", prompts, "--candidate", candidate, "--reference", reference, *extra]
+    """A parity command line judged by the fixed test gates alone (``--no-calibrate``)."""
+    return ["parity", "--model", "fixture:tiny-qwen35", "--prompts", prompts, "--candidate", candidate, "--reference", reference,
+            "--no-calibrate", *extra]
 
 
 @pytest.mark.parametrize("name, nonfinite, pos", [("nan", "nan", 70), ("inf", "inf", 65)])
@@ -478,7 +480,7 @@ def test_llama_cpp_abort_in_multi_model_run(aborting_model, gates, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", {"p": [(5 * i + 1) % V for i in range(72)]})
     ledger = tmp_path / "ev" / "ledger.jsonl"
     r = cli_process("parity", "--model", aborting_model, "--model", "fixture:tiny-qwen35", "--prompts", prompts,
-                    "--ledger", ledger, "--thresholds", gates, cwd=tmp_path, timeout=120)
+                    "--ledger", ledger, "--thresholds", gates, "--no-calibrate", cwd=tmp_path, timeout=120)
     assert r.code == 3, r.err + r.out
     assert "Traceback" not in r.out + r.err
     bad = [ln for ln in r.err.splitlines() if ln.startswith("harness: ")]

@@ -360,7 +360,7 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert not [p for p in site.rglob("*") if p.is_dir() and p.name in ("discharge", "receipts")]  # nothing written into the venv
     assert "DISCHARGED" in _ok(_run([harness, "status", "--check"], repo))
     # the engine itself (logits only) discharges the end-to-end contract
-    assert "6/6 obligations DISCHARGED" in _ok(_run([harness, "discharge", "qwen35-e2e-verification-v1", "--candidate", "command:mine"], repo))
+    assert "7/7 obligations DISCHARGED" in _ok(_run([harness, "discharge", "qwen35-e2e-verification-v1", "--candidate", "command:mine"], repo))
     r = _run([harness, "status", "--check", "--json"], repo)
     _ok(r)
     assert {c["contract"]: c["DISCHARGED"] for c in json.loads(r.stdout)["coverage"]} == {

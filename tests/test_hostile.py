@@ -118,7 +118,10 @@ def prompts_80(tmp_path) -> Path:
 
 
 def parity(prompts: Path, candidate: str = "command:near", reference: str = "command:good", *extra) -> list:
-    return ["parity", "--model", "fixture:tiny-qwen35", "--prompts", prompts, "--candidate", candidate, "--reference", reference, *extra]
+    """A parity command line judged by the fixed test gates alone (``--no-calibrate``: these tests
+    are about inputs and evidence, not about measuring a calibrated tier)."""
+    return ["parity", "--model", "fixture:tiny-qwen35", "--prompts", prompts, "--candidate", candidate, "--reference", reference,
+            "--no-calibrate", *extra]
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
