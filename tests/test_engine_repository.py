@@ -364,7 +364,7 @@ def test_wheel_in_an_engine_repository(tmp_path):
     r = _run([harness, "status", "--check", "--json"], repo)
     _ok(r)
     assert {c["contract"]: c["DISCHARGED"] for c in json.loads(r.stdout)["coverage"]} == {
-        "qwen35-e2e-verification-v1": 6, "qwen35-hybrid-forward-v1": 13}
+        "qwen35-e2e-verification-v1": 7, "qwen35-hybrid-forward-v1": 13}
 
     bad = (repo / "engine.py").read_text().replace("logits = np.asarray(", "logits = 1.5 * np.asarray(")
     assert bad != (repo / "engine.py").read_text()
