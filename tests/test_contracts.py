@@ -90,15 +90,15 @@ def test_schema_and_semantic_errors_name_file_line_field(tmp_path):
     errs = {(Path(x.file).name, x.field): (x.line, x.message) for x in e.value.errors}
     name = "qwen35-e2e-verification-v1.yaml"
     assert errs[(name, "version")][0] == 2 and "does not match" in errs[(name, "version")][1]
-    assert (name, "obligations[1].if_fails") in errs and errs[(name, "obligations[1].if_fails")][1] == "required field missing"
-    assert "unknown field" in errs[(name, "obligations[1]")][1]
+    assert (name, "obligations[2].if_fails") in errs and errs[(name, "obligations[2].if_fails")][1] == "required field missing"
+    assert "unknown field" in errs[(name, "obligations[2]")][1]
     # the schema errors stop the semantic pass; fix them and the semantic errors show
     path.write_text(text.replace('version: "1.0"\n', "version: 1.0.1\n").replace("iff_fails:", "if_fails:"))
     with pytest.raises(ContractsInvalid) as e:
         load_contracts([root / "contracts"])
     by_field = {x.field: x for x in e.value.errors if Path(x.file).name == name}
     red_line = 1 + next(i for i, s in enumerate(path.read_text().splitlines()) if "no-such-mutant" in s)
-    assert by_field["obligations[1].red.mutant"].line == red_line and "unknown mutant 'no-such-mutant'" in by_field["obligations[1].red.mutant"].message
+    assert by_field["obligations[2].red.mutant"].line == red_line and "unknown mutant 'no-such-mutant'" in by_field["obligations[2].red.mutant"].message
     assert "has no attribute 'no_such_function'" in by_field["equations.cosine.oracle"].message
     assert any("obligation id GDN-EQ-001 also used in" in str(x) for x in e.value.errors)
 
@@ -139,7 +139,7 @@ def test_engine_table_names_loaders_and_hashed_sources(tiny_path):
 
     assert resolve_engine("llamacpp", tiny_path).info.name == resolve_engine("llama.cpp", tiny_path).info.name == "llama.cpp"
     assert engine_entry("mutant:dt-bias-dropped").name == "mutant:" and engine_entry("planted:nan-logits").load is None
-    with pytest.raises(InvalidInput, match=r"unknown engine 'planted:nan-logits'; known: llama\.cpp, oracle, transformers, mutant:"):
+    with pytest.raises(InvalidInput, match=r"unknown engine 'planted:nan-logits'; known: llama\.cpp, oracle, oracle-bf16, oracle-f16, transformers, mutant:"):
         resolve_engine("planted:nan-logits", tiny_path)
     oracle = engine_source_hashes("oracle")
     assert set(oracle) == {"harness/engines/base.py", "harness/model/gguf_model.py", "harness/engines/oracle/__init__.py",
