@@ -514,7 +514,7 @@ def test_hostile_prompt_ids_are_shown_escaped_everywhere(engines, hostile_prompt
     report = next((ledger.parent / "reports").glob("*/report.md"))
     text = report.read_text()
     assert not RAW_CONTROL.search(text)
-    assert "| \\[link=http://evil.example\\]click\\[/link\\] |" in text
+    assert "| '\\[link=http://evil.example\\]click\\[/link\\]' |" in text  # the per-prompt table cell, markup escaped
     assert (report.parent / "positions.png").stat().st_size > 10_000
     assert L.verify_ledger(ledger, ledger.parent / "receipts") == []
 

@@ -213,11 +213,18 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
         "min_cosine": gated["min_cosine_observed"],
         "verdict": gated["verdict"],
         **report_only_headline(receipt["report_only"]),
-        "basis_kind": gated.get("basis_kind") or receipt["thresholds"]["gates"]["min_cosine"]["basis"]["kind"],
+        "basis_kind": gated.get("basis_kind") or _cosine_basis_kind(receipt["thresholds"]),
     }
     if "release" in gated:  # two-tier receipts (harness-thresholds/v2)
         row.update(compute_class=gated["compute_class"], release=gated["release"]["status"], calibrated=gated["calibrated"]["status"])
     return row
+
+
+def _cosine_basis_kind(thresholds: Mapping[str, Any]) -> str:
+    """The basis kind of the cosine threshold in a receipt's thresholds: the one gate of a
+    harness-thresholds/v1 receipt, else the release gate's."""
+    section = thresholds.get("gates") or thresholds["release"]
+    return section["min_cosine"]["basis"]["kind"]
 
 
 def timing_fields(receipt: Mapping[str, Any]) -> dict[str, Any]:
