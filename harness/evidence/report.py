@@ -793,6 +793,7 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
     ex = explanation or Explanation(localization=localization)
     default_out = default_report_dir(loaded.json_path, rec["id"])
     out = Path(out_dir) if out_dir else default_out
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -809,6 +810,10 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
         ctx = _Ctx(ex, plan, pngs, _receipt_link(loaded.json_path, out), _shown_path(loaded.json_path), _ledger_opt(loaded.json_path))
         page = _probe_page(rec, ctx) if is_probe else _parity_page(rec, arrays, ctx)
         md, _ = page.write(out / REPORT_MD, out / REPORT_HTML)
-    except OSError as e:
-        raise InvalidInput(f"{out}: cannot write the report: {e.strerror or e}") from e
+    except BaseException as e:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # no empty report folder left behind
+        if isinstance(e, OSError):
+            raise InvalidInput(f"{out}: cannot write the report: {e.strerror or e}") from e
+        raise
     return md
