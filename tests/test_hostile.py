@@ -839,7 +839,7 @@ def test_negative_max_kld_mean_is_refused_at_load(tmp_path, engines, prompts_80)
     p = tmp_path / "t.yaml"
     p.write_text(GATES + "  max_kld_mean: {value: -0.5, basis: {kind: declared, who: me, why: typo}}\n")
     cli(*parity(prompts_80, "command:near", "command:good", "--thresholds", p, "--no-evidence")).assert_one_line(
-        "INVALID", 2, f"{p}:5: gates.max_kld_mean.value: -0.5 is less than the minimum of 0")
+        "INVALID", 2, f"{p}:5: release.max_kld_mean.value: -0.5 is less than the minimum of 0")
     assert not (engines / "ran.log").exists()
 
 
