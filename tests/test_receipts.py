@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.compare import metrics
+from harness.compare import metrics, verdicts
 from harness.errors import InvalidInput
 from harness.evidence import receipts
 from harness.evidence.receipts import (
@@ -35,6 +35,9 @@ def make_receipt(seed: int = 0, n: int = 64, v: int = 97, noise: float = 0.01, v
     pm["position"] = np.arange(n, dtype=np.int32)
     s = metrics.summarize(pm)
     tokens = rng.integers(0, v, n).tolist()
+    resolved = load_thresholds(REPO / "thresholds.yaml").resolve(Subject("F32", "ALL_F32", "f64", True, 8, 96, MODEL_SHA))
+    release = verdicts.judge_release(pm, resolved.release_gates)
+    calibrated = verdicts.judge_calibrated(pm, s, resolved.row, resolved.subject)
     receipt = {
         "kind": "parity",
         "host": receipts.host_info(),
@@ -52,7 +55,7 @@ def make_receipt(seed: int = 0, n: int = 64, v: int = 97, noise: float = 0.01, v
             "positions": n,
             "items": [{"id": "p0", "source": "ids", "tokens": tokens}],
         },
-        "thresholds": load_thresholds(REPO / "thresholds.yaml").resolve(Subject("F32", "ALL_F32", "f64", True, 8, 96, MODEL_SHA)).to_receipt(),
+        "thresholds": resolved.to_receipt(),
         "gated": {
             "verdict": verdict,
             "metric": "cosine",
@@ -64,6 +67,11 @@ def make_receipt(seed: int = 0, n: int = 64, v: int = 97, noise: float = 0.01, v
             "min_cosine_where": {"prompt": "p0", "position": s["min_cosine_index"], "token": tokens[s["min_cosine_index"]]},
             "nonfinite_positions": 0,
             "first_failing": None,
+            "release": release.to_dict(),
+            "calibrated": calibrated.to_dict(),
+            "compute_class": "f64",
+            "class_declared": True,
+            "basis_kind": "measured",
         },
         "report_only": s,
         "per_prompt": [{"id": "p0", "positions": n, "min_cosine": s["min_cosine"]}],
