@@ -105,11 +105,7 @@ class RunInputs:
         """The thresholds for this model judged with a candidate of ``candidate_info`` (its
         ``compute_class``; the assumed class when None or undeclared): the release gate, the
         calibrated row that fits (or why none does) and the probe tolerances."""
-        declared = (candidate_info or {}).get("compute_class")
-        hp = self.model.hparams
-        subject = Subject(self.model.weights_key, self.model.file_type, declared or ASSUMED_CLASS, declared is not None,
-                          hp.n_layer, hp.n_embd, self.model.sha256)
-        return self.thresholds.resolve(subject, self.model_spec, self.display_name)
+        return self.thresholds.resolve(subject_of(self.model, candidate_info), self.model_spec, self.display_name)
 
     def model_record(self) -> dict[str, Any]:
         """The receipt's ``model`` field: path, display name, sha256, arch, file type, overrides."""
@@ -145,6 +141,16 @@ class RunRequest(InputsRequest):
     ledger: str | None = None
     argv: list[str] = field(default_factory=list)
     write_evidence: bool = True
+
+
+def subject_of(model: GGUFModel, candidate_info: Mapping[str, Any] | None) -> Subject:
+    """The calibrated tier's key for ``model`` judged with a candidate of ``candidate_info``: the
+    weights key, file type, ``n_layer``/``n_embd``, sha256, and the candidate's ``compute_class``
+    (``ASSUMED_CLASS``, and not declared, when it states none)."""
+    declared = (candidate_info or {}).get("compute_class")
+    hp = model.hparams
+    return Subject(model.weights_key, model.file_type, declared or ASSUMED_CLASS, declared is not None,
+                   hp.n_layer, hp.n_embd, model.sha256)
 
 
 def resolve_inputs(model: str, *, thresholds: str | Path | None = None, overrides: list[str] | None = None,

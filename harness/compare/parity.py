@@ -25,11 +25,11 @@ import numpy as np
 
 from harness.compare import metrics, verdicts
 from harness.compare.calibrated import MeasureTier, resolve_row
-from harness.compare.inputs import RunInputs, RunRequest
+from harness.compare.inputs import RunInputs, RunRequest, subject_of
 from harness.compare.localize import DEFAULT_MAX_TOKENS
 from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
-from harness.engines.base import ASSUMED_CLASS, Engine, LogitBlock
+from harness.engines.base import Engine, LogitBlock
 from harness.engines.timing import timed
 from harness.errors import (
     EngineError,
@@ -223,15 +223,6 @@ def measure_cell(model: GGUFModel, reference: Engine, candidate: Engine, prompts
     per_position = metrics.concat_metrics(parts)
     summary = metrics.summarize(per_position, near_tie_margin)
     return Measured(prompts, per_position, summary, candidate.info.to_dict(), reference.info.to_dict(), n_vocab)
-
-
-def subject_of(model: GGUFModel, candidate_info: dict[str, Any]) -> tiers.Subject:
-    """The calibrated tier's key for ``model`` judged with a candidate of ``candidate_info``
-    (its ``compute_class``; ``tiers.ASSUMED_CLASS`` when it declares none)."""
-    declared = candidate_info.get("compute_class")
-    hp = model.hparams
-    return tiers.Subject(model.weights_key, model.file_type, declared or ASSUMED_CLASS, declared is not None,
-                         hp.n_layer, hp.n_embd, model.sha256)
 
 
 def cell_gate(m: Measured, rel: verdicts.TierResult, cal: verdicts.TierResult, release: dict[str, dict[str, Any]],
