@@ -90,3 +90,19 @@ def require_writable_dir(path: str | os.PathLike, what: str) -> Path:
     if not _may_write(path, st):
         raise InvalidInput(f"{path}: the {what} is read-only")
     return path
+
+
+def read_utf8(path: str | os.PathLike, what: str, hint: str = "") -> tuple[bytes, str]:
+    """A text file's bytes and its UTF-8 text. Raises ``InvalidInput`` (exit 2) naming ``path``
+    and ``what`` for an unreadable file, and the line and byte of the first invalid UTF-8 sequence
+    (then ``hint``, e.g. what the file should hold): text is never silently altered."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise InvalidInput(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    try:
+        return raw, raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise InvalidInput(f"{p}:{lineno}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}){hint}") from None

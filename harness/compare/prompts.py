@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import InvalidInput, NotComparable
+from harness.fschecks import read_utf8
 from harness.paths import DEFAULT_PROMPTS
 
 
@@ -79,16 +80,7 @@ def load_prompt_set(path: str | Path | None) -> PromptSet:
     ``0..MAX_TOKEN_ID``.
     """
     p = Path(path) if path is not None else DEFAULT_PROMPTS
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise InvalidInput(f"{p}: cannot read prompt file ({e.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        lineno = raw.count(b"\n", 0, e.start) + 1
-        raise InvalidInput(f"{p}:{lineno}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
-                           "prompt files are UTF-8 JSON lines") from None
+    raw, text = read_utf8(p, "prompt file", "; prompt files are UTF-8 JSON lines")
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for lineno, line in enumerate(text.split("\n"), 1):

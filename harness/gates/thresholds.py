@@ -35,6 +35,7 @@ import jsonschema
 import yaml
 
 from harness.errors import InvalidInput, Unmeasured
+from harness.fschecks import read_utf8
 from harness.gates.tiers import Row, Subject, find_row
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
@@ -203,14 +204,7 @@ def load_thresholds(path: str | Path) -> Thresholds:
     so) or holds a non-finite number.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InvalidInput(f"{path}: cannot read thresholds file: {e.strerror or e}") from e
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidInput(f"{path}: thresholds file is not UTF-8 text (byte {e.start})") from e
+    raw, text = read_utf8(path, "thresholds file", "; thresholds files are UTF-8 YAML")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
