@@ -109,14 +109,14 @@ def test_release_gate(parity_cell, gate):
     )
 
 
-def test_logit_parity(parity_cell, gate):
+def test_logit_parity(parity_cell, gate, harness_model_spec):
     """QE2E-PAR-001: the calibrated tier: per-position logit cosine against llama.cpp ≥ the
     calibrated row's gate (for the file's weights × the candidate's compute class) at every
     position, and KLD mean and p99 within their gates."""
     r = parity_cell
     if gate.row is None:
         pytest.skip(f"QE2E-PAR-001: calibrated tier UNMEASURED ({gate.row_misfit}); measure it with: "
-                    f"harness calibrate --model MODEL --class {gate.subject.compute_class}")
+                    f"harness calibrate --model {harness_model_spec} --class {gate.subject.compute_class}; harness parity then judges the tier with it")
     assert r.gate["calibrated"]["status"] == "ok", (
         f"QE2E-PAR-001: {r.gate['calibrated']['line']}; {r.message} (candidate {r.candidate_info['name']}); "
         "likely cause: the first failing position's layer (localize with per-layer agreement, QHF-EQ-009)"
