@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 
 def make_non_regular(path: Path, kind: str) -> None:
@@ -45,3 +46,18 @@ class Alarm:
     def __exit__(self, *exc):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, self.old)
+
+
+def load_prompts_or_refusal(directory: Path, raw: bytes) -> Any:
+    """Write ``raw`` as ``directory/p.jsonl`` and load it with ``load_prompt_set``: the loaded
+    set, or None when it was refused, after checking the refusal is one line naming the file."""
+    from harness.compare.prompts import load_prompt_set
+    from harness.errors import InvalidInput
+
+    p = directory / "p.jsonl"
+    p.write_bytes(raw)
+    try:
+        return load_prompt_set(p)
+    except InvalidInput as e:
+        assert str(e).startswith(str(p)) and "\n" not in str(e)
+        return None

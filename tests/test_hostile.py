@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _hostile_util import Alarm as _Alarm
-from _hostile_util import make_non_regular
+from _hostile_util import load_prompts_or_refusal, make_non_regular
 from helpers import fake_engines_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -142,15 +142,22 @@ def seed_ledger(ledger: Path, seeds=(0,)) -> None:
 # =============================================================================================
 # 1. Evidence lost or corrupted
 # =============================================================================================
+def _ledger_refused_before_engines_run(engines: Path, prompts: Path, gates: Path, ledger: Path, watched: Path, message: str) -> None:
+    """A parity run with ``--ledger ledger`` exits INVALID (2) with exactly ``message``, before any
+    engine ran and with nothing under ``watched`` changed."""
+    before = snapshot(watched)
+    r = cli(*parity(prompts, "command:near", "command:good", "--ledger", ledger, "--thresholds", gates))
+    r.assert_one_line("INVALID", 2, message)
+    assert snapshot(watched) == before and not (engines / "ran.log").exists()
+
+
 def test_ledger_named_like_a_rendering_is_refused_before_engines_run(engines, prompts_80, gates):
     """``--ledger LEDGER.md`` made the rendering overwrite the JSON rows it renders."""
     ev = engines / "ev"
     seed_ledger(ev / "ledger.jsonl")
-    before = snapshot(ev)
-    r = cli(*parity(prompts_80, "command:near", "command:good", "--ledger", ev / "ledger.md", "--thresholds", gates))
-    r.assert_one_line("INVALID", 2, f"{ev / 'ledger.md'}: a ledger's file name must end in .jsonl (its Markdown rendering is "
-                      "written beside it as .md); refusing an ambiguous ledger path")
-    assert snapshot(ev) == before and not (engines / "ran.log").exists()
+    _ledger_refused_before_engines_run(engines, prompts_80, gates, ev / "ledger.md", ev,
+                                       f"{ev / 'ledger.md'}: a ledger's file name must end in .jsonl (its Markdown rendering is "
+                                       "written beside it as .md); refusing an ambiguous ledger path")
 
 
 def test_ledger_beside_an_unrelated_markdown_is_refused(engines, prompts_80, gates):
@@ -158,11 +165,9 @@ def test_ledger_beside_an_unrelated_markdown_is_refused(engines, prompts_80, gat
     notes = engines / "notes"
     notes.mkdir()
     (notes / "README.md").write_text("# My notes\n\nnot a ledger\n")
-    before = snapshot(notes)
-    r = cli(*parity(prompts_80, "command:near", "command:good", "--ledger", notes / "README.jsonl", "--thresholds", gates))
-    r.assert_one_line("INVALID", 2, f"{notes / 'README.md'}: exists and is not a ledger rendering written by the harness; "
-                      "refusing to overwrite it (choose a --ledger whose .md sibling is free)")
-    assert snapshot(notes) == before and not (engines / "ran.log").exists()
+    _ledger_refused_before_engines_run(engines, prompts_80, gates, notes / "README.jsonl", notes,
+                                       f"{notes / 'README.md'}: exists and is not a ledger rendering written by the harness; "
+                                       "refusing to overwrite it (choose a --ledger whose .md sibling is free)")
 
 
 def test_rendering_of_another_ledger_is_refused(engines, prompts_80, gates):
@@ -714,15 +719,11 @@ prompt_lines = st.one_of(
 def test_prompt_lines_at_fault_are_invalid_input(tmp_path_factory, lines):
     """Deep nesting, long numbers and raw bytes in prompt lines: ``InvalidInput`` or a loaded
     set whose tokens are int32 ids — never RecursionError, ValueError or UnicodeDecodeError."""
-    from harness.compare.prompts import MAX_TOKEN_ID, load_prompt_set
+    from harness.compare.prompts import MAX_TOKEN_ID
 
     raw = b"\n".join(ln if isinstance(ln, bytes) else ln.encode() for ln in lines) + b"\n"
-    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    p.write_bytes(raw)
-    try:
-        ps = load_prompt_set(p)
-    except InvalidInput as e:
-        assert str(e).startswith(str(p)) and "\n" not in str(e)
+    ps = load_prompts_or_refusal(tmp_path_factory.mktemp("prompts"), raw)
+    if ps is None:
         return
     for pr in ps:
         assert pr.tokens is None or all(0 <= t <= MAX_TOKEN_ID for t in pr.tokens)

@@ -220,6 +220,29 @@ def per_prompt_rows(receipt: Mapping[str, Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------ write / load
 
 
+def _synced_temp(directory: Path, name: str, write) -> str:
+    """A temporary file ``.<name>.<pid>.*.tmp`` in ``directory`` holding ``write(file)``'s bytes,
+    fsynced; its path. The pid lets ``sweep_temp_files`` remove it once its writer is gone.
+    Raises ``OSError`` after removing the temporary file."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    return tmp
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _write_new(directory: Path, name: str, write) -> bool:
     """Create ``directory/name`` with ``write(file)``'s bytes, never replacing an existing file.
 
@@ -228,39 +251,24 @@ def _write_new(directory: Path, name: str, write) -> bool:
     atomic step, so two writers racing cannot both succeed) and unlinked. Returns False, writing
     nothing, when ``name`` already exists. Raises ``OSError``; no temporary file is left behind.
     """
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
+    tmp = _synced_temp(directory, name, write)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, directory / name)
-        except FileExistsError:
-            return False
-        return True
+        os.link(tmp, directory / name)
+    except FileExistsError:
+        return False
     finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quiet(tmp)
+    return True
 
 
 def _replace_file(directory: Path, name: str, write) -> None:
     """Write via a temporary file in ``directory``, fsync, rename over ``name`` (used only for a
     sidecar whose existing copy does not hold the receipt's arrays)."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
+    tmp = _synced_temp(directory, name, write)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, directory / name)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quiet(tmp)
         raise
 
 
