@@ -61,7 +61,7 @@ class Red:
     name: str
 
     def __str__(self) -> str:
-        return f"{'planted' if self.kind == 'planted' else self.kind}:{self.name}"
+        return f"{self.kind}:{self.name}"
 
 
 @dataclass(frozen=True)
