@@ -168,6 +168,15 @@ def test_probes_multiseq_and_ubatch_are_unmeasured_for_a_server(server_url):
     assert probes.probe_ubatch(eng, [1, 2, 3], tol).verdict is Verdict.UNMEASURED
 
 
+def test_probe_run_on_a_server_is_unmeasured_never_pass(server_url, tmp_path, in_repo, monkeypatch, capsys):
+    monkeypatch.setenv("HARNESS_LOCAL_URL", server_url)
+    rc = cli_main(["probe", "--candidate", "http:local", "--only", "multiseq", "--only", "ubatch", "--only", "determinism",
+                   "--ledger", str(tmp_path / "ledger.jsonl"), "--no-localize", "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert rc == 5 and rec["verdict"] == "UNMEASURED"
+    assert {p["name"]: p["verdict"] for p in rec["probes"]} == {"multiseq": "UNMEASURED", "ubatch": "UNMEASURED", "determinism": "UNMEASURED"}
+
+
 # ------------------------------------------------------------------------------ a fake server
 class FakeServer:
     """http.server in a thread: ``handler(path, body) -> (status, bytes)``; records requests."""
