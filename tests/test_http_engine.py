@@ -323,6 +323,14 @@ def test_topk_kld_sees_the_ambiguous_mass_as_tail():
     # id 1 ambiguous: dropped; the tail (ids 1, 2) holds 0.5 on both sides
     tail = TopK(np.array([[0, -1, 2]]), np.array([[np.log(0.5), np.nan, np.log(0.2)]]))
     assert topk.topk_position_metrics(r, tail)["kld"][0] == pytest.approx(0.0, abs=1e-7)
+    # the dropped entry (0.5) outweighs every mapped one: the candidate's top-1 is unknown, left out of greedy agreement
+    hidden = TopK(np.array([[0, 2]]), np.log(np.array([[0.2, 0.3]])), np.log(np.array([0.5])))
+    r2 = np.log(np.array([[0.2, 0.5, 0.3]], np.float32))
+    pm = topk.topk_position_metrics(r2, hidden)
+    assert not pm["top1_known"][0] and pm["kld"][0] == pytest.approx(0.0, abs=1e-7)
+    pm["prompt_index"] = np.zeros(1, np.int32)
+    s = topk.summarize_topk(pm)
+    assert s["topk"]["top1_unknown"] == 1 and s["argmax_agreement"]["n"] == 0 and s["compared_positions"] == 1
     wrong = TopK(np.array([[0, 2]]), np.log(np.array([[0.7, 0.1]])))
     p = np.array([0.5, 0.2, 0.3])
     q = np.array([0.7, 0.1, 0.2])

@@ -11,6 +11,9 @@ entries, or a key that could not be mapped to one token id) with ``logprobs`` fl
   token. By the data-processing inequality it is at most the full-vocabulary KLD, and it is
   exactly what top-k logprobs can show;
 - ``argmax_agree``: the candidate's best entry is the reference's argmax (top-1 agreement);
+  ``top1_known`` is False where an entry the server sent under an ambiguous key (one no single id
+  has) is at least as likely as its best mapped entry: there the candidate's top-1 is unknown, and
+  greedy agreement leaves the position out (``summarize_topk``'s ``topk.top1_unknown`` counts them);
 - ``cand_rank``: the rank of the reference's argmax among the candidate's entries (0 = its top),
   ``-1`` when it is not among them;
 - ``top5_overlap`` / ``top10_overlap``: |top_n(ref) ∩ top_n(cand)| / n for n = min(5 or 10, the
@@ -48,7 +51,7 @@ the tail term is left out. A candidate tail of 0 against a reference tail above 
 1e-12 (a large, finite KLD)."""
 
 PER_POSITION_KEYS = ("finite", "ref_finite", "cosine", "kld", "argmax_agree", "ref_argmax", "cand_argmax", "ref_margin",
-                     "cand_rank", "top5_overlap", "top10_overlap", "tail_mass", "cand_k")
+                     "cand_rank", "top5_overlap", "top10_overlap", "tail_mass", "cand_k", "top1_known")
 
 
 def cut_topk(logits: np.ndarray, k: int) -> TopK:
@@ -66,7 +69,7 @@ def truncate(top: TopK, k: int) -> TopK:
     order = np.argsort(-lp, axis=1, kind="stable")[:, :k]
     ids = np.take_along_axis(top.ids, order, axis=1)
     lps = np.take_along_axis(top.logprobs, order, axis=1)
-    return TopK(np.where(ids >= 0, ids, -1), np.where(ids >= 0, lps, np.nan))
+    return TopK(np.where(ids >= 0, ids, -1), np.where(ids >= 0, lps, np.nan), top.dropped_max)
 
 
 def _row_metrics(r: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> tuple[float, int, int, float, float, float, int]:
@@ -110,6 +113,7 @@ def topk_position_metrics(ref: np.ndarray, top: TopK) -> dict[str, np.ndarray]:
     out = {k: np.full(b, np.nan) for k in ("cosine", "kld", "ref_margin", "top5_overlap", "top10_overlap", "tail_mass")}
     out.update({k: np.full(b, -1, np.int64) for k in ("ref_argmax", "cand_argmax", "cand_rank", "cand_k")})
     out["finite"] = np.zeros(b, bool)
+    out["top1_known"] = np.ones(b, bool)
     out["ref_finite"] = np.isfinite(ref).all(axis=1)
     for i in range(b):
         r = ref[i]
@@ -124,6 +128,9 @@ def topk_position_metrics(ref: np.ndarray, top: TopK) -> dict[str, np.ndarray]:
         out["finite"][i] = True
         out["kld"][i], out["cand_argmax"][i], out["cand_rank"][i] = kld, ca, rank
         out["top5_overlap"][i], out["top10_overlap"][i], out["tail_mass"][i], out["cand_k"][i] = t5, t10, tail, n
+        valid = top.logprobs[i][(top.ids[i] >= 0) & np.isfinite(top.logprobs[i])]
+        if top.dropped_max is not None and top.dropped_max[i] >= valid.max():
+            out["top1_known"][i] = False  # the candidate's best entry is one whose key maps to no single id
     out["argmax_agree"] = out["finite"] & (out["cand_argmax"] == out["ref_argmax"])
     return out
 
@@ -158,10 +165,12 @@ def summarize_topk(per_position: Mapping[str, np.ndarray], near_tie_margin: floa
                         "max": int(present.max()) if present.size else None}
     out["top5_overlap_mean"] = metrics._f(np.nanmean(np.asarray(per_position["top5_overlap"])[idx]))
     out["top10_overlap_mean"] = metrics._f(np.nanmean(np.asarray(per_position["top10_overlap"])[idx]))
+    known = np.asarray(per_position.get("top1_known", np.ones(n, bool)), bool)
     out["topk"] = {"k_min": int(np.asarray(per_position["cand_k"])[idx].min()),
                    "tail_mass_max": metrics._f(np.asarray(per_position["tail_mass"])[idx].max()),
-                   "ref_argmax_absent": int(np.count_nonzero(rank < 0))}
-    out.update(metrics._greedy_summary(per_position, idx, near_tie_margin))
+                   "ref_argmax_absent": int(np.count_nonzero(rank < 0)),
+                   "top1_unknown": int(np.count_nonzero(~known[idx]))}
+    out.update(metrics._greedy_summary(per_position, idx[known[idx]], near_tie_margin))
     return out
 
 

@@ -23,10 +23,13 @@ class TopK:
     """Top-k logprobs of consecutive positions, what a server gives instead of logits
     (``http:NAME``; ``harness.compare.topk``): ``ids`` int64 ``[T, k]`` (-1: an empty slot),
     ``logprobs`` float64 ``[T, k]`` (natural log, NaN in empty slots); row t is the distribution
-    after ``tokens[:t+1]``, as a logits row."""
+    after ``tokens[:t+1]``, as a logits row. ``dropped_max`` float64 ``[T]`` (optional): the
+    largest logprob among the entries the server sent whose key maps to no single token id (their
+    mass is in the tail; -inf when none), so a top-1 hidden among them is known to be unknown."""
 
     ids: np.ndarray
     logprobs: np.ndarray
+    dropped_max: np.ndarray | None = None
 
     @property
     def k(self) -> int:

@@ -164,6 +164,14 @@ def configured_servers(config: HarnessConfig | None = None) -> dict[str, HttpSpe
     return {name: _spec(name, t, cfg) for name, t in tables.items()}
 
 
+def _only_minus_infinity(constant: str) -> float:
+    """JSON's non-standard constants: ``-Infinity`` (a logprob of a token with probability 0, as
+    Python's json writes it) is read; ``NaN`` and ``Infinity`` make the body malformed."""
+    if constant == "-Infinity":
+        return -math.inf
+    raise ValueError(f"{constant} is not a number")
+
+
 def _text_keys(vocab: Vocab, token_types: Sequence[int]) -> dict[str, int | None]:
     """Text key → token id as llama-cpp-python spells its keys (``detokenize([id])`` decoded with
     errors ignored; control tokens render empty); None for a key several ids share."""
@@ -254,7 +262,7 @@ class HttpEngine:
             head = plain(raw[:200].decode("utf-8", "replace"))
             raise EngineError(f"{self.who} answered HTTP {status} for {path}: {head}")
         try:
-            obj = json.loads(raw.decode("utf-8"), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+            obj = json.loads(raw.decode("utf-8"), parse_constant=_only_minus_infinity)
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise EngineError(f"{self.who} answered {path} with malformed JSON ({len(raw)} bytes)") from None
         if not isinstance(obj, dict):
@@ -264,9 +272,7 @@ class HttpEngine:
     def _check_model(self, obj: dict[str, Any]) -> None:
         """``NotComparable`` when the response names another model than the configured one."""
         served = obj.get("model")
-        if served is None and self.kind.name == "llama-server":
-            served = obj.get("model", self.spec.model)  # /completion may not name it
-        if served is None:
+        if served is None:  # llama-server's /completion may not name it; the tokenization and numbers still must agree
             return
         self.served_model = plain(str(served))[:200]
         if str(served) != self.spec.model:
@@ -325,22 +331,26 @@ class HttpEngine:
             return None
         return i if 0 <= i < self.n_vocab else None
 
-    def _row(self, entries: dict[Any, float], k: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-        """One position's ``(ids [k], logprobs [k])`` from ``{key: logprob}``: the k largest,
-        ambiguous keys dropped (tail). ``EngineError`` for a non-number logprob."""
-        pairs = []
+    def _row(self, entries: dict[Any, float], k: int, where: str) -> tuple[np.ndarray, np.ndarray, float]:
+        """One position's ``(ids [k], logprobs [k], dropped_max)`` from ``{key: logprob}``: the k
+        largest mapped entries, and the largest logprob of the entries whose key maps to no single
+        id (ambiguous: their mass stays in the tail; -inf when none). ``EngineError`` for a logprob
+        that is not a number ≤ 0."""
+        pairs, dropped = [], -math.inf
         for key, lp in entries.items():
             if isinstance(lp, bool) or not isinstance(lp, (int, float)) or math.isnan(lp) or lp > 1e-6:
                 raise EngineError(f"{self.who}: logprob {plain(str(lp))[:40]} for {plain(str(key))[:40]!r} at {where} is not a log probability")
             tid = self._key_id(key)
-            if tid is not None:
+            if tid is None:
+                dropped = max(dropped, float(lp))
+            else:
                 pairs.append((float(lp), tid))
         pairs.sort(key=lambda p: (-p[0], p[1]))
         ids = np.full(k, -1, np.int64)
         lps = np.full(k, np.nan)
         for j, (lp, tid) in enumerate(pairs[:k]):
             ids[j], lps[j] = tid, min(lp, 0.0)
-        return ids, lps
+        return ids, lps, dropped
 
     def _entries(self, raw: Any, where: str) -> dict[Any, float]:
         """``{key: logprob}`` from one entry of a response (dict of numbers, vLLM's dict of
@@ -415,9 +425,10 @@ class HttpEngine:
                 rows[i] = self._last_row(sub if self.kind.sends_ids else self._prompt(sub), k, f"position {i}")
         ids = np.full((n, k), -1, np.int64)
         lps = np.full((n, k), np.nan)
+        dropped = np.full(n, -np.inf)
         for i, entries in enumerate(rows):
-            ids[i], lps[i] = self._row(entries, k, f"position {i}")
-        return TopK(ids, lps)
+            ids[i], lps[i], dropped[i] = self._row(entries, k, f"position {i}")
+        return TopK(ids, lps, dropped)
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         """Not available: a server gives top-k logprobs (``topk``). Raises ``EngineError``."""
