@@ -428,11 +428,11 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
 # ---------------------------------------------------------------------------------------------
 # A candidate that gives top-k logprobs (an http:NAME server): the top-k tier judges it
 # ---------------------------------------------------------------------------------------------
-def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: list[PromptTokens], model_spec: str) -> CellResult:
-    """Measure and judge a top-k cell (``harness.compare.topk``): the top-k row that fits the
-    subject and the candidate's k judges the top-k KLD mean and p99; the release gate's cosine is
-    not computed and says so; no top-k row makes the verdict UNMEASURED, naming the command that
-    measures one. Raises ``NotComparable`` and ``EngineError``."""
+def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: list[PromptTokens]) -> tuple[CellResult, tiers.Row | None]:
+    """Measure and judge a top-k cell (``harness.compare.topk``), and the top-k row used: the row
+    that fits the subject and the candidate's k judges the top-k KLD mean and p99; the release
+    gate's cosine is not computed and says so; no top-k row makes the verdict UNMEASURED, naming
+    the command that measures one. Raises ``NotComparable`` and ``EngineError``."""
     n_vocab = check_comparable(inputs.model, reference, candidate, prompts)
     cinfo = candidate.info.to_dict()
     resolved = inputs.thresholds_for(cinfo)
@@ -468,18 +468,15 @@ def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: lis
                                for c in tier.checks],
     }
     per_prompt = topk.per_prompt_topk([p.id for p in prompts], [len(p.tokens) for p in prompts], pp, near)
-    result = CellResult(verdict, "parity", prompts, pp, summary, per_prompt, gate, cinfo, m.reference_info, n_vocab, msg)
-    result.topk_row = row  # type: ignore[attr-defined]
-    return result
+    return CellResult(verdict, "parity", prompts, pp, summary, per_prompt, gate, cinfo, m.reference_info, n_vocab, msg), row
 
 
 def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens]) -> ParityOutcome:
     """``run_parity`` for a top-k candidate (``topk_cell``): same receipt and ledger row, with the
     top-k tier and the top-k row used (``thresholds.topk``)."""
-    result = topk_cell(inputs, reference, candidate, prompts, req.model)
+    result, row = topk_cell(inputs, reference, candidate, prompts)
     resolved = inputs.thresholds_for(result.candidate_info)
     receipt = build_receipt(req, inputs, result, resolved, None)
-    row = getattr(result, "topk_row", None)
     receipt["thresholds"]["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:

@@ -39,8 +39,8 @@ from scipy.special import log_softmax
 
 from harness.compare import metrics
 from harness.compare.verdicts import GateCheck, TierResult
-from harness.engines.base import TopK
-from harness.errors import Verdict
+from harness.engines.base import TopK, gather
+from harness.errors import EngineError, Verdict
 
 TOPK_GATES = {"max_topk_kld_mean": ("mean", "top-k KLD mean"), "max_topk_kld_p99": ("p99", "top-k KLD p99")}
 """Gates of a top-k row: gate name → (key of the summary's ``kld``, label)."""
@@ -247,9 +247,6 @@ def measure_topk_prompts(reference: Any, candidate: Any, prompts: Sequence[Any],
 
     Raises ``EngineError`` (either engine) and ``NotComparable`` (the candidate's).
     """
-    from harness.engines.base import gather
-    from harness.errors import EngineError
-
     parts = []
     for i, p in enumerate(prompts):
         n = len(p.tokens)

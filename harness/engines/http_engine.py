@@ -280,10 +280,10 @@ class HttpEngine:
                                 f"{plain(self.spec.model)[:120]!r}: the server runs another model")
 
     def _complete(self, prompt: Any, **params: Any) -> dict[str, Any]:
-        body = {"model": self.spec.model, "prompt": prompt, "temperature": 0, **params}
-        if self.kind.name == "llama-server":
-            body = {"prompt": prompt, "temperature": 0, **params}
-        obj = self._post(self.kind.endpoint, body)
+        """One completion request at ``temperature`` 0 (llama-server's ``/completion`` takes no
+        ``model``), its model checked (``_check_model``)."""
+        named = {} if self.kind.name == "llama-server" else {"model": self.spec.model}
+        obj = self._post(self.kind.endpoint, {**named, "prompt": prompt, "temperature": 0, **params})
         self._check_model(obj)
         return obj
 
