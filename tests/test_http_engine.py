@@ -141,6 +141,9 @@ def test_parity_fails_against_server_on_rescaled_output_norm(tmp_path, in_repo, 
     assert f"prompt {where['prompt']!r} position {where['position']}" in g["message"]
     assert "top-k KLD mean" in g["message"] and "FAIL" in g["message"]
     assert g["cosine_computed"] is False
+    report = next((tmp_path / "reports").glob("*/report.md")).read_text()
+    assert "| top-k tier: top-k KLD mean |" in report and "**FAILED**" in report
+    assert "not computed: the candidate gives top-k logprobs" in report
 
 
 def test_generate_is_greedy(server_url):
