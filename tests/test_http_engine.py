@@ -470,3 +470,35 @@ def test_calibrate_topk_derives_a_row_from_cut_known_good_pairs(tmp_path):
     after = load_thresholds(dst).data
     assert after["calibrated"] == before["calibrated"] and after["release"] == before["release"]
     assert [r for r in after["topk"] if r["k"] == 5] == rows and len(after["topk"]) == len(before.get("topk", [])) + 1
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 600), st.floats(allow_nan=False, allow_infinity=False),
+                     st.text(max_size=4), st.sampled_from(["token_id:5", "5", "a", ""]))
+    return st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(
+        st.sampled_from(["model", "choices", "logprobs", "top_logprobs", "prompt_logprobs", "tokens", "text", "logprob", "id",
+                         "completion_probabilities", "m", "5", "token_id:9"]), inner, max_size=5)), max_leaves=20)
+
+
+@pytest.mark.parametrize("kind", sorted(http_engine.KINDS))
+def test_any_json_answer_is_a_result_or_a_harness_error(fake, kind):
+    """Whatever JSON a server answers, the engine gives top-k rows or raises EngineError /
+    NotComparable: never another exception (hypothesis, a fixed-seed budget as tests/test_fuzz.py)."""
+    from hypothesis import given, settings
+
+    answer: list[Any] = [None]
+    srv, eng = fake(lambda p, b: (200, json.dumps(answer[0]).encode()), kind=kind, max_logprobs=3)
+
+    @settings(max_examples=int(os.environ.get("HARNESS_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True, database=None)
+    @given(_json_values())
+    def check(value):
+        answer[0] = value
+        try:
+            top = eng.topk([5, 9])
+        except (EngineError, NotComparable):
+            return
+        assert top.ids.shape == (2, 3) and np.all((top.ids >= -1) & (top.ids < eng.n_vocab))
+
+    check()
