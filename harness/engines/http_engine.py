@@ -403,7 +403,7 @@ class HttpEngine:
             tops = lp.get("top_logprobs") if isinstance(lp, dict) else None
             if not isinstance(tops, list) or len(tops) < n:
                 raise EngineError(f"{self.who} answered without prompt logprobs (missing logprobs: {0 if not isinstance(tops, list) else len(tops)} "
-                                  f"entries for {n} positions)")
+                                  f"entries for {n} positions; llama-cpp-python leaves out the entry of a BOS token inside the prompt)")
             for i in range(1, n):  # entry i: after tokens[:i+1]; entry 0 is null
                 rows[i] = self._entries(tops[i], f"position {i}")
         elif self.kind.prompt_logprobs == "prompt_logprobs":
