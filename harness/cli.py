@@ -537,12 +537,31 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
     if not dry_run:
         command = "harness " + " ".join(sys.argv[1:])
-        write_thresholds(thresholds_document(res, command, harness_info().get("git_commit")), out)
+        doc = thresholds_document(res, command, harness_info().get("git_commit"))
+        doc["topk"] = _kept_topk_rows(out)  # measured by `harness calibrate --topk K`, each with its own basis
+        if not doc["topk"]:
+            del doc["topk"]
+        write_thresholds(doc, out)
         click.echo(f"wrote {out}")
         from pathlib import Path
 
         Path(matrix_out).write_text(matrix_markdown(res, command))
         click.echo(f"wrote {matrix_out}")
+
+
+def _kept_topk_rows(path) -> list:
+    """The top-k rows of the thresholds file a full calibration replaces (none when it is absent
+    or unreadable): they are measured separately (``--topk K``) and kept."""
+    # deferred: startup
+    from pathlib import Path
+
+    from harness.errors import HarnessError
+    from harness.gates.thresholds import load_thresholds
+
+    try:
+        return list(load_thresholds(path).data.get("topk", [])) if Path(path).is_file() else []
+    except HarnessError:
+        return []
 
 
 def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_json) -> None:

@@ -502,3 +502,11 @@ def test_any_json_answer_is_a_result_or_a_harness_error(fake, kind):
         assert top.ids.shape == (2, 3) and np.all((top.ids >= -1) & (top.ids < eng.n_vocab))
 
     check()
+
+
+def test_a_full_calibration_keeps_the_top_k_rows(tmp_path):
+    from harness.cli import _kept_topk_rows
+
+    kept = _kept_topk_rows(REPO / "thresholds.yaml")
+    assert kept == load_thresholds(REPO / "thresholds.yaml").data["topk"] and {r["k"] for r in kept} == {20}
+    assert _kept_topk_rows(tmp_path / "absent.yaml") == []
