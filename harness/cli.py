@@ -243,7 +243,7 @@ def _render_parity(outcome) -> None:
 
 @cli.command()
 @click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] models / model, else the trained default model.")
-@click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, transformers, llama.cpp).")
+@click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, http:NAME, transformers, llama.cpp).")
 @click.option("--reference", default=None, help="Reference engine (default llama.cpp).")
 @click.option("--prompts", default=None, type=click.Path(), help="JSONL prompt file (id + text or tokens). Default: the shipped set.")
 @click.option("--thresholds", default=None, type=click.Path(), help="thresholds.yaml (default ./thresholds.yaml, else the shipped one).")
@@ -493,11 +493,18 @@ def report(receipt, out_dir, localize_) -> None:
 @click.option("--matrix-out", default="docs/gates-matrix.md", show_default=True, type=click.Path(), help="Where to write the per-class mutant matrix.")
 @click.option("--dry-run", is_flag=True, help="Measure and print; do not write.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--topk", "topk_k", default=None, type=click.IntRange(1, 1000), metavar="K",
+              help="Measure only the top-k rows (http:NAME candidates) for K logprobs per position, on the F32 trained models, "
+                   "for --classes (default f64, f32), and merge them into --out.")
 def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
-              dry_run, as_json) -> None:
+              dry_run, as_json, topk_k) -> None:
     """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
     compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
-    every gate); with --model, measure one row on that model and record it as evidence."""
+    every gate); with --model, measure one row on that model and record it as evidence; with
+    --topk K, measure only the top-k rows and merge them into thresholds.yaml."""
+    if topk_k:
+        _calibrate_topk(topk_k, tuple(classes) or None, (base_model, moe_model), tuple(mutants) or None, max_tokens or 256, out, dry_run, as_json)
+        return
     if subject:
         _calibrate_subject(subject, compute_class, max_tokens or 128, ledger, as_json)
         return
@@ -530,12 +537,50 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
     if not dry_run:
         command = "harness " + " ".join(sys.argv[1:])
-        write_thresholds(thresholds_document(res, command, harness_info().get("git_commit")), out)
+        doc = thresholds_document(res, command, harness_info().get("git_commit"))
+        doc["topk"] = _kept_topk_rows(out)  # measured by `harness calibrate --topk K`, each with its own basis
+        if not doc["topk"]:
+            del doc["topk"]
+        write_thresholds(doc, out)
         click.echo(f"wrote {out}")
         from pathlib import Path
 
         Path(matrix_out).write_text(matrix_markdown(res, command))
         click.echo(f"wrote {matrix_out}")
+
+
+def _kept_topk_rows(path) -> list:
+    """The top-k rows of the thresholds file a full calibration replaces (none when it is absent
+    or unreadable): they are measured separately (``--topk K``) and kept."""
+    # deferred: startup
+    from pathlib import Path
+
+    from harness.errors import HarnessError
+    from harness.gates.thresholds import load_thresholds
+
+    try:
+        return list(load_thresholds(path).data.get("topk", [])) if Path(path).is_file() else []
+    except HarnessError:
+        return []
+
+
+def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_json) -> None:
+    """``harness calibrate --topk K``: the top-k rows only (``gates.calibrate.calibrate_topk``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.gates.calibrate import TOPK_CLASSES, calibrate_topk, merge_topk_rows
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else f"harness calibrate --topk {k}"
+    rows = calibrate_topk(k, classes or TOPK_CLASSES, [m for m in models if m], mutants, max_tokens,
+                          log=lambda m: con.print(_p(m), markup=False), command=command, commit=harness_info().get("git_commit"))
+    if as_json:
+        _echo_json(rows)
+    if not dry_run:
+        merge_topk_rows(out, rows)
+        click.echo(f"wrote {len(rows)} top-k row(s) to {out}")
 
 
 def _render_calibration(res) -> None:

@@ -7,7 +7,8 @@ table).
 
 Keys: ``model`` / ``models``, ``candidate``, ``reference``, ``prompts``, ``thresholds``,
 ``ledger`` (defaults of ``harness parity``, ``probe`` and the pytest cells); ``engines.NAME``
-(external command engines, docs/engine-protocol.md); ``evidence`` (the evidence folder, default
+(external command engines, docs/engine-protocol.md); ``http.NAME`` (OpenAI-compatible servers,
+docs/engine-protocol.md "HTTP engines"); ``evidence`` (the evidence folder, default
 ``evidence/`` at the project root); ``pytest`` (true: ``pytest`` collects the shipped parity and
 probe cells, as ``pytest --harness``); ``probes`` (which probes the probe cell runs);
 ``contracts`` (shipped contract ids ``harness status`` must see). Relative paths resolve
@@ -123,6 +124,8 @@ def _checked(table: dict[str, Any], source: Path) -> dict[str, Any]:
             raise InvalidInput(f"{source}: {key} must be a string (without NUL), found {type(table[key]).__name__}")
     if "engines" in table and not isinstance(table["engines"], dict):
         raise InvalidInput(f"{source}: engines must be a table of [engines.NAME] tables")
+    if "http" in table and not isinstance(table["http"], dict):
+        raise InvalidInput(f"{source}: http must be a table of [http.NAME] tables")
     return table
 
 

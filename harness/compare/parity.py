@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.compare import metrics, verdicts
+from harness.compare import metrics, topk, verdicts
 from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest, subject_of
 from harness.compare.localize import DEFAULT_MAX_TOKENS
@@ -408,6 +408,8 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     reference = timed(lambda: inputs.engine(req.reference))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prompts = inputs.tokens(reference.engine)
+    if "topk" in candidate.info.capabilities:
+        return run_topk_parity(req, inputs, reference, candidate, prompts)
     m = measure_cell(inputs.model, reference, candidate, prompts, inputs.thresholds.near_tie_margin, progress)
     measure = req.measure_tier if req.write_evidence else None
     resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
@@ -421,3 +423,64 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
         return ParityOutcome(result, receipt, None, None, None)
     rec = record_evidence(receipt, result.per_position, req.ledger)
     return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# A candidate that gives top-k logprobs (an http:NAME server): the top-k tier judges it
+# ---------------------------------------------------------------------------------------------
+def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: list[PromptTokens]) -> tuple[CellResult, tiers.Row | None]:
+    """Measure and judge a top-k cell (``harness.compare.topk``), and the top-k row used: the row
+    that fits the subject and the candidate's k judges the top-k KLD mean and p99; the release
+    gate's cosine is not computed and says so; no top-k row makes the verdict UNMEASURED, naming
+    the command that measures one. Raises ``NotComparable`` and ``EngineError``."""
+    n_vocab = check_comparable(inputs.model, reference, candidate, prompts)
+    cinfo = candidate.info.to_dict()
+    resolved = inputs.thresholds_for(cinfo)
+    k = int(cinfo["settings"].get("max_logprobs") or 0)
+    row, misfit = inputs.thresholds.resolve_topk(resolved.subject, k)
+    pp = topk.measure_topk_prompts(reference, candidate, prompts, n_vocab, row.k if row is not None else None)
+    cinfo = candidate.info.to_dict()  # after the requests: it names the model the server answered for
+    near = inputs.thresholds.near_tie_margin
+    summary = topk.summarize_topk(pp, near)
+    rel = topk.release_not_computable(resolved.release_gates, k, int(summary["positions"]))
+    cls = resolved.subject.compute_class
+    tier = topk.judge_topk(summary, row, resolved.subject.key_text(), k, resolved.min_positions, misfit,
+                           tiers.topk_calibrate_command(k, cls))
+    verdict, msg = topk.overall_topk(rel, tier)
+    m = Measured(prompts, pp, summary, cinfo, reference.info.to_dict(), n_vocab)
+    worst = (summary.get("kld") or {}).get("max_index")
+    where = m.where(worst)
+    if verdict is Verdict.FAIL and where is not None:
+        msg += (f"; largest top-k KLD {summary['kld']['max']:.3g} at prompt {where['prompt']!r} position {where['position']}; "
+                f"reproduce: {inputs.reproducer(candidate.info.name).harness('parity')}")
+    cal = verdicts.TierResult("calibrated", "unmeasured", [], "calibrated tier: not applicable — its cosine and full-vocabulary "
+                              "KLD gates need logits; the top-k tier judges this cell", None, "top-k candidate")
+    gate = {
+        "metric": "cosine", "min_cosine": resolved.release_min_cosine, "min_positions": resolved.min_positions,
+        "positions": int(summary["positions"]), "failing_positions": 0, "first_failing": None, "worst": None,
+        "worst_cosine": None, "min_cosine_observed": None, "min_cosine_where": None,
+        "nonfinite_positions": int(summary["nonfinite_positions"]), "first_nonfinite": m.where(summary["first_nonfinite_index"]),
+        "max_kld": (summary.get("kld") or {}).get("max"), "max_kld_where": where,
+        "release": rel.to_dict(), "calibrated": cal.to_dict(), "topk": {**tier.to_dict(), "k": k, "row_k": row.k if row else None},
+        "cosine_computed": False, "compute_class": cls, "class_declared": resolved.subject.class_declared,
+        "basis_kind": row.gates["max_topk_kld_mean"].get("basis", {}).get("kind", "declared") if row is not None else "declared",
+        "distribution_gates": [{"name": c.name, "label": c.label, "threshold": c.threshold, "observed": c.observed, "ok": c.ok}
+                               for c in tier.checks],
+    }
+    per_prompt = topk.per_prompt_topk([p.id for p in prompts], [len(p.tokens) for p in prompts], pp, near)
+    return CellResult(verdict, "parity", prompts, pp, summary, per_prompt, gate, cinfo, m.reference_info, n_vocab, msg), row
+
+
+def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens]) -> ParityOutcome:
+    """``run_parity`` for a top-k candidate (``topk_cell``): same receipt and ledger row, with the
+    top-k tier and the top-k row used (``thresholds.topk``)."""
+    result, row = topk_cell(inputs, reference, candidate, prompts)
+    resolved = inputs.thresholds_for(result.candidate_info)
+    receipt = build_receipt(req, inputs, result, resolved, None)
+    receipt["thresholds"]["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
+    receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
+    if not req.write_evidence:
+        prepare_receipt(receipt, result.per_position)
+        return ParityOutcome(result, receipt, None, None, None)
+    rec = record_evidence(receipt, result.per_position, req.ledger)
+    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path)

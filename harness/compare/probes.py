@@ -351,7 +351,8 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its first 80,
     multiseq on the three longest prompts' first 60, long (against ``reference()``, made only if
     it runs, judged by the release gate) on every prompt cycled to 1,024 tokens. ``tol`` None (no
-    calibrated row for the engine's class): the toleranced probes are UNMEASURED, naming why."""
+    calibrated row for the engine's class): the toleranced probes are UNMEASURED, naming why. A
+    top-k engine (capability ``topk``, an ``http:`` server) gets every probe UNMEASURED: no logits."""
     first = max(ptoks, key=lambda p: len(p.tokens))
     main = first.tokens[:MAIN_TOKENS]
     short = main[:80]
@@ -370,6 +371,10 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     if tol is None:
         why = f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})"
         for name in TOLERANCED:
+            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens)
+    if "topk" in engine.info.capabilities:  # a server (http:NAME): the probes compare logits it cannot give
+        why = f"{engine.info.name} gives top-k logprobs, not logits"
+        for name in cases:
             cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens)
     return cases
 

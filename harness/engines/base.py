@@ -18,6 +18,24 @@ LogitBlock = tuple[int, np.ndarray]
 """``(start, logits)``: ``logits`` is float32 ``[B, V]`` for positions ``start .. start+B-1``."""
 
 
+@dataclass
+class TopK:
+    """Top-k logprobs of consecutive positions, what a server gives instead of logits
+    (``http:NAME``; ``harness.compare.topk``): ``ids`` int64 ``[T, k]`` (-1: an empty slot),
+    ``logprobs`` float64 ``[T, k]`` (natural log, NaN in empty slots); row t is the distribution
+    after ``tokens[:t+1]``, as a logits row. ``dropped_max`` float64 ``[T]`` (optional): the
+    largest logprob among the entries the server sent whose key maps to no single token id (their
+    mass is in the tail; -inf when none), so a top-1 hidden among them is known to be unknown."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    dropped_max: np.ndarray | None = None
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[1])
+
+
 COMPUTE_CLASSES = ("f64", "f32", "bf16", "f16", "mixed")
 """The precision an engine computes in, which decides which calibrated gates apply to it:
 ``f64``/``f32``/``f16``/``bf16`` when its matmul inputs and accumulations are in that format
@@ -33,7 +51,8 @@ class EngineInfo:
 
     ``settings`` holds every setting that changes numerics (threads, n_ctx, n_batch, n_ubatch,
     KV cache types, flash attention, backend, overrides); ``capabilities`` lists optional protocol
-    features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``);
+    features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``,
+    ``"topk"``: top-k logprobs instead of logits, ``"generate"``: greedy generation);
     ``compute_class`` is one of ``COMPUTE_CLASSES``, or None when the engine declares none.
     """
 

@@ -3,7 +3,9 @@
 Names: ``llama.cpp`` (the reference, in a worker process), ``oracle`` (exact float64 NumPy
 forward), ``oracle-bf16`` / ``oracle-f16`` (the oracle with bf16/f16 matmuls and residual
 stream: a compute class's emulation), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
-engine configured in ``[tool.harness.engines.NAME]``), ``transformers`` (optional extra).
+engine configured in ``[tool.harness.engines.NAME]``), ``http:NAME`` (an OpenAI-compatible server
+configured in ``[tool.harness.http.NAME]``: top-k logprobs, not logits), ``transformers``
+(optional extra).
 ``planted:NAME`` is no engine of its own: it names a fault planted into another engine's output
 (the pytest plugin's ``--plant``), listed here for its source files only.
 
@@ -26,6 +28,7 @@ from harness.engines import (
     _llamacpp_worker,
     base,
     command,
+    http_engine,
     llamacpp,
     mutants,
     oracle,
@@ -90,6 +93,7 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("oracle-f16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "f16", ov), _ORACLE),
     EngineEntry("mutant:", lambda rest, path, ov, s: mutants.load_mutant(rest, path, ov), _ORACLE + (mutants,)),
     EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, base, config)),
+    EngineEntry("http:", lambda rest, path, ov, s: http_engine.load_http_engine(rest, path, ov), (http_engine, base, config)),
     EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),
                 (transformers_engine, base)),
     EngineEntry("planted:", None, (mutants,)),
@@ -108,6 +112,7 @@ def known_engine_names() -> list[str]:
     names = [e.name for e in ENGINES if e.load is not None and not e.is_family]
     names += [f"mutant:{m}" for m in mutants.MUTANTS]
     names += [f"command:{c}" for c in command.configured_commands()]
+    names += [f"http:{c}" for c in http_engine.configured_servers()]
     return names
 
 

@@ -518,8 +518,9 @@ def _tier_table(page: Page, rec: dict[str, Any]) -> None:
     rel, cal = g["release"], g["calibrated"]
     rows: list[list[Inline]] = []
     for c in rel["checks"]:
-        rows.append([f"release gate: {c['label']} (every position)", f"≥ {fmt.cosine_threshold(c['threshold'])}",
-                     f"lowest {fmt.cosine(c['observed'])}; {fmt.count(rel['failing_positions'], g['positions'])} below",
+        shown = ("not computed: the candidate gives top-k logprobs" if g.get("cosine_computed") is False
+                 else f"lowest {fmt.cosine(c['observed'])}; {fmt.count(rel['failing_positions'], g['positions'])} below")
+        rows.append([f"release gate: {c['label']} (every position)", f"≥ {fmt.cosine_threshold(c['threshold'])}", shown,
                      _basis(th["release"]["min_cosine"]), _ok(c["ok"]) if judged else "not judged"])
     mp = th["release"]["min_positions"]
     rows.append(["release gate: positions compared", f"≥ {fmt.number(mp['value'])}", str(g["positions"]), _basis(mp),
@@ -533,9 +534,18 @@ def _tier_table(page: Page, rec: dict[str, Any]) -> None:
         rows.append([f"calibrated tier: {c['label']}", f"{op} {value}", shown, _basis(row_gates.get(c["name"], {})), _ok(c["ok"])])
     if cal["status"] == "unmeasured":
         rows.append(["calibrated tier", "UNMEASURED", untrusted(cal.get("reason") or ""), untrusted(cal.get("command") or ""), "not judged"])
+    top = g.get("topk")  # a top-k candidate (an http:NAME server): its tier judged the cell
+    top_gates = (th.get("topk") or {}).get("gates", {})
+    for c in (top or {}).get("checks", []):
+        rows.append([f"top-k tier: {c['label']}", f"≤ {fmt.number(c['threshold'])}", fmt.kld(c["observed"]),
+                     _basis(top_gates.get(c["name"], {})), _ok(c["ok"])])
+    if top and top["status"] == "unmeasured":
+        rows.append(["top-k tier", "UNMEASURED", untrusted(top.get("reason") or ""), untrusted(top.get("command") or ""), "not judged"])
     page.h(2, "Gates").table(["gate", "threshold", "observed", "basis", "ok"], rows, "llllc")
     page.p(untrusted(rel["line"]))
     page.p(untrusted(cal["line"]))
+    if top:
+        page.p(untrusted(top["line"]))
 
 
 def _gates_table(page: Page, rec: dict[str, Any]) -> None:

@@ -711,3 +711,122 @@ def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
         raise
     os.replace(tmp, path)
     return path
+
+
+# ------------------------------------------------------------------------------- top-k rows
+TOPK_CLASSES = ("f64", "f32")
+"""Classes whose top-k rows ``calibrate_topk`` measures without the hf extra (bf16/f16 rows need a
+real engine of the class, as their calibrated rows do: ``NEEDS_REAL_ENGINE``)."""
+
+
+def measure_topk_pair(label: str, good: bool, model: str, ref: CachedReference, cand, prompts: list[list[int]], k: int) -> PairStats:
+    """``cand``'s full logits cut to their top ``k`` (``topk.cut_topk``, what a server giving k
+    logprobs would send) against the cached reference: per-prompt top-k KLDs (``min_cosine`` NaN:
+    not computable from top-k)."""
+    from harness.compare import topk
+
+    klds = []
+    for toks in prompts:
+        pm = topk.topk_position_metrics(ref.get(toks), topk.cut_topk(gather(cand.logits(toks), len(toks)), k))
+        klds.append(np.where(pm["finite"], pm["kld"], np.inf))
+    allk = np.concatenate(klds)
+    return PairStats(label, good, model, math.nan, float(np.mean(allk)), float(np.quantile(allk, 0.99)),
+                     np.zeros(len(prompts)), klds, compute_class=cand.info.compute_class or "f64")
+
+
+def calibrate_topk(k: int, classes: Sequence[str] = TOPK_CLASSES, models: Sequence[str] = ("fixture:trained-qwen35", "fixture:trained-qwen35moe"),
+                   mutants: Sequence[str] | None = None, max_tokens: int = 256, log: Callable[[str], None] = print,
+                   command: str = "harness calibrate --topk", commit: str | None = None) -> list[dict[str, Any]]:
+    """The ``topk:`` rows of thresholds.yaml for ``k`` logprobs per position: per class, the
+    known-good pairs of ``KNOWN_GOOD`` (llama.cpp at other settings for f32, the oracle for f64;
+    transformers where the hf extra is installed) on the F32 trained ``models``, cut to top-k;
+    ``max_topk_kld_mean`` / ``max_topk_kld_p99`` = ``MARGIN`` × the upper 95% bootstrap CI by
+    prompt, as ``propose``; the known-bad values are the mutants' (on the first model) cut the same
+    way, each on the model of its architecture. Bounded: only these models and classes, no probes,
+    no ladder (a few minutes on two cores).
+
+    Raises ``CalibrationRefused`` when a known-good pair lies past its proposed gate (the mutants a
+    row misses, e.g. the state faults a whole-prompt feed never reaches, are named in its basis);
+    ``InvalidInput`` for a class it cannot measure here.
+    """
+    from harness.engines import mutants as mutant_mod
+
+    bad_cls = [c for c in classes if c not in KNOWN_GOOD]
+    if bad_cls:
+        raise InvalidInput(f"top-k rows are measured for {', '.join(KNOWN_GOOD)}; not {', '.join(bad_cls)}")
+    use_torch = have_torch()
+    if any(c in NEEDS_REAL_ENGINE for c in classes) and not use_torch:
+        raise InvalidInput("bf16/f16 top-k rows need transformers (pip install -e .[hf]) beside the emulation")
+    mms = [open_for_calibration(m, max_tokens) for m in models]
+    goods: list[PairStats] = []
+    for mm in mms:
+        for cls in classes:
+            for label, make, needs_torch in KNOWN_GOOD[cls]:
+                if needs_torch and not use_torch:
+                    continue
+                log(f"  good top-{k} ({cls}): {label} vs llama.cpp on {mm.spec}")
+                p = measure_topk_pair(f"{label} vs llama.cpp", True, mm.spec, mm.ref, make(mm.path), mm.prompts, k)
+                p.compute_class, p.weights = cls, mm.weights
+                p.extra.update(file_type=mm.file_type, dims=mm.dims)
+                goods.append(p)
+    base = mms[0]
+    moe = next((mm for mm in mms if mm.dims["arch"] == "qwen35moe"), None)
+    bads = []
+    for name in (mutants if mutants is not None else list(mutant_mod.MUTANTS)):
+        mm = base if "qwen35" in mutant_mod.MUTANTS[name].archs or moe is None else moe
+        log(f"  bad top-{k}: mutant:{name} on {mm.spec}")
+        bads.append(measure_topk_pair(f"mutant:{name}", False, mm.spec, mm.ref, mutant_mod.load_mutant(name, mm.path), mm.prompts, k))
+    commit_txt = f" harness commit {commit}." if commit else ""
+    rows, problems = [], []
+    for cls in classes:
+        gs = [g for g in goods if g.compute_class == cls]
+        if gs:
+            row, passing, late = _topk_row(k, cls, gs, bads, command, base.spec, commit_txt)
+            rows.append(row)
+            problems += late
+            g = row["gates"]
+            log(f"  top-{k} row {row['weights']} × {cls}: KLD mean ≤ {g['max_topk_kld_mean']['value']:g}, "
+                f"p99 ≤ {g['max_topk_kld_p99']['value']:g}; mutants passing both: {', '.join(passing) or 'none'}")
+    if problems:
+        raise CalibrationRefused("top-k calibration refused: " + "; ".join(problems))
+    return rows
+
+
+def _topk_row(k: int, cls: str, gs: list[PairStats], bads: list[PairStats], command: str, base_spec: str,
+              commit_txt: str) -> tuple[dict[str, Any], list[str], list[str]]:
+    """One ``topk:`` row from the class's known-good top-k pairs (``propose``'s rule on the KLD
+    mean and p99), the mutants passing both its gates, and the good pairs lying past it."""
+    hi_mean = max(bootstrap_by_prompt(g, "kld_mean")[1] for g in gs)
+    hi_p99 = max(bootstrap_by_prompt(g, "kld_p99")[1] for g in gs)
+    gate_mean, gate_p99 = _round_up(max(MARGIN * hi_mean, 1e-7)), _round_up(max(MARGIN * hi_p99, 1e-7))
+    n = sum(g.n for g in gs)
+    goods_txt = "; ".join(f"{g.label} on {g.model}: top-{k} KLD mean {g.kld_mean:.3g}, p99 {g.kld_p99:.3g}" for g in gs)
+    late = [f"{g.label} on {g.model} lies past its top-{k} row" for g in gs if g.kld_mean > gate_mean or g.kld_p99 > gate_p99]
+    passing = [b.label for b in bads if b.kld_mean <= gate_mean and b.kld_p99 <= gate_p99]
+    note = (f"{MARGIN}x upper 95% bootstrap CI by prompt of the known-good pairs cut to their top {k} logprobs "
+            f"(harness.compare.topk: KLD with the tail as one bucket). Known-good ({cls}): {goods_txt}. Known-bad: the mutants "
+            f"on the F32 trained model of their architecture, cut the same way.{commit_txt}")
+    dims = {g.model: g.extra["dims"] for g in gs}
+    row = {
+        "weights": gs[0].weights, "class": cls, "k": int(k), "file_type": gs[0].extra["file_type"],
+        "basis_models": [{kk: d[kk] for kk in ("name", "sha256", "arch", "n_layer", "n_embd")} for d in dims.values()],
+        "gates": {
+            "max_topk_kld_mean": {"value": gate_mean, "basis": _basis(command, n, base_spec, max(g.kld_mean for g in gs),
+                                  [(b.kld_mean, b.label) for b in sorted(bads, key=lambda b: b.kld_mean)], note, gate_mean, False)},
+            "max_topk_kld_p99": {"value": gate_p99, "basis": _basis(command, n, base_spec, max(g.kld_p99 for g in gs),
+                                 [(b.kld_p99, b.label) for b in sorted(bads, key=lambda b: b.kld_p99)], note, gate_p99, False)},
+        },
+    }
+    return row, passing, late
+
+
+def merge_topk_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """thresholds.yaml at ``path`` with ``rows`` replacing the top-k rows of the same weights ×
+    class × k (every other number kept as it is), written by ``write_thresholds``."""
+    from harness.gates.thresholds import load_thresholds
+
+    doc = dict(load_thresholds(path).data)
+    keys = {(r["weights"], r["class"], r["k"]) for r in rows}
+    kept = [r for r in doc.get("topk", []) if (r["weights"], r["class"], r["k"]) not in keys]
+    doc["topk"] = kept + rows
+    return write_thresholds(doc, path)

@@ -14,6 +14,9 @@ Schema ``harness-thresholds/v2`` (``harness/schemas/thresholds.schema.json``), t
          basis_models: [{name: fixture:trained-qwen35-256-Q4_K_M, n_layer: 4, n_embd: 256}],
          gates: {min_cosine: {value, basis}, max_kld_mean: ..., max_kld_p99: ...},
          probes: {min_cosine: ..., max_kld: ...}}
+    topk:                                         # top-k rows (http:NAME servers), keyed by weights × class × k
+      - {weights: F32, class: f32, k: 20, file_type: ALL_F32, basis_models: [...],
+         gates: {max_topk_kld_mean: {value, basis}, max_topk_kld_p99: ...}}
 
 A basis is ``kind: measured`` (command, n, model, date, known_good_floor, known_bad) or
 ``kind: declared`` (who, why). A gate without one is ``InvalidInput`` (exit 2) naming the key and
@@ -36,7 +39,7 @@ import yaml
 
 from harness.errors import InvalidInput, Unmeasured
 from harness.fschecks import read_utf8
-from harness.gates.tiers import Row, Subject, find_row
+from harness.gates.tiers import Row, Subject, find_row, find_topk_row
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.validation import schema_validator
@@ -46,6 +49,7 @@ SCHEMA_ID = "harness-thresholds/v2"
 SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
 SECTIONS = ("release", "probes")
 ROW_SECTIONS = ("gates", "probes")
+ROW_LISTS = ("calibrated", "topk")
 DEFAULT_NEAR_TIE_MARGIN = 0.25
 
 
@@ -181,6 +185,18 @@ class Thresholds:
             for i, r in enumerate(self.data.get("calibrated", []))
         ]
 
+    @property
+    def topk_rows(self) -> list[Row]:
+        """The top-k rows (``topk:``), in file order, each with its ``k``."""
+        return [
+            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], {}, f"{self.path} topk[{i}]", r["file_type"], int(r["k"]))
+            for i, r in enumerate(self.data.get("topk", []))
+        ]
+
+    def resolve_topk(self, subject: Subject, k: int) -> tuple[Row | None, str]:
+        """The top-k row that fits ``subject`` with ``k`` logprobs per position (``tiers.find_topk_row``)."""
+        return find_topk_row(self.topk_rows, subject, k)
+
     def resolve(self, subject: Subject, *ids: str) -> ResolvedThresholds:
         """The release gate, the calibrated row that fits ``subject`` (``tiers.find_row``) and the
         probe tolerances. ``ids``: the subject model's identities (sha256, fixture name), used to
@@ -256,7 +272,7 @@ def _yaml_error_message(path: Path, e: yaml.YAMLError) -> str:
 
 
 def _is_gate_path(p: list[Any]) -> bool:
-    return (len(p) == 2 and p[0] in SECTIONS) or (len(p) == 4 and p[0] == "calibrated" and p[2] in ROW_SECTIONS)
+    return (len(p) == 2 and p[0] in SECTIONS) or (len(p) == 4 and p[0] in ROW_LISTS and p[2] in ROW_SECTIONS)
 
 
 def _most_useful(errors: list[jsonschema.ValidationError]) -> jsonschema.ValidationError:
@@ -290,8 +306,9 @@ def _schema_error_message(path: Path, root: yaml.Node | None, e: jsonschema.Vali
 def _gate_values(data: Mapping[str, Any]) -> list[tuple[list[Any], Any]]:
     """``(key path, value)`` of every gating number in the file."""
     out = [([sec, name, "value"], g["value"]) for sec in SECTIONS for name, g in data.get(sec, {}).items()]
-    for i, row in enumerate(data.get("calibrated", [])):
-        out += [(["calibrated", i, sec, name, "value"], g["value"]) for sec in ROW_SECTIONS for name, g in row.get(sec, {}).items()]
+    for lst in ROW_LISTS:
+        for i, row in enumerate(data.get(lst, [])):
+            out += [([lst, i, sec, name, "value"], g["value"]) for sec in ROW_SECTIONS for name, g in row.get(sec, {}).items()]
     return out
 
 
@@ -314,3 +331,10 @@ def _check_rows(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> 
         cos = float(row["gates"]["min_cosine"]["value"])
         if cos < floor:
             raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")
+    seen_topk: dict[tuple[str, str, int], int] = {}
+    for i, row in enumerate(data.get("topk", [])):
+        key = (row["weights"], row["class"], row["k"])
+        if key in seen_topk:
+            raise InvalidInput(f"{path}:{line_of(root, ['topk', i])}: topk[{i}] (weights {key[0]}, class {key[1]}, k {key[2]}) "
+                               f"repeats the key of topk[{seen_topk[key]}]; one row per weights × class × k")
+        seen_topk[key] = i

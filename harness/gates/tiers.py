@@ -76,6 +76,7 @@ class Row:
     probes: Mapping[str, Mapping[str, Any]]
     source: str
     file_type: str = ""
+    k: int = 0
 
     @property
     def max_dims(self) -> tuple[int, int]:
@@ -108,6 +109,26 @@ def find_row(rows: list[Row], subject: Subject) -> tuple[Row | None, str]:
     if same_key:
         return None, f"the row for {subject.key_text()} was {same_key[0].misfit(subject)}"
     return None, f"no calibrated row for {subject.key_text()}"
+
+
+def find_topk_row(rows: list[Row], subject: Subject, k: int) -> tuple[Row | None, str]:
+    """The top-k row that fits ``subject`` judged with ``k`` logprobs per position: same weights
+    key and class, measured with at most ``k`` (the largest such k), within ``MAX_SCALE``; or
+    None and why none does."""
+    same_key = [r for r in rows if r.weights == subject.weights and r.compute_class == subject.compute_class]
+    fitting = sorted((r for r in same_key if r.k <= k and r.misfit(subject) is None), key=lambda r: -r.k)
+    if fitting:
+        return fitting[0], ""
+    if same_key:
+        r = same_key[0]
+        why = f"measured with k {r.k} > {k}" if r.k > k else r.misfit(subject)
+        return None, f"the top-k row for {subject.key_text()} was {why}"
+    return None, f"no top-k row for {subject.key_text()}"
+
+
+def topk_calibrate_command(k: int, compute_class: str) -> str:
+    """The command that measures the top-k family for one class on the F32 trained fixtures."""
+    return f"harness calibrate --topk {k} --class {compute_class}"
 
 
 def calibrate_command(model_spec: str, compute_class: str) -> str:
