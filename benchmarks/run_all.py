@@ -93,6 +93,7 @@ def parity_probe(args: list[str], profile: Path | None = None) -> dict:
         res = json.loads(p.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         raise SystemExit(f"parity probe failed (exit {p.returncode}): {p.stderr[-2000:]}")
+    res["stderr_tail"] = p.stderr[-1500:]
     res["engine_total_s"] = sum(res["engine_s"].values())
     res["harness_s"] = res["main_s"] - res["engine_total_s"]
     res["harness_fraction"] = res["harness_s"] / res["main_s"]

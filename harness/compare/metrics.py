@@ -399,9 +399,17 @@ def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = Fa
 
 
 def finite_rows(block: np.ndarray) -> np.ndarray:
-    """bool ``[B]``: row t of the ``[B, V]`` block holds no NaN or Inf."""
+    """bool ``[B]``: row t of the ``[B, V]`` block holds no NaN or Inf.
+
+    One read of the block: each row's float32 sum (BLAS ``sgemv`` against ones) is NaN or ±Inf
+    when the row holds a NaN or an Inf (IEEE propagation); a row whose sum is not finite is then
+    checked element by element, since finite logits beyond ~1e33 can overflow the sum.
+    """
     block = _as_block("block", block)
-    return np.isfinite(block).all(axis=1)
+    ok = np.isfinite(block @ _scratch(block.shape[1]).ones)
+    for i in np.flatnonzero(~ok):
+        ok[i] = bool(np.isfinite(block[i]).all())
+    return ok
 
 
 def cosine(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:

@@ -206,10 +206,16 @@ def load_thresholds(path: str | Path) -> Thresholds:
     path = Path(path)
     raw, text = read_utf8(path, "thresholds file", "; thresholds files are UTF-8 YAML")
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        if root is not None:
-            check_size(path, root)
-        data = yaml.safe_load(text)
+        # Composed once: the node tree is bounded (check_size: alias expansion) and then
+        # constructed, as safe_load would, without parsing the text a second time.
+        loader = yaml.SafeLoader(text)
+        try:
+            root = loader.get_single_node()
+            if root is not None:
+                check_size(path, root)
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         raise InvalidInput(_yaml_error_message(path, e)) from e
     except RecursionError:  # the YAML composer recurses once per nesting level
