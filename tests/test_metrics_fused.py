@@ -5,6 +5,7 @@ one-read finiteness check (``finite_rows``) against an element-by-element one (i
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scipy.special import log_softmax
 
 from harness.compare import metrics as M
@@ -64,3 +65,13 @@ def test_finite_rows_in_one_read_agrees_with_elementwise_even_when_sums_overflow
     rows[5, 0] = -np.inf
     got = M.finite_rows(rows)
     assert got.tolist() == np.isfinite(rows).all(axis=1).tolist() == [True, False, False, False, True, False]
+
+
+def test_wilson_interval_written_out_matches_scipys_binomtest():
+    from scipy import stats
+
+    for k, n in [(0, 1), (1, 1), (0, 50), (50, 50), (196, 200), (7, 1479), (1478, 1479), (1024, 2048)]:
+        for conf in (0.9, 0.95, 0.99):
+            ci = stats.binomtest(k, n).proportion_ci(confidence_level=conf, method="wilson")
+            assert M.wilson_interval(k, n, conf) == pytest.approx((ci.low, ci.high), abs=1e-12), (k, n, conf)
+    assert M.wilson_interval(0, 0) is None

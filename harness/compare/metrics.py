@@ -60,7 +60,7 @@ import threading
 from typing import Any, Mapping
 
 import numpy as np
-from scipy import stats
+from scipy.special import ndtri
 
 from harness.errors import InvalidInput, NotComparable
 
@@ -553,11 +553,23 @@ def cosine_failures(per_position: Mapping[str, np.ndarray], min_cosine: float) -
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float] | None:
-    """Wilson score interval for a binomial proportion (scipy ``binomtest``); None when n = 0."""
+    """Wilson score interval (without continuity correction) for a binomial proportion; None when n = 0.
+
+    E. B. Wilson, "Probable inference, the law of succession, and statistical inference", JASA
+    22 (1927): (p + z²/2n ± z·sqrt(p(1 − p)/n + z²/4n²)) / (1 + z²/n), z the two-sided normal
+    quantile; the formula of scipy's ``binomtest(...).proportion_ci(method="wilson")``
+    (``scipy/stats/_binomtest.py``), which ``tests/test_metrics.py`` checks it against. Written out
+    so a parity run does not import ``scipy.stats`` (about a second) for four lines of arithmetic.
+    """
     if n == 0:
         return None
-    ci = stats.binomtest(int(successes), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
-    return float(ci.low), float(ci.high)
+    k, n = int(successes), int(n)
+    z = float(ndtri(0.5 + confidence / 2))
+    p, z2 = k / n, z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def _f(x: Any) -> float | None:
