@@ -168,6 +168,7 @@ CATEGORIES = [
     ("harness/evidence/receipts.py", "write_receipt", "receipt (JSON + npz, atomic)"),
     ("harness/evidence/ledger.py", "append_row", "ledger row + LEDGER render"),
     ("harness/evidence/report.py", "write_report", "report (Markdown + PNG plots)"),
+    ("harness/compare/explain.py", "vocabulary", "token texts for the report (the model's vocabulary)"),
     ("harness/gates/thresholds.py", "load_thresholds", "thresholds.yaml"),
     ("harness/model/gguf_model.py", "sha256", "model sha256"),
     ("harness/compare/prompts.py", "load_prompt_set", "prompt file"),
@@ -535,7 +536,10 @@ ISSUE15_FIXES = [
     "of `tight_layout` (which draws every tick label to measure it), titles at a fixed height, plain-text log tick labels "
     "(no mathtext) and no minor ticks on log axes, Line2D markers instead of scatter collections, min/max envelopes for "
     "lines longer than a panel is wide, PNG zlib level 1. Same panels, lines, gates and markers.",
-    "- **thresholds.yaml** is composed once and constructed from the node tree instead of parsed twice.",
+    "- **thresholds.yaml** is composed once, by libyaml when PyYAML has it, and constructed from the node tree instead of "
+    "parsed twice by the pure-Python loader.",
+    "- **Imports a parity run did not need**: `scipy.stats` (for a Wilson interval, now four lines of arithmetic checked "
+    "against `binomtest`; calibrate imports it where it bootstraps) and `pandas` (the ledger views import it on first use).",
     "- **The reference's finiteness check** reads each block once (a BLAS row sum) instead of building a [B, V] bool array.",
     "- **The llama.cpp worker** writes a single sequence's logits from the graph's `result_output` tensor by an eval callback "
     "and returns the pages of that tensor and of llama.cpp's output buffer to the kernel once used, so only one 485 MiB "
@@ -564,11 +568,11 @@ FIXES = [
     "`tokenize_many([])` when every prompt carried token ids, which starts a worker and loads the 248,320-token "
     "vocabulary (3.5 s). `harness/compare/parity.py`: no texts, no tokenizer run.",
     "",
-    "What remains of the harness's share at the tiny trunk is proportional to the vocabulary, not to the model: the "
-    "GGUF metadata parse (one million gguf-py slices), reading llama.cpp's 1 MB-per-position logits back, the "
-    "per-position metrics over two 1 MB rows, and the report's plots. With a 64-dimensional trunk the engines' "
-    "forwards are cheap, so these weigh about a fifth of the run; at Qwen3.5-0.8B's shapes (section 4) the harness's "
-    "share falls to about a tenth with only 64 positions, and it falls further with more positions and larger models.",
+    "These were the first session's fixes; the second session's and this issue's are listed in the section above. What "
+    "remains of the harness's share at the tiny trunk is proportional to the vocabulary, not to the model: the "
+    "per-position metrics over two 1 MB rows (about a dozen cached passes per row pair), the report's plots, and the "
+    "imports of a run (matplotlib, jsonschema, scipy.special); with a 64-dimensional trunk the engines' forwards are "
+    "cheap, so these weigh most here, and less with larger models (sections 4 and 5).",
 ]
 
 
