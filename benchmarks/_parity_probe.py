@@ -10,7 +10,11 @@ each row through the pipe, which cannot be told apart from waiting for the decod
 ``logits`` generator while it computes (trunk, lm_head, float32 conversion). Everything else in ``harness.cli.main`` is the harness's own time:
 tokenization, metrics, the receipt, the ledger row, the report. Printed fields: ``main_s``,
 ``engine_s`` (per engine), ``tokenize_s``, ``import_s``, ``maxrss_mb`` (this process: the harness
-and the in-process oracle), ``worker_peak_rss_mb`` (the largest llama.cpp worker, polled), ``exit``.
+and the in-process oracle), ``worker_peak_rss_mb`` (the largest decoding llama.cpp worker's own
+``VmHWM``, from its ``info.json``), ``workers_polled_peak_rss_mb`` (every descendant, polled: it
+can catch a child between fork and exec, when it still shows this process's pages), ``exit``.
+Any harness command runs this way (``calibrate`` too); the engine buckets stay empty when it
+runs none of them.
 """
 
 from __future__ import annotations
@@ -66,6 +70,22 @@ def _timed_stream(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
+worker_peaks: list[float] = []  # each decoding worker's own VmHWM (its info.json), MB
+
+
+def _record_worker_peak(cls) -> None:
+    real = cls._finish
+
+    def wrapper(self, *a, **k):
+        info = real(self, *a, **k)
+        if "decode_s" in info:
+            worker_peaks.append(float(info.get("peak_rss_mb") or 0))
+        return info
+
+    cls._finish = wrapper
+
+
+_record_worker_peak(LlamaCppEngine)
 _timed(LlamaCppEngine, "_run", lambda a: "tokenize" if a[0].get("op") == "tokenize" else "llama.cpp")
 _timed_stream(LlamaCppEngine, "logits", "llama.cpp")  # the worker streams its logits while it decodes
 _timed_stream(Qwen35Oracle, "logits", "oracle")
@@ -97,7 +117,8 @@ def run() -> None:
         "engine_s": {"llama.cpp": timers["llama.cpp"], "oracle": timers["oracle"]},
         "tokenize_s": timers["tokenize"],
         "maxrss_mb": self_peak_mb(),
-        "worker_peak_rss_mb": workers.peak_mb,
+        "worker_peak_rss_mb": max(worker_peaks, default=0.0),
+        "workers_polled_peak_rss_mb": workers.peak_mb,
         "stdout_tail": out.getvalue()[-600:],
     }))
 

@@ -73,7 +73,7 @@ def vocabulary(model: Mapping[str, Any]) -> tuple[Vocab | None, str]:
         return None, why
     try:
         gm = GGUFModel(path)
-        tokens = gm.tokens
+        tokens = gm.token_texts  # read token by token: a page shows a few
         kind = gm.raw_metadata("tokenizer.ggml.model")
     except HarnessError as e:
         return None, f"cannot read the model's vocabulary ({untrusted(e)})"

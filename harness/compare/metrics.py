@@ -26,17 +26,41 @@ the few candidates, then a partition/sort over those alone); KLD uses one float3
 float32 ``expm1`` per row with float64 sums, in a form (``log1p(E_p[expm1(x) - x])``, below) whose
 error is relative to the KLD itself rather than to the log-partition function.
 ``benchmarks/bench_metrics.py`` measures the cost against a plain pass over both arrays.
+
+Reads per row pair (fast path; the rows stay in cache after their first read): the reference row
+4 times (|r|², top-k, r − c, exp r), the candidate row 3 times (|c|², top-k, r − c), and ten
+passes over three row-sized float32 scratch buffers (d = r − c, e = exp r, y = expm1(x) − x):
+a bounded number, independent of the position count. ``position_metrics`` runs each row pair
+through every metric in that one sequence of passes; the per-metric functions
+(``cosine``, ``kl_divergence`` ...) share the kernels.
+
+Where float64 is kept, because the result would be wrong without it:
+
+- every sum: each block of ~2,048 float32 products (BLAS ``sdot``) is added in float64
+  (``_Scratch.dot64``): a float32 sum over 248,320 terms would lose the 1e-7 differences that
+  separate an F32 engine from a broken one;
+- r·c is derived in float64 from |r|², |c|² and |r − c|² while the rows are close (1 − cosine keeps
+  relative precision), else computed as a float64 dot (``_fast_pair``);
+- the KLD's log-partition terms: the form ``log1p(E_p[expm1(x) - x])`` with float64 sums makes the
+  error relative to the KLD (about 1e-8 at the F32 floor) rather than to log Z (about 12);
+  rows whose logits differ by more than ~30 take a float64 log-softmax (``_kld_row_f64``);
+- rows with non-finite values or sums of squares outside [1e-30, 1e30] (``_row_f64``).
+
+float32 is kept where it changes nothing: exp/expm1 of single entries (relative 1e-7 per term,
+averaging out in the sums) and the top-k/argmax selection, which compares float32 values exactly.
+``tests/test_metrics_fused.py`` checks every field against a plain float64 computation at
+Qwen3.5's vocab at the F32 floor (KLD ~ 1e-8).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import statistics
 import threading
 from typing import Any, Mapping
 
 import numpy as np
-from scipy import stats
 
 from harness.errors import InvalidInput, NotComparable
 
@@ -399,9 +423,18 @@ def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = Fa
 
 
 def finite_rows(block: np.ndarray) -> np.ndarray:
-    """bool ``[B]``: row t of the ``[B, V]`` block holds no NaN or Inf."""
+    """bool ``[B]``: row t of the ``[B, V]`` block holds no NaN or Inf.
+
+    One read of the block: each row's float32 sum (BLAS ``sgemv`` against ones) is NaN or ±Inf
+    when the row holds a NaN or an Inf (IEEE propagation); a row whose sum is not finite is then
+    checked element by element, since finite logits beyond ~1e33 can overflow the sum.
+    """
     block = _as_block("block", block)
-    return np.isfinite(block).all(axis=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = np.isfinite(block @ _scratch(block.shape[1]).ones)
+    for i in np.flatnonzero(~ok):
+        ok[i] = bool(np.isfinite(block[i]).all())
+    return ok
 
 
 def cosine(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
@@ -520,11 +553,24 @@ def cosine_failures(per_position: Mapping[str, np.ndarray], min_cosine: float) -
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float] | None:
-    """Wilson score interval for a binomial proportion (scipy ``binomtest``); None when n = 0."""
+    """Wilson score interval (without continuity correction) for a binomial proportion; None when n = 0.
+
+    E. B. Wilson, "Probable inference, the law of succession, and statistical inference", JASA
+    22 (1927): (p + z²/2n ± z·sqrt(p(1 − p)/n + z²/4n²)) / (1 + z²/n), z the two-sided normal
+    quantile; the formula of scipy's ``binomtest(...).proportion_ci(method="wilson")``
+    (``scipy/stats/_binomtest.py``), which ``tests/test_metrics.py`` checks it against. Written out
+    so a parity run does not import ``scipy.stats`` (about a second) for four lines of arithmetic; the
+    normal quantile is the standard library's ``statistics.NormalDist``.
+    """
     if n == 0:
         return None
-    ci = stats.binomtest(int(successes), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
-    return float(ci.low), float(ci.high)
+    k, n = int(successes), int(n)
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)  # Wichura's AS 241, as scipy's ndtri
+    p, z2 = k / n, z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def _f(x: Any) -> float | None:

@@ -96,7 +96,7 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, 
         if start != expect:
             raise EngineError(f"{name} returned a block starting at position {start}; expected {expect}")
         if finite is not None:
-            bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+            bad = np.flatnonzero(~metrics.finite_rows(block))
             if bad.size:
                 raise EngineError(f"{name} returned non-finite logits (NaN or Inf) at prompt {finite!r} position {start + int(bad[0])} "
                                   f"({bad.size} position(s) in this block); a reference that fails cannot judge the candidate")

@@ -7,9 +7,15 @@ token), and streams float32 logits to the harness through a pipe as each batch f
 ``info.json``. Only numpy and llama_cpp are imported, so what it measures is llama.cpp.
 
 The stream (file descriptor ``stream_fd``, inherited from the harness): ``n_vocab`` as one int64,
-then per ``llama_decode`` call its rows, written straight from llama.cpp's output buffer (no copy
-in this process, nothing kept once written, so the worker holds one batch of logits, not the
-prompt's). A single sequence sends its rows in position order and nothing else; several
+then per ``llama_decode`` call its rows, written straight from llama.cpp's memory (no copy in this
+process, nothing kept once written, so the worker holds one batch of logits, not the prompt's).
+A single sequence's rows are written from the graph's ``result_output`` tensor by an eval
+callback (``_GraphRows``) as each ubatch finishes, and the pages of that tensor and of llama.cpp's
+output buffer (which llama.cpp fills from it afterwards; nothing here reads it) are given back
+to the kernel (``madvise(MADV_DONTNEED)``) once used: at V = 248,320 each is 485 MiB for a
+512-token ubatch, and only one needs to be resident at a time. The graph, n_batch, n_ubatch and
+the requested outputs are the same as without the callback, so the logits are the same bytes
+(``tests/test_llamacpp.py``). A single sequence sends its rows in position order and nothing else; several
 sequences (``sequences``) precede each batch's rows with an int64 count k and the k int64 row
 indices the rows belong to (rows of different sequences interleave within a batch). All
 little-endian.
@@ -17,7 +23,11 @@ little-endian.
 Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``info``), ``model``,
 ``overrides`` (list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch,
 n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
-lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``).
+lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``),
+``rows_from`` (``graph``, the default, or ``output``: a single sequence's rows read from
+llama.cpp's output buffer, as several sequences' are; tests compare the two).
+``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
+(``VmHWM``).
 """
 
 from __future__ import annotations
@@ -186,6 +196,80 @@ class _Capture:
         return out
 
 
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+def _release(addr: int, nbytes: int) -> None:
+    """Hand the whole pages inside [addr, addr + nbytes) back to the kernel: an anonymous page
+    read after this reads zeros, one written is faulted in anew (Linux ``madvise(2)``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = -(-addr // page) * page
+    hi = (addr + nbytes) // page * page
+    if hi > lo:
+        _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class _GraphRows:
+    """An eval callback (``cb_eval``) that asks only for ``result_output`` (the last node of the
+    graph, ggml ``ne = [n_vocab, n_outputs]``: one float32 row per output, in ubatch order) and
+    writes its rows to the stream from the compute buffer itself, then releases those pages.
+    Used for a single sequence (its ubatches come in position order) on a host (CPU) buffer;
+    ``rows_seen`` counts the rows written since the last ``take``."""
+
+    NAME = b"result_output"
+
+    def __init__(self, llama_cpp, stream: "_Stream"):
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        g = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+        g.ggml_get_name.restype = ctypes.c_char_p
+        g.ggml_get_name.argtypes = [ctypes.c_void_p]
+        g.ggml_get_data.restype = ctypes.c_void_p
+        g.ggml_get_data.argtypes = [ctypes.c_void_p]
+        g.ggml_nbytes.restype = ctypes.c_size_t
+        g.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        g.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+        g.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+        self.g, self.stream, self.rows_seen, self.write_s = g, stream, 0, 0.0
+        self.llama_cpp, self.ctx = llama_cpp, None  # ctx: set once the context exists
+        self.pending = 0  # rows of the output buffer to release before the next compute
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._cb)
+
+    def _cb(self, t, ask, _user):
+        if ask and self.pending:
+            # The scheduler asks about every node before it computes any: llama.cpp has sized
+            # (and, when it grew, zero-filled) its output buffer for this batch, and the compute
+            # buffer is not written yet. The buffer is filled from the graph after the compute,
+            # so its pages need not be resident during it.
+            out = self.llama_cpp.llama_get_logits(self.ctx)
+            if out:
+                _release(ctypes.addressof(out.contents), self.pending * self.stream.n_vocab * 4)
+            self.pending = 0
+        if self.g.ggml_get_name(t) != self.NAME:
+            return not ask  # ask: not wanted; told: carry on
+        if ask:
+            return True
+        head = _TensorHead.from_address(t)
+        n_vocab, n = int(head.ne[0]), int(head.ne[1])
+        if head.type != 0 or n_vocab != self.stream.n_vocab or not self.g.ggml_backend_buffer_is_host(head.buffer):
+            sys.stderr.write("harness-worker: result_output is not a host F32 [n_vocab, n] tensor\n")
+            os._exit(24)
+        addr, nbytes = int(self.g.ggml_get_data(t)), int(self.g.ggml_nbytes(t))
+        t0 = time.perf_counter()
+        self.stream._write((ctypes.c_char * (n * n_vocab * 4)).from_address(addr))
+        self.write_s += time.perf_counter() - t0
+        _release(addr, nbytes)
+        self.rows_seen += n
+        return True
+
+    def take(self) -> int:
+        n, self.rows_seen = self.rows_seen, 0
+        return n
+
+
 class _Stream:
     """The logits stream to the harness (see the module docstring); ``fd`` None sends nothing
     (activation runs decode for their eval callback only)."""
@@ -193,6 +277,7 @@ class _Stream:
     def __init__(self, fd: int | None, n_vocab: int, indexed: bool):
         self.fd, self.n_vocab, self.indexed = fd, n_vocab, indexed
         self.decode_s = 0.0  # seconds inside llama_decode (not writing to the harness)
+        self.graph: _GraphRows | None = None  # rows written by the eval callback instead
         if fd is not None:
             self._write(np.array([n_vocab], dtype="<i8").data)
 
@@ -222,13 +307,26 @@ def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of):
         batch.seq_id[i][0] = seq
         batch.logits[i] = 1
     batch.n_tokens = n
+    graph = stream.graph
+    if graph is not None:
+        graph.pending = n  # the output buffer holds at least this batch's rows
     t = time.perf_counter()
+    w0 = graph.write_s if graph else 0.0
     rc = llama_cpp.llama_decode(ctx, batch)
-    stream.decode_s += time.perf_counter() - t
+    stream.decode_s += time.perf_counter() - t - ((graph.write_s - w0) if graph else 0.0)
     if rc != 0:
         sys.stderr.write(f"harness-worker: llama_decode returned {rc}\n")
         sys.exit(23)
-    stream.rows(llama_cpp.llama_get_logits(ctx), n, row_of)
+    if graph is None:
+        stream.rows(llama_cpp.llama_get_logits(ctx), n, row_of)
+        return
+    sent = graph.take()
+    if sent != n:
+        sys.stderr.write(f"harness-worker: the graph produced {sent} logit rows for a batch of {n}\n")
+        sys.exit(25)
+    out = llama_cpp.llama_get_logits(ctx)  # filled by llama.cpp from the graph; already sent
+    if out:
+        _release(ctypes.addressof(out.contents), n * stream.n_vocab * 4)
 
 
 def _model_info(llama_cpp: Any, model: Any, info: dict[str, Any]) -> int:
@@ -303,7 +401,12 @@ def main(req_path: str) -> int:
     capture = None
     if req["op"] == "activations":
         capture = _Capture(llama_cpp, set(req["names"]) if req.get("names") else None)
-    ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences), cb_eval=capture.callback if capture else None)
+    elif req["op"] == "logits" and len(sequences) == 1 and stream.fd is not None and req.get("rows_from", "graph") == "graph":
+        stream.graph = _GraphRows(llama_cpp, stream)
+    cb = capture.callback if capture else (stream.graph.callback if stream.graph else None)
+    ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences), cb_eval=cb)
+    if stream.graph is not None:
+        stream.graph.ctx = ctx
     n_batch = int(s["n_batch"])
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     t1 = time.time()
@@ -320,8 +423,20 @@ def main(req_path: str) -> int:
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
+    info["peak_rss_mb"] = _peak_rss_mb()
     (out_dir / "info.json").write_text(json.dumps(info))
     return 0
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set (``VmHWM`` of ``/proc/self/status``) in MB; 0 elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return 0.0
 
 
 if __name__ == "__main__":

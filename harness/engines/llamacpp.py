@@ -98,6 +98,8 @@ class LlamaCppEngine:
         self.timings: dict[str, float] = {}
         """Summed over this engine's worker runs: ``load_s`` (model load), ``decode_s`` (inside
         ``llama_decode``), ``n_tokens`` (tokens decoded)."""
+        self.worker_peak_rss_mb = 0.0
+        """The largest decoding worker's peak RSS so far (its ``VmHWM``, MB): benchmarks, tests."""
 
     def with_settings(self, **changes: Any) -> "LlamaCppEngine":
         """The same model with some settings changed (e.g. ``n_ubatch=7``)."""
@@ -154,6 +156,7 @@ class LlamaCppEngine:
         if "decode_s" in info:  # a run that decoded (logits, activations); not info or tokenize
             for key in ("load_s", "decode_s", "n_tokens"):
                 self.timings[key] = self.timings.get(key, 0) + info.get(key, 0)
+            self.worker_peak_rss_mb = max(self.worker_peak_rss_mb, float(info.get("peak_rss_mb") or 0))
         return info
 
     def _run(self, request: dict[str, Any], workdir: Path) -> dict[str, Any]:

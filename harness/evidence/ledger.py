@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-import pandas as pd
 from filelock import FileLock, Timeout
 
 from harness import display
@@ -42,6 +41,19 @@ from harness.evidence.receipts import (
 from harness.provenance import sha256_bytes, sha256_file
 from harness.rundir import pid_alive
 from harness.validation import best_error, make_validator
+
+
+class _Pandas:
+    """``pandas``, imported on first use: only the ledger views (``ledger show``, trends) need it,
+    and importing it costs a parity run about a second it would otherwise not spend."""
+
+    def __getattr__(self, name: str) -> Any:
+        import pandas
+
+        return getattr(pandas, name)
+
+
+pd = _Pandas()
 
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""

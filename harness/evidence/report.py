@@ -16,7 +16,7 @@ localizes the first divergence against the oracle on the receipt's own token ids
 otherwise it says which capability would allow it.
 
 Numbers are rounded by ``harness.evidence.fmt``; every untrusted string is escaped by
-``harness.evidence.page``. Plots (matplotlib, Agg): per-position cosine with its gate and KLD
+``harness.evidence.page``. Plots (matplotlib's object API on Agg, fixed layout: see ``_figure``): per-position cosine with its gate and KLD
 with the KLD gates; the reference's top-1/top-2 margin against argmax flips; the per-layer error
 profile of a localization.
 """
@@ -46,12 +46,14 @@ LOCALIZE_MIN_TOKENS = 32
 
 
 def _plt():
+    """matplotlib's object API on the Agg canvas (no pyplot: no GUI backend lookup, no global
+    figure registry); returns ``matplotlib.figure.Figure``. Imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    return plt
+    return Figure
 
 
 def plot_text(s: Any) -> str:
@@ -59,55 +61,116 @@ def plot_text(s: Any) -> str:
     return untrusted(s).replace("$", r"\$")
 
 
+# Plots cost what their text layout and PNG encoding cost, not what their data cost: no
+# tight_layout (it draws every tick label to measure it, then the figure is drawn again): margins
+# are fixed in inches, titles at a fixed height (``y=1``: no overlap search over the tick labels); log axes label their ticks as plain text (``1e-08``) rather than mathtext;
+# lines of more positions than a panel has pixel columns are drawn as a per-column min/max
+# envelope (``_envelope``: every dip and spike stays visible); uniform markers are Line2D
+# markers, not a scatter collection; PNGs are zlib level 1.
+_DPI = 110
+_PNG = {"compress_level": 1}
+_ENVELOPE_COLUMNS = 800
+"""A line with more points than this many per panel is drawn as its per-bin min/max envelope."""
+
+
+def _figure(width: float, height: float, nrows: int, ncols: int, top: float, bottom: float = 0.5,
+            left: float = 0.75, right: float = 0.2, hspace: float = 0.55, wspace: float = 0.75) -> tuple[Any, np.ndarray]:
+    """A Figure of ``width`` × ``height`` inches on an Agg canvas with an ``nrows`` × ``ncols``
+    grid of axes (2-D object array) and fixed margins in inches (``top``: room for the title;
+    ``hspace``/``wspace``: the gaps between panels, inches)."""
+    Figure = _plt()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = Figure(figsize=(width, height), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    panel_h = (height - top - bottom - hspace * (nrows - 1)) / nrows
+    panel_w = (width - left - right - wspace * (ncols - 1)) / ncols
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height,
+                        hspace=hspace / panel_h, wspace=wspace / panel_w)
+    return fig, axes
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=_DPI, pil_kwargs=_PNG)
+    return path
+
+
+def _plain_log(ax: Any) -> None:
+    """Label a log-scaled y axis with plain-text powers of ten (no mathtext), no minor ticks."""
+    from matplotlib import ticker
+
+    ax.yaxis.set_major_formatter(ticker.LogFormatter(labelOnlyBase=True))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())  # ~9 unlabelled ticks per decade: objects, not data
+
+
+def _envelope(x: np.ndarray, y: np.ndarray, columns: int = _ENVELOPE_COLUMNS) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)`` when it has at most ``2 * columns`` points, else per bin of consecutive points
+    its minimum, its maximum and its first NaN (a break in the line), in position order, so the
+    line drawn covers the same pixels at a panel's resolution."""
+    n = x.size
+    if n <= 2 * columns:
+        return x, y
+    edges = np.linspace(0, n, columns + 1).astype(np.int64)
+    keep: list[np.ndarray] = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        seg = y[a:b]
+        nan = np.isnan(seg)
+        picks = [int(np.argmax(nan))] if nan.any() else []
+        if not nan.all():
+            picks += [int(np.nanargmin(seg)), int(np.nanargmax(seg))]
+        keep.append(a + np.unique(picks))
+    idx = np.concatenate(keep)
+    return x[idx], y[idx]
+
+
 # ----------------------------------------------------------------------------- plots
 def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
     """Per-position cosine (gate line dashed, failing points red) and KLD on a log scale with the
-    KLD gates (mean: dashed, p99: dotted), one panel pair per prompt; writes ``positions.png``."""
-    plt = _plt()
+    KLD gates (mean: dashed, p99: dotted), one panel pair per prompt; writes ``positions.png``.
+    Lines longer than a panel's width are drawn as their min/max envelope (``_envelope``)."""
     prompts = receipt["prompts"]["items"]
     gate = receipt["gated"]["min_cosine"]  # the cosine threshold that judged the cell
     gates = {d["name"]: {"value": d["threshold"]} for d in receipt["gated"].get("distribution_gates") or []}
     n = len(prompts)
-    fig, axes = plt.subplots(n, 2, figsize=(12, 2.2 * n + 0.8), squeeze=False)
+    height = 2.2 * n + 0.8
+    fig, axes = _figure(12, height, n, 2, top=0.75, bottom=0.5, left=0.85, wspace=0.9)
     pidx, pos = arrays["prompt_index"], arrays["position"]
     for i, p in enumerate(prompts):
         sel = pidx == i
         x, cos, kld = pos[sel], arrays["cosine"][sel], arrays["kld"][sel]
         ax = axes[i, 0]
-        ax.plot(x, cos, lw=0.8, color="tab:blue", label="cosine")
+        ax.plot(*_envelope(x, cos), lw=0.8, color="tab:blue", label="cosine")
         ax.axhline(gate, ls="--", color="tab:red", lw=1, label=f"gate {gate:g}")
         bad = ~np.isfinite(cos) | (cos < gate)
         if bad.any():
-            ax.scatter(x[bad], np.where(np.isfinite(cos[bad]), cos[bad], gate), color="tab:red", s=12, zorder=3, label="failing")
+            ax.plot(x[bad], np.where(np.isfinite(cos[bad]), cos[bad], gate), ls="", marker="o", ms=3.5, color="tab:red", zorder=3,
+                    label="failing")
         ax.set_ylabel("cosine")
-        ax.set_title(plot_text(f"{p['id']}: per-position logit cosine"), fontsize=9)
+        ax.set_title(plot_text(f"{p['id']}: per-position logit cosine"), fontsize=9, y=1.0)
         lo = np.nanmin(np.concatenate([cos[np.isfinite(cos)], [gate]])) if np.isfinite(cos).any() else gate
         ax.set_ylim(min(lo, gate) - 0.002, 1.0005)
         ax.legend(fontsize=7, loc="lower left")
         ax2 = axes[i, 1]
-        ax2.semilogy(x, np.maximum(kld, 1e-16), lw=0.8, color="tab:green", label="KLD")
+        ax2.semilogy(*_envelope(x, np.maximum(kld, 1e-16)), lw=0.8, color="tab:green", label="KLD")
+        _plain_log(ax2)
         for name, style in (("max_kld_mean", "--"), ("max_kld_p99", ":")):
             if name in gates:
                 v = gates[name]["value"]
                 ax2.axhline(v, ls=style, color="tab:red", lw=1, label=f"KLD {name.removeprefix('max_kld_')} gate {v:g}")
         ax2.set_ylabel("KLD (nats)")
-        ax2.set_title(plot_text(f"{p['id']}: KL(P_ref || P_cand) per position"), fontsize=9)
+        ax2.set_title(plot_text(f"{p['id']}: KL(P_ref || P_cand) per position"), fontsize=9, y=1.0)
         ax2.legend(fontsize=7, loc="lower right")
     for ax in axes[-1]:
         ax.set_xlabel("position (tokens)")
     eng = receipt["engines"]
     fig.suptitle(plot_text(f"{eng['candidate']['name']} vs {eng['reference']['name']} on {_model_name(receipt)} — {receipt['gated']['verdict']}"))
-    fig.tight_layout()
-    path = out / "positions.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "positions.png")
 
 
 def plot_margins(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
     """Reference top-1/top-2 margin per position, agreeing vs near-tie vs hard flips; writes
     ``margins.png``."""
-    plt = _plt()
     margin = arrays["ref_margin"]
     agree = arrays["argmax_agree"].astype(bool)
     ok = np.isfinite(margin)
@@ -115,33 +178,31 @@ def plot_margins(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Pa
     near = ~agree & (margin < thr) & ok
     hard = ~agree & (margin >= thr) & ok
     x = np.arange(margin.size)
-    fig, ax = plt.subplots(figsize=(10, 3.6))
-    ax.scatter(x[agree & ok], margin[agree & ok], s=4, color="tab:gray", alpha=0.5, label=f"argmax agrees ({int((agree & ok).sum())})")
-    ax.scatter(x[near], margin[near], s=18, color="tab:orange", label=f"near-tie flip ({int(near.sum())})")
-    ax.scatter(x[hard], margin[hard], s=18, color="tab:red", marker="x", label=f"hard flip ({int(hard.sum())})")
+    fig, axes = _figure(10, 3.6, 1, 1, top=0.4, bottom=0.55, left=0.9)
+    ax = axes[0, 0]
+    ax.plot(x[agree & ok], margin[agree & ok], ls="", marker="o", ms=1.6, mew=0, color="tab:gray", alpha=0.5,
+            label=f"argmax agrees ({int((agree & ok).sum())})")
+    ax.plot(x[near], margin[near], ls="", marker="o", ms=4, mew=0, color="tab:orange", label=f"near-tie flip ({int(near.sum())})")
+    ax.plot(x[hard], margin[hard], ls="", marker="x", ms=4.5, color="tab:red", label=f"hard flip ({int(hard.sum())})")
     ax.axhline(thr, ls="--", color="tab:orange", lw=1, label=f"near-tie margin {thr:g}")
     ax.set_yscale("symlog", linthresh=1e-2)
     ax.set_ylim(0, max(float(np.nanmax(margin[ok])) * 1.5 if ok.any() else 1.0, thr * 2))
     ax.set_xlabel("position over the whole prompt set")
     ax.set_ylabel("reference top-1 − top-2 (logits)")
-    ax.set_title("reference margin and argmax flips (report-only)")
+    ax.set_title("reference margin and argmax flips (report-only)", y=1.0)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "margins.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "margins.png")
 
 
 def plot_layers(localization: dict[str, Any], out: Path) -> Path:
     """Per-layer max NMSE and 1 − min cosine of a localization run against its bounds; writes
     ``layers.png``."""
-    plt = _plt()
     rows = localization["per_layer"]
     short = {"recurrent": "rec", "attention": "attn", "moe": "MoE", "mtp": "MTP"}
     labels = [f"{e['layer']}\n{short.get(e['type'], e['type'][:4])}" if e["layer"] >= 0 else "out" for e in rows]
     b = localization["bounds"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig, axes = _figure(11, 3.6, 1, 2, top=0.45, bottom=0.85, left=0.85, wspace=0.95)
+    a1, a2 = axes[0]
     x = np.arange(len(rows))
     first = localization.get("first_divergence")
     hit = [bool(first) and e["layer"] == first["layer"] for e in rows]
@@ -157,6 +218,7 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
             a.text(xi, floor * 1.5, "0", ha="center", va="bottom", fontsize=7, color="tab:gray")
         a.axhline(bound, ls="--", color="tab:red", label=f"bound {bound:.2g}")
         a.set_yscale("log")
+        _plain_log(a)
         a.set_ylim(bottom=floor)
         a.set_ylabel(ylabel)
         a.set_xticks(x, labels, fontsize=7)
@@ -166,11 +228,7 @@ def plot_layers(localization: dict[str, Any], out: Path) -> Path:
     if first:
         title += f" — first divergence {first['name']} (layer {first['layer']})"
     fig.suptitle(plot_text(title))
-    fig.tight_layout()
-    path = out / "layers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "layers.png")
 
 
 # ----------------------------------------------------------------------------- shared pieces

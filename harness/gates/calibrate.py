@@ -43,7 +43,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import yaml
-from scipy import stats
 
 from harness.compare import metrics
 from harness.engines.base import COMPUTE_CLASSES, gather
@@ -147,6 +146,8 @@ def bootstrap_by_prompt(pair: PairStats, stat: str, n_resamples: int = 999, seed
             return float(np.min(pair.per_prompt_min_cos[sample]))
         k = np.concatenate([pair.per_prompt_kld[i] for i in sample])
         return float(np.mean(k)) if stat == "kld_mean" else float(np.quantile(k, 0.99))
+
+    from scipy import stats  # here, not at import: a parity run imports this module (gates.subject) but rarely calibrates
 
     res = stats.bootstrap((idx,), f, n_resamples=n_resamples, vectorized=False, method="percentile",
                           random_state=np.random.default_rng(seed), confidence_level=0.95)

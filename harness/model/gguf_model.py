@@ -301,6 +301,42 @@ class LazyArrayField(ReaderField):
             self._parsed = (self._head + parts, [i + len(self._head) for i in idxs])
         return self._parsed
 
+    def strings(self) -> "StringArray":
+        """The elements of a string array as a lazy sequence (``StringArray``): one string is
+        decoded when indexed, without gguf-py's per-element parts. Raises ``ValueError`` for
+        an array of another element type."""
+        if self.types[-1] != GGUFValueType.STRING:
+            raise ValueError(f"{self.name} is an array of {self.types[-1].name}, not of strings")
+        if self.__dict__.get("_strings") is None:
+            self._strings = StringArray(self._reader, self._value_offs + 12, self.length)
+        return self._strings
+
+
+class StringArray:
+    """``Sequence[str]`` over a GGUF string array (each element a uint64 byte length then UTF-8
+    bytes) in a ``PlainReader``'s map: the element offsets are found by one walk over the
+    lengths (as ``PlainReader._lazy_array`` sizes the array; about 0.1 s for 248,320 tokens,
+    against seconds for gguf-py's parse of every element), and an element is decoded when read.
+    Bytes that are not UTF-8 decode as surrogate escapes (gguf-py's ``contents()`` raises on
+    them). A report needs a handful of token texts, not the vocabulary."""
+
+    def __init__(self, reader: Any, start: int, length: int):
+        self._buf, self._fmt = reader._plain, "<Q" if reader.byte_order == "I" else ">Q"
+        offs = np.empty(length, dtype=np.int64)
+        pos = start
+        for i in range(length):  # bounds were checked when the array was sized at open
+            offs[i] = pos
+            pos += 8 + struct.unpack_from(self._fmt, self._buf, pos)[0]
+        self._offs = offs
+
+    def __len__(self) -> int:
+        return int(self._offs.shape[0])
+
+    def __getitem__(self, i: int) -> str:
+        pos = int(self._offs[i])
+        n = struct.unpack_from(self._fmt, self._buf, pos)[0]
+        return bytes(self._buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="surrogateescape")
+
 
 class PlainReader(GGUFReader):
     """The reader class: ``gguf.GGUFReader`` slicing a plain ndarray view of its memory map rather
@@ -504,6 +540,20 @@ class GGUFModel:
     def tokens(self) -> list[str]:
         toks = self.raw_metadata("tokenizer.ggml.tokens")
         return list(toks) if toks else []
+
+    @cached_property
+    def token_texts(self) -> Any:
+        """``tokenizer.ggml.tokens`` as a ``Sequence[str]`` read one token at a time (a long
+        array: ``StringArray``; a short one: ``tokens``), for pages that show a few token texts
+        at Qwen3.5's 248,320-token vocab. Empty when absent. Raises ``InvalidInput`` when the key
+        is not an array of strings."""
+        f = self.reader.get_field("tokenizer.ggml.tokens")
+        if isinstance(f, LazyArrayField):
+            try:
+                return f.strings()
+            except ValueError:
+                raise InvalidInput(f"{self.path}: metadata key 'tokenizer.ggml.tokens' is not an array of strings") from None
+        return self.tokens
 
     @cached_property
     def hparams(self) -> Qwen35HParams:

@@ -36,7 +36,9 @@ class Vocab:
     ``tokenizer.ggml.model`` says)."""
 
     def __init__(self, tokens: Sequence[str], model: str | None):
-        self.tokens, self.model = list(tokens), model or ""
+        # A sequence is kept as given (``GGUFModel.token_texts`` decodes a token when read).
+        self.tokens = tokens if hasattr(tokens, "__getitem__") and hasattr(tokens, "__len__") else list(tokens)
+        self.model = model or ""
 
     def raw(self, token_id: int) -> str | None:
         """The decoded text of ``token_id`` (undecodable bytes as surrogate escapes), or None

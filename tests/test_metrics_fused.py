@@ -1,0 +1,77 @@
+"""The one-pass-per-row metrics (``harness.compare.metrics.position_metrics``) against a plain
+float64 computation of every field at Qwen3.5's vocab and at the F32 floor (KLD ~ 1e-8), and the
+one-read finiteness check (``finite_rows``) against an element-by-element one (issue 15)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.special import log_softmax
+
+from harness.compare import metrics as M
+
+QWEN35_VOCAB = 248_320
+
+
+def plain_float64(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]:
+    """Every per-position metric the plain way: float64 copies, full sorts, no shortcuts."""
+    r, c = ref.astype(np.float64), cand.astype(np.float64)
+    lr, lc = log_softmax(r, axis=1), log_softmax(c, axis=1)
+    order_r = np.argsort(-r, axis=1, kind="stable")
+    order_c = np.argsort(-c, axis=1, kind="stable")
+    top = order_r[:, 0]
+    srt = -np.sort(-r, axis=1)
+    return {
+        "kld": np.sum(np.exp(lr) * (lr - lc), axis=1),
+        "cosine": np.sum(r * c, axis=1) / np.sqrt(np.sum(r * r, axis=1) * np.sum(c * c, axis=1)),
+        "nmse": np.sum((c - r) ** 2, axis=1) / np.sum(r * r, axis=1),
+        "ref_argmax": top,
+        "cand_argmax": order_c[:, 0],
+        "ref_margin": srt[:, 0] - srt[:, 1],
+        "cand_rank": np.array([int(np.flatnonzero(order_c[i] == top[i])[0]) for i in range(r.shape[0])]),
+        "top5_overlap": np.array([len(set(order_r[i, :5]) & set(order_c[i, :5])) / 5 for i in range(r.shape[0])]),
+        "top10_overlap": np.array([len(set(order_r[i, :10]) & set(order_c[i, :10])) / 10 for i in range(r.shape[0])]),
+    }
+
+
+def test_every_metric_matches_plain_float64_at_qwen35_vocab_and_the_f32_floor():
+    rng = np.random.default_rng(15)
+    n = 6
+    ref = (rng.standard_normal((n, QWEN35_VOCAB)) * 2.5).astype(np.float32)
+    for i in range(n):
+        ref[i, rng.choice(QWEN35_VOCAB, 12, replace=False)] += rng.uniform(6, 14, 12).astype(np.float32)
+    # An F32 engine's differences: relative noise of a few float32 ulps of accumulated rounding.
+    cand = (ref.astype(np.float64) * (1 + 2e-5 * rng.standard_normal(ref.shape))).astype(np.float32)
+    got = M.position_metrics(ref, cand)
+    want = plain_float64(ref, cand)
+    assert 1e-10 < want["kld"].min() and want["kld"].max() < 1e-6  # the F32 floor: KLD ~ 1e-8
+    np.testing.assert_allclose(got["kld"], want["kld"], rtol=1e-2)
+    np.testing.assert_allclose(1 - got["cosine"], 1 - want["cosine"], rtol=1e-2)
+    np.testing.assert_allclose(got["nmse"], want["nmse"], rtol=1e-3)
+    np.testing.assert_allclose(got["ref_margin"], want["ref_margin"], rtol=0, atol=1e-6)
+    for key in ("ref_argmax", "cand_argmax", "cand_rank", "top5_overlap", "top10_overlap"):
+        assert got[key].tolist() == want[key].tolist(), key
+    assert got["argmax_agree"].tolist() == (want["ref_argmax"] == want["cand_argmax"]).tolist()
+    assert got["finite"].all() and got["ref_finite"].all()
+
+
+def test_finite_rows_in_one_read_agrees_with_elementwise_even_when_sums_overflow():
+    v = 4096
+    rows = np.ones((6, v), np.float32)
+    rows[1, 7] = np.nan
+    rows[2, 9] = np.inf
+    rows[3, 9], rows[3, 10] = np.inf, -np.inf  # their sum is NaN
+    rows[4] = 3e38  # finite entries whose float32 sum overflows to +inf
+    rows[5, 0] = -np.inf
+    got = M.finite_rows(rows)
+    assert got.tolist() == np.isfinite(rows).all(axis=1).tolist() == [True, False, False, False, True, False]
+
+
+def test_wilson_interval_written_out_matches_scipys_binomtest():
+    from scipy import stats
+
+    for k, n in [(0, 1), (1, 1), (0, 50), (50, 50), (196, 200), (7, 1479), (1478, 1479), (1024, 2048)]:
+        for conf in (0.9, 0.95, 0.99):
+            ci = stats.binomtest(k, n).proportion_ci(confidence_level=conf, method="wilson")
+            assert M.wilson_interval(k, n, conf) == pytest.approx((ci.low, ci.high), abs=1e-12), (k, n, conf)
+    assert M.wilson_interval(0, 0) is None

@@ -1,0 +1,65 @@
+"""The report's cheap plotting path (issue 15): the min/max envelope keeps every dip a panel can
+show, the plots are written for thousands of positions with failing points marked, and a page's
+token texts come from the vocabulary read one token at a time (no parse of the whole array)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harness.evidence import report
+from harness.evidence.receipts import load_receipt, write_receipt
+from harness.fixtures import synthetic as fx
+from harness.model.gguf_model import GGUFModel, StringArray
+from harness.model.vocab import Vocab
+
+from test_receipts import make_receipt
+
+
+def test_envelope_keeps_each_bins_min_and_max_and_short_lines_whole():
+    rng = np.random.default_rng(0)
+    x = np.arange(10_000)
+    y = rng.standard_normal(10_000)
+    y[4_321] = -50.0  # a single dip must survive
+    y[777] = np.nan  # a break in the line stays a break
+    ex, ey = report._envelope(x, y, columns=100)
+    assert ex.size <= 3 * 100 and np.all(np.diff(ex) >= 0)
+    assert np.nanmin(ey) == -50.0 and 4_321 in ex
+    assert np.isnan(ey).sum() == 1 and ex[np.isnan(ey)][0] == 777
+    edges = np.linspace(0, x.size, 101).astype(int)
+    for a, b in zip(edges[:-1], edges[1:]):
+        inside = (ex >= a) & (ex < b)
+        seg = y[a:b]
+        assert np.nanmin(ey[inside]) == np.nanmin(seg) and np.nanmax(ey[inside]) == np.nanmax(seg)
+    sx, sy = report._envelope(x[:150], y[:150], columns=100)
+    assert sx is x[:150] or np.array_equal(sx, x[:150])
+    assert np.array_equal(sy, y[:150], equal_nan=True)
+
+
+def test_plots_of_thousands_of_positions_are_written_with_failures_marked(tmp_path):
+    rec, arrays = make_receipt(seed=3, n=3000, v=97)
+    gate = rec["gated"]["min_cosine"]
+    arrays["cosine"][[17, 2500]] = gate - 0.01  # failing points to mark, among thousands
+    jp, _ = write_receipt(rec, arrays, tmp_path / "receipts")
+    loaded = load_receipt(jp)
+    out = tmp_path / "plots"
+    out.mkdir()
+    pos = report.plot_positions(loaded.receipt, loaded.arrays, out)
+    mar = report.plot_margins(loaded.receipt, loaded.arrays, out)
+    for p in (pos, mar):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_token_texts_read_one_token_at_a_time_match_the_full_parse():
+    path = fx.build("tiny-qwen35-v248k")
+    gm = GGUFModel(path)
+    lazy = gm.token_texts
+    assert isinstance(lazy, StringArray)
+    full = gm.tokens  # gguf-py's own parse of every element
+    assert len(lazy) == len(full) == 248_320
+    for i in (0, 1, 255, 256, 1000, 123_456, 248_319):
+        assert lazy[i] == full[i]
+    v = Vocab(lazy, "gpt2")
+    assert v.tokens is lazy  # kept as given, not copied into a list
+    assert v.raw(248_320) is None and v.raw(-1) is None
+    assert v.raw(1000) == Vocab(full, "gpt2").raw(1000)
+
