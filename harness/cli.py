@@ -233,6 +233,16 @@ def _render_parity(outcome) -> None:
         con.print(_m(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
                   f"flips {ro['flips']['near_tie']} near-tie / {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']})"
                   + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else "")))
+    fr = ro.get("free_running")
+    if fr:
+        from harness.evidence.ledger import free_running_headline
+
+        con.print(_m(f"report-only: free-running greedy {free_running_headline(fr)}"), markup=False)
+        for p in fr.get("prompts", []):
+            if p["diverged_at"] is not None:
+                kind = "near-tie" if p["near_tie"] else "hard" if p["near_tie"] is False else "margin unknown"
+                con.print(_m(f"  {p['prompt']}: first divergence at step {p['diverged_at']} (reference {p['reference_token']}, "
+                             f"candidate {p['candidate_token']}; reference margin {p['margin'] if p['margin'] is None else format(p['margin'], '.3g')}, {kind})"), markup=False)
     if rec["kind"] == "self-consistency":
         con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
     con.print(f"[bold]{r.verdict.value}[/bold]: {_m(r.message)}", soft_wrap=True)  # a reproducer line is never broken
@@ -257,8 +267,10 @@ def _render_parity(outcome) -> None:
               help="transformers candidate: the torch dtype it runs in (its compute class follows).")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tier on the model: leave it UNMEASURED.")
 @click.option("--require-calibrated", is_flag=True, help="An unmeasured calibrated tier makes the verdict UNMEASURED (exit 5).")
+@click.option("--greedy-tokens", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Free-running greedy steps per prompt, both engines (report-only; 0: skip).")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, no_calibrate,
-           require_calibrated) -> None:
+           require_calibrated, greedy_tokens) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class."""
@@ -274,7 +286,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
             measure_tier=_measure_tier(no_calibrate), require_calibrated=require_calibrated,
-            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
+            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]), greedy_tokens=greedy_tokens,
         )
         try:
             outcome = _with_progress(lambda cb: run_parity(req, cb, log=_stderr_log(as_json)), quiet=as_json)

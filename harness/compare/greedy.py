@@ -142,14 +142,3 @@ def free_running(reference: Engine, candidate: Engine, prompts: Sequence[Any], n
             raise EngineError(f"reference {reference.info.name} generated {len(ref)} of {n_tokens} tokens without an end-of-generation token")
         rows.append(compare_generation(p.id, ref, cand, n_tokens, eos_ids, margin_at, near_tie_margin))
     return summarize(rows, n_tokens, near_tie_margin)
-
-
-def headline(fr: dict[str, Any] | None) -> str:
-    """One line for terminals and the ledger: ``identical 5/6, diverged 1 (near-tie 1, hard 0)
-    over 64 tokens``; ``—`` when absent, the reason when unmeasured."""
-    if not fr:
-        return "—"
-    if "unmeasured" in fr:
-        return "unmeasured"
-    n = fr["identical"] + fr["diverged"]
-    return f"identical {fr['identical']}/{n}, diverged {fr['diverged']} (near-tie {fr['near_tie']}, hard {fr['hard']}) over {fr['n_tokens']} tokens"

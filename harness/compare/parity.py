@@ -6,7 +6,8 @@ nothing holds ``n_tokens × n_vocab`` when a block will do. Two tiers judge the 
 (``harness.gates.tiers``): the release gate (per-position cosine of raw logits ≥ 0.98 over ≥ 64
 positions) and the calibrated tier (cosine, KLD mean, KLD p99 from the row for the file's
 weights × the candidate's compute class, or measured on the subject); greedy agreement, margins
-and top-k overlap are recorded as report-only fields.
+and top-k overlap are recorded as report-only fields, and so is free-running greedy generation
+(``report_only.free_running``: ``harness.compare.greedy``, ``greedy_tokens`` steps per prompt).
 
 Verdicts: FAIL when either tier fails (a non-finite candidate row fails at its position); else
 UNMEASURED when fewer than the release gate's positions were compared (or the calibrated tier is
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.compare import metrics, verdicts
+from harness.compare import greedy, metrics, verdicts
 from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest, subject_of
 from harness.compare.localize import DEFAULT_MAX_TOKENS
@@ -352,6 +353,8 @@ class ParityRequest(RunRequest):
     require_calibrated: bool = False
     calibrate_max_tokens: int = 128
     candidate_settings: dict[str, Any] = field(default_factory=dict)
+    greedy_tokens: int = greedy.DEFAULT_TOKENS
+    """Free-running greedy steps per prompt (``harness.compare.greedy``, report-only); 0: skipped."""
 
 
 @dataclass
@@ -415,6 +418,9 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate))
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
+    if req.greedy_tokens > 0:
+        receipt["report_only"]["free_running"] = greedy.free_running(
+            reference, candidate, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model), inputs.thresholds.near_tie_margin)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
