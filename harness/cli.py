@@ -372,7 +372,9 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--candidate", default=None, help="Engine to probe (default oracle).")
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
-@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, determinism, long).")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long).")
+@click.option("--decode-tokens", default=256, show_default=True, type=click.IntRange(min=2),
+              help="Tokens the decode probe feeds one per call (a state drifting between calls shows only after hundreds).")
 @click.option("--prompts", default=None, type=click.Path())
 @click.option("--thresholds", default=None, type=click.Path())
 @click.option("--ledger", default=None, type=click.Path())
@@ -383,7 +385,7 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
               help="transformers candidate: the torch dtype it runs in (its compute class follows).")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
-def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
+def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
     # deferred: startup
@@ -393,7 +395,8 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
     req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
-                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]))
+                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
+                       decode_tokens=decode_tokens)
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
@@ -423,7 +426,7 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--prompt", "prompt_id", default=None, help="Prompt id from the prompt set (default: the first).")
 @click.option("--prompts", default=None, type=click.Path())
-@click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried).")
+@click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried); LxN repeats L N times (16,1x64).")
 @click.option("--max-tokens", default=None, type=int, help="Compare at most this many positions (default 128: LocalizeRequest.max_tokens).")
 @click.option("--thresholds", default=None, type=click.Path())
 @override_option
@@ -433,12 +436,13 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
     # deferred: startup
     from harness.compare.localize import LocalizeRequest, run_localize
+    from harness.compare.reproducer import parse_chunks_arg
 
     d = _parity_defaults()
     try:
-        pieces = [int(x) for x in chunks.split(",")] if chunks else None
+        pieces = parse_chunks_arg(chunks) if chunks else None
     except ValueError:
-        raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers") from None
+        raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers (LxN: L repeated N times)") from None
     if pieces is not None and any(p <= 0 for p in pieces):
         raise InvalidInput(f"--chunks {chunks!r}: lengths must be positive")
     req = LocalizeRequest(model=model or d["model"], candidate=candidate, prompt=prompt_id, prompts=prompts or d["prompts"],

@@ -130,7 +130,7 @@ def test_cli_localize_failure_is_a_reproducer():
     line = next(x for x in r.stdout.splitlines() if x.startswith("FAIL: first divergence"))
     sha = GGUFModel(fx.build("tiny-qwen35")).sha256[:12]
     prompt = load_prompt_set(None).prompts[0].id
-    assert line.startswith("FAIL: first divergence: layer 3 (attention), tensor attn_gated-3 at position 0: NMSE ")
+    assert line.startswith("FAIL: first divergence: layer 3 (attention), mixer sub-block, tensor attn_gated-3 at position 0: NMSE ")
     assert (f"(candidate mutant:attn-output-gate-dropped, model fixture:tiny-qwen35 sha256 {sha}, prompt {prompt!r}, "
             f"n_tokens 40, chunks [16, 24]); likely cause: attention output gate dropped (as mutant:attn-output-gate-dropped); "
             f"reproduce: harness {' '.join(argv[:5])} --prompt {prompt} --max-tokens 40 --chunks 16,24") in line
