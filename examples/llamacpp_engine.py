@@ -10,8 +10,7 @@ from the harness. Two ways to run it:
   one JSON request per line on stdin and answers each with one JSON line on stdout naming the
   files it wrote into the request's ``out_dir``: ``logits`` (one sequence in chunks, or several
   ``sequences`` decoded side by side, one sequence id each), ``generate`` (greedy ids), sessions
-  (``session``: keep the state, checkpoint it, fork from a checkpoint), ``drop``, ``info``,
-  ``shutdown``. Settings (``n_ubatch``) apply per request.
+  (``session``: keep the state, checkpoint it, fork from a checkpoint), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
 
 Each request gets a fresh llama.cpp context on the loaded model (recurrent memory cannot be
 trimmed); a session's state between requests is kept as llama.cpp's own sequence state bytes
@@ -184,8 +183,6 @@ class Engine:
                 self.sessions.pop(sid, None)
             return {"ok": True, "files": []}
         (out / "info.json").write_text(json.dumps(self.info(req)))
-        if op == "info":
-            return {"ok": True, "files": ["info.json"]}
         if op == "generate":
             (out / "tokens.json").write_text(json.dumps(self.generate(req)))
             return {"ok": True, "files": ["tokens.json", "info.json"]}

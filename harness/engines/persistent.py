@@ -170,6 +170,10 @@ class PersistentProcess:
                 raise self._fail(f"{self.who} timed out after {timeout_s:g} s")
             chunk = os.read(fd, 65536)
             if not chunk:
+                try:
+                    self.proc.wait(timeout=2)  # its exit status says why, when it is exiting
+                except subprocess.TimeoutExpired:
+                    pass
                 raise self._fail(f"{self.who} closed its stdout before replying")
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
