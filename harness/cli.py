@@ -373,8 +373,8 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long).")
-@click.option("--decode-tokens", default=256, show_default=True, type=click.IntRange(min=2),
-              help="Tokens the decode probe feeds one per call (a state drifting between calls shows only after hundreds).")
+@click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
+              help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")
 @click.option("--prompts", default=None, type=click.Path())
 @click.option("--thresholds", default=None, type=click.Path())
 @click.option("--ledger", default=None, type=click.Path())
@@ -396,7 +396,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
                        measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
-                       decode_tokens=decode_tokens)
+                       **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None

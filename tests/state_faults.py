@@ -7,8 +7,8 @@ checkpoints are copies of a slot. Without a fault it is the oracle (bit for bit 
 match). Each fault is one option:
 
 - ``round_state=("bf16" | "f16", k)``: every k-th call into a slot rounds each recurrent layer's
-  state (the conv state and the DeltaNet state S: llama.cpp's recurrent memory ``r`` and ``s``)
-  to that format (an engine keeping its recurrent memory in bf16 or f16 between decode calls);
+  DeltaNet state S (llama.cpp's recurrent memory ``s``; with ``round_conv`` the conv state ``r``
+  too) to that format: an engine keeping its recurrent memory in bf16 or f16 between decode calls;
 - ``swap_slots``: after the first step of a batch, sequences 0 and 1 read and write each other's
   slot (the state slot index swapped between sequences decoded together);
 - ``stale_slots``: ``logits_multi`` takes its slots from a pool and clears only their KV cache
@@ -57,9 +57,9 @@ class SlotEngine:
     """The oracle behind state slots, with at most one fault (module docstring). Capabilities:
     chunks, multi_seq, prefix_reuse, generate. ``oracle``: a ``Qwen35Oracle``."""
 
-    def __init__(self, oracle: Any, *, round_state: tuple[str, int] | None = None, swap_slots: bool = False,
+    def __init__(self, oracle: Any, *, round_state: tuple[str, int] | None = None, round_conv: bool = False, swap_slots: bool = False,
                  stale_slots: bool = False, late_checkpoint: bool = False):
-        self.oracle = oracle
+        self.oracle, self.round_conv = oracle, round_conv
         self.round_state, self.swap_slots, self.stale_slots, self.late_checkpoint = round_state, swap_slots, stale_slots, late_checkpoint
         self._weights = OracleSession(oracle).weights
         self._pool: list[_Slot] = []
@@ -68,7 +68,7 @@ class SlotEngine:
     @property
     def fault(self) -> str:
         if self.round_state:
-            return f"state-{self.round_state[0]}-every-{self.round_state[1]}"
+            return f"{'conv+' if self.round_conv else ''}state-{self.round_state[0]}-every-{self.round_state[1]}"
         return "swap-slots" if self.swap_slots else "stale-slots" if self.stale_slots else "late-checkpoint" if self.late_checkpoint else "none"
 
     @property
@@ -91,7 +91,8 @@ class SlotEngine:
             for il, st in enumerate(slot.states):
                 if self.oracle.hp.is_recurrent(il):
                     st["ssm"] = round_to(st["ssm"], fmt).astype(np.float64)
-                    st["conv"] = round_to(st["conv"], fmt).astype(np.float64)
+                    if self.round_conv:
+                        st["conv"] = round_to(st["conv"], fmt).astype(np.float64)
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None):
         tokens = [int(t) for t in tokens]

@@ -419,8 +419,12 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate))
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     if req.greedy_tokens > 0:
-        receipt["report_only"]["free_running"] = greedy.free_running(
-            reference, candidate, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model), inputs.thresholds.near_tie_margin)
+        try:
+            fr = greedy.free_running(reference, candidate, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
+                                     inputs.thresholds.near_tie_margin)
+        except HarnessError as e:  # report-only: an engine that cannot generate does not change the verdict
+            fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}
+        receipt["report_only"]["free_running"] = fr
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
