@@ -194,3 +194,25 @@ def test_protocol_tables_are_checked(tmp_path, monkeypatch):
     cfg.write_text('[engines.v3]\ncommand = ["x"]\nprotocol = 3\n')
     with pytest.raises(InvalidInput, match="protocol must be 1"):
         configured_commands()
+
+
+def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
+    """Acceptance: on the default model, a parity run (free-running greedy included) and every
+    probe start the persistent example engine once; each probe it declares is measured and
+    passes; the receipt, the ledger row and the report carry the free-running comparison."""
+    from harness.compare.parity import ParityRequest, run_parity
+    from harness.compare.probes import ProbeRequest, run_probes
+    from harness.evidence.report import write_report
+    from harness.fixtures.resolve import default_model
+
+    ledger = tmp_path / "ledger.jsonl"
+    out = run_parity(ParityRequest(model=default_model(), candidate="command:example", ledger=str(ledger)))
+    assert out.result.verdict is Verdict.PASS, out.result.message
+    fr = out.receipt["report_only"]["free_running"]
+    assert fr["n_tokens"] == 64 and fr["identical"] == out.receipt["prompts"]["count"], fr  # llama.cpp against itself
+    assert out.ledger_row["free_running"] == f"identical {fr['identical']}/{fr['identical']}, diverged 0 (near-tie 0, hard 0) over 64 tokens"
+    assert "## Free-running greedy (report-only)" in write_report(out.receipt_path, tmp_path / "report").read_text()
+    run = run_probes(ProbeRequest(model=default_model(), candidate="command:example", ledger=str(ledger)))
+    assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == [], run.message
+    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long"}
+    assert list(persistent.STARTS.values()) == [1]  # one process for the model, for both runs
