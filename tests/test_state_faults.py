@@ -73,16 +73,16 @@ def test_recurrent_state_rounded_to_bf16_every_k_calls_fails_decode(oracle, prob
 @pytest.mark.slow
 def test_recurrent_and_conv_state_rounded_to_f16_every_call_fails_decode(oracle, probe):
     run = probe(SlotEngine(oracle, round_state=("f16", 1), round_conv=True), only=["decode"])
-    assert run.verdict is Verdict.FAIL, run.message
+    assert run.verdict is Verdict.FAIL and run.receipt["long_decode"]["verdict"] == "FAIL", run.message
 
 
 @pytest.mark.slow
 def test_bf16_every_8_calls_needs_529_decode_tokens(oracle, probe):
     """The measurement behind ``DECODE_TOKENS``: passes at 528 decode tokens, fails at 529."""
     eng = SlotEngine(oracle, round_state=("bf16", 8))
-    assert probe(eng, only=["decode"], decode_tokens=528).verdict is Verdict.PASS
-    run = probe(eng, only=["decode"], decode_tokens=529)
-    assert run.verdict is Verdict.FAIL and run.receipt["long_decode"]["first_bad_position"] == 528
+    assert probe(eng, only=["decode"], decode_tokens=528).receipt["long_decode"]["verdict"] == "PASS"
+    row = probe(eng, only=["decode"], decode_tokens=529).receipt["long_decode"]
+    assert (row["tokens"], row["verdict"], row["first_bad_position"]) == (529, "FAIL", 528)
 
 
 @pytest.mark.parametrize("fault", ["swap_slots", "stale_slots"])
