@@ -488,6 +488,11 @@ class Qwen35Oracle:
             rec("result_output", -1, self.lm_head(h, np.float64))
         return rec.result()
 
+    def recorder(self, names: Any = None) -> _Recorder:
+        """The ``emit`` callback ``_forward`` uses: checks every intermediate for non-finite
+        values, keeps those named by ``names`` (None: nothing)."""
+        return _Recorder(names)
+
     def session(self) -> Any:
         """A fresh ``harness.engines.oracle.session.OracleSession``: one sequence whose state is
         kept between calls (free-running generation, prefix-reuse sessions)."""

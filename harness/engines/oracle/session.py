@@ -45,11 +45,9 @@ class OracleSession:
         """Feed ``tokens`` after the ones fed so far; returns their logits float32 ``[T, V]``
         (row t: the distribution after this session's history and ``tokens[:t+1]``).
         Raises ``EngineError`` (empty input, token ids outside the vocab, non-finite values)."""
-        from harness.engines.oracle.qwen35 import _Recorder
-
         o = self.oracle
         toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
-        emit = _Recorder(None)
+        emit = o.recorder()
         pos = np.arange(self.n_past, self.n_past + len(toks))
         with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):
             h = emit("model.input_embed", -1, o.embed(toks))
