@@ -420,7 +420,8 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     if req.greedy_tokens > 0:
         try:
-            fr = greedy.free_running(reference, candidate, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
+            # the engines themselves, not their timers: the timings stay those of the gated comparison
+            fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
                                      inputs.thresholds.near_tie_margin)
         except HarnessError as e:  # report-only: an engine that cannot generate does not change the verdict
             fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}

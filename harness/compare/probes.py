@@ -382,11 +382,13 @@ def probe_tolerance(resolved: ResolvedThresholds) -> ProbeTolerance | None:
 @dataclass
 class ProbeCase:
     """One probe as ``run_probes`` runs it: ``run()`` returns its result; ``prompt`` (id, or ids)
-    and ``n_tokens`` say what it fed the engine, for the reproducer of a failure."""
+    and ``n_tokens`` say what it fed the engine, for the reproducer of a failure; ``tokens`` the
+    ids themselves where the receipt records them (decode)."""
 
     run: Callable[[], ProbeResult]
     prompt: str
     n_tokens: int
+    tokens: Sequence[int] = ()
 
 
 def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
@@ -409,7 +411,7 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     min_cosine = resolved.release_min_cosine
     cases = {
         "split": ProbeCase(lambda: probe_split(engine, main, tol, req.seed), first.id, len(main)),
-        "decode": ProbeCase(lambda: probe_decode(engine, short, tol), "every prompt, cycled" if cycled else first.id, len(short)),
+        "decode": ProbeCase(lambda: probe_decode(engine, short, tol), "every prompt, cycled" if cycled else first.id, len(short), short),
         "ubatch": ProbeCase(lambda: probe_ubatch(engine, main, tol), first.id, len(main)),
         "multiseq": ProbeCase(lambda: probe_multiseq(engine, side_by_side, tol), ", ".join(p.id for p in three), sum(map(len, side_by_side))),
         "prefix": ProbeCase(lambda: probe_prefix(engine, main, tol), first.id, len(main)),
@@ -419,7 +421,8 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     if tol is None:
         why = f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})"
         for name in TOLERANCED:
-            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens)
+            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens,
+                                    cases[name].tokens)
     return cases
 
 
@@ -464,8 +467,9 @@ def long_decode_row(results: Sequence[ProbeResult], decode_tokens: int) -> dict[
 
 
 def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThresholds, tier: dict[str, Any], engine: Any, reference: Any,
-                   results: list[ProbeResult], main: Sequence[int]) -> dict[str, Any]:
-    """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``engine`` and
+                   results: list[ProbeResult], main: Sequence[int], decode: Sequence[int] = ()) -> dict[str, Any]:
+    """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``main`` and
+    ``decode`` are the token ids the split/ubatch/prefix/determinism and the decode probes fed; ``engine`` and
     ``reference`` (None when the long probe did not run) are ``TimedEngine``s whose timings it
     records; ``tier`` says where the tolerances came from (``source``, ``self_calibration``) or
     why there were none (``unmeasured_reason``, ``command``)."""
@@ -482,7 +486,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "command": list(req.argv) or ["harness", "probe"],
         "model": inputs.model_record(),
         "engines": {"candidate": engine.info.to_dict(), "reference": ref_info},
-        "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main},
+        "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main, "decode_tokens": list(decode)},
         "thresholds": {**resolved.to_receipt(), "self_calibration": tier.get("self_calibration")},
         "tier": {k: v for k, v in tier.items() if k != "self_calibration"},
         "compute_class": resolved.subject.compute_class,
@@ -538,7 +542,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if "long" in names:
         reference()
     receipt = _probe_receipt(req, inputs, resolved, tier, engine, made[0] if made else None, results,
-                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
+                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS], plan["decode"].tokens)
     if not req.write_evidence:
         prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)

@@ -363,7 +363,9 @@ def localization_plan(rec: dict[str, Any]) -> dict[str, Any] | None:
                 return {"tokens": main, "n_tokens": len(main), "chunks": [k, len(main) - k] if 0 < k < len(main) else None, "prompt": None,
                         "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
             if m := re.fullmatch(r"prefill (\d+) then 1 token per call", label):
-                short = main[:80]
+                short = list(rec["prompts"].get("decode_tokens") or main[:80])  # receipts before --decode-tokens fed main[:80]
+                if bad.get("first_bad_position") is not None:
+                    short = short[: max(bad["first_bad_position"] + 1, int(m.group(1)) + 1)]  # up to the failing position
                 k = int(m.group(1))
                 return {"tokens": short, "n_tokens": len(short), "chunks": [k] + [1] * (len(short) - k) if 0 < k < len(short) else None, "prompt": None,
                         "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
@@ -698,6 +700,8 @@ def _parity_page(rec: dict[str, Any], arrays: dict[str, np.ndarray], c: _Ctx) ->
 def _probe_position(rec: dict[str, Any], probe: str, pos: int | None, vocab: fmt.TokenTexts | None) -> Inline:
     """A probe's position with its token (probes fed the receipt's main tokens) when known."""
     main = list((rec.get("prompts") or {}).get("main_tokens") or [])
+    if probe == "decode" and (rec.get("prompts") or {}).get("decode_tokens"):
+        main = list(rec["prompts"]["decode_tokens"])
     if pos is None:
         return fmt.NA
     if probe not in ("split", "decode", "ubatch", "determinism") or pos >= len(main):
