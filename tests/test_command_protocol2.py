@@ -216,3 +216,6 @@ def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
     assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == [], run.message
     assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long"}
     assert list(persistent.STARTS.values()) == [1]  # one process for the model, for both runs
+    from harness.evidence.ledger import verify_ledger
+
+    assert verify_ledger(ledger, tmp_path / "receipts") == []  # the row's free_running is re-derived from its receipt
