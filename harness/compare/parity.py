@@ -18,6 +18,7 @@ non-finite logit (it cannot judge anything, so the candidate is not blamed).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -395,6 +396,19 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, res
     }
 
 
+@contextmanager
+def _timings_kept(*engines: Any) -> Iterator[None]:
+    """Restore each engine's own ``timings`` dict (llama.cpp's summed load/decode seconds) after
+    the block: free-running generation is not part of the prefill speed a receipt records."""
+    saved = [(e, dict(e.timings)) for e in engines if isinstance(getattr(e, "timings", None), dict)]
+    try:
+        yield
+    finally:
+        for e, t in saved:
+            e.timings.clear()
+            e.timings.update(t)
+
+
 def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callable[[str], None] | None = None) -> ParityOutcome:
     """Run one parity cell end to end and write its evidence.
 
@@ -420,9 +434,9 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     if req.greedy_tokens > 0:
         try:
-            # the engines themselves, not their timers: the timings stay those of the gated comparison
-            fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
-                                     inputs.thresholds.near_tie_margin)
+            with _timings_kept(reference.engine, candidate.engine):  # the timings stay those of the gated comparison
+                fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
+                                         inputs.thresholds.near_tie_margin)
         except HarnessError as e:  # report-only: an engine that cannot generate does not change the verdict
             fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}
         receipt["report_only"]["free_running"] = fr

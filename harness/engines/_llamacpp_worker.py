@@ -323,10 +323,16 @@ def main(req_path: str) -> int:
     n_batch = int(s["n_batch"])
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     t1 = time.time()
-    if req["op"] == "generate":
+    if req["op"] == "generate":  # no decode_s in its info: a generation is not a prefill measurement
         gen = _generate(llama_cpp, ctx, batch, sequences[0], int(req["n_generate"]), n_batch, n_vocab, stream)
         (out_dir / "generated.json").write_text(json.dumps(gen))
-    elif len(sequences) == 1:
+        info["generate_s"] = round(stream.decode_s, 4)
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+        (out_dir / "info.json").write_text(json.dumps(info))
+        return 0
+    if len(sequences) == 1:
         _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream)
     else:
         _decode_side_by_side(llama_cpp, ctx, batch, sequences, n_batch, stream)

@@ -365,7 +365,7 @@ def localization_plan(rec: dict[str, Any]) -> dict[str, Any] | None:
             if m := re.fullmatch(r"prefill (\d+) then 1 token per call", label):
                 short = list(rec["prompts"].get("decode_tokens") or main[:80])  # receipts before --decode-tokens fed main[:80]
                 if bad.get("first_bad_position") is not None:
-                    short = short[: max(bad["first_bad_position"] + 1, int(m.group(1)) + 1)]  # up to the failing position
+                    short = short[: max(bad["first_bad_position"] + 1, int(m.group(1)) + 1, LOCALIZE_MIN_TOKENS)]  # to the failing position
                 k = int(m.group(1))
                 return {"tokens": short, "n_tokens": len(short), "chunks": [k] + [1] * (len(short) - k) if 0 < k < len(short) else None, "prompt": None,
                         "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
