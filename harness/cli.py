@@ -233,6 +233,16 @@ def _render_parity(outcome) -> None:
         con.print(_m(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
                   f"flips {ro['flips']['near_tie']} near-tie / {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']})"
                   + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else "")))
+    fr = ro.get("free_running")
+    if fr:
+        from harness.evidence.ledger import free_running_headline
+
+        con.print(_m(f"report-only: free-running greedy {free_running_headline(fr)}"), markup=False)
+        for p in fr.get("prompts", []):
+            if p["diverged_at"] is not None:
+                kind = "near-tie" if p["near_tie"] else "hard" if p["near_tie"] is False else "margin unknown"
+                con.print(_m(f"  {p['prompt']}: first divergence at step {p['diverged_at']} (reference {p['reference_token']}, "
+                             f"candidate {p['candidate_token']}; reference margin {p['margin'] if p['margin'] is None else format(p['margin'], '.3g')}, {kind})"), markup=False)
     if rec["kind"] == "self-consistency":
         con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
     con.print(f"[bold]{r.verdict.value}[/bold]: {_m(r.message)}", soft_wrap=True)  # a reproducer line is never broken
@@ -257,8 +267,10 @@ def _render_parity(outcome) -> None:
               help="transformers candidate: the torch dtype it runs in (its compute class follows).")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tier on the model: leave it UNMEASURED.")
 @click.option("--require-calibrated", is_flag=True, help="An unmeasured calibrated tier makes the verdict UNMEASURED (exit 5).")
+@click.option("--greedy-tokens", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Free-running greedy steps per prompt, both engines (report-only; 0: skip).")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, no_calibrate,
-           require_calibrated) -> None:
+           require_calibrated, greedy_tokens) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class."""
@@ -274,7 +286,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
             measure_tier=_measure_tier(no_calibrate), require_calibrated=require_calibrated,
-            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
+            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]), greedy_tokens=greedy_tokens,
         )
         try:
             outcome = _with_progress(lambda cb: run_parity(req, cb, log=_stderr_log(as_json)), quiet=as_json)
@@ -360,7 +372,9 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--candidate", default=None, help="Engine to probe (default oracle).")
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
-@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, determinism, long).")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long).")
+@click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
+              help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")
 @click.option("--prompts", default=None, type=click.Path())
 @click.option("--thresholds", default=None, type=click.Path())
 @click.option("--ledger", default=None, type=click.Path())
@@ -371,7 +385,7 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
               help="transformers candidate: the torch dtype it runs in (its compute class follows).")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
-def probe(candidate, model, reference, only, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
+def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
     # deferred: startup
@@ -381,7 +395,8 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
     req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
-                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]))
+                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
+                       **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
@@ -411,7 +426,7 @@ def probe(candidate, model, reference, only, prompts, thresholds, ledger, overri
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--prompt", "prompt_id", default=None, help="Prompt id from the prompt set (default: the first).")
 @click.option("--prompts", default=None, type=click.Path())
-@click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried).")
+@click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried); LxN repeats L N times (16,1x64).")
 @click.option("--max-tokens", default=None, type=int, help="Compare at most this many positions (default 128: LocalizeRequest.max_tokens).")
 @click.option("--thresholds", default=None, type=click.Path())
 @override_option
@@ -421,12 +436,13 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
     # deferred: startup
     from harness.compare.localize import LocalizeRequest, run_localize
+    from harness.compare.reproducer import parse_chunks_arg
 
     d = _parity_defaults()
     try:
-        pieces = [int(x) for x in chunks.split(",")] if chunks else None
+        pieces = parse_chunks_arg(chunks) if chunks else None
     except ValueError:
-        raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers") from None
+        raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers (LxN: L repeated N times)") from None
     if pieces is not None and any(p <= 0 for p in pieces):
         raise InvalidInput(f"--chunks {chunks!r}: lengths must be positive")
     req = LocalizeRequest(model=model or d["model"], candidate=candidate, prompt=prompt_id, prompts=prompts or d["prompts"],

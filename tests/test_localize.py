@@ -130,7 +130,7 @@ def test_cli_localize_failure_is_a_reproducer():
     line = next(x for x in r.stdout.splitlines() if x.startswith("FAIL: first divergence"))
     sha = GGUFModel(fx.build("tiny-qwen35")).sha256[:12]
     prompt = load_prompt_set(None).prompts[0].id
-    assert line.startswith("FAIL: first divergence: layer 3 (attention), tensor attn_gated-3 at position 0: NMSE ")
+    assert line.startswith("FAIL: first divergence: layer 3 (attention), mixer sub-block, tensor attn_gated-3 at position 0: NMSE ")
     assert (f"(candidate mutant:attn-output-gate-dropped, model fixture:tiny-qwen35 sha256 {sha}, prompt {prompt!r}, "
             f"n_tokens 40, chunks [16, 24]); likely cause: attention output gate dropped (as mutant:attn-output-gate-dropped); "
             f"reproduce: harness {' '.join(argv[:5])} --prompt {prompt} --max-tokens 40 --chunks 16,24") in line
@@ -150,3 +150,14 @@ def test_report_likely_causes_come_from_the_mutant_table():
     assert {c.mutant for c in ex["causes"]} == {"qk-norm-skipped", "q-gate-split-halves"}
     assert "QK-norm skipped" in ex["summary"] and ex["op_meaning"].startswith("Q after the per-head RMSNorm")
     assert explain({"layer": 1, "layer_type": "recurrent", "op": "z"})["causes"] == []
+
+
+def test_each_tensor_is_labelled_by_its_sub_block():
+    from harness.compare.localize import sub_block
+
+    dense, moe = GGUFModel(fx.build("tiny-qwen35")).hparams, GGUFModel(fx.build("tiny-qwen35moe")).hparams
+    assert [sub_block(dense, 2, op) for op in ("attn_norm", "conv_output_silu", "Qcur_normed", "attn_gated", "attn_residual")] == ["mixer"] * 5
+    assert [sub_block(dense, 2, op) for op in ("attn_post_norm", "ffn_out", "post_ffn")] == ["ffn"] * 3
+    assert [sub_block(moe, 2, op) for op in ("ffn_moe_probs", "ffn_shexp", "ffn_out", "post_moe")] == ["moe"] * 4
+    assert (sub_block(dense, 2, "l_out"), sub_block(dense, -1, "result_norm"), sub_block(dense, -1, "model.input_embed")) == \
+        ("block output", "output", "input")

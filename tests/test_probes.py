@@ -181,3 +181,32 @@ def test_probe_obligations_are_contract_obligations():
         breaking = {n for n, m in MUTANTS.items() if kind.obligation in m.breaks}
         reds = {r.name for r in obligations[kind.obligation].reds if r.kind == "mutant"}
         assert reds <= breaking, (name, reds - breaking)
+
+
+def test_a_failing_pieces_probe_names_localize_at_its_boundary_which_finds_what_whole_misses(tmp_path):
+    """The next step printed by a failing split probe is a ``harness localize --chunks`` command
+    that, run as printed, FAILs at the conv state's first op in the mixer sub-block, where
+    ``harness localize`` with its defaults (the prompt fed whole) reports clean."""
+    import shlex
+
+    from harness.compare.probes import ProbeRequest, run_probes
+
+    run = run_probes(ProbeRequest(model="fixture:tiny-qwen35", candidate="mutant:conv-state-dropped", only=["split"], write_evidence=False))
+    rep = run.results[0].reproducer
+    assert "; next: harness localize " in rep
+    argv = shlex.split(rep.split("; next: ", 1)[1])
+    assert argv[argv.index("--chunks") + 1] == "1,1" and argv[argv.index("--max-tokens") + 1] == "2"  # split at 1, first differing position 1
+    hinted = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
+    assert hinted.returncode == 1, hinted.stdout + hinted.stderr
+    assert "FAIL: first divergence: layer 0 (recurrent), mixer sub-block, tensor conv_output_raw-0 at position 1" in hinted.stdout
+    whole = [a for i, a in enumerate(argv) if a != "--chunks" and argv[i - 1] != "--chunks"]
+    clean = subprocess.run([sys.executable, "-m", *whole], capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0 and "no tensor over the bounds" in clean.stdout, clean.stdout + clean.stderr
+
+
+def test_chunks_arg_round_trips():
+    from harness.compare.reproducer import chunks_arg, chunks_up_to, parse_chunks_arg
+
+    pieces = [16] + [1] * 40 + [3, 3]
+    assert chunks_arg(pieces) == "16,1x40,3,3" and parse_chunks_arg("16,1x40,3,3") == pieces == parse_chunks_arg("16,1×40,3,3")
+    assert chunks_up_to([16, 1, 1, 1], 17) == [16, 1] and chunks_up_to([64, 66], 10) == [10]

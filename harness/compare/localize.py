@@ -7,7 +7,7 @@ function the hybrid-forward contract uses too). The first tensor whose NMSE exce
 ``localization.max_nmse`` or whose cosine falls below ``localization.min_cosine``
 (thresholds.yaml, each with a basis) is the first divergence: layer index, layer type (the layer
 kinds of ``harness.model.gguf_model``: recurrent / attention / global, or ``moe`` for the MoE
-FFN of a layer), tensor name, first position over the bound, and the numbers. A run that
+FFN of a layer), its sub-block (``sub_block``: mixer, FFN or MoE, block output, model output), tensor name, first position over the bound, and the numbers. A run that
 compared no tensor is UNMEASURED, never clean. ``chunks`` feeds the prompt in pieces so faults in
 state carried between calls are localized too. A divergence found by ``run_localize`` carries a
 reproducer line (``divergence_message``): the numbers, the case, the bug classes of the mutants
@@ -24,13 +24,20 @@ import numpy as np
 
 from harness.compare import metrics
 from harness.compare.inputs import InputsRequest
-from harness.compare.reproducer import Reproducer, causes_first_at, failure_message
+from harness.compare.reproducer import Reproducer, causes_first_at, chunks_arg, failure_message
 from harness.errors import InvalidInput, Verdict
 from harness.model.gguf_model import GLOBAL, MOE, Qwen35HParams
 
 DEFAULT_MAX_TOKENS = 128
 """Positions ``harness localize`` compares unless told otherwise (``--max-tokens``)."""
 MOE_OPS = ("ffn_moe", "ffn_shexp", "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_out", "post_moe")
+FFN_OPS = ("attn_post_norm", "ffn", "post_ffn", "post_moe")
+"""Ops of a block's FFN sub-block (its input norm, the FFN or MoE, its residual add): llama.cpp
+``qwen35.cpp`` / ``qwen35moe.cpp`` name them after ``attn_residual``."""
+SUB_BLOCKS = ("input", "mixer", "ffn", "moe", "block output", "output")
+"""What ``sub_block`` labels a tensor: the token embedding, a block's token mixer sub-block
+(``attn_norm`` through ``attn_residual``: DeltaNet or gated attention), its FFN sub-block (dense
+``ffn``, or ``moe`` in a qwen35moe layer), the block's output ``l_out``, the model output."""
 
 
 @dataclass
@@ -46,9 +53,12 @@ class Divergence:
     cosine: float | None
     max_abs: float | None
     status: str
+    sub_block: str = ""
 
     def describe(self) -> str:
         where = f"layer {self.layer} ({self.layer_type})" if self.layer >= 0 else "model output"
+        if self.layer >= 0 and self.sub_block:
+            where += f", {self.sub_block} sub-block"
         nums = f"NMSE {self.nmse:.3g}, cosine {self.cosine:.6f}, max |Δ| {self.max_abs:.3g}" if self.nmse is not None else self.status
         pos = f" at position {self.position}" if self.position is not None else ""
         return f"first divergence: {where}, tensor {self.name}{pos}: {nums}"
@@ -94,6 +104,19 @@ def layer_type(hp: Qwen35HParams, layer: int, op: str | None = None) -> str:
     return hp.layer_kind(layer)
 
 
+def sub_block(hp: Qwen35HParams, layer: int, op: str) -> str:
+    """Which part of the forward a tensor belongs to (``SUB_BLOCKS``): ``input`` / ``output``
+    for model-level tensors (layer -1), else ``block output`` (``l_out``), ``moe`` or ``ffn``
+    (``FFN_OPS`` and ``MOE_OPS``; ``moe`` in a qwen35moe model), else ``mixer``."""
+    if layer < 0:
+        return "input" if "embd" in op or "embed" in op else "output"
+    if op == "l_out":
+        return "block output"
+    if op.startswith(MOE_OPS) or op.startswith(FFN_OPS):
+        return "moe" if hp.is_moe else "ffn"
+    return "mixer"
+
+
 def _first_bad_position(ref: np.ndarray, cand: np.ndarray, max_nmse: float, min_cosine: float) -> int | None:
     r = np.asarray(ref, np.float64).reshape(ref.shape[0], -1)
     c = np.asarray(cand, np.float64).reshape(cand.shape[0], -1)
@@ -116,6 +139,7 @@ def localize_activations(
         layer = row["layer"]
         lt = layer_type(hp, layer, row["op"])
         row["layer_type"] = lt
+        row["sub_block"] = sub_block(hp, layer, row["op"])
         entry = per.setdefault(layer, {"layer": layer, "type": layer_type(hp, layer),
                                        "compared": 0, "missing": 0, "over": 0, "max_nmse": 0.0, "min_cosine": 1.0})
         if row["status"] == "missing":
@@ -136,7 +160,7 @@ def localize_activations(
             if first is None:
                 name = row["name"]
                 pos = _first_bad_position(oracle_acts[name], cand_acts[name], max_nmse, min_cosine)
-                first = Divergence(name, layer, lt, row["op"], pos, row["nmse"], row["cosine"], row["max_abs"], row["status"])
+                first = Divergence(name, layer, lt, row["op"], pos, row["nmse"], row["cosine"], row["max_abs"], row["status"], row["sub_block"])
     per_layer = [per[k] for k in sorted(per, key=lambda x: (x < 0, x))]
     if compared == 0:
         verdict = Verdict.UNMEASURED
@@ -149,7 +173,7 @@ def divergence_message(first: Divergence, case: Reproducer) -> str:
     """The reproducer line of a first divergence (``harness.compare.reproducer``): where and how
     far it left the oracle, the case, the bug classes of the mutants that first diverge at the same
     op in the same kind of layer, and the ``harness localize`` command that shows it again."""
-    chunks = ["--chunks", ",".join(map(str, case.chunks))] if case.chunks else []
+    chunks = ["--chunks", chunks_arg(case.chunks)] if case.chunks else []
     rerun = case.harness("localize", "--prompt", case.prompt, "--max-tokens", case.n_tokens, *chunks)
     where = f"layer {first.layer} ({first.layer_type})" if first.layer >= 0 else "the model output"
     fallback = f"the op that computes {first.op} in {where}; no mutant of harness/engines/mutants.py first diverges there"

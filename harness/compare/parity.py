@@ -6,7 +6,8 @@ nothing holds ``n_tokens × n_vocab`` when a block will do. Two tiers judge the 
 (``harness.gates.tiers``): the release gate (per-position cosine of raw logits ≥ 0.98 over ≥ 64
 positions) and the calibrated tier (cosine, KLD mean, KLD p99 from the row for the file's
 weights × the candidate's compute class, or measured on the subject); greedy agreement, margins
-and top-k overlap are recorded as report-only fields.
+and top-k overlap are recorded as report-only fields, and so is free-running greedy generation
+(``report_only.free_running``: ``harness.compare.greedy``, ``greedy_tokens`` steps per prompt).
 
 Verdicts: FAIL when either tier fails (a non-finite candidate row fails at its position); else
 UNMEASURED when fewer than the release gate's positions were compared (or the calibrated tier is
@@ -17,13 +18,14 @@ non-finite logit (it cannot judge anything, so the candidate is not blamed).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.compare import metrics, topk, verdicts
+from harness.compare import greedy, metrics, topk, verdicts
 from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest, subject_of
 from harness.compare.localize import DEFAULT_MAX_TOKENS
@@ -352,6 +354,8 @@ class ParityRequest(RunRequest):
     require_calibrated: bool = False
     calibrate_max_tokens: int = 128
     candidate_settings: dict[str, Any] = field(default_factory=dict)
+    greedy_tokens: int = greedy.DEFAULT_TOKENS
+    """Free-running greedy steps per prompt (``harness.compare.greedy``, report-only); 0: skipped."""
 
 
 @dataclass
@@ -392,6 +396,19 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, res
     }
 
 
+@contextmanager
+def _timings_kept(*engines: Any) -> Iterator[None]:
+    """Restore each engine's own ``timings`` dict (llama.cpp's summed load/decode seconds) after
+    the block: free-running generation is not part of the prefill speed a receipt records."""
+    saved = [(e, dict(e.timings)) for e in engines if isinstance(getattr(e, "timings", None), dict)]
+    try:
+        yield
+    finally:
+        for e, t in saved:
+            e.timings.clear()
+            e.timings.update(t)
+
+
 def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callable[[str], None] | None = None) -> ParityOutcome:
     """Run one parity cell end to end and write its evidence.
 
@@ -417,6 +434,14 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate))
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
+    if req.greedy_tokens > 0:
+        try:
+            with _timings_kept(reference.engine, candidate.engine):  # the timings stay those of the gated comparison
+                fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
+                                         inputs.thresholds.near_tie_margin)
+        except HarnessError as e:  # report-only: an engine that cannot generate does not change the verdict
+            fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}
+        receipt["report_only"]["free_running"] = fr
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would

@@ -9,10 +9,17 @@ Probes (tolerances from thresholds.yaml ``probes:``, each with a basis):
 
 - ``split``: whole vs two pieces split at 1, 2, 3, 4, 5, 63, 64, 65 (conv kernel and the chunked
   delta rule's 64-token chunk boundary) and seeded random points; needs ``chunks``.
-- ``decode``: a prefill of k tokens, then the rest one token at a time, vs whole; needs ``chunks``.
-- ``ubatch``: n_ubatch ∈ {1, 2, 7, 64, 512} vs the engine's default; needs ``with_settings``.
+- ``decode``: a prefill of k tokens, then the rest one token at a time, vs whole, over
+  ``decode_tokens`` tokens (default ``DECODE_TOKENS``: a state kept in too low a precision between
+  calls drifts slowly and fails only after a few hundred calls); needs ``chunks``. The receipt's
+  ``long_decode`` row states its length and outcome.
+- ``ubatch``: n_ubatch ∈ {1, 2, 7, 64, 512} vs the engine's default; needs ``with_settings``
+  (capability ``n_ubatch``).
 - ``multiseq``: N identical prompts decoded together equal the solo run; N distinct prompts each
-  equal their solo run; needs ``logits_multi``.
+  equal their solo run; needs ``logits_multi`` (capability ``multi_seq``).
+- ``prefix``: A+B fed in a session with a checkpoint after A, then C forked from that
+  checkpoint, equals A+C fed fresh; and D continued after A+B equals A+B+D fresh; needs
+  ``session_logits`` (capability ``prefix_reuse``): a server's prompt-cache reuse.
 - ``determinism``: the same input twice gives bit-identical logits.
 - ``long``: ≥ 1,024 positions against the reference with the parity gate; reports the first
   position where the gate fails.
@@ -20,7 +27,12 @@ Probes (tolerances from thresholds.yaml ``probes:``, each with a basis):
 A failed probe run by ``run_probes`` carries a reproducer line (``probe_failure``, through
 ``harness.compare.reproducer``): the first failing comparison and its bounds, candidate, model
 sha256, prompt, n_tokens, the chunks it fed, the bug classes of the mutants that break the probe's
-contract obligation (``PROBES``), and the ``harness probe --only NAME`` command that reruns it.
+contract obligation (``PROBES``), and the ``harness probe --only NAME`` command that reruns it; a
+failure of a prompt fed in pieces also names the ``harness localize ... --chunks`` command at the
+failing boundary (``localize_hint``), since ``localize`` fed whole cannot see a between-call fault.
+
+Every optional capability a probe needs is checked in ``engine.info.capabilities``: an engine that
+does not declare it gets UNMEASURED for that probe, never a PASS by construction.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from harness.compare import metrics
 from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest
 from harness.compare.prompts import PromptTokens
-from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
+from harness.compare.reproducer import Reproducer, causes_breaking, chunks_arg, chunks_up_to, failure_message
 from harness.engines.base import Engine, gather
 from harness.engines.timing import timed
 from harness.errors import EngineError, InvalidInput, Verdict
@@ -46,6 +58,10 @@ SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
 """Tokens of the longest prompt the split, ubatch and determinism probes feed (past 65)."""
 UBATCH_SIZES = (1, 2, 7, 64, 512)
+DECODE_TOKENS = 640
+"""Tokens the decode probe feeds one per call unless told otherwise (``--decode-tokens``). A
+recurrent state rounded to bf16 every 8th call first fails the probe's tolerance at position 528
+on the default model (``tests/test_state_faults.py``); 640 leaves a margin."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,7 @@ PROBES = {
     "decode": ProbeKind("QE2E-PRB-006", "the single-token (decode) path carries state differently from the prefill path"),
     "ubatch": ProbeKind(None, "a kernel chosen by micro-batch size computes differently, or state is handed between micro-batches wrongly"),
     "multiseq": ProbeKind(None, "sequences share or overwrite each other's KV cache or recurrent state, or their positions are mixed"),
+    "prefix": ProbeKind(None, "a prompt-cache checkpoint restores another position's or sequence's recurrent/conv state or KV cache"),
     "determinism": ProbeKind("QE2E-DET-002", "thread-count or atomic-order dependent reductions, uninitialised buffers, or state left from the previous call"),
     "long": ProbeKind("QE2E-PAR-001", "the first op that leaves the oracle, which harness localize with this candidate and model names"),
 }
@@ -246,6 +263,32 @@ def probe_multiseq(engine: Engine, prompts: Sequence[Sequence[int]], tol: ProbeT
     return _verdict("multiseq", comps, tol)
 
 
+def probe_prefix(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance) -> ProbeResult:
+    """Prompt-cache reuse: ``tokens`` cut into A, B, C, D (A half of it, B, C and D a sixth
+    each); A+B in a session with a checkpoint after A; C forked from that checkpoint vs A+C fresh;
+    D continued after A+B vs A+B+D fresh; A+B itself vs A+B fresh (capability ``prefix_reuse``)."""
+    session: Callable | None = getattr(engine, "session_logits", None)
+    if session is None or "prefix_reuse" not in engine.info.capabilities:
+        return ProbeResult("prefix", Verdict.UNMEASURED, reason=f"{engine.info.name} does not declare prefix reuse (no 'prefix_reuse' capability)")
+    n = len(tokens)
+    if n < 8:
+        return ProbeResult("prefix", Verdict.UNMEASURED, reason=f"only {n} tokens; the prefix probe needs >= 8")
+    a, b, c = n // 2, n // 2 + n // 6, n // 2 + 2 * (n // 6)
+    A, B, C, D = list(tokens[:a]), list(tokens[a:b]), list(tokens[b:c]), list(tokens[c:])
+    comps = []
+    ab = gather(session(A + B, session="probe-ab", checkpoints=[a]), a + len(B))
+    comps.append(compare("A+B in a session vs fresh", gather(engine.logits(A + B), len(A) + len(B)), ab, tol))
+    forked = gather(session(C, session="probe-ac", parent="probe-ab", after=a), len(C))
+    comps.append(compare(f"C forked from the checkpoint after A ({a} tokens) vs A+C fresh", gather(engine.logits(A + C), a + len(C))[a:], forked, tol))
+    cont = gather(session(D, session="probe-ab", parent="probe-ab", after=a + len(B)), len(D))
+    comps.append(compare(f"D continued after A+B ({a + len(B)} tokens) vs A+B+D fresh", gather(engine.logits(A + B + D), a + len(B) + len(D))[a + len(B):],
+                         cont, tol))
+    drop: Callable | None = getattr(engine, "drop_sessions", None)
+    if drop is not None:
+        drop()
+    return _verdict("prefix", comps, tol)
+
+
 def probe_determinism(engine: Engine, tokens: Sequence[int]) -> ProbeResult:
     """The same input twice gives bit-identical logits."""
     n = len(tokens)
@@ -295,6 +338,7 @@ class ProbeRequest(RunRequest):
     seed: int = 0
     measure_tier: MeasureTier | None = None
     candidate_settings: dict[str, Any] = field(default_factory=dict)
+    decode_tokens: int = DECODE_TOKENS
 
 
 @dataclass
@@ -323,7 +367,7 @@ def overall_verdict(results: Sequence[ProbeResult]) -> tuple[Verdict, str]:
     return Verdict.PASS, f"all {len(measured)} measured probes pass" + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else "")
 
 
-TOLERANCED = ("split", "decode", "ubatch", "multiseq")
+TOLERANCED = ("split", "decode", "ubatch", "multiseq", "prefix")
 """Probes judged by the class's tolerances (determinism is exact; the long probe uses the release gate)."""
 
 
@@ -338,44 +382,53 @@ def probe_tolerance(resolved: ResolvedThresholds) -> ProbeTolerance | None:
 @dataclass
 class ProbeCase:
     """One probe as ``run_probes`` runs it: ``run()`` returns its result; ``prompt`` (id, or ids)
-    and ``n_tokens`` say what it fed the engine, for the reproducer of a failure."""
+    and ``n_tokens`` say what it fed the engine, for the reproducer of a failure; ``tokens`` the
+    ids themselves where the receipt records them (decode)."""
 
     run: Callable[[], ProbeResult]
     prompt: str
     n_tokens: int
+    tokens: Sequence[int] = ()
 
 
 def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
                 ptoks: list[PromptTokens]) -> dict[str, ProbeCase]:
-    """Every probe on the run's prompts ``ptoks``: split, ubatch and determinism on the longest
-    prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its first 80,
-    multiseq on the three longest prompts' first 60, long (against ``reference()``, made only if
-    it runs, judged by the release gate) on every prompt cycled to 1,024 tokens. ``tol`` None (no
-    calibrated row for the engine's class): the toleranced probes are UNMEASURED, naming why. A
-    top-k engine (capability ``topk``, an ``http:`` server) gets every probe UNMEASURED: no logits."""
+    """Every probe on the run's prompts ``ptoks``: split, ubatch, prefix and determinism on the
+    longest prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its
+    first ``req.decode_tokens`` (every prompt cycled when it is shorter), multiseq on the three
+    longest prompts' first 60, long (against ``reference()``, made only if it runs, judged by the
+    release gate) on every prompt cycled to 1,024 tokens. ``tol`` None (no calibrated row for the
+    engine's class): the toleranced probes are UNMEASURED, naming why. A top-k engine
+    (capability ``topk``, an ``http:`` server) gets every probe UNMEASURED: no logits."""
     first = max(ptoks, key=lambda p: len(p.tokens))
     main = first.tokens[:MAIN_TOKENS]
-    short = main[:80]
+    if req.decode_tokens < 2:
+        raise InvalidInput(f"--decode-tokens {req.decode_tokens}: the decode probe needs at least 2 tokens")
+    cycled = len(first.tokens) < req.decode_tokens
+    short = long_tokens([p.tokens for p in ptoks], req.decode_tokens)[: req.decode_tokens] if cycled else first.tokens[: req.decode_tokens]
     three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
     side_by_side = [p.tokens[:60] for p in three]
     long = long_tokens([p.tokens for p in ptoks])
     min_cosine = resolved.release_min_cosine
     cases = {
         "split": ProbeCase(lambda: probe_split(engine, main, tol, req.seed), first.id, len(main)),
-        "decode": ProbeCase(lambda: probe_decode(engine, short, tol), first.id, len(short)),
+        "decode": ProbeCase(lambda: probe_decode(engine, short, tol), "every prompt, cycled" if cycled else first.id, len(short), short),
         "ubatch": ProbeCase(lambda: probe_ubatch(engine, main, tol), first.id, len(main)),
         "multiseq": ProbeCase(lambda: probe_multiseq(engine, side_by_side, tol), ", ".join(p.id for p in three), sum(map(len, side_by_side))),
+        "prefix": ProbeCase(lambda: probe_prefix(engine, main, tol), first.id, len(main)),
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
     }
     if tol is None:
         why = f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})"
         for name in TOLERANCED:
-            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens)
+            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens,
+                                    cases[name].tokens)
     if "topk" in engine.info.capabilities:  # a server (http:NAME): the probes compare logits it cannot give
         why = f"{engine.info.name} gives top-k logprobs, not logits"
         for name in cases:
-            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens)
+            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens,
+                                    cases[name].tokens)
     return cases
 
 
@@ -389,16 +442,45 @@ def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
     case = replace(case, chunks=first.chunks if first is not None else None)
     extra = ["--reference", reference] if result.name == "long" else []
     causes = causes_breaking(kind.obligation) if kind.obligation else []
-    return failure_message(numbers, case, causes, kind.if_fails, case.harness("probe", "--only", result.name, *extra))
+    line = failure_message(numbers, case, causes, kind.if_fails, case.harness("probe", "--only", result.name, *extra))
+    hint = localize_hint(case, first)
+    return line + (f"; next: {hint}" if hint else "")
+
+
+def localize_hint(case: Reproducer, first: Comparison | None) -> str | None:
+    """The ``harness localize`` command at a failing comparison's boundary: the prompt fed in the
+    comparison's pieces up to and including the first differing position (``--chunks`` cut there,
+    ``--max-tokens`` that position + 1), so a fault in state carried between calls, which a prompt
+    fed whole never shows, is localized. None when the comparison fed no pieces, the failure has
+    no position, or the case spans several prompts (localize takes one)."""
+    if first is None or not first.chunks or first.first_bad_position is None or case.prompt is None or "," in case.prompt or "cycled" in case.prompt:
+        return None
+    n = first.first_bad_position + 1
+    return case.harness("localize", "--prompt", case.prompt, "--chunks", chunks_arg(chunks_up_to(first.chunks, n)), "--max-tokens", n)
+
+
+def long_decode_row(results: Sequence[ProbeResult], decode_tokens: int) -> dict[str, Any]:
+    """The probe receipt's ``long_decode`` row: how many tokens the decode probe fed one per
+    call (``tokens``), its verdict (``not run`` when it was not), and for its worst comparison the
+    lowest cosine and the first differing position (None when none differed)."""
+    r = next((r for r in results if r.name == "decode"), None)
+    if r is None:
+        return {"tokens": int(decode_tokens), "verdict": "not run", "min_cosine": None, "first_bad_position": None, "reason": ""}
+    cos = [c.min_cosine for c in r.comparisons if c.min_cosine is not None]
+    f = r.first_failure
+    return {"tokens": int(decode_tokens), "verdict": r.verdict.value, "min_cosine": min(cos) if cos else None,
+            "first_bad_position": f.first_bad_position if f is not None else None, "reason": r.reason}
 
 
 def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThresholds, tier: dict[str, Any], engine: Any, reference: Any,
-                   results: list[ProbeResult], main: Sequence[int]) -> dict[str, Any]:
-    """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``engine`` and
+                   results: list[ProbeResult], main: Sequence[int], decode: Sequence[int] = ()) -> dict[str, Any]:
+    """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``main`` and
+    ``decode`` are the token ids the split/ubatch/prefix/determinism and the decode probes fed; ``engine`` and
     ``reference`` (None when the long probe did not run) are ``TimedEngine``s whose timings it
     records; ``tier`` says where the tolerances came from (``source``, ``self_calibration``) or
     why there were none (``unmeasured_reason``, ``command``)."""
     verdict, message = overall_verdict(results)
+    decode_tokens = req.decode_tokens
     ref_info = reference.info.to_dict() if reference is not None else None
     cosines = [c.min_cosine for r in results for c in r.comparisons if c.min_cosine is not None]
     kinds = {resolved.probes[g].basis_kind for g in ("min_cosine", "max_kld") if g in resolved.probes} or {"declared"}
@@ -410,7 +492,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "command": list(req.argv) or ["harness", "probe"],
         "model": inputs.model_record(),
         "engines": {"candidate": engine.info.to_dict(), "reference": ref_info},
-        "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main},
+        "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main, "decode_tokens": list(decode)},
         "thresholds": {**resolved.to_receipt(), "self_calibration": tier.get("self_calibration")},
         "tier": {k: v for k, v in tier.items() if k != "self_calibration"},
         "compute_class": resolved.subject.compute_class,
@@ -421,6 +503,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "min_cosine": min(cosines) if cosines else None,
         "basis_kind": "measured" if kinds == {"measured"} else "declared",
         "unmeasured": [r.name for r in results if r.verdict is Verdict.UNMEASURED],
+        "long_decode": long_decode_row(results, decode_tokens),
         "timings": {"candidate": engine.timings(), "reference": reference.timings() if reference else None},
     }
 
@@ -465,7 +548,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if "long" in names:
         reference()
     receipt = _probe_receipt(req, inputs, resolved, tier, engine, made[0] if made else None, results,
-                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS])
+                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS], plan["decode"].tokens)
     if not req.write_evidence:
         prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)

@@ -63,6 +63,45 @@ def format_chunks(chunks: Sequence[int] | None) -> str:
     return "[" + ", ".join(out) + "]"
 
 
+def chunks_arg(chunks: Sequence[int]) -> str:
+    """Piece lengths as ``harness localize --chunks`` takes them: comma-separated, runs of four
+    or more equal lengths written ``LxCOUNT`` (``16,1x64``); ``parse_chunks_arg`` reads it back."""
+    out: list[str] = []
+    i = 0
+    while i < len(chunks):
+        j = i
+        while j < len(chunks) and chunks[j] == chunks[i]:
+            j += 1
+        out.extend([str(chunks[i])] * (j - i) if j - i < 4 else [f"{chunks[i]}x{j - i}"])
+        i = j
+    return ",".join(out)
+
+
+def parse_chunks_arg(text: str) -> list[int]:
+    """``16,1x64`` (or ``16,1×64``) as piece lengths; raises ``ValueError`` for anything else
+    (the caller names the option)."""
+    out: list[int] = []
+    for part in text.replace("×", "x").split(","):
+        length, _, count = part.strip().partition("x")
+        n = int(count) if count else 1
+        if n < 1 or n > 1 << 20:
+            raise ValueError(part)
+        out.extend([int(length)] * n)
+    return out
+
+
+def chunks_up_to(chunks: Sequence[int], n_tokens: int) -> list[int]:
+    """The leading pieces of ``chunks`` that feed the first ``n_tokens`` tokens (the last one cut)."""
+    out: list[int] = []
+    left = n_tokens
+    for c in chunks:
+        if left <= 0:
+            break
+        out.append(min(c, left))
+        left -= out[-1]
+    return out
+
+
 @dataclass(frozen=True)
 class Reproducer:
     """The case a failure happened on, enough to run it again by hand.

@@ -20,12 +20,13 @@ sequences (``sequences``) precede each batch's rows with an int64 count k and th
 indices the rows belong to (rows of different sequences interleave within a batch). All
 little-endian.
 
-Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``info``), ``model``,
+Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``generate`` | ``info``), ``model``,
 ``overrides`` (list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch,
 n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
 lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``),
 ``rows_from`` (``graph``, the default, or ``output``: a single sequence's rows read from
-llama.cpp's output buffer, as several sequences' are; tests compare the two).
+llama.cpp's output buffer, as several sequences' are; tests compare the two), ``n_generate``
+(``generate``: greedy ids written to ``generated.json``).
 ``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
 (``VmHWM``).
 """
@@ -370,9 +371,24 @@ def _decode_side_by_side(llama_cpp: Any, ctx: Any, batch: Any, sequences: list[l
             _decode_rows(llama_cpp, ctx, batch, items, stream, rows)
 
 
+def _generate(llama_cpp: Any, ctx: Any, batch: Any, tokens: list[int], n_generate: int, n_batch: int, n_vocab: int, stream: Any) -> list[int]:
+    """Greedy free-running continuation: the prompt decoded in batches of ``n_batch``, then the
+    argmax of the last row (ties: lowest id) fed back one token per ``llama_decode`` call,
+    ``n_generate`` times; returns the chosen ids. No stop at EOS: the harness decides that."""
+    _decode_pieces(llama_cpp, ctx, batch, tokens, [len(tokens)], n_batch, stream)
+    out: list[int] = []
+    while len(out) < n_generate:
+        ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+        row = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+        out.append(int(np.argmax(row)))
+        if len(out) < n_generate:
+            _decode_rows(llama_cpp, ctx, batch, [(out[-1], len(tokens) + len(out) - 1, 0)], stream, [0])
+    return out
+
+
 def main(req_path: str) -> int:
     """Serve the request at ``req_path`` (module docstring: its fields): ``tokens.json``
-    (tokenize), logits streamed to ``stream_fd`` (logits, activations), ``activations.npz``
+    (tokenize), ``generated.json`` (generate), logits streamed to ``stream_fd`` (logits, activations), ``activations.npz``
     (activations) and always ``info.json`` in its ``out_dir``. Returns the exit status."""
     req = json.loads(Path(req_path).read_text())
     import llama_cpp
@@ -410,6 +426,15 @@ def main(req_path: str) -> int:
     n_batch = int(s["n_batch"])
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     t1 = time.time()
+    if req["op"] == "generate":  # no decode_s in its info: a generation is not a prefill measurement
+        gen = _generate(llama_cpp, ctx, batch, sequences[0], int(req["n_generate"]), n_batch, n_vocab, stream)
+        (out_dir / "generated.json").write_text(json.dumps(gen))
+        info["generate_s"] = round(stream.decode_s, 4)
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+        (out_dir / "info.json").write_text(json.dumps(info))
+        return 0
     if len(sequences) == 1:
         _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream)
     else:

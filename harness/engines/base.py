@@ -52,7 +52,8 @@ class EngineInfo:
     ``settings`` holds every setting that changes numerics (threads, n_ctx, n_batch, n_ubatch,
     KV cache types, flash attention, backend, overrides); ``capabilities`` lists optional protocol
     features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``,
-    ``"topk"``: top-k logprobs instead of logits, ``"generate"``: greedy generation);
+    ``"topk"``: top-k logprobs instead of logits, ``"generate"``: greedy generation,
+    ``"prefix_reuse"``; see ``Engine``);
     ``compute_class`` is one of ``COMPUTE_CLASSES``, or None when the engine declares none.
     """
 
@@ -83,6 +84,31 @@ class Engine(Protocol):
     feeds the prompt as consecutive calls with its state carried across them. An engine that
     cannot do so raises ``EngineError`` only if asked; it advertises support with
     ``"chunks" in info.capabilities``.
+
+    Optional methods, each present only with its capability in ``info.capabilities`` (a probe
+    that needs one the engine lacks reports UNMEASURED, never PASS):
+
+    - ``"multi_seq"``: ``logits_multi(sequences: Sequence[Sequence[int]]) -> Iterator[LogitBlock]``
+      decodes the sequences together (side by side in the same batches, one sequence id / state
+      slot each, as a server batches requests); rows are the sequences' rows concatenated in
+      order, ``sum(len(q))`` in all.
+    - ``"n_ubatch"``: ``with_settings(n_ubatch=N) -> Engine`` the same engine and model with the
+      micro-batch size (llama.cpp ``n_ubatch``: tokens per graph evaluation) changed.
+    - ``"generate"``: ``generate(tokens: Sequence[int], n_tokens: int) -> list[int]``: greedy
+      (argmax of each step's logits, ties to the lowest id) free-running continuation of
+      ``tokens``: the engine feeds the prompt, then each token it chose, with its own state
+      carried (its decode path, not teacher forcing). Returns at most ``n_tokens`` new ids (an
+      engine may stop early at its own end-of-generation token); the harness stops the
+      comparison at the reference's EOS (``harness.compare.greedy``).
+    - ``"prefix_reuse"``: ``session_logits(tokens, *, session: str, parent: str | None = None,
+      after: int = 0, checkpoints: Sequence[int] = ()) -> Iterator[LogitBlock]`` feeds ``tokens``
+      starting from the state sequence ``parent`` had after its first ``after`` tokens (None:
+      a fresh state), keeps the resulting state under the id ``session`` and, for each position
+      ``k`` in ``checkpoints`` (counted in the session's whole token history), a copy of the
+      state after token ``k`` that a later request may fork from (``parent=session,
+      after=k``); ``parent == session`` with ``after`` equal to its length continues it. Rows are
+      ``tokens``' only. This is how a server restores a prompt-cache checkpoint; the
+      ``prefix`` probe compares it with the same tokens fed fresh. ``drop_sessions()`` frees them.
     """
 
     @property

@@ -1,5 +1,11 @@
 """External engines through the command protocol (``command:NAME``; docs/engine-protocol.md).
 
+Protocol 2 (``protocol = 2`` in the engine's table) keeps one process per model and exchanges
+JSON lines (``harness.engines.persistent``); the request objects (schema
+``harness-engine-request/v2``) are protocol 1's plus ``op``, ``id``, ``out_dir``, ``settings``,
+``sequences``, ``session`` and ``n_tokens``, and the outputs are read by the same bounded readers.
+Protocol 1, below, runs one process per request.
+
 The harness writes a request JSON (schema ``harness-engine-request/v1``: model path, token ids,
 chunking, overrides, what to return) into a fresh directory and runs the configured command
 template — an argument list, never a shell — with placeholders ``{request}``, ``{out_dir}``,
@@ -22,9 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -40,6 +48,7 @@ from harness.engines.base import (
     npy_rows,
     validate_chunks,
 )
+from harness.engines.persistent import PersistentProcess, serve_for
 from harness.engines.process import (
     check_timeout,
     read_small_file,
@@ -51,7 +60,15 @@ from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
 from harness.rundir import scratch_dir
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
-SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class")
+REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
+SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse")
+"""Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
+protocol 1 has no field for."""
+V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json")
+"""The files a protocol-2 reply may name (each in the request's ``out_dir``)."""
+SETTINGS = ("n_ubatch",)
+"""Settings a request may carry (``with_settings``), sent as ``settings`` in protocol 2."""
 INFO_MAX_BYTES = 1 << 20
 """``info.json`` larger than this (1 MiB) is refused: it is a few hundred bytes of settings."""
 INFO_MAX_DEPTH = 32
@@ -65,7 +82,8 @@ class CommandSpec:
     (finite, positive); ``capabilities``: protocol features the engine supports (``chunks``,
     ``activations``); ``cwd``: working directory (default: the config file's directory); ``env``:
     extra variables; ``compute_class``: the precision it computes in (``f64``, ``f32``, ``bf16``,
-    ``f16``, ``mixed``), which picks its calibrated gates (its ``info.json`` may state it instead).
+    ``f16``, ``mixed``), which picks its calibrated gates (its ``info.json`` may state it instead);
+    ``protocol``: 1 (one process per request) or 2 (one persistent process per model, JSON lines).
     """
 
     name: str
@@ -75,6 +93,7 @@ class CommandSpec:
     cwd: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     compute_class: str | None = None
+    protocol: int = 1
 
 
 def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
@@ -105,7 +124,15 @@ def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
     cls = t.get("compute_class")
     if cls is not None and cls not in COMPUTE_CLASSES:
         raise InvalidInput(f"{where}.compute_class must be one of {', '.join(COMPUTE_CLASSES)}")
-    return CommandSpec(name, list(cmd), timeout, list(caps), cwd, {str(k): str(v) for k, v in env.items()}, cls)
+    protocol = t.get("protocol", 1)
+    if protocol not in (1, 2) or isinstance(protocol, bool):
+        raise InvalidInput(f"{where}.protocol must be 1 (one process per request) or 2 (persistent, JSON lines)")
+    if protocol == 1 and any(c in V2_CAPABILITIES for c in caps):
+        bad = next(c for c in caps if c in V2_CAPABILITIES)
+        raise InvalidInput(f"{where}: capability {bad!r} needs protocol = 2 (persistent mode, docs/engine-protocol.md)")
+    if protocol == 2 and any(a in ("{request}", "{out_dir}") for a in cmd):
+        raise InvalidInput(f"{where}.command: protocol 2 sends the request and out_dir on stdin; {{request}} and {{out_dir}} are protocol 1 placeholders")
+    return CommandSpec(name, list(cmd), timeout, list(caps), cwd, {str(k): str(v) for k, v in env.items()}, cls, int(protocol))
 
 
 def configured_commands(config: HarnessConfig | None = None) -> dict[str, CommandSpec]:
@@ -248,13 +275,20 @@ def load_activations(out_dir: Path, who: str, n_tokens: int, max_bytes: int, std
 
 
 class CommandEngine:
-    """An engine run as an external command per request (see module docstring)."""
+    """An engine run as an external command (see module docstring): one process per request
+    (``protocol = 1``) or one persistent process per model spoken to in JSON lines
+    (``protocol = 2``, ``harness.engines.persistent``), which adds several sequences per request
+    (``logits_multi``), settings (``with_settings(n_ubatch=...)``), greedy generation
+    (``generate``) and sessions (``session_logits``), each only with its capability declared.
+    """
 
-    def __init__(self, spec: CommandSpec, model_path: str | os.PathLike, overrides: Sequence[Override] = (), block_size: int = 256):
+    def __init__(self, spec: CommandSpec, model_path: str | os.PathLike, overrides: Sequence[Override] = (), block_size: int = 256,
+                 settings: dict[str, Any] | None = None):
         self.spec = spec
         self.model_path = Path(model_path).resolve()
         self.overrides = list(overrides)
         self.block_size = block_size
+        self.settings = dict(settings or {})
         self._last_info: dict[str, Any] = {}
 
     @property
@@ -271,17 +305,30 @@ class CommandEngine:
 
     @property
     def info(self) -> EngineInfo:
-        reported = self._last_info
+        reported = self._server().last_info if self.spec.protocol == 2 else self._last_info
+        settings = {"command": self.spec.command, "timeout_s": self.spec.timeout_s, "reported": reported.get("settings", {}),
+                    "overrides": [o.to_flag() for o in self.overrides]}
+        if self.spec.protocol == 2:
+            settings.update(protocol=2, **self.settings)
         return EngineInfo(
             name=self.who,
             version=str(reported.get("version", "unknown")),
-            settings={"command": self.spec.command, "timeout_s": self.spec.timeout_s, "reported": reported.get("settings", {}),
-                      "overrides": [o.to_flag() for o in self.overrides]},
+            settings=settings,
             capabilities=list(self.spec.capabilities),
             build={"reported_name": reported.get("name")},
             compute_class=reported.get("compute_class") or self.spec.compute_class,
         )
 
+    def _need(self, capability: str) -> None:
+        if capability not in self.spec.capabilities:
+            raise EngineError(f"{self.who} does not declare the {capability!r} capability")
+
+    def _argv(self, values: dict[str, str]) -> list[str]:
+        if self.spec.cwd is not None and not self.spec.cwd.is_dir():
+            raise InvalidInput(f"{self.who}: cwd {self.spec.cwd} is not a directory")
+        return [_substitute(a, {**values, "{model}": str(self.model_path), "{python}": sys.executable}) for a in self.spec.command]
+
+    # -- protocol 1: one process per request --------------------------------------------------
     def _run(self, tokens: list[int], chunks: list[int] | None, want: list[str], workdir: Path) -> tuple[Path, str]:
         """Run the engine once in ``workdir``; return its output folder and stderr tail."""
         out_dir = workdir / "out"
@@ -296,10 +343,7 @@ class CommandEngine:
         }
         req_path = workdir / "request.json"
         req_path.write_text(json.dumps(request))
-        values = {"{request}": str(req_path), "{out_dir}": str(out_dir), "{model}": str(self.model_path), "{python}": sys.executable}
-        argv = [_substitute(a, values) for a in self.spec.command]
-        if self.spec.cwd is not None and not self.spec.cwd.is_dir():
-            raise InvalidInput(f"{self.who}: cwd {self.spec.cwd} is not a directory")
+        argv = self._argv({"{request}": str(req_path), "{out_dir}": str(out_dir)})
         try:
             res = run_process(argv, timeout_s=self.spec.timeout_s, workdir=workdir, cwd=self.spec.cwd, env={**os.environ, **self.spec.env})
         except FileNotFoundError:
@@ -320,11 +364,48 @@ class CommandEngine:
         self._last_info = load_info(out_dir, self.who, res.tail)
         return out_dir, res.tail
 
+    # -- protocol 2: one persistent process per model -----------------------------------------
+    def _server(self) -> PersistentProcess:
+        key = (self.spec.name, tuple(self.spec.command), str(self.spec.cwd), str(self.model_path), tuple(o.to_flag() for o in self.overrides))
+        return serve_for(key, self.who, self._argv({}), self.spec.cwd, {**os.environ, **self.spec.env})
+
+    @contextmanager
+    def _exchange(self, body: dict[str, Any]) -> Iterator[tuple[Path, str]]:
+        """One protocol-2 request: yields the request's output folder (removed after) and the
+        engine's stderr tail; the reply's ``info.json`` becomes what ``info`` reports."""
+        server = self._server()
+        out_dir = server.out_dir()
+        try:
+            reply = server.request({"schema": REQUEST_SCHEMA_V2, "model": str(self.model_path),
+                                    "overrides": [o.to_flag() for o in self.overrides], "settings": dict(self.settings), **body},
+                                   out_dir, self.spec.timeout_s)
+            bad = [f for f in reply.get("files", []) if f not in V2_FILES]
+            if bad:
+                raise EngineError(f"{self.who} named {bad[0][:60]!r} among its files; the protocol's files are {', '.join(V2_FILES)}")
+            tail = server.tail()
+            info = load_info(out_dir, self.who, tail)
+            if info:
+                server.last_info = info
+            yield out_dir, tail
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+    def _v2_logits(self, body: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
+        with self._exchange(body) as (out_dir, tail):
+            arr = load_logits(out_dir, self.who, n_rows, self.n_vocab, tail)
+            for start in range(0, n_rows, self.block_size):
+                yield start, npy_rows(arr, start, start + self.block_size)
+            del arr
+
+    # -- the engine protocol ------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         tokens = [int(t) for t in tokens]
         pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
-        if pieces is not None and "chunks" not in self.spec.capabilities:
-            raise EngineError(f"{self.who} does not declare the 'chunks' capability")
+        if pieces is not None:
+            self._need("chunks")
+        if self.spec.protocol == 2:
+            yield from self._v2_logits({"op": "logits", "tokens": tokens, "chunks": pieces, "want": ["logits"]}, len(tokens))
+            return
         with scratch_dir("cmd-") as d:
             out_dir, tail = self._run(tokens, pieces, ["logits"], d)
             arr = load_logits(out_dir, self.who, len(tokens), self.n_vocab, tail)
@@ -334,13 +415,75 @@ class CommandEngine:
 
     def activations(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Named activations ``{name: [T, ...]}`` from ``activations.npz`` (capability ``activations``)."""
-        if "activations" not in self.spec.capabilities:
-            raise EngineError(f"{self.who} does not declare the 'activations' capability")
+        self._need("activations")
         tokens = [int(t) for t in tokens]
         pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
+        cap = activation_bytes_cap(self._hparams, len(tokens))
+        if self.spec.protocol == 2:
+            with self._exchange({"op": "logits", "tokens": tokens, "chunks": pieces, "want": ["logits", "activations"]}) as (out_dir, tail):
+                return load_activations(out_dir, self.who, len(tokens), cap, tail)
         with scratch_dir("cmd-") as d:
             out_dir, tail = self._run(tokens, pieces, ["logits", "activations"], d)
-            return load_activations(out_dir, self.who, len(tokens), activation_bytes_cap(self._hparams, len(tokens)), tail)
+            return load_activations(out_dir, self.who, len(tokens), cap, tail)
+
+    def logits_multi(self, sequences: Sequence[Sequence[int]], chunks: Sequence[Sequence[int] | None] | None = None) -> Iterator[LogitBlock]:
+        """Several sequences decoded together (capability ``multi_seq``; ``harness.engines.base.Engine``),
+        each optionally in its own ``chunks``; rows are the sequences' rows concatenated."""
+        self._need("multi_seq")
+        seqs = [[int(t) for t in q] for q in sequences]
+        if not seqs or any(not q for q in seqs):
+            raise EngineError(f"{self.who}: logits_multi needs at least one non-empty sequence")
+        per = list(chunks) if chunks is not None else [None] * len(seqs)
+        if len(per) != len(seqs):
+            raise EngineError(f"{self.who}: {len(per)} chunk lists for {len(seqs)} sequences")
+        items = [{"tokens": q, "chunks": validate_chunks(len(q), c) if c is not None else None} for q, c in zip(seqs, per)]
+        yield from self._v2_logits({"op": "logits", "sequences": items, "want": ["logits"]}, sum(len(q) for q in seqs))
+
+    def with_settings(self, **changes: Any) -> "CommandEngine":
+        """The same engine and process with settings changed (capability ``n_ubatch``:
+        ``n_ubatch=N``, a positive int); raises ``EngineError`` for any other setting."""
+        self._need("n_ubatch")
+        unknown = [k for k in changes if k not in SETTINGS]
+        if unknown:
+            raise EngineError(f"{self.who}: no setting {unknown[0]!r}; settings a request may carry: {', '.join(SETTINGS)}")
+        for k, v in changes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EngineError(f"{self.who}: setting {k} must be a positive integer, not {v!r}")
+        return CommandEngine(self.spec, self.model_path, self.overrides, self.block_size, {**self.settings, **changes})
+
+    def generate(self, tokens: Sequence[int], n_tokens: int) -> list[int]:
+        """Greedy free-running continuation (capability ``generate``): the engine's ``tokens.json``,
+        a JSON list of at most ``n_tokens`` ids in the vocab, else ``EngineError``."""
+        self._need("generate")
+        tokens, n = [int(t) for t in tokens], int(n_tokens)
+        with self._exchange({"op": "generate", "tokens": tokens, "n_tokens": n}) as (out_dir, tail):
+            raw = read_small_file(out_dir / "tokens.json", self.who, 32 * n + 64)
+            if raw is None:
+                raise EngineError(f"{self.who} wrote no tokens.json for a generate request", tail)
+            try:
+                ids = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                ids = None
+        if (not isinstance(ids, list) or len(ids) > n
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.n_vocab for t in ids)):
+            raise EngineError(f"{self.who} wrote a tokens.json that is not a list of at most {n} token ids in [0, {self.n_vocab})")
+        return ids
+
+    def session_logits(self, tokens: Sequence[int], *, session: str, parent: str | None = None, after: int = 0,
+                       checkpoints: Sequence[int] = ()) -> Iterator[LogitBlock]:
+        """Logits of ``tokens`` fed after session ``parent``'s state at ``after`` tokens, kept as
+        ``session`` with ``checkpoints`` (capability ``prefix_reuse``; ``harness.engines.base.Engine``)."""
+        self._need("prefix_reuse")
+        tokens = [int(t) for t in tokens]
+        body = {"op": "logits", "tokens": tokens, "chunks": None, "want": ["logits"],
+                "session": {"id": str(session), "parent": parent, "after": int(after), "checkpoints": [int(k) for k in checkpoints]}}
+        yield from self._v2_logits(body, len(tokens))
+
+    def drop_sessions(self) -> None:
+        """Ask the engine to free every session it keeps (capability ``prefix_reuse``)."""
+        self._need("prefix_reuse")
+        with self._exchange({"op": "drop", "sessions": None}):
+            pass
 
 
 def load_command_engine(name: str, model_path: str | os.PathLike, overrides: Sequence[Override] = ()) -> CommandEngine:

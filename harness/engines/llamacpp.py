@@ -76,7 +76,8 @@ class LlamaCppEngine:
 
     ``logits(tokens, chunks)`` yields float32 ``[B, V]`` blocks; ``chunks`` feeds consecutive
     pieces through separate ``llama_decode`` calls in one context (state carried).
-    ``logits_multi(sequences)`` decodes several sequences side by side (one seq id each).
+    ``logits_multi(sequences)`` decodes several sequences side by side (one seq id each);
+    ``generate(tokens, n)`` continues greedily through llama.cpp's own decode path.
     Raises ``EngineError`` (exit 3) on load failure, crash, timeout or malformed output.
     """
 
@@ -179,7 +180,7 @@ class LlamaCppEngine:
             name=self.name,
             version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
             settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
-            capabilities=["chunks", "n_ubatch", "multi_seq", "activations"],
+            capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"],
             build={"system_info": si.get("system_info", ""), "model_desc": si.get("model_desc", "")},
             compute_class="f32",
         )
@@ -292,6 +293,25 @@ class LlamaCppEngine:
                     return {k: np.array(z[k]) for k in z.files}
             except (OSError, ValueError) as e:
                 raise EngineError(f"llama.cpp worker wrote unreadable activations: {e}") from None
+
+    def generate(self, tokens: Sequence[int], n_tokens: int) -> list[int]:
+        """Greedy free-running continuation (capability ``generate``; ``harness.engines.base.Engine``):
+        the prompt in one context, then each argmax (llama.cpp's float32 logits, ties to the
+        lowest id) fed back through one ``llama_decode`` call; ``n_tokens`` ids, no EOS stop."""
+        tokens = [int(t) for t in tokens]
+        n = max(0, int(n_tokens))
+        if n == 0:
+            return []
+        req = {"op": "generate", "tokens": tokens, "n_generate": n, "settings": self.settings.resolved(len(tokens) + n)}
+        with scratch_dir("llamacpp-") as d:
+            self._run(req, d)
+            try:
+                out = json.loads((d / "generated.json").read_text())
+            except (OSError, ValueError) as e:
+                raise EngineError(f"llama.cpp worker wrote no readable generated.json ({e})") from None
+        if not isinstance(out, list) or len(out) != n or not all(isinstance(t, int) for t in out):
+            raise EngineError(f"llama.cpp worker generated {str(out)[:80]!r}, expected {n} token ids")
+        return out
 
     def logits_multi(self, sequences: Sequence[Sequence[int]]) -> Iterator[LogitBlock]:
         """Logits of several sequences decoded together; rows are the sequences concatenated."""

@@ -32,6 +32,7 @@ from harness.engines import (
     llamacpp,
     mutants,
     oracle,
+    persistent,
     transformers_engine,
 )
 from harness.engines.base import Engine
@@ -92,7 +93,7 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("oracle-bf16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "bf16", ov), _ORACLE),
     EngineEntry("oracle-f16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "f16", ov), _ORACLE),
     EngineEntry("mutant:", lambda rest, path, ov, s: mutants.load_mutant(rest, path, ov), _ORACLE + (mutants,)),
-    EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, base, config)),
+    EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, persistent, base, config)),
     EngineEntry("http:", lambda rest, path, ov, s: http_engine.load_http_engine(rest, path, ov), (http_engine, base, config)),
     EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),
                 (transformers_engine, base)),

@@ -76,6 +76,7 @@ RECEIPT_FIELDS = (
     "kld_mean",
     "basis_kind",
     "receipt_id",
+    "free_running",
 )
 """Fields a row copies from its receipt (``row_from_receipt``); ``verify_ledger`` re-derives them."""
 
@@ -88,7 +89,11 @@ TIER_FIELDS = ("compute_class", "release", "calibrated")
 """The candidate's compute class and each tier's status (ok, fail, unmeasured), in rows of
 receipts that judge two tiers (``harness-thresholds/v2``)."""
 
-OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", *TIMING_FIELDS, *TIER_FIELDS)
+FREE_RUNNING_FIELD = "free_running"
+"""The free-running greedy headline (``harness.compare.greedy.headline``), in rows of parity
+receipts that recorded ``report_only.free_running``; report-only."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", FREE_RUNNING_FIELD, *TIMING_FIELDS, *TIER_FIELDS)
 """Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows,
 rows of runs that recorded no timings)."""
 
@@ -132,6 +137,7 @@ ROW_SCHEMA: dict[str, Any] = {
         "release": {"enum": ["ok", "fail", "unmeasured", None]},
         "calibrated": {"enum": ["ok", "fail", "unmeasured", None]},
         "reason": {"type": "string", "minLength": 1},
+        "free_running": {"type": "string", "minLength": 1},
     },
     "allOf": [
         {
@@ -229,7 +235,18 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
     }
     if "release" in gated:  # two-tier receipts (harness-thresholds/v2)
         row.update(compute_class=gated["compute_class"], release=gated["release"]["status"], calibrated=gated["calibrated"]["status"])
+    if receipt["report_only"].get("free_running"):
+        row[FREE_RUNNING_FIELD] = free_running_headline(receipt["report_only"]["free_running"])
     return row
+
+
+def free_running_headline(fr: Mapping[str, Any]) -> str:
+    """A receipt's ``report_only.free_running`` in one line: ``identical 5/6, diverged 1
+    (near-tie 1, hard 0) over 64 tokens``, or ``unmeasured: REASON``."""
+    if "unmeasured" in fr:
+        return f"unmeasured: {fr['unmeasured']}"
+    n = fr["identical"] + fr["diverged"]
+    return f"identical {fr['identical']}/{n}, diverged {fr['diverged']} (near-tie {fr['near_tie']}, hard {fr['hard']}) over {fr['n_tokens']} tokens"
 
 
 def _cosine_basis_kind(thresholds: Mapping[str, Any]) -> str:

@@ -421,7 +421,9 @@ def localization_plan(rec: dict[str, Any]) -> dict[str, Any] | None:
                 return {"tokens": main, "n_tokens": len(main), "chunks": [k, len(main) - k] if 0 < k < len(main) else None, "prompt": None,
                         "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
             if m := re.fullmatch(r"prefill (\d+) then 1 token per call", label):
-                short = main[:80]
+                short = list(rec["prompts"].get("decode_tokens") or main[:80])  # receipts before --decode-tokens fed main[:80]
+                if bad.get("first_bad_position") is not None:
+                    short = short[: max(bad["first_bad_position"] + 1, int(m.group(1)) + 1, LOCALIZE_MIN_TOKENS)]  # to the failing position
                 k = int(m.group(1))
                 return {"tokens": short, "n_tokens": len(short), "chunks": [k] + [1] * (len(short) - k) if 0 < k < len(short) else None, "prompt": None,
                         "position": bad.get("first_bad_position"), "why": f"probe {pr['name']}, {label}"}
@@ -662,6 +664,30 @@ def _per_prompt_table(page: Page, rec: dict[str, Any]) -> None:
                                    "flips near-tie / hard", "KLD mean", "failing"], rows, "lrrrrrrr")
 
 
+def free_running_section(page: Page, rec: dict[str, Any]) -> None:
+    """The free-running greedy table of a parity receipt (``report_only.free_running``,
+    ``harness.compare.greedy``): per prompt the steps compared and why they stopped (N tokens or
+    the reference's EOS), the identical steps, and at the first divergence both tokens and the
+    reference's margin, near-tie or hard. Nothing when the receipt has none."""
+    fr = rec["report_only"].get("free_running")
+    if not fr:
+        return
+    page.h(2, "Free-running greedy (report-only)")
+    if "unmeasured" in fr:
+        page.p(f"Unmeasured: {fr['unmeasured']}.")
+        return
+    page.p(f"Each engine continued each prompt greedily on its own for up to {fr['n_tokens']} tokens; "
+           f"a divergence is a near-tie when the reference's top-1 − top-2 margin there is below {fmt.number(fr['near_tie_margin'])} logits.")
+    rows = []
+    for p in fr["prompts"]:
+        d = p["diverged_at"]
+        kind = fmt.NA if d is None else ("near-tie" if p["near_tie"] else "hard" if p["near_tie"] is False else fmt.NA)
+        rows.append([fmt.quoted(p["prompt"]), f"{p['steps']} ({'EOS' if p['stop'] == 'eos' else 'N'})", str(p["identical"]),
+                     "identical" if d is None else str(d), fmt.NA if d is None else f"{p['reference_token']} / {p['candidate_token']}",
+                     fmt.NA if d is None else fmt.sig2(p["margin"]), kind])
+    page.table(["prompt", "steps (stop)", "identical steps", "first divergence", "tokens ref / cand", "ref margin", "kind"], rows, "lrrrrrl")
+
+
 def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt: list[str]) -> dict[str, str]:
     eng = rec["engines"]
     if rec.get("schema") == PROBE_SCHEMA_ID:
@@ -724,6 +750,7 @@ def _parity_page(rec: dict[str, Any], arrays: dict[str, np.ndarray], c: _Ctx) ->
         _localization_section(page, rec, ex, loc_cmd, pngs.get("layers"))
     _report_only_table(page, rec)
     _per_prompt_table(page, rec)
+    free_running_section(page, rec)
     page.h(2, "Plots")
     for key, alt in (("positions", "per-position cosine (gate dashed) and KLD (KLD gates dashed and dotted)"), ("margins", "reference margin and argmax flips")):
         if key in pngs:
@@ -741,6 +768,8 @@ def _parity_page(rec: dict[str, Any], arrays: dict[str, np.ndarray], c: _Ctx) ->
 def _probe_position(rec: dict[str, Any], probe: str, pos: int | None, vocab: fmt.TokenTexts | None) -> Inline:
     """A probe's position with its token (probes fed the receipt's main tokens) when known."""
     main = list((rec.get("prompts") or {}).get("main_tokens") or [])
+    if probe == "decode" and (rec.get("prompts") or {}).get("decode_tokens"):
+        main = list(rec["prompts"]["decode_tokens"])
     if pos is None:
         return fmt.NA
     if probe not in ("split", "decode", "ubatch", "determinism") or pos >= len(main):

@@ -452,7 +452,7 @@ class Qwen35Oracle:
                 "softplus_threshold": SOFTPLUS_THRESHOLD,
                 "model_sha256": self.model.sha256,
             },
-            capabilities=["chunks", "activations"],
+            capabilities=["chunks", "activations", "generate"],
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
             compute_class="f64",
         )
@@ -487,6 +487,26 @@ class Qwen35Oracle:
         if names is None or "result_output" in names:
             rec("result_output", -1, self.lm_head(h, np.float64))
         return rec.result()
+
+    def recorder(self, names: Any = None) -> _Recorder:
+        """The ``emit`` callback ``_forward`` uses: checks every intermediate for non-finite
+        values, keeps those named by ``names`` (None: nothing)."""
+        return _Recorder(names)
+
+    def session(self) -> Any:
+        """A fresh ``harness.engines.oracle.session.OracleSession``: one sequence whose state is
+        kept between calls (free-running generation, prefix-reuse sessions)."""
+        from harness.engines.oracle.session import OracleSession
+
+        return OracleSession(self)
+
+    def generate(self, tokens: Sequence[int], n_tokens: int) -> list[int]:
+        """Greedy free-running continuation (capability ``generate``, ``harness.engines.base.Engine``):
+        the prompt fed whole, then each argmax fed back one token per call with the state
+        carried; returns ``n_tokens`` ids (the oracle has no end-of-generation stop)."""
+        from harness.engines.oracle.session import greedy_continue
+
+        return greedy_continue(self.session(), tokens, n_tokens)
 
     # -- forward ------------------------------------------------------------------------------
     def _forward(self, tokens: Sequence[int], chunks: Sequence[int] | None, emit: _Recorder) -> np.ndarray:

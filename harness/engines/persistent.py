@@ -1,0 +1,204 @@
+"""A long-lived engine process spoken to in JSON lines (command protocol 2; docs/engine-protocol.md).
+
+The harness starts the engine once per (engine, model, overrides) and keeps it for the run
+(``serve_for``): requests go to its stdin as one JSON object per line, each answered by one JSON
+line on its stdout (``{"id", "ok", "files"}`` or ``{"id", "ok": false, "error"}``). Every
+resource stays bounded, as for protocol 1 (``harness.engines.process``):
+
+- Time: each request waits at most the engine's ``timeout_s`` for its reply line (the first also
+  covers the model load); past it the process group is killed and the request is ``EngineError``.
+- Memory: a reply line longer than ``REPLY_MAX_BYTES`` is refused; stderr goes to a file of
+  which only the tail is read back.
+- Leftovers: the engine runs in its own session; its process group is killed when the harness
+  exits (``atexit``, and the CLI turns SIGTERM/SIGHUP into an exit), when it misbehaves, and by
+  ``close_all``.
+
+A process that died or was killed is started afresh on the next request; ``STARTS`` counts starts
+per key, so a test can check that a whole run started the engine once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from harness.engines.process import read_tail, tail_lines
+from harness.errors import EngineError
+from harness.rundir import scratch_dir
+
+REPLY_MAX_BYTES = 1 << 20
+"""A reply line longer than this (1 MiB) is refused: a reply names a few files."""
+
+STARTS: Counter = Counter()
+"""Engine processes started, per ``serve_for`` key (``(name, model, overrides)``)."""
+
+
+class PersistentProcess:
+    """One engine process (see module docstring). ``who`` names it in errors; ``argv``, ``cwd``,
+    ``env`` start it. Not thread-safe: requests are strictly one at a time."""
+
+    def __init__(self, who: str, argv: Sequence[str], cwd: str | os.PathLike | None, env: Mapping[str, str], key: Any):
+        self.who, self.argv, self.cwd, self.env, self.key = who, list(argv), cwd, dict(env), key
+        self.proc: subprocess.Popen | None = None
+        self._scratch: Any = None
+        self._dir: Path | None = None
+        self._err: Any = None
+        self._buf = b""
+        self._next_id = 0
+        self.last_info: dict[str, Any] = {}
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._scratch = scratch_dir("cmd2-")
+        self._dir = self._scratch.__enter__()
+        self._err = open(self._dir / "stderr.txt", "w+b")
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, cwd=self.cwd,
+                                         env=self.env, start_new_session=True)
+        except FileNotFoundError:
+            self.close()
+            raise EngineError(f"{self.who}: program {self.argv[0]!r} not found") from None
+        except PermissionError:
+            self.close()
+            raise EngineError(f"{self.who}: program {self.argv[0]!r} is not executable") from None
+        except OSError as e:
+            self.close()
+            raise EngineError(f"{self.who}: program {self.argv[0]!r} cannot be started ({e.strerror or e})") from None
+        STARTS[self.key] += 1
+        self._buf = b""
+
+    def tail(self) -> str:
+        """The last lines of the engine's stderr (raw: escape before showing)."""
+        if self._err is None:
+            return ""
+        self._err.flush()
+        return tail_lines(read_tail(self._err))
+
+    def close(self) -> None:
+        """Ask nothing, kill the process group, remove its files."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout):
+                try:
+                    f.close()  # type: ignore[union-attr]
+                except (OSError, AttributeError):
+                    pass
+            self.proc = None
+        if self._err is not None:
+            self._err.close()
+            self._err = None
+        if self._scratch is not None:
+            self._scratch.__exit__(None, None, None)
+            self._scratch = None
+
+    def _fail(self, message: str) -> EngineError:
+        """Kill the process and return the error (with its stderr tail) to raise."""
+        tail = self.tail()
+        rc = self.proc.poll() if self.proc is not None else None
+        if rc is not None and rc != 0:
+            try:
+                what = f"died with {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
+            except ValueError:
+                what = f"died with signal {-rc}"
+            message = f"{message} ({what})"
+        self.close()
+        return EngineError(message, tail)
+
+    # -- requests ---------------------------------------------------------------------------
+    def out_dir(self) -> Path:
+        """A fresh, empty directory for one request's outputs (inside the process's scratch)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._start()
+        assert self._dir is not None
+        self._next_id += 1
+        d = self._dir / f"req-{self._next_id}"
+        d.mkdir()
+        return d
+
+    def request(self, body: dict[str, Any], out_dir: Path, timeout_s: float) -> dict[str, Any]:
+        """Send ``body`` (with ``id`` and ``out_dir`` added) and return the engine's reply object.
+
+        Raises ``EngineError`` when the engine exits, times out, answers with something other than
+        one JSON object for this id, or answers ``ok: false`` (its ``error`` quoted, the process
+        kept)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        req_id = self._next_id
+        line = json.dumps({**body, "id": req_id, "out_dir": str(out_dir)}) + "\n"
+        try:
+            self.proc.stdin.write(line.encode("utf-8"))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._fail(f"{self.who} closed its stdin (the process ended before request {req_id})") from None
+        raw = self._read_line(time.monotonic() + timeout_s, timeout_s)
+        try:
+            reply = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise self._fail(f"{self.who} answered request {req_id} with a line that is not JSON: {raw[:80]!r}") from None
+        if not isinstance(reply, dict) or reply.get("id") != req_id:
+            raise self._fail(f"{self.who} answered request {req_id} with {str(reply)[:80]!r}; expected a JSON object with \"id\": {req_id}")
+        if reply.get("ok") is not True:
+            err = reply.get("error")
+            raise EngineError(f"{self.who} refused request {req_id}: {str(err)[:400] if err else 'ok is not true'}", self.tail())
+        files = reply.get("files", [])
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise self._fail(f"{self.who} answered request {req_id} with 'files' that is not a list of names")
+        return reply
+
+    def _read_line(self, deadline: float, timeout_s: float) -> bytes:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            if len(self._buf) > REPLY_MAX_BYTES:
+                raise self._fail(f"{self.who} wrote a reply line longer than {REPLY_MAX_BYTES:,} bytes")
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise self._fail(f"{self.who} timed out after {timeout_s:g} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                try:
+                    self.proc.wait(timeout=2)  # its exit status says why, when it is exiting
+                except subprocess.TimeoutExpired:
+                    pass
+                raise self._fail(f"{self.who} closed its stdout before replying")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        if len(line) > REPLY_MAX_BYTES:
+            raise self._fail(f"{self.who} wrote a reply line longer than {REPLY_MAX_BYTES:,} bytes")
+        return line
+
+
+_SERVERS: dict[Any, PersistentProcess] = {}
+
+
+def serve_for(key: Any, who: str, argv: Sequence[str], cwd: str | os.PathLike | None, env: Mapping[str, str]) -> PersistentProcess:
+    """The process for ``key`` (one per engine, model and overrides), made on first use; it
+    starts on its first request."""
+    p = _SERVERS.get(key)
+    if p is None:
+        p = _SERVERS[key] = PersistentProcess(who, argv, cwd, env, key)
+    return p
+
+
+def close_all() -> None:
+    """Kill every engine process this harness started (registered with ``atexit``)."""
+    for p in list(_SERVERS.values()):
+        p.close()
+    _SERVERS.clear()
+
+
+atexit.register(close_all)
