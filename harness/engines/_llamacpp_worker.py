@@ -411,6 +411,18 @@ def main(req_path: str) -> int:
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0
 
+    _decode(llama_cpp, model, req, n_vocab, info, out_dir)
+    llama_cpp.llama_model_free(model)
+    if req["op"] != "generate":
+        info["peak_rss_mb"] = _peak_rss_mb()
+    (out_dir / "info.json").write_text(json.dumps(info))
+    return 0
+
+
+def _decode(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path) -> None:
+    """The ``logits``, ``activations`` and ``generate`` ops on a fresh context: rows streamed to
+    ``stream_fd`` (a single sequence's from the graph's result_output unless ``rows_from`` says
+    ``output``), ``activations.npz`` or ``generated.json`` written; timings added to ``info``."""
     s = req["settings"]
     sequences = req.get("sequences") or [req["tokens"]]
     stream = _Stream(req.get("stream_fd"), n_vocab, indexed=len(sequences) > 1)
@@ -430,27 +442,19 @@ def main(req_path: str) -> int:
         gen = _generate(llama_cpp, ctx, batch, sequences[0], int(req["n_generate"]), n_batch, n_vocab, stream)
         (out_dir / "generated.json").write_text(json.dumps(gen))
         info["generate_s"] = round(stream.decode_s, 4)
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
-        (out_dir / "info.json").write_text(json.dumps(info))
-        return 0
-    if len(sequences) == 1:
-        _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream)
     else:
-        _decode_side_by_side(llama_cpp, ctx, batch, sequences, n_batch, stream)
-    info["decode_s"] = round(stream.decode_s, 4)  # llama_decode alone: llama.cpp's prefill time
-    info["decode_wall_s"] = round(time.time() - t1, 4)  # including waits for the harness to read
-    info["n_tokens"] = sum(len(q) for q in sequences)
-    if capture is not None:
-        np.savez(out_dir / "activations.npz", **capture.arrays())
-        info["ops"] = capture.ops
+        if len(sequences) == 1:
+            _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream)
+        else:
+            _decode_side_by_side(llama_cpp, ctx, batch, sequences, n_batch, stream)
+        info["decode_s"] = round(stream.decode_s, 4)  # llama_decode alone: llama.cpp's prefill time
+        info["decode_wall_s"] = round(time.time() - t1, 4)  # including waits for the harness to read
+        info["n_tokens"] = sum(len(q) for q in sequences)
+        if capture is not None:
+            np.savez(out_dir / "activations.npz", **capture.arrays())
+            info["ops"] = capture.ops
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
-    info["peak_rss_mb"] = _peak_rss_mb()
-    (out_dir / "info.json").write_text(json.dumps(info))
-    return 0
 
 
 def _peak_rss_mb() -> float:
