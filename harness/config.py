@@ -21,7 +21,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from harness.errors import InvalidInput
 
@@ -113,6 +113,29 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 STRING_KEYS = ("reference", "prompts", "thresholds", "ledger", "evidence")
 """Keys read as one string (``candidate`` and ``model`` may also be lists: ``HarnessConfig.names``)."""
+
+
+def engine_table(cfg: HarnessConfig, section: str, name: str, t: Any, known: Sequence[str]) -> str:
+    """Check that ``[SECTION.NAME]`` (``engines.NAME``, ``http.NAME``) is a table holding only
+    ``known`` keys; returns ``"<config file>: SECTION.NAME"``, the prefix of every message about
+    it. ``InvalidInput`` names the table and the first unknown key."""
+    where = f"{cfg.source}: {section}.{name}"
+    if not isinstance(t, dict):
+        raise InvalidInput(f"{where} must be a table")
+    unknown = [k for k in t if k not in known]
+    if unknown:
+        raise InvalidInput(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
+    return where
+
+
+def configured_engine(specs: dict[str, Any], name: str, kind: str, section: str, cfg: HarnessConfig) -> Any:
+    """``specs[name]``, the spec of a configured engine (``kind`` ``command`` or ``http``, found
+    in ``[tool.harness.SECTION]``); ``InvalidInput`` naming the configured ones when it is not."""
+    if name not in specs:
+        known = ", ".join(f"{kind}:{n}" for n in specs) or "none"
+        where = cfg.source or "no pyproject.toml or $HARNESS_CONFIG found"
+        raise InvalidInput(f"no {kind} engine {name!r} configured in [tool.harness.{section}] ({where}); configured: {known}")
+    return specs[name]
 
 
 def _checked(table: dict[str, Any], source: Path) -> dict[str, Any]:

@@ -53,15 +53,21 @@ def _argv(request: pytest.FixtureRequest) -> list[str]:
     return ["pytest", request.node.nodeid, "--harness-record"]
 
 
+def _request_fields(cell, s, request) -> dict:
+    """What a parity and a probe request of one cell share: model, candidate, the session's
+    reference, prompts, thresholds and ledger, the pytest command line, whether to record."""
+    return dict(model=cell.model, candidate=cell.candidate, reference=s.reference,
+                prompts=None if s.prompts is None else str(s.prompts),
+                thresholds=None if s.thresholds is None else str(s.thresholds),
+                ledger=str(s.ledger), argv=_argv(request), write_evidence=s.record)
+
+
 @pytest.mark.parity
 def test_parity(harness_parity_cell, harness_settings, request):
     """One parity cell: the cell's candidate against the reference on the cell's model."""
     s, cell = harness_settings, harness_parity_cell
     again = reproducer("parity", cell, s)
-    req = ParityRequest(model=cell.model, candidate=cell.candidate, reference=s.reference,
-                        prompts=None if s.prompts is None else str(s.prompts),
-                        thresholds=None if s.thresholds is None else str(s.thresholds),
-                        ledger=str(s.ledger), argv=_argv(request), write_evidence=s.record)
+    req = ParityRequest(**_request_fields(cell, s, request))
     try:
         outcome = run_parity(req)
     except HarnessError as e:
@@ -89,10 +95,7 @@ def test_probes(harness_probe_cell, harness_settings, request):
     s, cell = harness_settings, harness_probe_cell
     extra = [a for name in s.probes for a in ("--only", name)] if s.probes else []
     again = reproducer("probe", cell, s, *extra)
-    req = ProbeRequest(model=cell.model, candidate=cell.candidate, reference=s.reference, only=list(s.probes),
-                       prompts=None if s.prompts is None else str(s.prompts),
-                       thresholds=None if s.thresholds is None else str(s.thresholds),
-                       ledger=str(s.ledger), argv=_argv(request), write_evidence=s.record)
+    req = ProbeRequest(only=list(s.probes), **_request_fields(cell, s, request))
     try:
         run = run_probes(req)
     except HarnessError as e:

@@ -46,3 +46,16 @@ def fake_engines_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bodies:
     cfg.write_text("\n".join(tables))
     monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
     return cfg
+
+
+def command_table_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml: str, match: str) -> None:
+    """With ``toml`` as the harness config, reading the command engines raises ``InvalidInput``
+    whose message matches ``match``."""
+    from harness.engines.command import configured_commands
+    from harness.errors import InvalidInput
+
+    cfg = tmp_path / "harness.toml"
+    cfg.write_text(toml)
+    monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
+    with pytest.raises(InvalidInput, match=match):
+        configured_commands()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import fake_engines_config
+from helpers import command_table_refused, fake_engines_config
 
 from harness.compare.metrics import cosine
 from harness.engines.base import gather
-from harness.engines.command import configured_commands, load_command_engine
+from harness.engines.command import load_command_engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.fixtures import synthetic as fx
@@ -102,11 +102,7 @@ def test_unknown_command_engine_names_the_configured_ones(fake_config):
 
 
 def test_command_must_be_an_argument_list(tmp_path, monkeypatch):
-    cfg = tmp_path / "h.toml"
-    cfg.write_text('[engines.bad]\ncommand = "python engine.py {request}"\n')
-    monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
-    with pytest.raises(InvalidInput, match="list of strings"):
-        configured_commands()
+    command_table_refused(tmp_path, monkeypatch, '[engines.bad]\ncommand = "python engine.py {request}"\n', "list of strings")
 
 
 def test_placeholders_are_whole_arguments_only(tmp_path, monkeypatch):

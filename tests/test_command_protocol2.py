@@ -9,14 +9,15 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import command_table_refused
 
 from harness.compare.metrics import cosine
 from harness.compare.probes import ProbeTolerance, probe_multiseq, probe_prefix, probe_ubatch
 from harness.engines import persistent
 from harness.engines.base import gather
-from harness.engines.command import configured_commands, load_command_engine
+from harness.engines.command import load_command_engine
 from harness.engines.llamacpp import LlamaCppEngine
-from harness.errors import EngineError, InvalidInput, Verdict
+from harness.errors import EngineError, Verdict
 from harness.fixtures import synthetic as fx
 
 TOKENS = list(range(30, 130))
@@ -183,17 +184,12 @@ def test_misbehaving_engines_are_one_engine_error(fakes, name, message):
 
 
 def test_protocol_tables_are_checked(tmp_path, monkeypatch):
-    cfg = tmp_path / "harness.toml"
-    cfg.write_text('[engines.v1]\ncommand = ["x", "{request}", "{out_dir}"]\ncapabilities = ["multi_seq"]\n')
-    monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
-    with pytest.raises(InvalidInput, match="capability 'multi_seq' needs protocol = 2"):
-        configured_commands()
-    cfg.write_text('[engines.v2]\ncommand = ["x", "{request}"]\nprotocol = 2\n')
-    with pytest.raises(InvalidInput, match="protocol 1 placeholders"):
-        configured_commands()
-    cfg.write_text('[engines.v3]\ncommand = ["x"]\nprotocol = 3\n')
-    with pytest.raises(InvalidInput, match="protocol must be 1"):
-        configured_commands()
+    for toml, match in (
+        ('[engines.v1]\ncommand = ["x", "{request}", "{out_dir}"]\ncapabilities = ["multi_seq"]\n', "capability 'multi_seq' needs protocol = 2"),
+        ('[engines.v2]\ncommand = ["x", "{request}"]\nprotocol = 2\n', "protocol 1 placeholders"),
+        ('[engines.v3]\ncommand = ["x"]\nprotocol = 3\n', "protocol must be 1"),
+    ):
+        command_table_refused(tmp_path, monkeypatch, toml, match)
 
 
 def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):

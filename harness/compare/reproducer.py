@@ -23,6 +23,7 @@ commands are ``shlex``-quoted.
 
 from __future__ import annotations
 
+import itertools
 import shlex
 from dataclasses import dataclass
 from typing import Sequence
@@ -49,32 +50,22 @@ def command(*argv: object) -> str:
 def format_chunks(chunks: Sequence[int] | None) -> str:
     """How a prompt was fed: ``whole`` (one call), else the piece lengths with runs of four or more
     equal lengths written ``L×count`` (``[16, 1×64]`` is a prefill of 16 then 64 single tokens)."""
-    if not chunks:
-        return "whole"
+    return "[" + ", ".join(_runs(chunks, "×")) + "]" if chunks else "whole"
+
+
+def _runs(chunks: Sequence[int], times: str) -> list[str]:
+    """Piece lengths as text, a run of four or more equal lengths as ``L{times}count``."""
     out: list[str] = []
-    i = 0
-    while i < len(chunks):
-        j = i
-        while j < len(chunks) and chunks[j] == chunks[i]:
-            j += 1
-        run = j - i
-        out.extend([str(chunks[i])] * run if run < 4 else [f"{chunks[i]}×{run}"])
-        i = j
-    return "[" + ", ".join(out) + "]"
+    for length, group in itertools.groupby(chunks):
+        run = len(list(group))
+        out.extend([str(length)] * run if run < 4 else [f"{length}{times}{run}"])
+    return out
 
 
 def chunks_arg(chunks: Sequence[int]) -> str:
     """Piece lengths as ``harness localize --chunks`` takes them: comma-separated, runs of four
     or more equal lengths written ``LxCOUNT`` (``16,1x64``); ``parse_chunks_arg`` reads it back."""
-    out: list[str] = []
-    i = 0
-    while i < len(chunks):
-        j = i
-        while j < len(chunks) and chunks[j] == chunks[i]:
-            j += 1
-        out.extend([str(chunks[i])] * (j - i) if j - i < 4 else [f"{chunks[i]}x{j - i}"])
-        i = j
-    return ",".join(out)
+    return ",".join(_runs(chunks, "x"))
 
 
 def parse_chunks_arg(text: str) -> list[int]:

@@ -130,23 +130,33 @@ class _TensorHead(ctypes.Structure):
                 ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int)]
 
 
+_GGML_SIGNATURES = {  # name: (restype, argtypes), as declared in ggml.h / ggml-backend.h
+    "ggml_get_name": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_get_data": (ctypes.c_void_p, [ctypes.c_void_p]),
+    "ggml_nbytes": (ctypes.c_size_t, [ctypes.c_void_p]),
+    "ggml_op_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_backend_tensor_get": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+    "ggml_backend_buffer_is_host": (ctypes.c_bool, [ctypes.c_void_p]),
+}
+
+
+def _ggml_base(llama_cpp) -> ctypes.CDLL:
+    """llama-cpp-python's ``libggml-base.so`` with the tensor functions the eval callbacks call
+    declared (``_GGML_SIGNATURES``)."""
+    g = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    for name, (restype, argtypes) in _GGML_SIGNATURES.items():
+        fn = getattr(g, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return g
+
+
 class _Capture:
     """An eval callback (``cb_eval``) that copies named F32 tensors out of the graph, one
     ubatch at a time, in NumPy order (reverse of ggml ``ne``) with leading size-1 axes dropped,
     so the first axis is the ubatch's tokens for per-token tensors."""
 
     def __init__(self, llama_cpp, wanted):
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        g = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-        g.ggml_get_name.restype = ctypes.c_char_p
-        g.ggml_get_name.argtypes = [ctypes.c_void_p]
-        g.ggml_nbytes.restype = ctypes.c_size_t
-        g.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        g.ggml_op_name.restype = ctypes.c_char_p
-        g.ggml_op_name.argtypes = [ctypes.c_int]
-        g.ggml_backend_tensor_get.restype = None
-        g.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        self.g = g
+        self.g = _ggml_base(llama_cpp)
         self.wanted = wanted  # None: every tensor
         self.parts: dict[str, list] = {}
         self.current: dict[str, np.ndarray] = {}  # this graph eval (one ubatch); a repeated name keeps the last
@@ -224,17 +234,7 @@ class _GraphRows:
     NAME = b"result_output"
 
     def __init__(self, llama_cpp, stream: "_Stream"):
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        g = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-        g.ggml_get_name.restype = ctypes.c_char_p
-        g.ggml_get_name.argtypes = [ctypes.c_void_p]
-        g.ggml_get_data.restype = ctypes.c_void_p
-        g.ggml_get_data.argtypes = [ctypes.c_void_p]
-        g.ggml_nbytes.restype = ctypes.c_size_t
-        g.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        g.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-        g.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-        self.g, self.stream, self.rows_seen, self.write_s = g, stream, 0, 0.0
+        self.g, self.stream, self.rows_seen, self.write_s = _ggml_base(llama_cpp), stream, 0, 0.0
         self.llama_cpp, self.ctx = llama_cpp, None  # ctx: set once the context exists
         self.pending = 0  # rows of the output buffer to release before the next compute
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._cb)

@@ -40,7 +40,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from harness.config import HarnessConfig, load_config
+from harness.config import HarnessConfig, configured_engine, engine_table, load_config
 from harness.engines.base import (
     COMPUTE_CLASSES,
     EngineInfo,
@@ -98,12 +98,7 @@ class CommandSpec:
 
 def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
     """One engine table, validated; ``InvalidInput`` names the engine and the field."""
-    where = f"{cfg.source}: engines.{name}"
-    if not isinstance(t, dict):
-        raise InvalidInput(f"{where} must be a table")
-    unknown = [k for k in t if k not in SPEC_KEYS]
-    if unknown:
-        raise InvalidInput(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(SPEC_KEYS)}")
+    where = engine_table(cfg, "engines", name, t, SPEC_KEYS)
     cmd = t.get("command")
     if not isinstance(cmd, list) or not cmd or not all(isinstance(a, str) and "\x00" not in a for a in cmd):
         raise InvalidInput(f"{where}.command must be a non-empty list of strings without NUL (no shell)")
@@ -214,23 +209,35 @@ def activation_bytes_cap(h: Qwen35HParams, n_tokens: int) -> int:
     return max(n_tokens, 1) * (h.n_layer_all + 1) * 64 * widest * 8
 
 
+def _required_output(out_dir: Path, name: str, who: str, stderr_tail: str) -> Path:
+    """``out_dir/name``, which must exist and be a regular file: ``EngineError`` (with the
+    engine's stderr tail) otherwise."""
+    path = out_dir / name
+    try:
+        st = regular_file(path, who)
+    except EngineError as e:
+        raise EngineError(str(e), stderr_tail) from None
+    if st is None:
+        raise EngineError(f"{who} wrote no {name}", stderr_tail)
+    return path
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's first message line, or its type's name when it has no message."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def load_logits(out_dir: Path, who: str, n_tokens: int, n_vocab: int, stderr_tail: str = "") -> np.ndarray:
     """``out_dir/logits.npy`` memory-mapped (float32 ``[n_tokens, n_vocab]``).
 
     Raises ``EngineError`` (missing, not a regular file, unreadable, pickled, wrong dtype or
     shape) and ``NotComparable`` (a column count other than ``n_vocab``).
     """
-    path = out_dir / "logits.npy"
-    try:
-        st = regular_file(path, who)
-    except EngineError as e:
-        raise EngineError(str(e), stderr_tail) from None
-    if st is None:
-        raise EngineError(f"{who} wrote no logits.npy", stderr_tail)
+    path = _required_output(out_dir, "logits.npy", who, stderr_tail)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise EngineError(f"{who} wrote an unreadable logits.npy ({str(e).splitlines()[0] if str(e) else type(e).__name__})", stderr_tail) from None
+        raise EngineError(f"{who} wrote an unreadable logits.npy ({_first_line(e)})", stderr_tail) from None
     if not isinstance(arr, np.ndarray):
         raise EngineError(f"{who} wrote a logits.npy that is not one array", stderr_tail)
     if arr.dtype != np.float32:
@@ -256,13 +263,7 @@ def load_activations(out_dir: Path, who: str, n_tokens: int, max_bytes: int, std
     """``out_dir/activations.npz`` as ``{name: array}``; the zip's declared uncompressed sizes
     must total at most ``max_bytes`` (zipfile never inflates a member past its declared size).
     Raises ``EngineError`` (missing, not a regular file, unreadable, pickled, too large)."""
-    path = out_dir / "activations.npz"
-    try:
-        st = regular_file(path, who)
-    except EngineError as e:
-        raise EngineError(str(e), stderr_tail) from None
-    if st is None:
-        raise EngineError(f"{who} wrote no activations.npz", stderr_tail)
+    path = _required_output(out_dir, "activations.npz", who, stderr_tail)
     try:
         with zipfile.ZipFile(path) as zf:
             total = sum(i.file_size for i in zf.infolist())
@@ -271,7 +272,7 @@ def load_activations(out_dir: Path, who: str, n_tokens: int, max_bytes: int, std
         with np.load(path, allow_pickle=False) as z:
             return {k: np.array(z[k]) for k in z.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError) as e:
-        raise EngineError(f"{who} wrote an unreadable activations.npz ({str(e).splitlines()[0] if str(e) else type(e).__name__})", stderr_tail) from None
+        raise EngineError(f"{who} wrote an unreadable activations.npz ({_first_line(e)})", stderr_tail) from None
 
 
 class CommandEngine:
@@ -492,9 +493,4 @@ def load_command_engine(name: str, model_path: str | os.PathLike, overrides: Seq
     Raises ``InvalidInput`` when no such engine is configured (naming the configured ones).
     """
     cfg = load_config()
-    specs = configured_commands(cfg)
-    if name not in specs:
-        known = ", ".join(f"command:{n}" for n in specs) or "none"
-        where = cfg.source or "no pyproject.toml or $HARNESS_CONFIG found"
-        raise InvalidInput(f"no command engine {name!r} configured in [tool.harness.engines] ({where}); configured: {known}")
-    return CommandEngine(specs[name], model_path, overrides)
+    return CommandEngine(configured_engine(configured_commands(cfg), name, "command", "engines", cfg), model_path, overrides)

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import requests
 
-from harness.config import HarnessConfig, load_config
+from harness.config import HarnessConfig, configured_engine, engine_table, load_config
 from harness.display import plain
 from harness.engines.base import COMPUTE_CLASSES, EngineInfo, LogitBlock, TopK
 from harness.engines.process import check_timeout
@@ -125,12 +125,7 @@ class HttpSpec:
 
 def _spec(name: str, t: Any, cfg: HarnessConfig) -> HttpSpec:
     """One http table, validated; ``InvalidInput`` names the engine and the field."""
-    where = f"{cfg.source}: http.{name}"
-    if not isinstance(t, dict):
-        raise InvalidInput(f"{where} must be a table")
-    unknown = [k for k in t if k not in SPEC_KEYS]
-    if unknown:
-        raise InvalidInput(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(SPEC_KEYS)}")
+    where = engine_table(cfg, "http", name, t, SPEC_KEYS)
     for key in ("url", "model"):
         if not isinstance(t.get(key), str) or not t[key] or "\x00" in t[key]:
             raise InvalidInput(f"{where}.{key} must be a non-empty string")
@@ -463,12 +458,7 @@ def load_http_engine(name: str, model_path: str | os.PathLike, overrides: Sequen
     """The configured server ``name`` bound to ``model_path``; ``InvalidInput`` when none is
     configured (naming the configured ones)."""
     cfg = load_config()
-    specs = configured_servers(cfg)
-    if name not in specs:
-        known = ", ".join(f"http:{n}" for n in specs) or "none"
-        where = cfg.source or "no pyproject.toml or $HARNESS_CONFIG found"
-        raise InvalidInput(f"no http engine {name!r} configured in [tool.harness.http] ({where}); configured: {known}")
-    return HttpEngine(specs[name], model_path, overrides)
+    return HttpEngine(configured_engine(configured_servers(cfg), name, "http", "http", cfg), model_path, overrides)
 
 
 def wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
