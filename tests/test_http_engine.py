@@ -114,6 +114,8 @@ def test_parity_passes_against_llama_cpp_python_server(server_url, tmp_path, in_
     assert rec["report_only"]["compared_positions"] == rec["prompts"]["positions"]  # position 0 too
     s = rec["engines"]["candidate"]["settings"]
     assert s["url"] == server_url and s["kind"] == "llama-cpp-python" and s["served_model"] == "trained-qwen35"
+    fr = rec["report_only"]["free_running"]  # the server generates at temperature 0 beside the reference
+    assert "unmeasured" not in fr and len(fr["prompts"]) == len(rec["prompts"]["items"]) and fr["hard"] == 0
 
 
 def _rescaled_copy(tmp_path: Path, factor: float) -> Path:

@@ -409,6 +409,22 @@ def _timings_kept(*engines: Any) -> Iterator[None]:
             e.timings.update(t)
 
 
+def _add_free_running(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens],
+                      receipt: dict[str, Any]) -> None:
+    """Free-running greedy (``harness.compare.greedy``, ``req.greedy_tokens`` steps per prompt)
+    into ``receipt["report_only"]["free_running"]``; report-only, so an engine that cannot
+    generate gives an ``unmeasured`` entry and never changes the verdict."""
+    if req.greedy_tokens <= 0:
+        return
+    try:
+        with _timings_kept(reference.engine, candidate.engine):  # the timings stay those of the gated comparison
+            fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
+                                     inputs.thresholds.near_tie_margin)
+    except HarnessError as e:
+        fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}
+    receipt["report_only"]["free_running"] = fr
+
+
 def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callable[[str], None] | None = None) -> ParityOutcome:
     """Run one parity cell end to end and write its evidence.
 
@@ -434,14 +450,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate))
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
-    if req.greedy_tokens > 0:
-        try:
-            with _timings_kept(reference.engine, candidate.engine):  # the timings stay those of the gated comparison
-                fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
-                                         inputs.thresholds.near_tie_margin)
-        except HarnessError as e:  # report-only: an engine that cannot generate does not change the verdict
-            fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}
-        receipt["report_only"]["free_running"] = fr
+    _add_free_running(req, inputs, reference, candidate, prompts, receipt)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
@@ -503,6 +512,7 @@ def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candi
     resolved = inputs.thresholds_for(result.candidate_info)
     receipt = build_receipt(req, inputs, result, resolved, None)
     receipt["thresholds"]["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
+    _add_free_running(req, inputs, reference, candidate, prompts, receipt)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)

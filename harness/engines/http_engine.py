@@ -123,6 +123,17 @@ class HttpSpec:
         return urlunsplit((u.scheme, netloc, u.path, "", ""))
 
 
+GREEDY_PARAMS: dict[str, dict[str, Any]] = {
+    # Sampling settings that would bend a temperature-0 continuation away from the argmax, set to
+    # their neutral values: llama-cpp-python's server defaults repeat_penalty to 1.1
+    # (llama_cpp/server/types.py repeat_penalty_field), so without this its "greedy" text drifts
+    # from the reference's on repetitive prompts (seen: hard divergences at step 2-3).
+    "llama-cpp-python": {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0},
+    "vllm": {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0},
+    "llama-server": {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0},
+}
+
+
 def _spec(name: str, t: Any, cfg: HarnessConfig) -> HttpSpec:
     """One http table, validated; ``InvalidInput`` names the engine and the field."""
     where = engine_table(cfg, "http", name, t, SPEC_KEYS)
@@ -437,14 +448,14 @@ class HttpEngine:
         server itself. Raises ``EngineError`` / ``NotComparable`` as ``topk``."""
         prompt = self._prompt(tokens)
         if self.kind.name == "llama-server":
-            obj = self._complete(prompt, n_predict=n_tokens, return_tokens=True, cache_prompt=False)
+            obj = self._complete(prompt, n_predict=n_tokens, return_tokens=True, cache_prompt=False, **GREEDY_PARAMS[self.kind.name])
             got = obj.get("tokens")
         elif self.kind.keys == "id":
-            lp = self._choice(self._complete(prompt, max_tokens=n_tokens, logprobs=1, return_tokens_as_token_ids=True),
-                              "generate").get("logprobs")
+            lp = self._choice(self._complete(prompt, max_tokens=n_tokens, logprobs=1, return_tokens_as_token_ids=True,
+                                             **GREEDY_PARAMS[self.kind.name]), "generate").get("logprobs")
             got = [self._key_id(t) for t in (lp.get("tokens") or [])] if isinstance(lp, dict) else None
         else:
-            text = self._choice(self._complete(prompt, max_tokens=n_tokens), "generate").get("text")
+            text = self._choice(self._complete(prompt, max_tokens=n_tokens, **GREEDY_PARAMS[self.kind.name]), "generate").get("text")
             if not isinstance(text, str):
                 raise EngineError(f"{self.who} answered without generated text")
             full = self._post(self.kind.tokenize_path, {"input": prompt + text, "model": self.spec.model}).get("tokens")
