@@ -39,7 +39,7 @@ def main(request_path, out_dir):
     out = Path(out_dir)
     np.save(out / "logits.npy", logits)
     info = {"name": "example-llamacpp", "version": llama_cpp.__version__, "compute_class": "f32",
-            "settings": {"n_ctx": n_ctx, "n_batch": 512, "n_threads": 2, "overrides": req.get("overrides", [])}}
+            "settings": {"n_ctx": n_ctx, "n_batch": 512, "n_threads": 2, "backend": "cpu", "overrides": req.get("overrides", [])}}
     (out / "info.json").write_text(json.dumps(info))
 
 

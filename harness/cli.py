@@ -795,11 +795,14 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
 @click.argument("paths", nargs=-1, type=click.Path())
 @click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED (5 when there is none to check).")
 @click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default: the project's <evidence>/discharge).")
+@click.option("--candidate", "candidates", multiple=True, metavar="NAME",
+              help="The GREEN subject whose current build is judged (repeatable; default: every subject with records).")
 @click.option("--json", "as_json", is_flag=True)
-def status(paths, check, evidence_dir, as_json) -> None:
-    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) and
-    coverage per contract. PATHS: files, folders or ids; default: the project's contracts/ and
-    the shipped contracts it uses ([tool.harness] contracts, else those discharged here)."""
+def status(paths, check, evidence_dir, candidates, as_json) -> None:
+    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) per GREEN
+    subject, and coverage per contract. PATHS: files, folders or ids; default: the project's
+    contracts/ and the shipped contracts it uses ([tool.harness] contracts, else those discharged
+    here). Records are kept per subject build (evidence/discharge/CONTRACT/NAME@BUILD/)."""
     # deferred: startup
     from harness.contracts import discharge as dis
     from harness.contracts import suite
@@ -813,12 +816,12 @@ def status(paths, check, evidence_dir, as_json) -> None:
             raise Unmeasured(msg)
         click.echo(msg)
         return
-    rows, coverage = dis.status(targets, evidence_dir)
+    rows, coverage = dis.status(targets, evidence_dir, candidates)
     if as_json:
         _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
     else:
-        _render_table("obligation status", ("contract", "obligation", "status", "detail"),
-                      [(r.contract, r.obligation, r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
+        _render_table("obligation status", ("contract", "obligation", "candidate", "status", "detail"),
+                      [(r.contract, r.obligation, r.candidate or "-", r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
         _render_table("coverage", ("contract", "version", "obligations", *dis.STATUSES),
                       [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage])
     if check and any(r.status != dis.DISCHARGED for r in rows):
