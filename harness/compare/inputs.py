@@ -133,11 +133,14 @@ class InputsRequest:
 @dataclass(kw_only=True)
 class RunRequest(InputsRequest):
     """A run that judges a candidate against a reference and records evidence (``harness parity``,
-    ``harness probe``): engine names (registry names), the ledger (None: the default; receipts go
-    beside it), the command line recorded in the receipt, and whether to write evidence at all."""
+    ``harness probe``): engine names (registry names), the reference's engine-specific settings
+    (``reference_settings``: e.g. ``n_threads`` for ``llama.cpp``, which a sweep divides among its
+    jobs), the ledger (None: the default; receipts go beside it), the command line recorded in the
+    receipt, and whether to write evidence at all."""
 
     candidate: str = DEFAULT_CANDIDATE
     reference: str = DEFAULT_REFERENCE
+    reference_settings: dict[str, Any] = field(default_factory=dict)
     ledger: str | None = None
     argv: list[str] = field(default_factory=list)
     write_evidence: bool = True

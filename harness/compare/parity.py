@@ -406,7 +406,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     inputs = req.resolve()
     if req.write_evidence:
         preflight_evidence(req.ledger)
-    reference = timed(lambda: inputs.engine(req.reference))
+    reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prompts = inputs.tokens(reference.engine)
     if "topk" in candidate.info.capabilities:

@@ -449,7 +449,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     made: list[Any] = []  # the timed reference, made on first use (the long probe)
 
     def reference() -> Any:
-        made[:] = made or [timed(lambda: inputs.engine(req.reference))]
+        made[:] = made or [timed(lambda: inputs.engine(req.reference, **req.reference_settings))]
         return made[0]
 
     ptoks = inputs.tokens()
