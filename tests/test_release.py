@@ -167,25 +167,11 @@ def test_a_failed_cell_blocks_with_exit_1_even_when_others_are_missing(tmp_path,
     assert [r["kind"] for r in read_rows(ledger_of(root))] == ["signoff"]
 
 
-def test_a_receipt_written_before_a_kill_gets_its_row_and_is_not_run_again(tmp_path, monkeypatch, capsys):
-    """The state a kill between a receipt's write and its row leaves (receipts, no rows): the
-    re-run appends their rows (``adopted``) and runs nothing."""
-    a = make_project(tmp_path / "a", ["oracle"], ["tiny-qwen35"])
-    assert harness(a, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
-    b = make_project(tmp_path / "b", ["oracle"], ["tiny-qwen35"])
-    shutil.copy(a / "release.yaml", b / "release.yaml")  # same prompts/thresholds bytes, same keys
-    receipts = ledger_of(b).parent / "receipts"
-    shutil.copytree(ledger_of(a).parent / "receipts", receipts)
-    capsys.readouterr()
-    assert harness(b, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
-    assert "2 runs: 0 ran, 0 current, 2 adopted" in capsys.readouterr().out
-    assert sorted(r["receipt_id"] for r in read_rows(ledger_of(b))) == sorted(r["receipt_id"] for r in read_rows(ledger_of(a)))
-    assert verify_ledger(ledger_of(b), receipts) == []
-
-
-def test_sigkill_of_the_coordinator_mid_sweep_then_rerun_completes(tmp_path):
+def test_sigkill_of_the_coordinator_mid_sweep_then_rerun_completes(tmp_path, monkeypatch, capsys):
     """SIGKILL the sweep once its first receipt is on disk; the re-run finishes, the chain
-    verifies, and no run whose receipt existed is run again."""
+    verifies, and no run whose receipt existed is run again. Then the state a kill between a
+    receipt's write and its row leaves, made exactly (receipts, no rows): the re-run appends their
+    rows (``adopted``) and runs nothing."""
     root = make_project(tmp_path / "p", ["oracle"], ["tiny-qwen35"])
     receipts = ledger_of(root).parent / "receipts"
     cmd = [sys.executable, "-m", "harness", "sweep", "release.yaml"]
@@ -207,55 +193,77 @@ def test_sigkill_of_the_coordinator_mid_sweep_then_rerun_completes(tmp_path):
     assert len(rows) == 2 and len({r["receipt_id"] for r in rows}) == 2 and before <= {r["receipt_id"] for r in rows}
     assert verify_ledger(ledger_of(root), receipts) == []
 
+    other = tmp_path / "other-ledger" / "ledger.jsonl"
+    shutil.copytree(receipts, other.parent / "receipts")
+    capsys.readouterr()
+    assert harness(root, "sweep", "release.yaml", "--ledger", str(other), monkeypatch=monkeypatch) == 0
+    assert "2 runs: 0 ran, 0 current, 2 adopted" in capsys.readouterr().out
+    assert [r["receipt_id"] for r in read_rows(other)] == [r["receipt_id"] for r in rows]  # in the manifest's order
+    assert verify_ledger(other, other.parent / "receipts") == []
+
+
+def parity_into(root: Path, model: str, ledger: Path, monkeypatch) -> None:
+    """One parity cell of the oracle on ``model`` recorded into ``ledger`` (exactly the command the
+    sign-off names for the cell, so its receipt counts for the manifest)."""
+    assert harness(root, "parity", "--candidate", "oracle", "--model", f"fixture:{model}", "--reference", "llama.cpp",
+                   "--prompts", str(root / "prompts.jsonl"), "--thresholds", str(root / "thresholds.yaml"), "--ledger", str(ledger),
+                   "--no-calibrate", monkeypatch=monkeypatch) == 0
+
 
 def test_two_evidence_folders_merge_and_merging_twice_adds_nothing(tmp_path, monkeypatch, capsys):
-    a = make_project(tmp_path / "a", ["oracle"], ["tiny-qwen35"])
-    b = make_project(tmp_path / "b", ["oracle"], ["tiny-qwen35moe"])
-    for p in (a, b):
-        assert harness(p, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
-    c = make_project(tmp_path / "c", ["oracle"], ["tiny-qwen35", "tiny-qwen35moe"])
+    root = make_project(tmp_path / "p", ["oracle"], ["tiny-qwen35", "tiny-qwen35moe"])
+    a, b, c = (tmp_path / h / "evidence" for h in ("host-a", "host-b", "here"))
+    parity_into(root, "tiny-qwen35", a / "parity" / "ledger.jsonl", monkeypatch)
+    parity_into(root, "tiny-qwen35moe", b / "parity" / "ledger.jsonl", monkeypatch)
+    target = c / "parity" / "ledger.jsonl"
     capsys.readouterr()
-    assert harness(c, "ledger", "merge", str(b / "evidence"), str(a / "evidence"), monkeypatch=monkeypatch) == 0
-    assert "4 receipt(s) appended, 0 already here" in capsys.readouterr().out
-    rows = read_rows(ledger_of(c))
-    src = sorted(read_rows(ledger_of(a)) + read_rows(ledger_of(b)), key=lambda r: (r["time"], r["receipt_id"]))
+    assert harness(root, "ledger", "merge", str(b), str(a), "--ledger", str(target), monkeypatch=monkeypatch) == 0
+    assert "2 receipt(s) appended, 0 already here" in capsys.readouterr().out
+    rows = read_rows(target)
+    src = sorted(read_rows(a / "parity" / "ledger.jsonl") + read_rows(b / "parity" / "ledger.jsonl"), key=lambda r: (r["time"], r["receipt_id"]))
     assert [r["receipt_id"] for r in rows] == [r["receipt_id"] for r in src]  # deterministic: by time, then id
     assert all(r["time"] == s["time"] and all(r.get(k) == s.get(k) for k in TIMING_FIELDS) for r, s in zip(rows, src))
-    assert verify_ledger(ledger_of(c), ledger_of(c).parent / "receipts") == []
-    assert harness(c, "ledger", "merge", str(a / "evidence"), str(b / "evidence"), monkeypatch=monkeypatch) == 0
-    assert "0 receipt(s) appended, 4 already here" in capsys.readouterr().out and len(read_rows(ledger_of(c))) == 4
-    # the merged ledger signs the release both hosts' cells make up
-    rc, doc = signoff_json(c, capsys, monkeypatch)
-    assert rc == 0 and doc["verdict"] == "SIGNED"
+    assert verify_ledger(target, target.parent / "receipts") == []
+    assert harness(root, "ledger", "merge", str(a), str(b), "--ledger", str(target), monkeypatch=monkeypatch) == 0
+    assert "0 receipt(s) appended, 2 already here" in capsys.readouterr().out and len(read_rows(target)) == 2
+    assert verify_ledger(target, target.parent / "receipts") == []
 
-    # a receipt id that names other bytes is refused, naming the path, and nothing is written
-    d = make_project(tmp_path / "d", ["oracle"], ["tiny-qwen35"])
-    assert harness(d, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0  # same content as a's, other creation time
-    n = len(read_rows(ledger_of(c)))
-    assert harness(c, "ledger", "merge", str(d / "evidence"), monkeypatch=monkeypatch) == 2
+    # host d holds a's receipt id with other bytes (another creation time): refused, naming it, nothing written
+    d = tmp_path / "host-d" / "evidence" / "parity"
+    (d / "receipts").mkdir(parents=True)
+    first = next((a / "parity" / "receipts").glob("*.json"))
+    rec = json.loads(first.read_text())
+    rec["created"] = "2000-01-01T00:00:00Z"
+    (d / "receipts" / first.name).write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
+    shutil.copy(first.with_suffix(".npz"), d / "receipts" / first.with_suffix(".npz").name)
+    row = {k: v for k, v in read_rows(a / "parity" / "ledger.jsonl")[0].items() if k not in ("seq", "prev_hash", "row_hash", "receipt_sha256")}
+    append_row(d / "ledger.jsonl", row, d / "receipts" / first.name)
+    assert verify_ledger(d / "ledger.jsonl", d / "receipts") == []
+    assert harness(root, "ledger", "merge", str(d.parent), "--ledger", str(target), monkeypatch=monkeypatch) == 2
     err = capsys.readouterr().err
-    assert "refused" in err and "with other bytes" in err and str(d / "evidence" / "parity" / "receipts") in err
-    assert len(read_rows(ledger_of(c))) == n
+    assert "refused" in err and "with other bytes" in err and str(d / "receipts" / first.name) in err
+    assert len(read_rows(target)) == 2
     # a source whose receipt was edited is refused with its path
-    victim = next((d / "evidence" / "parity" / "receipts").glob("*.json"))
+    victim = d / "receipts" / first.name
     victim.write_text(victim.read_text().replace('"kind": "parity"', '"kind": "self-consistency"'))
-    assert harness(c, "ledger", "merge", str(d / "evidence"), monkeypatch=monkeypatch) == 2
-    assert "does not verify" in capsys.readouterr().err
+    assert harness(root, "ledger", "merge", str(d.parent), "--ledger", str(target), monkeypatch=monkeypatch) == 2
+    assert "does not verify" in capsys.readouterr().err and len(read_rows(target)) == 2
 
 
 def test_ledger_verify_checks_the_receipts_a_signoff_relies_on(tmp_path, monkeypatch, capsys):
     root = make_project(tmp_path / "p", ["oracle"], ["tiny-qwen35"])
-    assert harness(root, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
-    rc, doc = signoff_json(root, capsys, monkeypatch)
-    assert rc == 0
     ledger, receipts = ledger_of(root), ledger_of(root).parent / "receipts"
-    assert verify_ledger(ledger, receipts) == []
+    parity_into(root, "tiny-qwen35", ledger, monkeypatch)
+    rc, doc = signoff_json(root, capsys, monkeypatch)
+    assert rc == 5 and [i["label"] for i in doc["items"] if i["status"] == "missing"] == ["oracle @ fixture:tiny-qwen35 [cpu] probe"]
     relied = doc["row"]["relied_on"]
+    assert [r["id"] for r in relied] == [read_rows(ledger)[0]["receipt_id"]] and doc["cells"][0]["status"] == "missing"
+    assert verify_ledger(ledger, receipts) == []
     # a sign-off naming a receipt with no row before it (forged) is caught
     append_row(ledger, {"kind": "signoff", "release_name": "forged", "verdict": "SIGNED", "builds": {}, "cells": [],
                         "relied_on": [{"id": "a" * 64, "sha256": "b" * 64}, relied[0]], "blocked": []})
     codes = [(p.code, p.seq) for p in verify_ledger(ledger, receipts)]
-    assert codes == [("RECEIPT-MISSING", 4), ("SIGNOFF-ORDER", 4)]
+    assert codes == [("RECEIPT-MISSING", 3), ("SIGNOFF-ORDER", 3)]
     # and a receipt it relied on that was replaced
     path = receipts / f"{relied[0]['id']}.json"
     path.write_bytes(path.read_bytes() + b" ")

@@ -7,7 +7,9 @@ its numbers depend on (``planned_inputs``):
 
     kind, model sha256, candidate and its build id, reference and its build id (a probe run without
     the ``long`` probe has no reference), compute class, backend, thresholds sha256, prompts
-    sha256, the harness's numbers hash (``harness.provenance.numbers_sha256``), the probes run
+    sha256, the harness's numbers hash (``harness.provenance.numbers_sha256``), the probes run,
+    and the calibration receipt the calibrated tier comes from when no row of thresholds.yaml fits
+    the model and class (``harness calibrate --model M --class C`` recorded one in the ledger)
 
 and its ``key`` is the sha256 of their canonical JSON. The same inputs are read back from any
 receipt (``receipt_inputs``: the candidate's build id, its reported compute class and backend,
@@ -25,13 +27,15 @@ sign-off names the mismatch instead.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from harness.compare.inputs import resolve_thresholds_path
+from harness.compare.calibrated import find_recorded
+from harness.compare.inputs import resolve_inputs, resolve_thresholds_path
 from harness.compare.prompts import load_prompt_set
 from harness.engines.registry import engine_build_id
+from harness.errors import HarnessError
 from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
 from harness.provenance import numbers_sha256, sha256_bytes, sha256_file
 from harness.release.manifest import ALL_PROBES, CandidatePin, Manifest, ModelPin
@@ -41,7 +45,7 @@ IN_PROCESS_CPU = ("oracle", "oracle-bf16", "oracle-f16", "llama.cpp")
 """Engines of the harness itself that compute on the CPU (as do ``mutant:NAME``): their backend
 is ``cpu`` when their info names none."""
 INPUT_FIELDS = ("kind", "model_sha256", "candidate", "candidate_build", "reference", "reference_build", "compute_class", "backend",
-                "thresholds_sha256", "prompts_sha256", "harness_numbers", "probes")
+                "thresholds_sha256", "prompts_sha256", "harness_numbers", "probes", "calibration")
 
 
 @dataclass(frozen=True)
@@ -104,25 +108,30 @@ class PlanContext:
     reference_build: str
     builds: dict[str, str]
     model_sha256: dict[str, str | None]
+    calibrations: dict[tuple[str, str], str | None] = field(default_factory=dict)
 
 
-def plan_context(m: Manifest) -> PlanContext:
-    """Resolve the manifest's files and builds (``PlanContext``). Raises ``InvalidInput`` for an
-    unreadable thresholds or prompt file or a malformed engine table."""
-    # deferred: building a fixture imports the fixture builders
-    from harness.errors import HarnessError
-    from harness.fixtures.resolve import resolve_model
-
+def plan_context(m: Manifest, ledger: Path | None = None) -> PlanContext:
+    """Resolve the manifest's files and builds (``PlanContext``), and per model and pinned class the
+    calibration receipt in ``ledger`` the tier would come from when no committed row fits. Raises
+    ``InvalidInput`` for an unreadable thresholds or prompt file or a malformed engine table."""
     thresholds = resolve_thresholds_path(m.thresholds_path)
     prompt_set = load_prompt_set(m.prompts)
     shas: dict[str, str | None] = {}
+    cals: dict[tuple[str, str], str | None] = {}
     for pin in m.models:
         try:
-            shas[pin.spec] = sha256_file(resolve_model(pin.spec))
+            inputs = resolve_inputs(pin.spec, thresholds=thresholds, prompts=m.prompts)
         except HarnessError:
             shas[pin.spec] = None
+            continue
+        shas[pin.spec] = inputs.model.sha256
+        for klass in {c.compute_class for c in m.candidates}:
+            resolved = inputs.thresholds_for({"compute_class": klass})
+            found = None if resolved.row is not None else find_recorded(ledger, resolved.subject.sha256, klass)
+            cals[(pin.spec, klass)] = found[1] if found else None
     return PlanContext(thresholds, sha256_file(thresholds), m.prompts, prompt_set.sha256, engine_build_id(m.reference),
-                       {c.engine: engine_build_id(c.engine) for c in m.candidates}, shas)
+                       {c.engine: engine_build_id(c.engine) for c in m.candidates}, shas, cals)
 
 
 def plan_runs(m: Manifest, ctx: PlanContext) -> list[Run]:
@@ -155,6 +164,7 @@ def planned_inputs(m: Manifest, ctx: PlanContext, cell: Cell, kind: str) -> dict
         "prompts_sha256": ctx.prompts_sha256,
         "harness_numbers": numbers_sha256(),
         "probes": sorted(m.probes) if kind == "probe" else None,
+        "calibration": ctx.calibrations.get((cell.model.spec, cell.candidate.compute_class)),
     }
 
 
@@ -180,6 +190,7 @@ def receipt_inputs(receipt: Mapping[str, Any]) -> dict[str, Any]:
         "prompts_sha256": (receipt.get("prompts") or {}).get("sha256"),
         "harness_numbers": (receipt.get("harness") or {}).get("numbers"),
         "probes": sorted(p["name"] for p in receipt.get("probes") or []) if probe else None,
+        "calibration": (receipt.get("thresholds") or {}).get("self_calibration"),
     }
 
 

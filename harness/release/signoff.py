@@ -247,8 +247,8 @@ def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple
                                  f"but the engine reported: {'; '.join(diff)}", run_command(m, run)))
             return FAILED, f.row["receipt_id"]
         status, why = _receipt_status(run, f.receipt)
-        so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}",
-                             None if status == OK else run_command(m, run) if status == FAILED else cmd))
+        fix = {OK: None, FAILED: run_command(m, run), UNMEASURED: _measure_command(run)}.get(status, cmd)
+        so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}", fix))
         return status, f.row["receipt_id"]
     same_cell = [f for f in found if _same_cell(run, receipt_inputs(f.receipt))]
     if same_cell:
@@ -259,6 +259,12 @@ def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple
         return STALE, None
     so.items.append(Item("cell", label, MISSING, f"no receipt in the ledger (all missing cells: {cmd})", run_command(m, run)))
     return MISSING, None
+
+
+def _measure_command(run: Run) -> str:
+    """What measures an unmeasured calibrated tier on the model (then sweep again)."""
+    return (f"harness calibrate --model {shlex.quote(run.cell.model.spec)} --class {run.cell.candidate.compute_class}; "
+            f"then harness sweep again")
 
 
 def _same_cell(run: Run, got: dict[str, Any]) -> bool:
@@ -310,7 +316,7 @@ def signoff(m: Manifest, ledger: str | Path | None = None, discharge_dir: str | 
     append the ``signoff`` row. Raises ``InvalidInput`` when the evidence cannot be read or the row
     cannot be written."""
     paths = preflight_evidence(ledger) if record else evidence_paths(ledger)
-    ctx = plan_context(m)
+    ctx = plan_context(m, paths.ledger)
     runs = plan_runs(m, ctx)
     so = Signoff(m, builds=dict(ctx.builds))
     _pins(m, ctx, so)

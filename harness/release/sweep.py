@@ -45,9 +45,10 @@ coordinator's environment)."""
 # ---------------------------------------------------------------------------------------------
 
 
-def task_of(m: Manifest, ctx: PlanContext, run: Run, threads: int) -> dict[str, Any]:
-    """The picklable description of ``run`` a worker executes (``run_task``)."""
-    return {
+def task_of(m: Manifest, ctx: PlanContext, run: Run, threads: int, ledger: Path) -> dict[str, Any]:
+    """The picklable description of ``run`` a worker executes (``run_task``); ``ledger`` is read
+    (never written) for a calibration recorded for the model."""
+    return {"ledger": str(ledger),
         "kind": run.kind, "key": run.key, "inputs": run.inputs, "model": run.cell.model.spec, "candidate": run.cell.candidate.engine,
         "reference": m.reference, "prompts": None if m.prompts is None else str(m.prompts), "thresholds": str(ctx.thresholds),
         "probes": list(m.probes), "threads": threads, "argv": shlex.split(run_command(m, run)), "cwd": os.getcwd(),
@@ -67,7 +68,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     os.chdir(task["cwd"])
     t0 = time.monotonic()
     common = dict(model=task["model"], candidate=task["candidate"], reference=task["reference"], prompts=task["prompts"],
-                  thresholds=task["thresholds"], argv=task["argv"], write_evidence=False,
+                  thresholds=task["thresholds"], argv=task["argv"], write_evidence=False, ledger=task["ledger"],
                   reference_settings={"n_threads": task["threads"]} if task["reference"] == "llama.cpp" else {})
     try:
         if task["kind"] == "parity":
@@ -221,7 +222,7 @@ def sweep(m: Manifest, ledger: str | Path | None, executor: Any, jobs: int = 1,
     pin, not on a receipt). Raises ``InvalidInput`` when the evidence cannot be written
     (``preflight_evidence``)."""
     paths = preflight_evidence(ledger)
-    ctx = plan_context(m)
+    ctx = plan_context(m, paths.ledger)
     runs = plan_runs(m, ctx)
     found, rows = existing_receipts(paths)
     outcomes: list[RunOutcome | None] = [None] * len(runs)
@@ -254,7 +255,7 @@ def sweep(m: Manifest, ledger: str | Path | None, executor: Any, jobs: int = 1,
         else:
             todo.append(i)
     threads = threads_per_job(jobs)
-    tasks = [task_of(m, ctx, runs[i], threads) for i in todo]
+    tasks = [task_of(m, ctx, runs[i], threads, paths.ledger) for i in todo]
     ready: dict[int, dict[str, Any]] = {}
     nxt = 0  # next position in ``todo`` to record: results are recorded in the manifest's order
     for j, result in executor.map_unordered(tasks):
