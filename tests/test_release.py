@@ -104,53 +104,66 @@ def test_manifest_paths_resolve_against_its_folder(tmp_path):
 # ------------------------------------------------------------------------------ sign-off and sweep
 
 
-def test_blocked_then_swept_then_signed_then_blocked_by_a_changed_candidate(tmp_path, monkeypatch, capsys):
-    """One model x (oracle, command:example): BLOCKED with every missing cell and its command
-    (exit 5: nothing failed), SIGNED after the sweep (exit 0), and after one line of the
-    candidate's source changes, BLOCKED on stale cells (exit 1) naming the build that changed."""
-    root = make_project(tmp_path / "p", ["oracle", "command:example"], ["tiny-qwen35"])
+def expected_missing(root: Path, cand: str, model: str) -> list[tuple[str, str, str]]:
+    """The blocking lines of a cell with no receipts: its parity and probe runs and their commands."""
+    out = []
+    for kind in ("parity", "probe"):
+        ref = " --reference llama.cpp" if kind == "parity" else ""
+        only = " --only split --only decode --only determinism" if kind == "probe" else ""
+        out.append(("missing", f"{cand} @ fixture:{model} [cpu] {kind}",
+                    f"harness {kind} --candidate {cand} --model fixture:{model}{ref} --prompts {root / 'prompts.jsonl'} "
+                    f"--thresholds {root / 'thresholds.yaml'}{only}"))
+    return out
+
+
+def test_blocked_then_swept_then_signed(tmp_path, monkeypatch, capsys):
+    """BLOCKED with every missing cell and its command (exit 5: nothing failed), SIGNED after the
+    sweep (exit 0, a signoff row relying on every receipt, its own LEDGER.md section); a second
+    sweep runs nothing."""
+    root = make_project(tmp_path / "p", ["oracle"], ["tiny-qwen35"])
     rc, before = signoff_json(root, capsys, monkeypatch)
     assert rc == 5 and before["verdict"] == "BLOCKED"
-    want = []
-    for cand in ("oracle", "command:example"):
-        for kind in ("parity", "probe"):
-            ref = " --reference llama.cpp" if kind == "parity" else ""
-            only = " --only split --only decode --only determinism" if kind == "probe" else ""
-            want.append(("missing", f"{cand} @ fixture:tiny-qwen35 [cpu] {kind}",
-                         f"harness {kind} --candidate {cand} --model fixture:tiny-qwen35{ref} --prompts {root / 'prompts.jsonl'} "
-                         f"--thresholds {root / 'thresholds.yaml'}{only}"))
-    assert blocking(before) == sorted(want)
-    assert [c["status"] for c in before["cells"]] == ["missing", "missing"] and before["relied_on"] == []
+    assert blocking(before) == sorted(expected_missing(root, "oracle", "tiny-qwen35"))
+    assert [c["status"] for c in before["cells"]] == ["missing"] and before["relied_on"] == []
 
     assert harness(root, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
     out = capsys.readouterr()
-    assert "[4/4] probe command:example @ fixture:tiny-qwen35 [cpu]: ran PASS" in out.err
-    assert "PASS: 4 runs: 4 ran, 0 current, 0 adopted, 0 error" in out.out
+    assert "[2/2] probe oracle @ fixture:tiny-qwen35 [cpu]: ran PASS" in out.err
+    assert "PASS: 2 runs: 2 ran, 0 current, 0 adopted, 0 error" in out.out
 
     rc, after = signoff_json(root, capsys, monkeypatch)
     assert rc == 0 and after["verdict"] == "SIGNED" and blocking(after) == []
     rows = read_rows(ledger_of(root))
-    assert [r["kind"] for r in rows] == ["signoff", "parity", "probe", "parity", "probe", "signoff"]
-    assert rows[-1]["verdict"] == "SIGNED" and {r["id"] for r in rows[-1]["relied_on"]} == {r["receipt_id"] for r in rows[1:5]}
-    assert all(c["status"] == "ok" and c["parity"] and c["probe"] for c in rows[-1]["cells"])
+    assert [r["kind"] for r in rows] == ["signoff", "parity", "probe", "signoff"]
+    assert rows[-1]["verdict"] == "SIGNED" and [r["id"] for r in rows[-1]["relied_on"]] == [r["receipt_id"] for r in rows[1:3]]
+    assert rows[-1]["cells"] == [{"model": "fixture:tiny-qwen35", "candidate": "oracle", "backend": "cpu", "status": "ok",
+                                  "parity": rows[1]["receipt_id"], "probe": rows[2]["receipt_id"]}]
     assert verify_ledger(ledger_of(root), ledger_of(root).parent / "receipts") == []
     md = (root / "LEDGER.md").read_text()
-    assert "## Sign-offs" in md and f"| {rows[-1]['seq']} |" in md.split("## Sign-offs")[1] and "| 2/2 ok | SIGNED |" in md
+    assert "## Sign-offs" in md and "| 1/1 ok | SIGNED |" in md.split("## Sign-offs")[1] and "| 0/1 ok | BLOCKED |" in md
 
-    # a second sweep runs nothing: every run has a current receipt
     assert harness(root, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
-    assert "4 runs: 0 ran, 4 current" in capsys.readouterr().out
+    assert "2 runs: 0 ran, 2 current" in capsys.readouterr().out
 
+
+def test_a_changed_candidate_source_makes_its_cells_stale(tmp_path, monkeypatch, capsys):
+    """command:example's parity receipt made by the exact command the sign-off names counts (its
+    probe is still missing: exit 5); one changed line of the engine's program changes its build,
+    and the next sign-off is BLOCKED on a stale cell (exit 1) naming the build that changed."""
+    root = make_project(tmp_path / "p", ["command:example"], ["tiny-qwen35"])
+    cmd = expected_missing(root, "command:example", "tiny-qwen35")[0][2].split()
+    assert harness(root, *cmd[1:], "--no-calibrate", monkeypatch=monkeypatch) == 0
+    rc, before = signoff_json(root, capsys, monkeypatch)
+    assert rc == 5 and [lbl for s, lbl, _ in blocking(before)] == ["command:example @ fixture:tiny-qwen35 [cpu] probe"]
     engine = root / "engine.py"
     engine.write_text(engine.read_text() + "# one changed line\n")
     rc, changed = signoff_json(root, capsys, monkeypatch)
     assert rc == 1 and changed["verdict"] == "BLOCKED"
     stale = [i for i in changed["items"] if i["status"] == "stale"]
-    assert [i["label"] for i in stale] == ["command:example @ fixture:tiny-qwen35 [cpu] parity", "command:example @ fixture:tiny-qwen35 [cpu] probe"]
-    old, new = after["builds"]["command:example"], changed["builds"]["command:example"]
-    assert old != new and all(f"candidate_build {old[:12]} → {new[:12]}" in i["detail"] for i in stale)
-    assert changed["builds"]["oracle"] == after["builds"]["oracle"]
-    assert {c["candidate"]: c["status"] for c in changed["cells"]} == {"oracle": "ok", "command:example": "stale"}
+    old, new = before["builds"]["command:example"], changed["builds"]["command:example"]
+    assert [i["label"] for i in stale] == ["command:example @ fixture:tiny-qwen35 [cpu] parity"]
+    assert old != new and stale[0]["detail"].endswith(f"inputs: candidate_build {old[:12]} → {new[:12]}")
+    assert [c["status"] for c in changed["cells"]] == ["stale"] and changed["relied_on"] == []
 
 
 def test_a_failed_cell_blocks_with_exit_1_even_when_others_are_missing(tmp_path, monkeypatch, capsys):
@@ -269,6 +282,37 @@ def test_ledger_verify_checks_the_receipts_a_signoff_relies_on(tmp_path, monkeyp
     path.write_bytes(path.read_bytes() + b" ")
     assert {p.code for p in verify_ledger(ledger, receipts)} >= {"RECEIPT-HASH"}
     assert harness(root, "ledger", "verify", monkeypatch=monkeypatch) == 1
+
+
+def test_contract_obligations_are_judged_per_candidate_build(tmp_path, monkeypatch, capsys):
+    """Obligations needing activations are n/a for a logits-only candidate (with the reason); the
+    rest are missing until discharged for that candidate's build, naming the discharge command,
+    and ok once a real discharge recorded them (one shapes obligation, into a temporary folder)."""
+    from harness.contracts.discharge import DISCHARGED, build_dir, discharge
+
+    root = make_project(tmp_path / "p", ["oracle", "command:example"], ["tiny-qwen35"])
+    path = root / "release.yaml"
+    path.write_text(path.read_text() + "contracts: [gated-delta-net-v1]\n")
+    ev = tmp_path / "discharge"
+    rc, doc = signoff_json(root, capsys, monkeypatch, "--no-record", "--evidence-dir", str(ev))
+    assert rc == 5
+    items = {i["label"]: i for i in doc["items"] if i["what"] == "contract"}
+    gdn = [lbl for lbl in items if lbl.startswith("gated-delta-net-v1 GDN-")]
+    na = [lbl for lbl in gdn if items[lbl]["status"] == "n/a"]
+    assert na and all(lbl.endswith("for command:example") and "does not expose them" in items[lbl]["detail"] for lbl in na)
+    missing = [lbl for lbl in gdn if items[lbl]["status"] == "missing"]
+    # every obligation of the DeltaNet layer contract reads activations: all n/a for the logits-only engine
+    assert {lbl.rsplit(" for ", 1)[1] for lbl in missing} == {"oracle"} and len(na) == len(missing) > 0
+    assert all(items[lbl]["command"] == "harness discharge gated-delta-net-v1 --candidate " + lbl.rsplit(" for ", 1)[1] for lbl in missing)
+    # a real discharge of one obligation for the oracle's build makes exactly that item ok
+    ob = next(lbl.split()[1] for lbl in missing if lbl.endswith("for oracle"))
+    monkeypatch.chdir(root)
+    assert [r.result for r in discharge("gated-delta-net-v1", "oracle", [ob], ev)] == [DISCHARGED]
+    assert (ev / "gated-delta-net-v1" / build_dir("oracle") / f"{ob}.json").is_file()
+    rc, doc = signoff_json(root, capsys, monkeypatch, "--no-record", "--evidence-dir", str(ev))
+    after = {i["label"]: i["status"] for i in doc["items"] if i["what"] == "contract"}
+    assert after[f"gated-delta-net-v1 {ob} for oracle"] == "ok" and after[f"gated-delta-net-v1 {ob} for command:example"] == "n/a"
+    assert sum(v == "ok" for v in after.values()) == 1
 
 
 def test_status_reads_records_per_subject_build(tmp_path):
