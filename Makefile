@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-slow parity-tests bench fuzz clean
+.PHONY: setup run test test-slow test-release-slow parity-tests bench fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,12 @@ test: setup
 ## slow tests kept out of the default run
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+## the release acceptance run (2 models x 2 candidates, BLOCKED -> sweep -> SIGNED) through the
+## local executor and a local Ray instance (installs the dist extra: Ray); a few minutes
+test-release-slow: setup
+	$(PY) -m pip install -q -e '.[dist]'
+	$(PY) -m pytest -q -m slow tests/test_release.py
 
 parity-tests: setup
 	$(PY) -m pytest -q -m parity

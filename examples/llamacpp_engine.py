@@ -107,7 +107,7 @@ class Engine:
     def info(self, req):
         return {"name": "example-llamacpp", "version": llama_cpp.__version__, "compute_class": "f32",
                 "settings": {"n_batch": 512, "n_ubatch": int((req.get("settings") or {}).get("n_ubatch", 512)),
-                             "n_threads": N_THREADS, "overrides": self.overrides}}
+                             "n_threads": N_THREADS, "backend": "cpu", "overrides": self.overrides}}
 
     def logits(self, req):
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))

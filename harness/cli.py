@@ -719,6 +719,24 @@ def ledger_show(ledger_path, candidate, model, kind, since, verdict, show_rows, 
         view.print(_console(width=120), show_rows)
 
 
+@ledger.command("merge")
+@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="The ledger to merge into (default: the project's).")
+def ledger_merge(folders, ledger_path) -> None:
+    """Bring receipts made on other hosts into this ledger: each FOLDER is a host's evidence
+    folder (FOLDER/parity/ledger.jsonl), a ledger's folder or a ledger file. Sources are verified,
+    receipts deduplicated by id (an existing id must match byte for byte, else refused) and
+    appended in a deterministic order; merging twice adds nothing (exit 2, nothing written, on refusal)."""
+    # deferred: startup
+    from harness.evidence.merge import merge_ledgers
+
+    res = merge_ledgers(ledger_path, list(folders))
+    for row in res.appended:
+        click.echo(_p(f"appended row {row['seq']}: {row['kind']} {row.get('candidate') or ''} on {row.get('model') or ''} "
+                      f"{row.get('verdict') or ''} (receipt {row['receipt_id'][:12]})"))
+    click.echo(_p(f"merged {len(res.sources)} ledger(s): {len(res.appended)} receipt(s) appended, {res.already} already here"))
+
+
 # -- mutants, contracts, discharge, status ----------------------------------------------------
 @cli.group()
 def mutants() -> None:
@@ -811,11 +829,14 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
 @click.argument("paths", nargs=-1, type=click.Path())
 @click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED (5 when there is none to check).")
 @click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default: the project's <evidence>/discharge).")
+@click.option("--candidate", "candidates", multiple=True, metavar="NAME",
+              help="The GREEN subject whose current build is judged (repeatable; default: every subject with records).")
 @click.option("--json", "as_json", is_flag=True)
-def status(paths, check, evidence_dir, as_json) -> None:
-    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) and
-    coverage per contract. PATHS: files, folders or ids; default: the project's contracts/ and
-    the shipped contracts it uses ([tool.harness] contracts, else those discharged here)."""
+def status(paths, check, evidence_dir, candidates, as_json) -> None:
+    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) per GREEN
+    subject, and coverage per contract. PATHS: files, folders or ids; default: the project's
+    contracts/ and the shipped contracts it uses ([tool.harness] contracts, else those discharged
+    here). Records are kept per subject build (evidence/discharge/CONTRACT/NAME@BUILD/)."""
     # deferred: startup
     from harness.contracts import discharge as dis
     from harness.contracts import suite
@@ -829,16 +850,98 @@ def status(paths, check, evidence_dir, as_json) -> None:
             raise Unmeasured(msg)
         click.echo(msg)
         return
-    rows, coverage = dis.status(targets, evidence_dir)
+    rows, coverage = dis.status(targets, evidence_dir, candidates)
     if as_json:
         _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
     else:
-        _render_table("obligation status", ("contract", "obligation", "status", "detail"),
-                      [(r.contract, r.obligation, r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
+        _render_table("obligation status", ("contract", "obligation", "candidate", "status", "detail"),
+                      [(r.contract, r.obligation, r.candidate or "-", r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
         _render_table("coverage", ("contract", "version", "obligations", *dis.STATUSES),
                       [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage])
     if check and any(r.status != dis.DISCHARGED for r in rows):
         sys.exit(1)
+
+
+# -- release sign-off and sweeps -------------------------------------------------------------
+SIGNOFF_STYLES = {"ok": "green", "n/a": "dim", "missing": "yellow", "unmeasured": "yellow", "stale": "red", "failed": "red",
+                  "SIGNED": "green", "BLOCKED": "red"}
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path())
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger the cells' rows are read from and the sign-off row goes to (default: the project's).")
+@click.option("--evidence-dir", "discharge_dir", default=None, type=click.Path(), help="Discharge records (default: the project's <evidence>/discharge).")
+@click.option("--no-record", is_flag=True, help="Judge only; append no sign-off row.")
+@click.option("--json", "as_json", is_flag=True, help="Print the sign-off as JSON.")
+def signoff(manifest, ledger, discharge_dir, no_record, as_json) -> None:
+    """Sign off a release: for the exact candidate builds of MANIFEST, every pin, lint on every
+    model, every contract obligation the candidate's capabilities allow and every cell's parity
+    and probe receipts; appends a signoff row (SIGNED, or BLOCKED naming what is missing, stale or
+    failed and the command that makes it). Exit 0 signed, 1 blocked by a failure or stale
+    evidence, 5 blocked only by missing or unmeasured cells, 2 invalid manifest."""
+    # deferred: startup
+    from harness.release.manifest import load_manifest, manifest_dict
+    from harness.release.signoff import signoff as run
+
+    m = load_manifest(manifest)
+    so = run(m, ledger, discharge_dir, record=not no_record)
+    if as_json:
+        _echo_json({"manifest": manifest_dict(m), "verdict": so.verdict, "exit_code": so.exit_code, "builds": so.builds,
+                    "items": [vars(i) for i in so.items], "cells": [vars(c) for c in so.cells], "relied_on": so.relied_on,
+                    "row": so.row})
+        sys.exit(so.exit_code)
+    _render_table(f"release {m.release}: cells", ("model", "candidate", "backend", "status", "parity", "probe"),
+                  [(c.model, c.candidate, c.backend, c.status, (c.parity or "-")[:12], (c.probe or "-")[:12]) for c in so.cells], SIGNOFF_STYLES)
+    if so.blocking:
+        _render_table(f"release {m.release}: blocking", ("status", "what", "which", "detail", "command"),
+                      [(i.status, i.what, i.label, _short(i.detail, 200), i.command or "-") for i in so.blocking], SIGNOFF_STYLES)
+    na = [i for i in so.items if i.status == "n/a"]
+    if na:
+        click.echo(_p(f"not applicable: {len(na)} obligation(s), e.g. {na[0].label}: {na[0].detail}"))
+    for name, build in so.builds.items():
+        click.echo(_p(f"build {name}: {build[:12]}"))
+    n_ok = sum(i.status == "ok" for i in so.items)
+    click.echo(_p(f"{so.verdict}: release {m.release}: {n_ok} ok, {len(so.blocking)} blocking, {len(na)} n/a"
+                  + (f"; ledger row {so.row['seq']} ({so.row['row_hash'][:12]})" if so.row else "")))
+    sys.exit(so.exit_code)
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path())
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger to record into (default: the project's; receipts go beside it).")
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Cells run at once (local processes, or Ray's num_cpus); llama.cpp's threads are divided among them.")
+@click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="", metavar="[ADDRESS]",
+              help="Run cells as Ray tasks (pip install qwen35-harness[dist]); without ADDRESS Ray starts locally (no dashboard, no usage stats, num_cpus = --jobs).")
+def sweep(manifest, ledger, jobs, ray_address) -> None:
+    """Run every cell of MANIFEST that has no current receipt (same model, builds, settings,
+    class, backend, thresholds, prompts and harness numbers), recording receipts and ledger rows
+    in the manifest's order. Resumable: a re-run skips what exists and adds the row of a receipt
+    written before an interruption. Exit: the worst verdict of the runs."""
+    # deferred: startup
+    from harness.release.manifest import load_manifest
+    from harness.release.sweep import LocalExecutor, RayExecutor
+    from harness.release.sweep import sweep as run
+
+    m = load_manifest(manifest)
+    executor = RayExecutor(ray_address or None, jobs) if ray_address is not None else LocalExecutor(jobs)
+    con = _console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=con) as bar:
+        task = bar.add_task("cells", total=None)
+
+        def done(o, n, total) -> None:
+            bar.update(task, completed=n, total=total)
+            rid = f" receipt {o.receipt_id[:12]}" if o.receipt_id else ""
+            bar.console.print(_p(f"[{n}/{total}] {o.run.label}: {o.status} {o.verdict or ''}{rid}"
+                                 + (f" ({o.seconds:.1f} s)" if o.status == "ran" else "") + (f": {_short(o.message)}" if o.status == "error" else "")),
+                              markup=False, highlight=False)
+
+        res = run(m, ledger, executor, jobs, done)
+    _render_table(f"sweep {m.release}", ("run", "status", "verdict", "receipt", "seq", "seconds"),
+                  [(o.run.label, o.status, o.verdict or "-", (o.receipt_id or "-")[:12], str(o.seq or "-"), f"{o.seconds:.1f}") for o in res.outcomes])
+    counts = {s: sum(o.status == s for o in res.outcomes) for s in ("ran", "current", "adopted", "error")}
+    click.echo(_p(f"{res.verdict.value}: {len(res.outcomes)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+                  + f"; ledger {res.ledger}; next: harness signoff {manifest}"))
+    sys.exit(res.verdict.exit_code)
 
 
 # -- init ------------------------------------------------------------------------------------

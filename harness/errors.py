@@ -11,6 +11,10 @@ a one-line message and its documented exit code, never a traceback.
 | ENGINE-ERROR   | 3    | ``EngineError``    |
 | NOT-COMPARABLE | 4    | ``NotComparable``  |
 | UNMEASURED     | 5    | ``Unmeasured``     |
+
+``harness signoff`` uses the same codes for its verdicts (docs/release.md): SIGNED 0, BLOCKED 1
+when anything failed or is stale, BLOCKED 5 when nothing failed but something is missing or
+unmeasured, 2 for an invalid manifest (``harness.release.signoff.Signoff.exit_code``).
 """
 
 from __future__ import annotations

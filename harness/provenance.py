@@ -91,3 +91,19 @@ def suite_pins() -> dict[str, Any]:
     files = [*(SUITE_ROOT / "contracts").glob("*.yaml"), *(SUITE_ROOT / "tests" / "contracts").glob("*.py")]
     return {"version": version, "source": "checkout" if IS_CHECKOUT else "installed", "contracts": contracts,
             "sha256": _files_sha256(files, SUITE_ROOT) if files else None}
+
+
+NUMBERS_SOURCES = ("compare", "gates", "model")
+"""Folders of the ``harness`` package whose code turns engine outputs into numbers and verdicts
+(metrics, parity, probes, tiers, thresholds, the GGUF reader); the engines' own code is in their
+build ids (``harness.engines.registry.engine_build_id``)."""
+
+
+@lru_cache(maxsize=1)
+def numbers_sha256() -> str:
+    """The harness version that matters for a result: sha256 over the ``*.py`` files of
+    ``NUMBERS_SOURCES`` (path relative to the package and content), read once per process. A sweep
+    re-runs a cell when it changes; a docs or CLI change leaves it alone."""
+    pkg = Path(__file__).resolve().parent
+    files = [f for d in NUMBERS_SOURCES for f in sorted((pkg / d).glob("*.py"))]
+    return _files_sha256(files, pkg)

@@ -26,6 +26,8 @@ unless ``--candidate``/``--model``/``--reference`` say otherwise. ``--harness`` 
 ``[tool.harness] pytest = true``) collects that module without a test file importing it
 (``--no-harness`` turns the setting off; harness discharge passes it); ``--harness-record`` makes
 each cell write its receipt and ledger row, to ``--harness-ledger PATH`` or the project's ledger.
+Under pytest-xdist (``pytest -m parity -n 4 --harness-record --harness-ledger PATH``) every worker
+appends under the ledger's file lock: one row per test, and the chain stays valid.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Every ``import`` of a harness module counts, at the top of a file or deferred in
   below them;
 * ``contracts`` (loader, discharge): base, model, engines, fixtures; discharge runs the bound
   tests in pytest subprocesses rather than importing them;
+* ``release`` (manifests, ``harness signoff``, ``harness sweep``): everything above but the entry
+  points (it judges contracts' records, runs compare's cells and writes evidence);
 * ``conformance`` (the shipped parity and probe cells, pytest tests a repository collects):
   base and compare; ``scaffold`` (``harness init``'s files): base and evidence (the empty ledger);
 * entry points: ``pytest_plugin`` (engines and fixtures, deferred: it loads in every pytest
@@ -51,10 +53,11 @@ ALLOWED: dict[str, set[str]] = {
     "compare": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare"},
     "calibrate": {"base", "model", "engines", "fixtures", "thresholds", "compare", "evidence", "calibrate"},
     "contracts": {"base", "model", "engines", "fixtures", "contracts"},
+    "release": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts", "release"},
     "conformance": {"base", "compare"},
     "scaffold": {"base", "evidence"},
     "pytest_plugin": {"base", "engines", "fixtures"},
-    "cli": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts", "scaffold"},
+    "cli": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts", "scaffold", "release"},
     "main": {"cli"},
 }
 """Layer → the layers its modules may import."""
@@ -118,7 +121,7 @@ def test_cli_imports_nothing_from_the_pytest_plugin():
 
 
 ABOVE_ALL = ("harness.compare", "harness.gates", "harness.evidence", "harness.contracts", "harness.conformance", "harness.scaffold",
-             "harness.cli", "harness.pytest_plugin")
+             "harness.release", "harness.cli", "harness.pytest_plugin")
 
 
 @pytest.mark.parametrize("lower, above", [("model", ABOVE_ALL + ("harness.engines", "harness.fixtures")), ("engines", ABOVE_ALL)])

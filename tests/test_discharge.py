@@ -25,6 +25,7 @@ from harness.contracts.discharge import (
     VACUOUS,
     Session,
     Subject,
+    build_dir,
     discharge,
     function_source,
     plan_sessions,
@@ -104,7 +105,7 @@ def test_vacuous_and_crashing_reds_are_not_discharged(repo, capsys):
     err = results["DEMO-ERR-002"]
     assert err.result == "NOT-RED" and err.red[0]["outcome"] == ERROR and "EngineError" in err.red[0]["message"]
     assert results["DEMO-UNB-003"].result == UNBOUND
-    record = json.loads((repo / "evidence" / "discharge" / "demo-v1" / "DEMO-VAC-001.json").read_text())
+    record = json.loads((repo / "evidence" / "discharge" / "demo-v1" / build_dir("oracle") / "DEMO-VAC-001.json").read_text())
     assert record["result"] == VACUOUS and record["red"][0]["subject"]["candidate"] == "mutant:dt-bias-dropped"
     rows = {r.obligation: r for r in status([repo / "contracts" / "demo-v1.yaml"])[0]}
     assert rows["DEMO-VAC-001"].status == BOUND and "VACUOUS" in rows["DEMO-VAC-001"].detail
@@ -118,7 +119,7 @@ def test_discharged_then_stale_when_a_bound_test_changes(repo, capsys):
     path = repo / "contracts" / "gated-delta-net-v1.yaml"
     assert main(["discharge", str(path), "--obligation", "GDN-EQ-002"]) == 0
     assert "1/1 obligations DISCHARGED" in capsys.readouterr().out
-    record = json.loads((repo / "evidence" / "discharge" / "gated-delta-net-v1" / "GDN-EQ-002.json").read_text())
+    record = json.loads((repo / "evidence" / "discharge" / "gated-delta-net-v1" / build_dir("oracle") / "GDN-EQ-002.json").read_text())
     assert [r["outcome"] for r in record["red"]] == [RED, RED] and record["green"]["outcome"] == "GREEN"
     assert record["red"][0]["message"].startswith("AssertionError: GDN-EQ-002")
     assert record["depends_on"]["models"]["fixture:tiny-qwen35"] and "harness/engines/mutants.py" in record["depends_on"]["engines"]["mutant:dt-bias-dropped"]

@@ -352,7 +352,7 @@ def test_wheel_in_an_engine_repository(tmp_path):
 
     out = _ok(_run([harness, "discharge", "qwen35-hybrid-forward-v1"], repo))
     assert "13/13 obligations DISCHARGED" in out
-    records = sorted((repo / "evidence" / "discharge" / "qwen35-hybrid-forward-v1").glob("*.json"))
+    records = sorted((repo / "evidence" / "discharge" / "qwen35-hybrid-forward-v1").glob("oracle@*/*.json"))
     assert len(records) == 13
     rec = json.loads(records[0].read_text())
     assert rec["harness"]["version"] == "0.1.0" and rec["harness"]["source"] == "installed" and rec["harness"]["git_commit"] is None

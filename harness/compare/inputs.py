@@ -27,7 +27,7 @@ from harness.compare.reproducer import Reproducer
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
 from harness.engines.base import ASSUMED_CLASS, Engine
 from harness.engines.llamacpp import LlamaCppEngine
-from harness.engines.registry import resolve_engine
+from harness.engines.registry import engine_build_id, resolve_engine
 from harness.errors import InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
@@ -133,14 +133,24 @@ class InputsRequest:
 @dataclass(kw_only=True)
 class RunRequest(InputsRequest):
     """A run that judges a candidate against a reference and records evidence (``harness parity``,
-    ``harness probe``): engine names (registry names), the ledger (None: the default; receipts go
-    beside it), the command line recorded in the receipt, and whether to write evidence at all."""
+    ``harness probe``): engine names (registry names), the reference's engine-specific settings
+    (``reference_settings``: e.g. ``n_threads`` for ``llama.cpp``, which a sweep divides among its
+    jobs), the ledger (None: the default; receipts go beside it), the command line recorded in the
+    receipt, and whether to write evidence at all."""
 
     candidate: str = DEFAULT_CANDIDATE
     reference: str = DEFAULT_REFERENCE
+    reference_settings: dict[str, Any] = field(default_factory=dict)
     ledger: str | None = None
     argv: list[str] = field(default_factory=list)
     write_evidence: bool = True
+
+
+def engine_record(info: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A receipt's record of an engine: its ``info`` (``EngineInfo.to_dict()``) with ``build.id``, the
+    build id of the engine ``name`` it was made as (``harness.engines.registry.engine_build_id``), so
+    a receipt says which build of the engine's code produced it."""
+    return {**info, "build": {**(info.get("build") or {}), "id": engine_build_id(name)}}
 
 
 def subject_of(model: GGUFModel, candidate_info: Mapping[str, Any] | None) -> Subject:

@@ -27,7 +27,7 @@ import numpy as np
 
 from harness.compare import greedy, metrics, topk, verdicts
 from harness.compare.calibrated import MeasureTier, resolve_row
-from harness.compare.inputs import RunInputs, RunRequest, subject_of
+from harness.compare.inputs import RunInputs, RunRequest, engine_record, subject_of
 from harness.compare.localize import DEFAULT_MAX_TOKENS
 from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
@@ -380,7 +380,8 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, res
         "harness": harness_info(SOURCE_ROOT),
         "command": list(req.argv) or ["harness", "parity"],
         "model": inputs.model_record(),
-        "engines": {"reference": result.reference_info, "candidate": result.candidate_info},
+        "engines": {"reference": engine_record(result.reference_info, req.reference),
+                    "candidate": engine_record(result.candidate_info, req.candidate)},
         "prompts": {
             "id": prompt_set.id,
             "path": str(prompt_set.path),
@@ -438,7 +439,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     inputs = req.resolve()
     if req.write_evidence:
         preflight_evidence(req.ledger)
-    reference = timed(lambda: inputs.engine(req.reference))
+    reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prompts = inputs.tokens(reference.engine)
     if "topk" in candidate.info.capabilities:

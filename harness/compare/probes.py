@@ -44,7 +44,7 @@ import numpy as np
 
 from harness.compare import metrics
 from harness.compare.calibrated import MeasureTier, resolve_row
-from harness.compare.inputs import RunInputs, RunRequest
+from harness.compare.inputs import RunInputs, RunRequest, engine_record
 from harness.compare.prompts import PromptTokens
 from harness.compare.reproducer import Reproducer, causes_breaking, chunks_arg, chunks_up_to, failure_message
 from harness.engines.base import Engine, gather
@@ -491,8 +491,10 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "harness": harness_info(),
         "command": list(req.argv) or ["harness", "probe"],
         "model": inputs.model_record(),
-        "engines": {"candidate": engine.info.to_dict(), "reference": ref_info},
-        "prompts": {"path": str(inputs.prompt_set.path), "main_tokens": main, "decode_tokens": list(decode)},
+        "engines": {"candidate": engine_record(engine.info.to_dict(), req.candidate),
+                    "reference": None if ref_info is None else engine_record(ref_info, req.reference)},
+        "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "main_tokens": main,
+                    "decode_tokens": list(decode)},
         "thresholds": {**resolved.to_receipt(), "self_calibration": tier.get("self_calibration")},
         "tier": {k: v for k, v in tier.items() if k != "self_calibration"},
         "compute_class": resolved.subject.compute_class,
@@ -531,7 +533,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     made: list[Any] = []  # the timed reference, made on first use (the long probe)
 
     def reference() -> Any:
-        made[:] = made or [timed(lambda: inputs.engine(req.reference))]
+        made[:] = made or [timed(lambda: inputs.engine(req.reference, **req.reference_settings))]
         return made[0]
 
     ptoks = inputs.tokens()

@@ -11,16 +11,22 @@ For each obligation, its bound tests run (in pytest subprocesses, through the ha
   bound test must pass (a skip is not a pass).
 
 Both must hold for ``DISCHARGED``. Each obligation's record goes to
-``<evidence>/discharge/<contract-id>/<obligation-id>.json`` (schema ``harness-discharge/v1``) of
+``<evidence>/discharge/<contract-id>/<build>/<obligation-id>.json`` (schema ``harness-discharge/v1``) of
 the project it belongs to (``harness.contracts.suite``: the repository you run in for a shipped
 contract): the harness version with the shipped contracts' versions and sha256, the contract's
 version and sha256, the bound node ids with the sha256 of their file and of the
 test function's source, the support files (conftest.py, helpers), what the result depends on
 (each engine's source files, the models' sha256, thresholds.yaml when the reference ran), both
 runs (subject, outcome, assertion message, time, duration, command, the project's git commit).
+``<build>`` is the GREEN subject's build (``build_dir``: ``oracle@1a2b3c4d5e6f``, the engine name
+and the first 12 hex digits of ``harness.engines.registry.engine_build_id``), so the oracle's
+records and each candidate build's live side by side and discharging one never overwrites
+another's. Records of the earlier flat layout (``<contract-id>/<obligation-id>.json``) are still
+read, for the subject their GREEN run names.
 
-Status is computed, never declared (``status``): UNBOUND (no tests), BOUND (tests, no passing
-record), RED-SEEN (RED shown, GREEN not), DISCHARGED, STALE (anything hashed changed since).
+Status is computed, never declared (``status``), per obligation and GREEN subject: UNBOUND (no
+tests), BOUND (tests, no passing record), RED-SEEN (RED shown, GREEN not), DISCHARGED, STALE
+(anything hashed changed since, or only another build of the subject was discharged).
 
 Speed: the runs of one contract are planned into as few pytest processes as possible (each costs
 an import of the stack): every subject sharing a model and plant runs in one session with
@@ -52,7 +58,7 @@ from harness.contracts.loader import (
     load_contracts,
     pytest_command,
 )
-from harness.engines.registry import engine_source_hashes
+from harness.engines.registry import engine_build_id, engine_source_hashes
 from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.fschecks import require_writable_dir
@@ -362,6 +368,18 @@ def default_evidence_dir(contract: Contract) -> Path:
     return suite.discharge_dir(contract.root)
 
 
+BUILD_PREFIX_HEX = 12
+"""Hex digits of the build id in a record folder's name."""
+
+
+def build_dir(candidate: str, build_id: str | None = None) -> str:
+    """The folder name of ``candidate``'s records at ``build_id`` (default: its build now):
+    ``NAME@BUILD12`` with every character outside ``[A-Za-z0-9._-]`` of the name as ``-``
+    (``command:mine`` → ``command-mine@…``). Raises ``InvalidInput`` for a malformed engine table."""
+    slug = "".join(c if c.isalnum() or c in "._-" else "-" for c in candidate)
+    return f"{slug}@{(build_id or engine_build_id(candidate))[:BUILD_PREFIX_HEX]}"
+
+
 def write_record(path: Path, record: dict[str, Any]) -> Path:
     """Write a discharge record atomically (temporary file, then rename); returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -401,6 +419,7 @@ def discharge_record(contract: Contract, ob: Obligation, runs: Sequence[SessionR
         "depends_on": _depends(root, subjects, used_reference, uses_candidate),
         "red": reds,
         "green": {"shown_by": candidate, **green},
+        "build": {"candidate": candidate, "id": engine_build_id(candidate)},
     }
     return record, reds, green
 
@@ -418,8 +437,9 @@ def discharge(
     The contract is validated first (schema, ids, oracle functions, reds, test collection). RED
     subjects come from each obligation's ``red``; GREEN is ``candidate`` on the obligation's
     model. ``path`` is a contract file or id (``harness.contracts.suite``). With ``write`` each
-    record is written atomically to ``evidence_dir/<contract>/<obligation>.json`` (default
-    ``default_evidence_dir``: the project's ``evidence/discharge``).
+    record is written atomically to ``evidence_dir/<contract>/<build>/<obligation>.json``
+    (``build_dir(candidate)``; default ``evidence_dir``: ``default_evidence_dir``, the project's
+    ``evidence/discharge``).
     Raises ``InvalidInput`` (exit 2) for an invalid contract or an unknown obligation id.
     """
     contract = load_contract(path)
@@ -440,7 +460,7 @@ def discharge(
             results.append(ObligationResult(contract.id, ob.id, UNBOUND, [], {}, {}))
             continue
         record, reds, green = discharge_record(contract, ob, runs, candidate)
-        written = write_record(out_dir / contract.id / f"{ob.id}.json", record) if write else None
+        written = write_record(out_dir / contract.id / build_dir(candidate) / f"{ob.id}.json", record) if write else None
         results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, written))
     return results
 
@@ -486,48 +506,109 @@ def staleness(record: dict[str, Any], contract: Contract) -> list[str]:
 
 @dataclass
 class StatusRow:
-    """The computed status of one obligation; ``detail`` says why."""
+    """The computed status of one obligation for one GREEN subject (``candidate``; None when
+    nothing was discharged); ``detail`` says why, ``evidence`` is the record's path."""
 
     contract: str
     obligation: str
     status: str
     detail: str
     evidence: str | None
+    candidate: str | None = None
 
 
-def obligation_status(contract: Contract, ob: Obligation, evidence_dir: Path) -> StatusRow:
-    """Status of one obligation from its record (if any) and the current files."""
-    path = evidence_dir / contract.id / f"{ob.id}.json"
-    if not ob.tests:
-        return StatusRow(contract.id, ob.id, UNBOUND, "no tests bound", None)
-    if not path.exists():
-        return StatusRow(contract.id, ob.id, BOUND, "never discharged", None)
+def _read_record(path: Path) -> dict[str, Any] | str:
+    """A record's JSON object, or why it cannot be used."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        return StatusRow(contract.id, ob.id, BOUND, f"unreadable record: {e}", str(path))
-    if record.get("schema") != SCHEMA_ID:
-        return StatusRow(contract.id, ob.id, BOUND, f"record schema {record.get('schema')!r} is not {SCHEMA_ID}", str(path))
+        return f"unreadable record: {e}"
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA_ID:
+        return f"record schema {record.get('schema') if isinstance(record, dict) else None!r} is not {SCHEMA_ID}"
+    return record
+
+
+def _green_subject(record: dict[str, Any]) -> str | None:
+    green = record.get("green")
+    return green.get("shown_by") if isinstance(green, dict) else None
+
+
+def record_paths(evidence_dir: Path, contract_id: str, ob_id: str, candidate: str) -> tuple[Path | None, list[Path]]:
+    """``(the record of candidate's current build or None, records of its other builds)`` for
+    one obligation, the flat layout's record counted as another build when its GREEN run was
+    ``candidate`` (module docstring)."""
+    folder = evidence_dir / contract_id
+    current = folder / build_dir(candidate) / f"{ob_id}.json"
+    slug = build_dir(candidate).split("@", 1)[0]
+    others = [p for p in sorted(folder.glob(f"{slug}@*/{ob_id}.json")) if p != current] if folder.is_dir() else []
+    flat = folder / f"{ob_id}.json"
+    if flat.is_file():
+        rec = _read_record(flat)
+        if isinstance(rec, dict) and _green_subject(rec) == candidate:
+            others.append(flat)
+    return (current if current.is_file() else None), others
+
+
+def recorded_subjects(evidence_dir: Path, contract_id: str) -> list[str]:
+    """The GREEN subjects that have records for ``contract_id`` (either layout), sorted."""
+    folder = evidence_dir / contract_id
+    found: set[str] = set()
+    for path in sorted(folder.glob("*/*.json")) + sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        rec = _read_record(path)
+        if isinstance(rec, dict) and _green_subject(rec):
+            found.add(str(_green_subject(rec)))
+    return sorted(found)
+
+
+def _judged(contract: Contract, ob: Obligation, path: Path, candidate: str | None) -> StatusRow:
+    """The status one record gives (stale, discharged, RED-SEEN or just bound)."""
+    record = _read_record(path)
+    if isinstance(record, str):
+        return StatusRow(contract.id, ob.id, BOUND, record, str(path), candidate)
     why = staleness(record, contract)
     if why:
-        return StatusRow(contract.id, ob.id, STALE, "; ".join(why), str(path))
+        return StatusRow(contract.id, ob.id, STALE, "; ".join(why), str(path), candidate)
     result = record.get("result")
     if result == DISCHARGED and all(r.get("outcome") == RED for r in record.get("red", [])) and record.get("green", {}).get("outcome") == GREEN:
-        return StatusRow(contract.id, ob.id, DISCHARGED, f"{record['recorded_at']}: RED on {', '.join(r['shown_by'] for r in record['red'])}, GREEN on {record['green']['shown_by']}", str(path))
+        return StatusRow(contract.id, ob.id, DISCHARGED, f"{record['recorded_at']}: RED on {', '.join(r['shown_by'] for r in record['red'])}, GREEN on {record['green']['shown_by']}", str(path), candidate)
     if record.get("red") and all(r.get("outcome") == RED for r in record["red"]):
-        return StatusRow(contract.id, ob.id, RED_SEEN, f"GREEN {record.get('green', {}).get('outcome')}: {record.get('green', {}).get('message', '')[:200]}", str(path))
-    return StatusRow(contract.id, ob.id, BOUND, f"last discharge {result}", str(path))
+        return StatusRow(contract.id, ob.id, RED_SEEN, f"GREEN {record.get('green', {}).get('outcome')}: {record.get('green', {}).get('message', '')[:200]}", str(path), candidate)
+    return StatusRow(contract.id, ob.id, BOUND, f"last discharge {result}", str(path), candidate)
 
 
-def status(paths: Sequence[str | os.PathLike], evidence_dir: str | os.PathLike | None = None) -> tuple[list[StatusRow], list[dict[str, Any]]]:
-    """Computed status of every obligation of the contracts at ``paths`` and coverage per
-    contract (``{contract, version, obligations, counts per status, discharged_fraction}``).
-    Contracts are schema-validated (tests are not re-collected). Raises ``InvalidInput``."""
+def obligation_status(contract: Contract, ob: Obligation, evidence_dir: Path, candidate: str | None = None) -> StatusRow:
+    """Status of one obligation for the GREEN subject ``candidate`` (default ``oracle``) from its
+    record at the candidate's current build, else STALE when only other builds (or a flat-layout
+    record) exist, else BOUND; and always against the current files."""
+    cand = candidate or DEFAULT_CANDIDATE
+    if not ob.tests:
+        return StatusRow(contract.id, ob.id, UNBOUND, "no tests bound", None, candidate)
+    current, others = record_paths(evidence_dir, contract.id, ob.id, cand)
+    if current is not None:
+        return _judged(contract, ob, current, cand)
+    flat = [p for p in others if p.parent.name == contract.id]
+    if flat:  # the flat layout's record: judged as it always was (its engine hashes say whether it is current)
+        return _judged(contract, ob, flat[0], cand)
+    if others:
+        recorded = ", ".join(p.parent.name.split("@", 1)[1] for p in others)
+        return StatusRow(contract.id, ob.id, STALE, f"discharged for other builds of {cand} ({recorded}), not for its build now "
+                         f"({build_dir(cand).split('@', 1)[1]}); run harness discharge {contract.id} --candidate {cand}", str(others[-1]), cand)
+    return StatusRow(contract.id, ob.id, BOUND, f"never discharged for {cand}", None, candidate)
+
+
+def status(paths: Sequence[str | os.PathLike], evidence_dir: str | os.PathLike | None = None,
+           candidates: Sequence[str] = ()) -> tuple[list[StatusRow], list[dict[str, Any]]]:
+    """Computed status of every obligation of the contracts at ``paths`` for each GREEN subject in
+    ``candidates`` (default: every subject that has records for the contract, else one row per
+    obligation with no subject) and coverage per contract (``{contract, version, obligations,
+    counts per status, discharged_fraction}``, counted over the rows). Contracts are
+    schema-validated (tests are not re-collected). Raises ``InvalidInput``."""
     contracts = load_contracts(paths, check_tests=False)
     rows, coverage = [], []
     for c in contracts:
         ev = Path(evidence_dir) if evidence_dir else default_evidence_dir(c)
-        cr = [obligation_status(c, ob, ev) for ob in c.obligations]
+        subjects: list[str | None] = list(candidates) or list(recorded_subjects(ev, c.id)) or [None]
+        cr = [obligation_status(c, ob, ev, s) for s in subjects for ob in c.obligations]
         rows += cr
         counts = {s: sum(1 for r in cr if r.status == s) for s in STATUSES}
         coverage.append({"contract": c.id, "version": c.version, "obligations": len(cr), **counts,

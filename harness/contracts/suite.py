@@ -9,7 +9,7 @@ directory, ``harness.config``) uses it:
   shipped one (``harness discharge qwen35-hybrid-forward-v1``);
 * the project's own contracts may ``depends_on`` shipped ones (``loader.load_contracts`` loads
   them from the suite);
-* evidence goes to the project: ``<evidence>/discharge/<contract>/<obligation>.json`` with
+* evidence goes to the project: ``<evidence>/discharge/<contract>/<build>/<obligation>.json`` with
   ``<evidence>`` = ``[tool.harness] evidence`` or ``<project root>/evidence``. For a shipped
   contract the project is the one you run in; for a contract file in a repository, that
   repository. In this repository (a checkout) both are the same folder as before;
@@ -82,7 +82,7 @@ def unknown_contract_message(arg: str | os.PathLike) -> str:
 
 def _has_records(evidence: Path, contract_id: str) -> bool:
     folder = evidence / contract_id
-    return folder.is_dir() and any(folder.glob("*.json"))
+    return folder.is_dir() and any(folder.rglob("*.json"))
 
 
 def default_contract_paths(cfg: HarnessConfig | None = None) -> list[Path]:

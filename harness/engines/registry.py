@@ -11,6 +11,8 @@ configured in ``[tool.harness.http.NAME]``: top-k logprobs, not logits), ``trans
 
 ``resolve_engine`` loads an engine through its row; contract discharge hashes a row's
 ``source_files`` (``engine_source_hashes``) so evidence goes STALE when an engine's code changes.
+``engine_build_id`` folds those hashes (and, for ``command:NAME``, the program files its command
+names) into one id: the *build* that discharge records, receipts and sign-off are keyed by.
 Unknown names raise ``InvalidInput`` (exit 2) listing the known ones.
 """
 
@@ -41,7 +43,7 @@ from harness.errors import InvalidInput
 from harness.model import gguf_model
 from harness.model.gguf_model import Override
 from harness.paths import SOURCE_ROOT
-from harness.provenance import sha256_file
+from harness.provenance import sha256_bytes, sha256_file
 
 Loader = Callable[[str, Path, Sequence[Override], dict[str, Any]], Engine]
 """``loader(rest, model_path, overrides, settings)``: ``rest`` is what follows a prefix
@@ -143,3 +145,34 @@ def engine_source_hashes(name: str) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def program_files(name: str) -> dict[str, str]:
+    """``{path: sha256}`` of the engine's own program files: for ``command:NAME``, every argument of
+    its configured command that names an existing regular file (relative to the engine's ``cwd``;
+    placeholders such as ``{python}`` are skipped), e.g. ``examples/llamacpp_engine.py``; empty for
+    the harness's own engines (their files are in ``engine_source_hashes``) and for an unknown or
+    unconfigured command. Paths are shown as the command names them."""
+    if not name.startswith("command:"):
+        return {}
+    spec = command.configured_commands().get(name[len("command:"):])
+    if spec is None:
+        return {}
+    out: dict[str, str] = {}
+    for arg in spec.command:
+        if arg.startswith("{") and arg.endswith("}"):
+            continue
+        p = Path(arg) if Path(arg).is_absolute() else (spec.cwd or Path.cwd()) / arg
+        if p.is_file():
+            out[arg] = sha256_file(p)
+    return out
+
+
+def engine_build_id(name: str) -> str:
+    """The build id of engine ``name``: sha256 (hex) over ``engine_source_hashes(name)`` (the harness
+    modules and packages its numbers come from) and ``program_files(name)`` (a command engine's own
+    program), as sorted ``path NUL sha256`` lines. Changes whenever any of those files changes, so a
+    record keyed by it cannot be mistaken for another build's. Raises ``InvalidInput`` for a
+    malformed ``[tool.harness.engines]`` table."""
+    parts = {**engine_source_hashes(name), **{f"program:{k}": v for k, v in program_files(name).items()}}
+    return sha256_bytes("".join(f"{k}\0{v}\n" for k, v in sorted(parts.items())).encode())

@@ -74,6 +74,10 @@ def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path
     if row.get("kind") == "supersede":
         return [str(row.get("seq")), fmt.when(row.get("time")), "", "supersede", "", f"withdraws #{row.get('supersedes')}: {row.get('reason', '')}",
                 "", "", "", ""]
+    if row.get("kind") == "signoff":
+        cells = row.get("cells") or []
+        return [str(row.get("seq")), fmt.when(row.get("time")), verdict, "signoff", "", f"release {row.get('release_name')}", "",
+                f"{sum(c.get('status') == 'ok' for c in cells)}/{len(cells)} cells ok; {len(row.get('relied_on') or [])} receipts", "", ""]
     report: Inline = "not rendered"
     folder = out / rid[:16] if rid else None
     if folder is not None and (folder / REPORT_MD).is_file():

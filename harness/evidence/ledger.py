@@ -5,7 +5,11 @@ in ``ROW_FIELDS``), each carrying the hash of the row before it (``prev_hash``; 
 holds ``GENESIS``), its own hash (``row_hash``: sha256 of the canonical JSON of the row without
 ``row_hash``) and the sha256 of its receipt file. LEDGER.md is the rendered table and shows the
 head (last seq and row_hash), so removing the last row is detected too. Rows are never edited; a
-wrong row is superseded by a ``kind: supersede`` row naming it (``supersede_row``).
+wrong row is superseded by a ``kind: supersede`` row naming it (``supersede_row``). A release
+sign-off is a ``kind: signoff`` row (``SIGNOFF_FIELDS``: the release, each candidate's build, every
+cell's status, the receipts it relied on with their sha256, and what blocked it), rendered in its
+own LEDGER.md section; ``verify_ledger`` checks that every receipt it names exists, hashes as
+recorded and has a row earlier in the chain.
 
 ``append_row`` holds a file lock (``filelock``) across read-head → append → render, so
 concurrent runs neither lose nor duplicate rows. ``verify_ledger`` reports edited, malformed,
@@ -58,7 +62,7 @@ pd = _Pandas()
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
-KINDS = ("parity", "self-consistency", "probe", "calibration", "supersede")
+KINDS = ("parity", "self-consistency", "probe", "calibration", "supersede", "signoff")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -93,7 +97,13 @@ FREE_RUNNING_FIELD = "free_running"
 """The free-running greedy headline (``harness.compare.greedy.headline``), in rows of parity
 receipts that recorded ``report_only.free_running``; report-only."""
 
-OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", FREE_RUNNING_FIELD, *TIMING_FIELDS, *TIER_FIELDS)
+SIGNOFF_FIELDS = ("release_name", "builds", "cells", "relied_on", "blocked")
+"""A sign-off row's own fields: the manifest's release name, ``{candidate: build id}``, one entry
+per cell (``{model, candidate, backend, status, parity, probe}``: the cell's status and the receipt
+ids it used), ``[{id, sha256}]`` of every receipt relied on, and one line per missing, stale or
+failed item with the command that would produce it (``verdict`` is SIGNED or BLOCKED)."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", FREE_RUNNING_FIELD, *TIMING_FIELDS, *TIER_FIELDS, *SIGNOFF_FIELDS)
 """Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows,
 rows of runs that recorded no timings)."""
 
@@ -138,13 +148,24 @@ ROW_SCHEMA: dict[str, Any] = {
         "calibrated": {"enum": ["ok", "fail", "unmeasured", None]},
         "reason": {"type": "string", "minLength": 1},
         "free_running": {"type": "string", "minLength": 1},
+        "release_name": {"type": "string", "minLength": 1},
+        "builds": {"type": "object", "additionalProperties": _HEX64},
+        "cells": {"type": "array", "items": {"type": "object", "required": ["model", "candidate", "backend", "status"]}},
+        "relied_on": {"type": "array", "items": {"type": "object", "required": ["id", "sha256"], "additionalProperties": False,
+                                                 "properties": {"id": _HEX64, "sha256": _HEX64}}},
+        "blocked": {"type": "array", "items": {"type": "string"}},
     },
     "allOf": [
         {
             "if": {"properties": {"kind": {"const": "supersede"}}},
             "then": {"required": ["supersedes", "reason"]},
             "else": {"not": {"required": ["supersedes"]}},
-        }
+        },
+        {
+            "if": {"properties": {"kind": {"const": "signoff"}}},
+            "then": {"required": list(SIGNOFF_FIELDS), "properties": {"verdict": {"enum": ["SIGNED", "BLOCKED"]}}},
+            "else": {"not": {"anyOf": [{"required": [f]} for f in SIGNOFF_FIELDS]}},
+        },
     ],
 }
 _ROW_VALIDATOR = make_validator(ROW_SCHEMA)
@@ -158,7 +179,7 @@ class Problem:
     """One finding of ``verify_ledger``: a ``code``, a message, and where (seq, 1-based line).
 
     Codes: MALFORMED, EDITED, SEQUENCE, CHAIN, HEAD, MARKDOWN, SUPERSEDE, RECEIPT-MISSING,
-    RECEIPT-HASH, RECEIPT-INVALID, RECEIPT-MISMATCH.
+    RECEIPT-HASH, RECEIPT-INVALID, RECEIPT-MISMATCH, SIGNOFF-ORDER.
     """
 
     code: str
@@ -609,8 +630,28 @@ def render_markdown(rows: list[Mapping[str, Any]], ledger_path: str | Path, mark
         + (" candidate tok/s (wall s) |" if speed else ""),
         "|---:|---|---|---|---|---|---|---:|---:|---|---:|---:|---:|---|---|" + ("---:|" if speed else ""),
     ]
-    lines += [_table_line(r, superseded, speed) for r in rows]
+    lines += [_table_line(r, superseded, speed) for r in rows if r.get("kind") != "signoff"]
+    signoffs = [r for r in rows if r.get("kind") == "signoff"]
+    if signoffs:
+        lines += ["", "## Sign-offs", "",
+                  "Each row lists every receipt it relied on (`harness ledger verify` checks they exist, match and come before it); "
+                  "`head` is the chain's head when it was signed.", "",
+                  "| seq | date | release | builds | cells | verdict | head |", "|---:|---|---|---|---|---|---|"]
+        lines += [_signoff_line(r, superseded) for r in signoffs]
     return "\n".join(lines) + "\n"
+
+
+def _signoff_line(r: Mapping[str, Any], superseded: Mapping[Any, Any]) -> str:
+    """One line of LEDGER.md's sign-off section: release, each candidate's build (12 hex digits),
+    cells signed of all, verdict (struck through when superseded) and the head it was signed at."""
+    verdict = _cell(r.get("verdict") or "—")
+    if r.get("seq") in superseded:
+        verdict = f"~~{verdict}~~ (superseded by #{superseded[r.get('seq')]})"
+    builds = ", ".join(f"{_cell(k)} `{str(v)[:12]}`" for k, v in sorted((r.get("builds") or {}).items())) or "—"
+    cells = r.get("cells") or []
+    ok = sum(1 for c in cells if c.get("status") == "ok")
+    return (f"| {r.get('seq')} | {_cell(str(r.get('time') or '')[:10])} | {_cell(r.get('release_name'))} | {builds} | "
+            f"{ok}/{len(cells)} ok | {verdict} | `{str(r.get('prev_hash'))[:12]}` |")
 
 
 # ----------------------------------------------------------------------------- verify
@@ -660,7 +701,8 @@ def verify_ledger(
     rendering of the rows (MARKDOWN). With ``receipts_dir``, every parity/self-consistency row's
     receipt ``<receipt_id>.json`` must exist (RECEIPT-MISSING), hash to ``receipt_sha256``
     (RECEIPT-HASH), load and check (RECEIPT-INVALID), and give the row's fields
-    (RECEIPT-MISMATCH: a forged or altered row).
+    (RECEIPT-MISMATCH: a forged or altered row); every receipt a sign-off row relies on must exist,
+    hash as it says and have a row before it (``_check_signoff``).
 
     Raises ``InvalidInput`` when the ledger file cannot be read.
     """
@@ -737,11 +779,37 @@ def _check_markdown(ledger_path: Path, md_path: Path, rows: list[dict[str, Any]]
     return []
 
 
+def _check_signoff(receipts_dir: Path, row: dict[str, Any], earlier: Mapping[str, str | None]) -> list[Problem]:
+    """A sign-off row's receipts: each must exist (RECEIPT-MISSING), hash to the sha256 it names
+    (RECEIPT-HASH) and have a row earlier in the chain with that id and hash (SIGNOFF-ORDER);
+    ``earlier`` maps the receipt ids of the rows before it to their ``receipt_sha256``."""
+    problems = []
+    seq, line = row.get("seq"), row.get("_line")
+    for ref in row.get("relied_on") or []:
+        rid, sha = ref.get("id"), ref.get("sha256")
+        path = receipts_dir / f"{rid}.json"
+        if not path.exists():
+            problems.append(Problem("RECEIPT-MISSING", f"sign-off relies on receipt {path}, which does not exist", seq, line))
+        elif sha256_file(path) != sha:
+            problems.append(Problem("RECEIPT-HASH", f"sign-off relies on {path.name}, which does not hash to the sha256 it names", seq, line))
+        if rid not in earlier:
+            problems.append(Problem("SIGNOFF-ORDER", f"sign-off relies on receipt {str(rid)[:12]}, which has no row before it in the chain", seq, line))
+        elif earlier[rid] != sha:
+            problems.append(Problem("SIGNOFF-ORDER", f"sign-off names receipt {str(rid)[:12]} with a sha256 other than its row's", seq, line))
+    return problems
+
+
 def _check_receipts(receipts_dir: Path, rows: list[dict[str, Any]]) -> list[Problem]:
     problems = []
+    earlier: dict[str, str | None] = {}
     for r in rows:
         seq, line = r.get("seq"), r.get("_line")
         rid = r.get("receipt_id")
+        if r.get("kind") == "signoff":
+            problems += _check_signoff(receipts_dir, r, earlier)
+            continue
+        if rid is not None:
+            earlier.setdefault(rid, r.get("receipt_sha256"))
         if rid is None:
             if r.get("kind") in ("parity", "self-consistency"):
                 problems.append(Problem("RECEIPT-MISSING", "a parity row without a receipt_id", seq, line))
@@ -782,8 +850,8 @@ def ledger_frame(ledger_path: str | Path) -> pd.DataFrame:
 
 
 def _effective(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurement rows that stand: no supersede rows, nothing superseded."""
-    return df[(df["kind"] != "supersede") & df["superseded_by"].isna()]
+    """Measurement rows that stand: no supersede or sign-off rows, nothing superseded."""
+    return df[~df["kind"].isin(["supersede", "signoff"]) & df["superseded_by"].isna()]
 
 
 def summarize_ledger(ledger_path: str | Path) -> pd.DataFrame:

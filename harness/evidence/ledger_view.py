@@ -167,11 +167,12 @@ class LedgerView:
         recs = self.row_records()
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
-            key = "withdrawals (supersede rows)" if r["kind"] == "supersede" else _shorten(f"{r['model'] or '—'} ({r['quant'] or 'n/a'})")
+            key = ("withdrawals (supersede rows)" if r["kind"] == "supersede" else "sign-offs (harness signoff rows)" if r["kind"] == "signoff"
+                   else _shorten(f"{r['model'] or '—'} ({r['quant'] or 'n/a'})"))
             groups.setdefault(key, []).append(r)
         out = []
         for key, rs in groups.items():
-            t = self._table(key if key.startswith("withdrawals") else f"model {key}", [("#", dict(justify="right")), ("date", {}), ("kind", dict(max_width=8)), ("verdict", {}),
+            t = self._table(key if key.startswith(("withdrawals", "sign-offs")) else f"model {key}", [("#", dict(justify="right")), ("date", {}), ("kind", dict(max_width=8)), ("verdict", {}),
                                              ("candidate", dict(max_width=24)), ("pos.", dict(justify="right")), ("lowest cos", dict(justify="right")),
                                              ("KLD mean", dict(justify="right")), ("argmax", dict(justify="right")),
                                              ("tok/s", dict(justify="right")), ("receipt", {})])

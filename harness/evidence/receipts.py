@@ -35,7 +35,7 @@ import numpy as np
 
 from harness.errors import InvalidInput
 from harness.paths import IS_CHECKOUT, SCHEMA_DIR, SOURCE_ROOT
-from harness.provenance import git_state, sha256_bytes, suite_pins
+from harness.provenance import git_state, numbers_sha256, sha256_bytes, suite_pins
 from harness.rundir import pid_alive
 from harness.validation import best_error, schema_validator
 
@@ -161,13 +161,14 @@ def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:
     """The receipt's ``harness`` field: package version, the git commit of ``repo_dir`` (default:
     the harness checkout this package runs from; None from an installed wheel, so a virtual
     environment inside another repository never lends the harness that repository's commit) with
-    whether the tree has uncommitted changes, and ``suite``: the shipped contracts' versions and
-    the suite's sha256 (``harness.provenance.suite_pins``)."""
+    whether the tree has uncommitted changes, ``suite``: the shipped contracts' versions and
+    the suite's sha256 (``harness.provenance.suite_pins``), and ``numbers``: the sha256 of the
+    sources that affect numbers (``harness.provenance.numbers_sha256``; what a sweep keys cells by)."""
     pins = suite_pins()
     repo = Path(repo_dir) if repo_dir else (SOURCE_ROOT if IS_CHECKOUT else None)
     git = _cached_git_state(repo) if repo is not None else {"commit": None, "dirty": None}
     return {"version": pins["version"], "git_commit": git["commit"], "git_dirty": git["dirty"],
-            "suite": {k: pins[k] for k in ("version", "source", "contracts", "sha256")}}
+            "suite": {k: pins[k] for k in ("version", "source", "contracts", "sha256")}, "numbers": numbers_sha256()}
 
 
 _cached_git_state = lru_cache(maxsize=8)(git_state)

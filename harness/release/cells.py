@@ -1,0 +1,214 @@
+"""The cells of a release and the inputs that make a receipt current for one of them.
+
+A cell is (model × candidate × backend) of a manifest (``harness.release.manifest``); it is
+covered by two receipts: a parity receipt (the candidate against the reference) and a probe
+receipt (the candidate's self-consistency probes). Each is one ``Run``, identified by the inputs
+its numbers depend on (``planned_inputs``):
+
+    kind, model sha256, candidate and its build id, reference and its build id (a probe run without
+    the ``long`` probe has no reference), compute class, backend, thresholds sha256, prompts
+    sha256, the harness's numbers hash (``harness.provenance.numbers_sha256``), the probes run,
+    and the calibration receipt the calibrated tier comes from when no row of thresholds.yaml fits
+    the model and class (``harness calibrate --model M --class C`` recorded one in the ledger)
+
+and its ``key`` is the sha256 of their canonical JSON. The same inputs are read back from any
+receipt (``receipt_inputs``: the candidate's build id, its reported compute class and backend,
+...), so a receipt made by ``harness parity`` counts as much as one made by ``harness sweep``, and
+a receipt whose inputs differ from the plan in some field (another build, another thresholds
+file) is *stale*, naming the fields. Thread counts are left out on purpose: they are a scheduling
+choice of the sweep (``--jobs``) that the calibrated tier already covers (calibration measures
+llama.cpp at other thread counts), so resuming with another ``--jobs`` does not redo a cell.
+
+A sweep writes the plan's key and inputs into the receipt (``cell``), so a cell whose engine
+reported another class or backend than the manifest pins is not re-run by every sweep: the
+sign-off names the mismatch instead.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from harness.compare.calibrated import find_recorded
+from harness.compare.inputs import resolve_inputs, resolve_thresholds_path
+from harness.compare.prompts import load_prompt_set
+from harness.engines.registry import engine_build_id
+from harness.errors import HarnessError
+from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
+from harness.provenance import numbers_sha256, sha256_bytes, sha256_file
+from harness.release.manifest import ALL_PROBES, CandidatePin, Manifest, ModelPin
+
+KINDS = ("parity", "probe")
+IN_PROCESS_CPU = ("oracle", "oracle-bf16", "oracle-f16", "llama.cpp")
+"""Engines of the harness itself that compute on the CPU (as do ``mutant:NAME``): their backend
+is ``cpu`` when their info names none."""
+INPUT_FIELDS = ("kind", "model_sha256", "candidate", "candidate_build", "reference", "reference_build", "compute_class", "backend",
+                "thresholds_sha256", "prompts_sha256", "harness_numbers", "probes", "calibration")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (model × candidate × backend) of a manifest."""
+
+    model: ModelPin
+    candidate: CandidatePin
+    backend: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.candidate.engine} @ {self.model.spec} [{self.backend}]"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One receipt a cell needs: ``kind`` parity or probe, its planned ``inputs`` and their ``key``."""
+
+    cell: Cell
+    kind: str
+    inputs: dict[str, Any]
+    key: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.cell.label}"
+
+
+def input_key(inputs: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of ``inputs`` (``INPUT_FIELDS``)."""
+    return sha256_bytes(canonical_json({k: inputs.get(k) for k in INPUT_FIELDS}))
+
+
+def reported_backend(info: Mapping[str, Any]) -> str:
+    """The backend an engine reports: ``settings.backend``, else (a command engine's ``info.json``)
+    ``settings.reported.backend``, else ``build.backend``; else ``cpu`` for the harness's own CPU
+    engines (``IN_PROCESS_CPU``, ``mutant:NAME``), else ``unreported``."""
+    settings = info.get("settings") if isinstance(info.get("settings"), Mapping) else {}
+    reported = settings.get("reported") if isinstance(settings.get("reported"), Mapping) else {}
+    build = info.get("build") if isinstance(info.get("build"), Mapping) else {}
+    for source in (settings, reported, build):
+        value = source.get("backend")
+        if isinstance(value, str) and value:
+            return value
+    name = str(info.get("name") or "")
+    return "cpu" if name in IN_PROCESS_CPU or name.startswith("mutant:") else "unreported"
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every run of a manifest shares, resolved once: the thresholds and prompt files with
+    their sha256, the reference's build id, each candidate's build id and each model's sha256 now
+    (None: the model cannot be resolved)."""
+
+    thresholds: Path
+    thresholds_sha256: str
+    prompts: Path | None
+    prompts_sha256: str
+    reference_build: str
+    builds: dict[str, str]
+    model_sha256: dict[str, str | None]
+    calibrations: dict[tuple[str, str], str | None] = field(default_factory=dict)
+
+
+def plan_context(m: Manifest, ledger: Path | None = None) -> PlanContext:
+    """Resolve the manifest's files and builds (``PlanContext``), and per model and pinned class the
+    calibration receipt in ``ledger`` the tier would come from when no committed row fits. Raises
+    ``InvalidInput`` for an unreadable thresholds or prompt file or a malformed engine table."""
+    thresholds = resolve_thresholds_path(m.thresholds_path)
+    prompt_set = load_prompt_set(m.prompts)
+    shas: dict[str, str | None] = {}
+    cals: dict[tuple[str, str], str | None] = {}
+    for pin in m.models:
+        try:
+            inputs = resolve_inputs(pin.spec, thresholds=thresholds, prompts=m.prompts)
+        except HarnessError:
+            shas[pin.spec] = None
+            continue
+        shas[pin.spec] = inputs.model.sha256
+        for klass in {c.compute_class for c in m.candidates}:
+            resolved = inputs.thresholds_for({"compute_class": klass})
+            found = None if resolved.row is not None else find_recorded(ledger, resolved.subject.sha256, klass)
+            cals[(pin.spec, klass)] = found[1] if found else None
+    return PlanContext(thresholds, sha256_file(thresholds), m.prompts, prompt_set.sha256, engine_build_id(m.reference),
+                       {c.engine: engine_build_id(c.engine) for c in m.candidates}, shas, cals)
+
+
+def plan_runs(m: Manifest, ctx: PlanContext) -> list[Run]:
+    """Every run of the manifest, in its order: per model, per candidate, per backend, the parity
+    run then the probe run."""
+    runs = []
+    for pin in m.models:
+        for cand in m.candidates:
+            for backend in cand.backends:
+                cell = Cell(pin, cand, backend)
+                for kind in KINDS:
+                    inputs = planned_inputs(m, ctx, cell, kind)
+                    runs.append(Run(cell, kind, inputs, input_key(inputs)))
+    return runs
+
+
+def planned_inputs(m: Manifest, ctx: PlanContext, cell: Cell, kind: str) -> dict[str, Any]:
+    """The inputs ``kind``'s receipt of ``cell`` must have been made from (module docstring)."""
+    uses_reference = kind == "parity" or "long" in m.probes
+    return {
+        "kind": kind,
+        "model_sha256": ctx.model_sha256.get(cell.model.spec),
+        "candidate": cell.candidate.engine,
+        "candidate_build": ctx.builds[cell.candidate.engine],
+        "reference": m.reference if uses_reference else None,
+        "reference_build": ctx.reference_build if uses_reference else None,
+        "compute_class": cell.candidate.compute_class,
+        "backend": cell.backend,
+        "thresholds_sha256": ctx.thresholds_sha256,
+        "prompts_sha256": ctx.prompts_sha256,
+        "harness_numbers": numbers_sha256(),
+        "probes": sorted(m.probes) if kind == "probe" else None,
+        "calibration": ctx.calibrations.get((cell.model.spec, cell.candidate.compute_class)),
+    }
+
+
+def receipt_inputs(receipt: Mapping[str, Any]) -> dict[str, Any]:
+    """The same inputs read from a parity or probe receipt (its candidate's reported compute class
+    and backend, the build ids its engines' records carry; None where a receipt made before build
+    ids were recorded has none)."""
+    engines = receipt.get("engines") or {}
+    cand = engines.get("candidate") or {}
+    ref = engines.get("reference") or None
+    probe = receipt.get("schema") == PROBE_SCHEMA_ID
+    klass = receipt.get("compute_class") if probe else (receipt.get("gated") or {}).get("compute_class")
+    return {
+        "kind": "probe" if probe else "parity",
+        "model_sha256": (receipt.get("model") or {}).get("sha256"),
+        "candidate": cand.get("name"),
+        "candidate_build": (cand.get("build") or {}).get("id"),
+        "reference": ref.get("name") if ref else None,
+        "reference_build": (ref.get("build") or {}).get("id") if ref else None,
+        "compute_class": klass or cand.get("compute_class"),
+        "backend": reported_backend(cand),
+        "thresholds_sha256": (receipt.get("thresholds") or {}).get("sha256"),
+        "prompts_sha256": (receipt.get("prompts") or {}).get("sha256"),
+        "harness_numbers": (receipt.get("harness") or {}).get("numbers"),
+        "probes": sorted(p["name"] for p in receipt.get("probes") or []) if probe else None,
+        "calibration": (receipt.get("thresholds") or {}).get("self_calibration"),
+    }
+
+
+def differences(planned: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
+    """``field: found → planned`` for each input that differs (hashes shortened to 12 digits)."""
+    short = lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v  # noqa: E731
+    return [f"{k} {short(found.get(k))} → {short(planned.get(k))}" for k in INPUT_FIELDS if planned.get(k) != found.get(k)]
+
+
+def run_command(m: Manifest, run: Run) -> str:
+    """The one ``harness`` command that makes ``run``'s receipt by hand (what a sweep runs)."""
+    args = ["harness", run.kind, "--candidate", run.cell.candidate.engine, "--model", run.cell.model.spec]
+    if run.kind == "parity" or "long" in m.probes:
+        args += ["--reference", m.reference]
+    if m.prompts is not None:
+        args += ["--prompts", str(m.prompts)]
+    if m.thresholds_path is not None:
+        args += ["--thresholds", str(m.thresholds_path)]
+    if run.kind == "probe" and set(m.probes) != set(ALL_PROBES):
+        args += [a for p in m.probes for a in ("--only", p)]
+    return shlex.join(args)

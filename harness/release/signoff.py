@@ -1,0 +1,341 @@
+"""``harness signoff MANIFEST``: is this release of these candidate builds signed, and if not, what
+is missing?
+
+For the exact candidate builds (``harness.engines.registry.engine_build_id``) the sign-off checks,
+each as an ``Item`` with a status (``ok``, ``missing``, ``unmeasured``, ``stale``, ``failed``,
+``n/a``) and, unless ok, the command that would produce it:
+
+* the pins: each model's sha256, the thresholds file's sha256, each candidate's build id (when
+  pinned) and reported version (when pinned);
+* lint on every model (run here: lint writes no evidence): an error finding fails;
+* every obligation of the contracts the candidate must hold, for its current build
+  (``harness.contracts.discharge.obligation_status``): DISCHARGED is ok, STALE (also: only another
+  build was discharged) is stale, never discharged is missing, anything else failed. Obligations
+  whose bound tests need activations (the ``subject_acts`` fixture) are ``n/a`` for a candidate
+  without the ``activations`` capability, with that reason;
+* every cell (model × candidate × backend, the backend as the engine reports it): the newest
+  standing ledger row of a parity receipt and of a probe receipt made from the planned inputs
+  (``harness.release.cells``). Parity must PASS with a measured calibrated tier; the probe run must
+  PASS. A receipt of the same cell made from other inputs is stale (naming the fields); a receipt
+  that exists without a ledger row is missing.
+
+The verdict is SIGNED (exit 0) when every item is ok or n/a; else BLOCKED: exit 1 when anything
+failed or is stale (even if other things are missing), exit 5 when nothing failed but something is
+missing or unmeasured. Invalid manifests are exit 2 before anything is judged. The sign-off is
+recorded as one ``signoff`` ledger row (``harness.evidence.ledger``) listing every receipt it
+relied on with its sha256, each cell's status and each blocking line.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shlex
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from harness.contracts import discharge as dis
+from harness.contracts.loader import Contract, Obligation, load_contract
+from harness.engines.registry import resolve_engine
+from harness.errors import HarnessError, Verdict
+from harness.evidence.ledger import append_row, read_rows
+from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence
+from harness.fixtures.resolve import resolve_model
+from harness.model.lint import lint_path
+from harness.release.cells import PlanContext, Run, differences, input_key, plan_context, plan_runs, receipt_inputs, run_command
+from harness.release.manifest import Manifest
+
+OK, MISSING, UNMEASURED, STALE, FAILED, NA = "ok", "missing", "unmeasured", "stale", "failed", "n/a"
+BLOCKING_EXIT = {FAILED: 1, STALE: 1, MISSING: 5, UNMEASURED: 5}
+ACTIVATION_FIXTURES = ("subject_acts",)
+"""Fixtures of the shipped bound tests that need the candidate's activations (tests/contracts/conftest.py)."""
+
+
+@dataclass
+class Item:
+    """One thing a sign-off judged: ``what`` (pin, lint, contract, cell), ``label`` (which),
+    ``status``, ``detail`` (why) and ``command`` (what would produce it; None when ok)."""
+
+    what: str
+    label: str
+    status: str
+    detail: str = ""
+    command: str | None = None
+
+    def line(self) -> str:
+        """``STATUS what label: detail; run: command`` (the row's ``blocked`` lines)."""
+        return f"{self.status.upper()} {self.what} {self.label}: {self.detail}" + (f"; run: {self.command}" if self.command else "")
+
+
+@dataclass
+class CellStatus:
+    """A cell's verdict and the receipts it used (``parity``/``probe``: receipt ids or None)."""
+
+    model: str
+    candidate: str
+    backend: str
+    status: str
+    parity: str | None = None
+    probe: str | None = None
+
+
+@dataclass
+class Signoff:
+    """A finished sign-off: every item, the cells, the receipts relied on (``{id, sha256}``), the
+    builds, the verdict (SIGNED or BLOCKED), its exit code and the ledger row written (if any)."""
+
+    manifest: Manifest
+    items: list[Item] = field(default_factory=list)
+    cells: list[CellStatus] = field(default_factory=list)
+    relied_on: list[dict[str, str]] = field(default_factory=list)
+    builds: dict[str, str] = field(default_factory=dict)
+    row: dict[str, Any] | None = None
+
+    @property
+    def blocking(self) -> list[Item]:
+        return [i for i in self.items if i.status in BLOCKING_EXIT]
+
+    @property
+    def exit_code(self) -> int:
+        """0 signed; 1 any failed or stale item; 5 nothing failed but something missing or unmeasured."""
+        codes = {BLOCKING_EXIT[i.status] for i in self.blocking}
+        return 1 if 1 in codes else 5 if codes else 0
+
+    @property
+    def verdict(self) -> str:
+        return "SIGNED" if self.exit_code == 0 else "BLOCKED"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pins and lint
+# ---------------------------------------------------------------------------------------------
+
+
+def _pins(m: Manifest, ctx: PlanContext, so: Signoff) -> None:
+    for pin in m.models:
+        now = ctx.model_sha256.get(pin.spec)
+        ok = now == pin.sha256
+        so.items.append(Item("pin", f"model {pin.spec}", OK if ok else FAILED,
+                             "sha256 as pinned" if ok else f"sha256 {str(now)[:12]} is not the manifest's {pin.sha256[:12]}",
+                             None if ok else f"sha256sum {shlex.quote(pin.spec)}  # then pin it in {m.path}"))
+    ok = ctx.thresholds_sha256 == m.thresholds_sha256
+    so.items.append(Item("pin", f"thresholds {ctx.thresholds}", OK if ok else FAILED,
+                         "sha256 as pinned" if ok else f"sha256 {ctx.thresholds_sha256[:12]} is not the manifest's {m.thresholds_sha256[:12]}",
+                         None if ok else f"sha256sum {shlex.quote(str(ctx.thresholds))}  # then pin it in {m.path}"))
+    for cand in m.candidates:
+        build = ctx.builds[cand.engine]
+        if cand.build is not None:
+            ok = build.startswith(cand.build)
+            so.items.append(Item("pin", f"build of {cand.engine}", OK if ok else FAILED,
+                                 f"build {build[:12]}" + ("" if ok else f" is not the manifest's {cand.build[:12]}")))
+
+
+def _lint(m: Manifest, ctx: PlanContext, so: Signoff) -> None:
+    for pin in m.models:
+        if ctx.model_sha256.get(pin.spec) is None:
+            so.items.append(Item("lint", pin.spec, FAILED, "the model cannot be read", f"harness lint {shlex.quote(pin.spec)}"))
+            continue
+        report = lint_path(resolve_model(pin.spec))
+        errors = report.errors
+        so.items.append(Item("lint", pin.spec, FAILED if errors else OK,
+                             f"{len(errors)} error finding(s): {', '.join(sorted({f.code for f in errors}))}" if errors else "clean",
+                             f"harness lint {shlex.quote(pin.spec)}" if errors else None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Contracts
+# ---------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=256)
+def _test_fixtures(path: Path, qualname: str) -> frozenset[str]:
+    """The argument names of a bound test function (its fixtures); empty when unparsable."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    body: list[ast.stmt] = tree.body
+    for i, name in enumerate(parts := qualname.split("::")):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name), None)
+        if node is None:
+            return frozenset()
+        if i == len(parts) - 1:
+            return frozenset(a.arg for a in node.args.args) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else frozenset()
+        body = node.body
+    return frozenset()
+
+
+def needs_activations(contract: Contract, ob: Obligation) -> bool:
+    """True when a bound test of ``ob`` takes a fixture that needs the candidate's activations."""
+    for t in ob.tests:
+        rel, func = t.split("::", 1)
+        if _test_fixtures(contract.root / rel, func) & set(ACTIVATION_FIXTURES):
+            return True
+    return False
+
+
+def _capabilities(engine: str, model_spec: str) -> list[str]:
+    try:
+        return list(resolve_engine(engine, resolve_model(model_spec)).info.capabilities)
+    except HarnessError:
+        return []
+
+
+def _contracts(m: Manifest, so: Signoff, discharge_dir: Path | None) -> None:
+    for cand in m.candidates:
+        caps = _capabilities(cand.engine, m.models[0].spec)
+        for cid in m.contracts_for(cand):
+            contract = load_contract(cid, check_tests=False)
+            ev = discharge_dir or dis.default_evidence_dir(contract)
+            again = f"harness discharge {cid} --candidate {shlex.quote(cand.engine)}"
+            for ob in contract.obligations:
+                label = f"{cid} {ob.id} for {cand.engine}"
+                if not ob.tests:
+                    so.items.append(Item("contract", label, NA, "no tests bound (UNBOUND)"))
+                    continue
+                if needs_activations(contract, ob) and "activations" not in caps:
+                    so.items.append(Item("contract", label, NA, f"its bound tests need activations; {cand.engine} does not expose them"))
+                    continue
+                row = dis.obligation_status(contract, ob, ev, cand.engine)
+                status = {dis.DISCHARGED: OK, dis.STALE: STALE}.get(row.status, MISSING if row.status == dis.BOUND and row.evidence is None else FAILED)
+                so.items.append(Item("contract", label, status, f"{row.status}: {row.detail}", None if status == OK else again))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Found:
+    row: dict[str, Any]
+    receipt: dict[str, Any]
+    path: Path
+
+
+def ledger_receipts(paths: EvidencePaths) -> list[_Found]:
+    """The standing parity/probe rows of the ledger with their receipts (oldest first); a row
+    whose receipt cannot be read is left out (``harness ledger verify`` reports it)."""
+    rows = read_rows(paths.ledger)
+    superseded = {r.get("supersedes") for r in rows if r.get("kind") == "supersede"}
+    out = []
+    for r in rows:
+        if r.get("kind") not in ("parity", "self-consistency", "probe") or r.get("seq") in superseded or not r.get("receipt_id"):
+            continue
+        p = paths.receipts / f"{r['receipt_id']}.json"
+        try:
+            out.append(_Found(r, json.loads(p.read_text(encoding="utf-8")), p))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple[str, str | None]:
+    """The status of one run and the receipt id it used (module docstring)."""
+    cmd = f"harness sweep {shlex.quote(str(m.path))}"
+    label = f"{run.cell.candidate.engine} @ {run.cell.model.spec} [{run.cell.backend}] {run.kind}"
+    exact = [f for f in found if input_key(receipt_inputs(f.receipt)) == run.key]
+    swept = [f for f in found if (f.receipt.get("cell") or {}).get("key") == run.key]
+    if exact or swept:
+        f = (exact or swept)[-1]
+        so.relied_on.append({"id": f.row["receipt_id"], "sha256": f.row["receipt_sha256"]})
+        if not exact:  # made for this cell, but the engine reported other inputs (class, backend)
+            diff = differences(run.inputs, receipt_inputs(f.receipt))
+            so.items.append(Item("cell", label, FAILED, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made for this cell "
+                                 f"but the engine reported: {'; '.join(diff)}", run_command(m, run)))
+            return FAILED, f.row["receipt_id"]
+        status, why = _receipt_status(run, f.receipt)
+        fix = {OK: None, FAILED: run_command(m, run), UNMEASURED: _measure_command(run)}.get(status, cmd)
+        so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}", fix))
+        return status, f.row["receipt_id"]
+    same_cell = [f for f in found if _same_cell(run, receipt_inputs(f.receipt))]
+    if same_cell:
+        f = same_cell[-1]
+        diff = differences(run.inputs, receipt_inputs(f.receipt))
+        so.items.append(Item("cell", label, STALE, f"newest receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made from other "
+                             f"inputs: {'; '.join(diff)}", run_command(m, run)))
+        return STALE, None
+    so.items.append(Item("cell", label, MISSING, f"no receipt in the ledger (all missing cells: {cmd})", run_command(m, run)))
+    return MISSING, None
+
+
+def _measure_command(run: Run) -> str:
+    """What measures an unmeasured calibrated tier on the model (then sweep again)."""
+    return (f"harness calibrate --model {shlex.quote(run.cell.model.spec)} --class {run.cell.candidate.compute_class}; "
+            f"then harness sweep again")
+
+
+def _same_cell(run: Run, got: dict[str, Any]) -> bool:
+    """A receipt of the same kind, candidate, backend and model (its sha256 now or as pinned),
+    whatever its other inputs."""
+    return (all(got.get(k) == run.inputs.get(k) for k in ("kind", "candidate", "backend"))
+            and got.get("model_sha256") in (run.inputs.get("model_sha256"), run.cell.model.sha256))
+
+
+def _receipt_status(run: Run, receipt: dict[str, Any]) -> tuple[str, str]:
+    """ok / failed / unmeasured of a current receipt, and why."""
+    if run.kind == "probe":
+        v = receipt.get("verdict")
+        return ({"PASS": OK, "UNMEASURED": UNMEASURED}.get(v, FAILED), f"probes {v}: {receipt.get('message', '')}")
+    g = receipt.get("gated") or {}
+    v, cal = g.get("verdict"), (g.get("calibrated") or {}).get("status")
+    if v == "PASS" and cal == "ok":
+        return OK, "parity PASS, calibrated tier measured"
+    if v == "PASS":
+        return UNMEASURED, f"parity PASS but the calibrated tier is {cal}: {(g.get('calibrated') or {}).get('line', '')}"
+    return (UNMEASURED if v == "UNMEASURED" else FAILED), f"parity {v}: {str(g.get('message', ''))[:300]}"
+
+
+def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths, so: Signoff) -> None:
+    found = ledger_receipts(paths)
+    order = [OK, NA, UNMEASURED, MISSING, STALE, FAILED]
+    for i in range(0, len(runs), 2):
+        parity, probe = runs[i], runs[i + 1]
+        ps, pid = _judge_run(m, parity, found, so)
+        qs, qid = _judge_run(m, probe, found, so)
+        for pin_version in [parity.cell.candidate.version] if parity.cell.candidate.version else []:
+            rec = next((f.receipt for f in found if f.row["receipt_id"] == pid), None)
+            got = ((rec or {}).get("engines") or {}).get("candidate", {}).get("version")
+            if rec is not None and got != pin_version:
+                so.items.append(Item("pin", f"version of {parity.cell.candidate.engine}", FAILED, f"reports version {got!r}, not {pin_version!r}"))
+                ps = FAILED
+        cell = parity.cell
+        so.cells.append(CellStatus(cell.model.spec, cell.candidate.engine, cell.backend, max(ps, qs, key=order.index), pid, qid))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sign-off
+# ---------------------------------------------------------------------------------------------
+
+
+def signoff(m: Manifest, ledger: str | Path | None = None, discharge_dir: str | Path | None = None, record: bool = True) -> Signoff:
+    """Judge ``m`` (module docstring) against the ledger ``ledger`` (None: the project's) and the
+    discharge records in ``discharge_dir`` (None: each contract's default), and with ``record``
+    append the ``signoff`` row. Raises ``InvalidInput`` when the evidence cannot be read or the row
+    cannot be written."""
+    paths = preflight_evidence(ledger) if record else evidence_paths(ledger)
+    ctx = plan_context(m, paths.ledger)
+    runs = plan_runs(m, ctx)
+    so = Signoff(m, builds=dict(ctx.builds))
+    _pins(m, ctx, so)
+    _lint(m, ctx, so)
+    _contracts(m, so, Path(discharge_dir) if discharge_dir else None)
+    _cells(m, ctx, runs, paths, so)
+    seen: set[str] = set()
+    so.relied_on = [r for r in so.relied_on if not (r["id"] in seen or seen.add(r["id"]))]
+    if record:
+        so.row = append_row(paths.ledger, signoff_row(so), None, paths.markdown)
+    return so
+
+
+def signoff_row(so: Signoff) -> dict[str, Any]:
+    """The ``signoff`` ledger row of a sign-off (``harness.evidence.ledger.SIGNOFF_FIELDS``)."""
+    return {"kind": "signoff", "release_name": so.manifest.release, "verdict": so.verdict, "builds": so.builds,
+            "cells": [vars(c) for c in so.cells], "relied_on": so.relied_on, "blocked": [i.line() for i in so.blocking]}
+
+
+def verdict_of(so: Signoff) -> Verdict:
+    """The shared verdict the exit code stands for (PASS, FAIL or UNMEASURED)."""
+    return {0: Verdict.PASS, 1: Verdict.FAIL, 5: Verdict.UNMEASURED}[so.exit_code]
