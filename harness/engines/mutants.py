@@ -496,7 +496,7 @@ _M = [
            ("QHF-CON-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007"),
            ResidualAfterNorm),
     Mutant("nondeterministic", "run-to-run nondeterministic reduction", Nondeterministic.__doc__,
-           ("QE2E-DET-002",),
+           ("QE2E-DET-002", "QE2E-PRB-005", "QE2E-PRB-006"),  # the pieces probes see it at the f64 step (PROBE_MIN_STEP)
            Nondeterministic),
     Mutant("moe-weights-unnormalized", "MoE top-k weights not renormalized", MoeWeightsUnnormalized.__doc__,
            ("QHF-MOE-010",),
