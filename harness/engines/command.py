@@ -54,6 +54,7 @@ from harness.engines.process import (
     read_small_file,
     regular_file,
     run_process,
+    start_error,
 )
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
@@ -347,12 +348,8 @@ class CommandEngine:
         argv = self._argv({"{request}": str(req_path), "{out_dir}": str(out_dir)})
         try:
             res = run_process(argv, timeout_s=self.spec.timeout_s, workdir=workdir, cwd=self.spec.cwd, env={**os.environ, **self.spec.env})
-        except FileNotFoundError:
-            raise EngineError(f"{self.who}: program {argv[0]!r} not found") from None
-        except PermissionError:
-            raise EngineError(f"{self.who}: program {argv[0]!r} is not executable") from None
         except OSError as e:
-            raise EngineError(f"{self.who}: program {argv[0]!r} cannot be started ({e.strerror or e})") from None
+            raise start_error(self.who, argv[0], e) from None
         if res.returncode is None:
             raise EngineError(f"{self.who} timed out after {self.spec.timeout_s:g} s", res.tail)
         if res.returncode != 0:

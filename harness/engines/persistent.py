@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from harness.engines.process import read_tail, tail_lines
+from harness.engines.process import kill_group, read_tail, start_error, tail_lines
 from harness.errors import EngineError
 from harness.rundir import scratch_dir
 
@@ -63,15 +63,9 @@ class PersistentProcess:
         try:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, cwd=self.cwd,
                                          env=self.env, start_new_session=True)
-        except FileNotFoundError:
-            self.close()
-            raise EngineError(f"{self.who}: program {self.argv[0]!r} not found") from None
-        except PermissionError:
-            self.close()
-            raise EngineError(f"{self.who}: program {self.argv[0]!r} is not executable") from None
         except OSError as e:
             self.close()
-            raise EngineError(f"{self.who}: program {self.argv[0]!r} cannot be started ({e.strerror or e})") from None
+            raise start_error(self.who, self.argv[0], e) from None
         STARTS[self.key] += 1
         self._buf = b""
 
@@ -85,13 +79,7 @@ class PersistentProcess:
     def close(self) -> None:
         """Ask nothing, kill the process group, remove its files."""
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
+            kill_group(self.proc)
             for f in (self.proc.stdin, self.proc.stdout):
                 try:
                     f.close()  # type: ignore[union-attr]

@@ -61,7 +61,18 @@ class ProcessResult:
     stderr_end: str
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def start_error(who: str, program: str, e: OSError) -> EngineError:
+    """The one-line ENGINE-ERROR for an engine program that could not be started (``Popen``
+    raised ``e``): not found, not executable, or the OS's reason."""
+    if isinstance(e, FileNotFoundError):
+        return EngineError(f"{who}: program {program!r} not found")
+    if isinstance(e, PermissionError):
+        return EngineError(f"{who}: program {program!r} is not executable")
+    return EngineError(f"{who}: program {program!r} cannot be started ({e.strerror or e})")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill ``proc``'s process group (it was started in a new session) and reap ``proc``."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -113,7 +124,7 @@ def run_process(argv: Sequence[str], *, timeout_s: float, workdir: Path, cwd: st
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            _kill_group(proc)
+            kill_group(proc)
         end = read_tail(err)
     return ProcessResult(rc, tail_lines(end), end)
 
