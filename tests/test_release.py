@@ -72,11 +72,22 @@ def ledger_of(root: Path) -> Path:
 # ------------------------------------------------------------------------------ the manifest
 
 
+def test_the_manifest_schema_names_every_probe():
+    """The schema's probe names are the probes ``harness probe`` runs (one list, checked)."""
+    from harness.compare.probes import PROBE_NAMES
+    from harness.paths import SCHEMA_DIR
+    from harness.release.manifest import SCHEMA_FILE
+
+    schema = json.loads((SCHEMA_DIR / SCHEMA_FILE).read_text())
+    assert set(schema["properties"]["probes"]["items"]["enum"]) == set(PROBE_NAMES)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.replace("schema: harness-release/v1", "schema: harness-release/v9"), "schema: 'harness-release/v1' was expected"),
     (lambda s: s.replace("compute_class: f64", "compute_class: f65"), "candidates.0.compute_class"),
     (lambda s: s.replace('engine: "oracle"', 'engine: "nope"'), "unknown engine 'nope'"),
     (lambda s: s.replace("probes: [split", "probes: [spilt"), "probes.0"),
+    (lambda s: s.replace("probes: [split, decode, determinism]", "probes: [split, determinism]"), "missing decode"),
     (lambda s: s + "contracts: [no-such-contract-v1]\n", "'no-such-contract-v1' is neither"),
     (lambda s: s.replace("prompts: prompts.jsonl", "prompts: gone.jsonl"), "gone.jsonl does not exist"),
     (lambda s: s.replace("release: demo-1", "release: demo-1\nrelease: again"), "duplicate key release"),

@@ -38,7 +38,7 @@ from harness.engines.registry import engine_build_id
 from harness.errors import HarnessError
 from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
 from harness.provenance import numbers_sha256, sha256_bytes, sha256_file
-from harness.release.manifest import ALL_PROBES, CandidatePin, Manifest, ModelPin
+from harness.release.manifest import PROBE_NAMES, CandidatePin, Manifest, ModelPin
 
 KINDS = ("parity", "probe")
 IN_PROCESS_CPU = ("oracle", "oracle-bf16", "oracle-f16", "llama.cpp")
@@ -209,6 +209,6 @@ def run_command(m: Manifest, run: Run) -> str:
         args += ["--prompts", str(m.prompts)]
     if m.thresholds_path is not None:
         args += ["--thresholds", str(m.thresholds_path)]
-    if run.kind == "probe" and set(m.probes) != set(ALL_PROBES):
+    if run.kind == "probe" and set(m.probes) != set(PROBE_NAMES):
         args += [a for p in m.probes for a in ("--only", p)]
     return shlex.join(args)

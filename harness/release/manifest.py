@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from harness.compare.probes import PROBE_NAMES, REQUIRED_PROBES
 from harness.config import DEFAULT_REFERENCE
 from harness.errors import InvalidInput
 from harness.fschecks import read_utf8
@@ -40,7 +41,6 @@ from harness.yamlnodes import check_size, duplicate_keys, line_of
 SCHEMA_ID = "harness-release/v1"
 SCHEMA_FILE = "release-manifest.schema.json"
 DEFAULT_BACKENDS = ("cpu",)
-ALL_PROBES = ("split", "decode", "ubatch", "multiseq", "determinism", "long")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Manifest:
     thresholds_sha256: str
     prompts: Path | None
     reference: str = DEFAULT_REFERENCE
-    probes: tuple[str, ...] = ALL_PROBES
+    probes: tuple[str, ...] = PROBE_NAMES
     hosts: tuple[str, ...] = ()
     contracts: tuple[str, ...] = field(default_factory=tuple)
 
@@ -141,6 +141,10 @@ def load_manifest(path: str | Path) -> Manifest:
     for cid in [*data.get("contracts", []), *(c for cand in cands for c in cand.contracts)]:
         if resolve_contract(cid) is None:
             raise InvalidInput(f"{p}: contracts: {cid!r} is neither this project's contracts/{cid}.yaml nor a shipped contract")
+    missing = [n for n in REQUIRED_PROBES if data.get("probes") and n not in data["probes"]]
+    if missing:
+        raise InvalidInput(f"{p}:{line_of(root, ['probes'])}: probes: a probe cell gives a verdict only with {', '.join(REQUIRED_PROBES)}; "
+                           f"missing {', '.join(missing)}")
     th = data["thresholds"]
     prompts = _resolve(base, data["prompts"]) if data.get("prompts") else None
     thresholds = _resolve(base, th["path"]) if th.get("path") else None
@@ -148,7 +152,7 @@ def load_manifest(path: str | Path) -> Manifest:
         if f is not None and not f.is_file():
             raise InvalidInput(f"{p}: {what}: {f} does not exist")
     return Manifest(p, sha256_bytes(raw), data["release"], tuple(cands), models, thresholds, th["sha256"], prompts,
-                    data.get("reference", DEFAULT_REFERENCE), tuple(data.get("probes") or ALL_PROBES), tuple(data.get("hosts") or ()),
+                    data.get("reference", DEFAULT_REFERENCE), tuple(data.get("probes") or PROBE_NAMES), tuple(data.get("hosts") or ()),
                     tuple(data.get("contracts") or ()))
 
 
