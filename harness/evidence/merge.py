@@ -28,7 +28,7 @@ from typing import Any
 
 from harness.errors import InvalidInput
 from harness.evidence.ledger import TIMING_FIELDS, append_row, default_markdown_path, read_rows, row_from_receipt, verify_ledger
-from harness.evidence.receipts import _write_new, load_receipt
+from harness.evidence.receipts import write_new, load_receipt
 from harness.evidence.record import preflight_evidence
 
 RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration")
@@ -109,7 +109,7 @@ def merge_ledgers(target: str | Path | None, folders: list[str | Path]) -> Merge
         for src in (path.with_suffix(".npz"), path):  # the sidecar first: a visible receipt always has its arrays
             if src.exists():
                 data = src.read_bytes()
-                _write_new(paths.receipts, src.name, lambda f, data=data: f.write(data))
+                write_new(paths.receipts, src.name, lambda f, data=data: f.write(data))
         receipt = load_receipt(paths.receipts / path.name).receipt
         fields = {**row_from_receipt(receipt), "time": row.get("time"), **{k: row[k] for k in TIMING_FIELDS if k in row}}
         result.appended.append(append_row(paths.ledger, fields, paths.receipts / path.name, paths.markdown))

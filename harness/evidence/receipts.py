@@ -244,7 +244,7 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def _write_new(directory: Path, name: str, write) -> bool:
+def write_new(directory: Path, name: str, write) -> bool:
     """Create ``directory/name`` with ``write(file)``'s bytes, never replacing an existing file.
 
     The bytes go to a temporary file in ``directory`` (fsynced), which is then hard-linked to
@@ -350,7 +350,7 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
 
     A receipt, once written, is never replaced: a ledger row holds the sha256 of its bytes, and
     the bytes include ``created``, so the same content written again later differs. The json is
-    created with link semantics (``_write_new``): when ``<id>.json`` exists — an earlier run, or
+    created with link semantics (``write_new``): when ``<id>.json`` exists — an earlier run, or
     an identical run racing this one — it is left as it is and, if it loads and checks, its paths
     are returned; if it does not, ``InvalidInput`` says so (it is evidence: ``harness ledger
     verify`` tells whether a row names it). The sidecar is hashed by content, not bytes: an
@@ -370,9 +370,9 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
         directory.mkdir(parents=True, exist_ok=True)
         sweep_temp_files(directory)
         save = lambda f: np.savez(f, **arrays)  # noqa: E731
-        if not _write_new(directory, npz_path.name, save) and not _sidecar_holds(npz_path, r["arrays"]["sha256"]):
+        if not write_new(directory, npz_path.name, save) and not _sidecar_holds(npz_path, r["arrays"]["sha256"]):
             _replace_file(directory, npz_path.name, save)
-        created = _write_new(directory, json_path.name, lambda f: f.write(text.encode("utf-8")))
+        created = write_new(directory, json_path.name, lambda f: f.write(text.encode("utf-8")))
         _fsync_dir(directory)
     except OSError as e:
         raise InvalidInput(f"{directory}: cannot write receipt {rid}: {e.strerror or e}") from e
