@@ -529,11 +529,15 @@ class Qwen35Oracle:
                     raise EngineError(
                         f"oracle: floating-point {err} in layer {il} ({kind}) after op {emit.last!r}"
                     ) from None
-            try:
-                h = emit("result_norm", -1, self.rmsnorm(h, self.read_tensor("output_norm.weight"), hp.rms_eps))
-            except FloatingPointError as err:
-                raise EngineError(f"oracle: floating-point {err} in output_norm") from None
-        return h
+            return self.result_norm(h, emit)
+
+    def result_norm(self, h: np.ndarray, emit: _Recorder) -> np.ndarray:
+        """The final RMSNorm (``output_norm``) of the trunk's output h [T, n_embd], recorded as
+        ``result_norm``; a floating-point fault is an ``EngineError`` naming output_norm."""
+        try:
+            return emit("result_norm", -1, self.rmsnorm(h, self.read_tensor("output_norm.weight"), self.hp.rms_eps))
+        except FloatingPointError as err:
+            raise EngineError(f"oracle: floating-point {err} in output_norm") from None
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Rows of ``token_embd`` for ``tokens``: [T, n_embd] float64."""

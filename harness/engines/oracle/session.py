@@ -56,10 +56,7 @@ class OracleSession:
                     h[:] = o.block(il, w, h, state, pos, emit)
                 except FloatingPointError as err:
                     raise EngineError(f"oracle: floating-point {err} in layer {il} after op {emit.last!r}") from None
-            try:
-                h = emit("result_norm", -1, o.rmsnorm(h, o.read_tensor("output_norm.weight"), o.hp.rms_eps))
-            except FloatingPointError as err:
-                raise EngineError(f"oracle: floating-point {err} in output_norm") from None
+            h = o.result_norm(h, emit)
         self.n_past += len(toks)
         return o.lm_head(h, np.float32)
 
