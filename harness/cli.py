@@ -512,12 +512,19 @@ def report(receipt, out_dir, localize_) -> None:
 @click.option("--topk", "topk_k", default=None, type=click.IntRange(1, 1000), metavar="K",
               help="Measure only the top-k rows (http:NAME candidates) for K logprobs per position, on the F32 trained models, "
                    "for --classes (default f64, f32), and merge them into --out.")
+@click.option("--probes", "probes_only", is_flag=True,
+              help="Measure only the probe tolerances (each class's own split/decode floor on --base-model, the MoE excursion "
+                   "allowance on --moe-model) for --classes (default: all) and merge them into --out, keeping every other number.")
 def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
-              dry_run, as_json, topk_k) -> None:
+              dry_run, as_json, topk_k, probes_only) -> None:
     """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
     compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
     every gate); with --model, measure one row on that model and record it as evidence; with
-    --topk K, measure only the top-k rows and merge them into thresholds.yaml."""
+    --topk K, measure only the top-k rows and merge them into thresholds.yaml; with --probes, only
+    the probe tolerances."""
+    if probes_only:
+        _calibrate_probes(tuple(classes) or None, base_model, moe_model, out, dry_run, as_json)
+        return
     if topk_k:
         _calibrate_topk(topk_k, tuple(classes) or None, (base_model, moe_model), tuple(mutants) or None, max_tokens or 256, out, dry_run, as_json)
         return
@@ -597,6 +604,31 @@ def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_js
     if not dry_run:
         merge_topk_rows(out, rows)
         click.echo(f"wrote {len(rows)} top-k row(s) to {out}")
+
+
+def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> None:
+    """``harness calibrate --probes``: the probe tolerances only (``gates.calibrate.calibrate_probes``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.gates.calibrate import calibrate_probes, merge_probe_rows
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)
+    con = _console(stderr=True)
+    classes = classes or ("f64", "f32", "bf16", "f16", "mixed")
+    probes, ex = calibrate_probes(base_model, moe_model or None, classes, log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"probes": probes, "moe_excursions": ex})
+    else:
+        for cls, p in probes.items():
+            click.echo(f"class {cls}: probe min cosine {p['min_cosine']['value']} (floor {p['min_cosine']['floor']:.10f}), "
+                       f"max KLD {p['max_kld']['value']:g} (floor {p['max_kld']['floor']:.3g})")
+        if ex:
+            click.echo(f"MoE excursions: {ex['value']} positions (known-good worst {ex['floor']} on {_p(str(ex['model']))})")
+    if not dry_run:
+        command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --probes"
+        merge_probe_rows(out, probes, ex, command, base_model, moe_model or None, harness_info().get("git_commit"))
+        click.echo(f"wrote the probe tolerances of {len(probes)} class(es) to {out}")
 
 
 def _render_calibration(res) -> None:

@@ -89,3 +89,45 @@ def test_thresholds_document_validates_and_resolves_rows(tmp_path):
 def test_a_row_never_loosens_the_release_floor():
     noisy = pair("bf16 engine", True, [0.95] * 6, 1e-2)
     assert propose([noisy])["min_cosine"]["value"] == 0.98
+
+
+def test_probe_floors_measure_the_decode_the_probe_makes():
+    """The oracle (f64) fed one token per call over the probe's decode length equals itself fed
+    whole, so its floor is exact and the f64 tolerance is the smallest step; ``n`` counts every
+    split and decode comparison, ``decode_tokens`` says how long the decode was."""
+    from harness.compare.probes import split_points
+    from harness.fixtures import synthetic as fx
+    from harness.gates.calibrate import PROBE_MIN_STEP, probe_floors
+
+    out = probe_floors(fx.build("tiny-qwen35"), ["f64"], False, lambda m: None, decode_tokens=48)["f64"]
+    assert out["min_cosine"]["floor"] == 1.0 and out["max_kld"]["floor"] == 0.0
+    assert out["min_cosine"]["value"] == round(1 - PROBE_MIN_STEP["f64"][0], 10) and out["max_kld"]["value"] == PROBE_MIN_STEP["f64"][1]
+    assert out["min_cosine"]["decode_tokens"] == 48 and out["min_cosine"]["n"] == len(split_points(160)) + 2
+
+
+def test_merge_probe_rows_replaces_only_the_probe_numbers(tmp_path):
+    """``harness calibrate --probes`` rewrites each row's probes of the measured classes and
+    ``probes.moe_excursions`` (each with a measured basis) and keeps every gate as it was."""
+    import shutil
+
+    from harness.gates.calibrate import merge_probe_rows
+
+    path = tmp_path / "thresholds.yaml"
+    shutil.copy("thresholds.yaml", path)
+    before = load_thresholds(path).data
+    probes = {"bf16": {"min_cosine": {"value": 0.99, "floor": 0.9995, "n": 7, "decode_tokens": 640, "engines": {"e": (0.9995, 1e-3)}},
+                       "max_kld": {"value": 0.05, "floor": 1e-3, "n": 7, "decode_tokens": 640}}}
+    ex = {"value": 9, "floor": 3, "n": 11, "engines": {"e on m": 3}, "min_cosine": 0.998, "decode_tokens": 640, "model": "fixture:m"}
+    merge_probe_rows(path, probes, ex, "harness calibrate --probes", "fixture:trained-qwen35", "fixture:m", None)
+    after = load_thresholds(path).data
+    for a, b in zip(before["calibrated"], after["calibrated"]):
+        assert a["gates"] == b["gates"]
+        if b["class"] == "bf16":
+            assert b["probes"]["min_cosine"]["value"] == 0.99 and b["probes"]["max_kld"]["value"] == 0.05
+            assert "decode over 640 tokens" in b["probes"]["min_cosine"]["basis"]["note"]
+            assert [k["what"] for k in b["probes"]["min_cosine"]["basis"]["known_bad"]] == \
+                [k["what"] for k in a["probes"]["min_cosine"]["basis"]["known_bad"]]  # the mutants' side is kept
+        else:
+            assert a["probes"] == b["probes"]
+    assert after["probes"]["moe_excursions"]["value"] == 9 and after["probes"]["moe_excursions"]["basis"]["known_good_floor"] == 3
+    assert after["probes"]["localize_max_nmse"] == before["probes"]["localize_max_nmse"]

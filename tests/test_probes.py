@@ -210,3 +210,63 @@ def test_chunks_arg_round_trips():
     pieces = [16] + [1] * 40 + [3, 3]
     assert chunks_arg(pieces) == "16,1x40,3,3" and parse_chunks_arg("16,1x40,3,3") == pieces == parse_chunks_arg("16,1×40,3,3")
     assert chunks_up_to([16, 1, 1, 1], 17) == [16, 1] and chunks_up_to([64, 66], 10) == [10]
+
+
+def _burst(n=640, v=64, at=(), drift_from=None, seed=0):
+    """Logits ``[n, v]`` and a copy perturbed at the positions ``at`` (a router near-tie: a burst
+    that recovers) or on every position from ``drift_from`` on (a state fault)."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(n, v)).astype(np.float32)
+    other = base.copy()
+    for p in at:
+        other[p] += rng.normal(scale=0.5, size=v).astype(np.float32)
+    if drift_from is not None:
+        other[drift_from:] += rng.normal(scale=0.05, size=(n - drift_from, v)).astype(np.float32)
+    return base, other
+
+
+def test_moe_excursions_forgive_a_router_burst_but_not_a_drift():
+    """An MoE tolerance (``excursions``) lets a short burst of positions that ends leave the bounds,
+    and says how many; a state fault that drifts on every later position fails all the same, and
+    so do a few bad positions that last to the end; the dense tolerance (no excursions) fails the
+    burst."""
+    from harness.compare.probes import compare
+
+    dense = ProbeTolerance(min_cosine=0.99999, max_kld=1e-5)
+    moe = ProbeTolerance(min_cosine=0.99999, max_kld=1e-5, excursions=8)
+    base, burst = _burst(at=(123, 124, 125, 126, 127))
+    c = compare("burst", base, burst, moe)
+    assert c.ok and c.excursions == 5 and c.first_bad_position is None
+    d = compare("burst", base, burst, dense)
+    assert not d.ok and d.first_bad_position == 123 and d.excursions == 0
+    base, drift = _burst(drift_from=300)
+    f = compare("drift", base, drift, moe)
+    assert not f.ok and f.first_bad_position == 300
+    base, many = _burst(at=range(100, 109))  # one more than allowed
+    assert not compare("nine", base, many, moe).ok
+    base, tail = _burst(at=range(635, 640))  # few positions, but lasting to the last one: a state fault after a late split
+    t = compare("tail", base, tail, moe)
+    assert not t.ok and t.first_bad_position == 635
+
+
+def test_a_non_finite_position_is_never_an_excursion():
+    from harness.compare.probes import compare
+
+    base, burst = _burst(at=(10,))
+    burst[10, 3] = np.nan
+    assert not compare("nan", base, burst, ProbeTolerance(min_cosine=0.99999, max_kld=1e-5, excursions=8)).ok
+
+
+def test_probe_tolerance_applies_moe_excursions_only_to_moe_models():
+    from harness.compare.probes import probe_tolerance
+    from harness.compare.inputs import subject_of
+    from harness.gates.thresholds import load_thresholds
+    from harness.model.gguf_model import GGUFModel
+
+    th = load_thresholds("thresholds.yaml")
+    allowance = th.data["probes"]["moe_excursions"]
+    assert allowance["basis"]["kind"] == "measured" and allowance["value"] >= allowance["basis"]["known_good_floor"]
+    for name, moe in (("tiny-qwen35", False), ("tiny-qwen35moe", True)):
+        m = GGUFModel(fx.build(name))
+        tol = probe_tolerance(th.resolve(subject_of(m, {"compute_class": "f32"}), f"fixture:{name}"), moe=m.hparams.n_expert > 0)
+        assert tol is not None and tol.excursions == (allowance["value"] if moe else 0)

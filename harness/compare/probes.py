@@ -62,9 +62,12 @@ DECODE_TOKENS = 640
 """Tokens the decode probe feeds one per call unless told otherwise (``--decode-tokens``). On the
 default model a recurrent state rounded to bf16 every 8th call first leaves a tolerance of
 cosine 0.999999 / KLD 1e-6 at position 528; 640 leaves a margin over that. The f64 class's
-tolerance (1 − cosine 1e-8, KLD 1e-9) sees it at position 8 (``tests/test_state_faults.py``). The
-f32 class's (KLD 1.4e-5, from llama.cpp's own n_ubatch noise) does not within 640 tokens for
-bf16 every 4 or 8 calls, nor f16 every 8: a known limit, stated in docs/engine-protocol.md."""
+tolerance (1 − cosine 1e-8, KLD 1e-9) sees it at position 8 (``tests/test_state_faults.py``).
+Calibration measures every class's probe floor over this many decode calls (``harness calibrate
+--probes``): llama.cpp's own 640-token decode drifts to 1 − cosine 5.3e-6 and KLD 3.9e-5, so the
+f32 class's tolerance (1 − cosine 1.1e-4, KLD 2e-3) is above what a bf16 or f16 state does to an
+exact engine on the default model (at most 1 − cosine 1.1e-6, KLD 8.1e-6): a known limit, stated
+in docs/engine-protocol.md."""
 
 
 @dataclass(frozen=True)
@@ -94,17 +97,31 @@ REQUIRED_PROBES = ("split", "decode", "determinism")
 @dataclass
 class ProbeTolerance:
     """Bounds a probe's comparison must meet: per-position cosine ≥ ``min_cosine`` and KLD ≤
-    ``max_kld`` (nats). ``exact`` demands bit-identical logits (determinism)."""
+    ``max_kld`` (nats). ``exact`` demands bit-identical logits (determinism).
+
+    ``excursions``: how many positions of one comparison may leave those bounds, provided the
+    comparison's last position is back within them and none is non-finite. Zero on a dense model. On an MoE model
+    (``expert_count`` > 0) it is thresholds.yaml ``probes.moe_excursions``: an expert-router
+    near-tie makes a correct engine pick another expert when the same prompt is fed in other
+    pieces, which moves a burst of a few positions far past the class's bounds and then recovers
+    (llama.cpp on ``fixture:tiny-qwen35moe``: 5 positions below cosine 0.99999, the worst at 0.99864 and KLD 8.6e-3, fed one
+    token per call; on a 97-token counting prompt split anywhere before position 83, 9 positions
+    from 83 on, the worst at cosine 0.974, back within the bounds from 93). A burst ends; a state
+    fault (state dropped, reset or drifting between calls, a KV cache lost) lasts to the last
+    position, so it still fails however few positions follow the split; a fault confined to the
+    first position of each call moves every position of the decode probe, which still sees it."""
 
     min_cosine: float = 0.99999
     max_kld: float = 1e-4
     exact: bool = False
+    excursions: int = 0
 
 
 @dataclass
 class Comparison:
     """One variant compared with its baseline; ``chunks``: the piece lengths the variant was fed
-    in (None: whole)."""
+    in (None: whole); ``excursions``: positions outside the bounds that the tolerance allowed
+    (``ProbeTolerance.excursions``), so a PASS says how many it forgave."""
 
     label: str
     positions: int
@@ -114,6 +131,7 @@ class Comparison:
     max_abs_diff: float | None
     first_bad_position: int | None
     chunks: list[int] | None = None
+    excursions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -143,7 +161,10 @@ class ProbeResult:
         if f is None:
             worst = min((c.min_cosine for c in self.comparisons if c.min_cosine is not None), default=None)
             mk = max((c.max_kld for c in self.comparisons if c.max_kld is not None), default=None)
-            return f"{len(self.comparisons)} comparisons; min cosine {worst:.8f}, max KLD {mk:.3g}" if worst is not None else f"{len(self.comparisons)} comparisons"
+            ex = sum(c.excursions for c in self.comparisons)
+            forgiven = f"; {ex} position{'s' if ex != 1 else ''} outside the bounds allowed as MoE router near-ties" if ex else ""
+            return (f"{len(self.comparisons)} comparisons; min cosine {worst:.8f}, max KLD {mk:.3g}{forgiven}" if worst is not None
+                    else f"{len(self.comparisons)} comparisons")
         return (
             f"{f.label}: first differing position {f.first_bad_position}, min cosine "
             f"{f.min_cosine if f.min_cosine is None else round(f.min_cosine, 8)}, max KLD {f.max_kld if f.max_kld is None else f'{f.max_kld:.3g}'}"
@@ -169,8 +190,10 @@ def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance
     with np.errstate(invalid="ignore"):
         bad = ~(pm["finite"] & (pm["cosine"] >= tol.min_cosine) & (pm["kld"] <= tol.max_kld))
     idx = np.flatnonzero(bad)
+    ok = idx.size == 0 or (idx.size <= tol.excursions and bool(pm["finite"].all()) and not bad[-1])
     max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
-    return Comparison(label, n, idx.size == 0, _min(pm["cosine"]), _max(pm["kld"]), max_abs, int(idx[0]) if idx.size else None)
+    return Comparison(label, n, ok, _min(pm["cosine"]), _max(pm["kld"]), max_abs, None if ok else int(idx[0]),
+                      excursions=int(idx.size) if ok else 0)
 
 
 def _min(a: np.ndarray) -> float | None:
@@ -188,6 +211,8 @@ def _verdict(name: str, comps: list[Comparison], tol: ProbeTolerance) -> ProbeRe
         bounds = "bit-identical"
     else:
         bounds = f"cosine >= {tol.min_cosine}" + (f", KLD <= {tol.max_kld}" if np.isfinite(tol.max_kld) else "")
+        if tol.excursions:
+            bounds += f"; up to {tol.excursions} positions outside that end before the last (MoE router near-ties)"
     return ProbeResult(name, Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps, bounds=bounds)
 
 
@@ -320,6 +345,14 @@ def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], 
     return _verdict("long", [compare(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)
 
 
+def decode_prompt(prompts: Sequence[Sequence[int]], n: int = DECODE_TOKENS) -> list[int]:
+    """The ``n`` tokens the decode probe feeds: the longest prompt's first ``n``, or every prompt
+    cycled (``long_tokens``) when the longest is shorter. Calibration measures the decode floor on
+    the same tokens."""
+    first = list(max(prompts, key=len))
+    return first[:n] if len(first) >= n else long_tokens(prompts, n)[:n]
+
+
 def long_tokens(prompts: Sequence[Sequence[int]], n: int = 1024) -> list[int]:
     """Concatenate the prompts (cycling) until at least ``n`` tokens."""
     out: list[int] = []
@@ -374,12 +407,16 @@ TOLERANCED = ("split", "decode", "ubatch", "multiseq", "prefix")
 """Probes judged by the class's tolerances (determinism is exact; the long probe uses the release gate)."""
 
 
-def probe_tolerance(resolved: ResolvedThresholds) -> ProbeTolerance | None:
+def probe_tolerance(resolved: ResolvedThresholds, moe: bool = False) -> ProbeTolerance | None:
     """The probe tolerances of the calibrated row that fits the subject (None: no row fits, so
-    the toleranced probes are UNMEASURED, never judged with another class's numbers)."""
+    the toleranced probes are UNMEASURED, never judged with another class's numbers). ``moe``
+    (the model has experts): the measured ``probes.moe_excursions`` allowance applies (none when
+    thresholds.yaml has no such entry)."""
     if "min_cosine" not in resolved.probes or "max_kld" not in resolved.probes:
         return None
-    return ProbeTolerance(min_cosine=float(resolved.probes["min_cosine"].value), max_kld=float(resolved.probes["max_kld"].value))
+    excursions = int(resolved.probes["moe_excursions"].value) if moe and "moe_excursions" in resolved.probes else 0
+    return ProbeTolerance(min_cosine=float(resolved.probes["min_cosine"].value), max_kld=float(resolved.probes["max_kld"].value),
+                          excursions=excursions)
 
 
 @dataclass
@@ -408,7 +445,7 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     if req.decode_tokens < 2:
         raise InvalidInput(f"--decode-tokens {req.decode_tokens}: the decode probe needs at least 2 tokens")
     cycled = len(first.tokens) < req.decode_tokens
-    short = long_tokens([p.tokens for p in ptoks], req.decode_tokens)[: req.decode_tokens] if cycled else first.tokens[: req.decode_tokens]
+    short = decode_prompt([p.tokens for p in ptoks], req.decode_tokens)
     three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
     side_by_side = [p.tokens[:60] for p in three]
     long = long_tokens([p.tokens for p in ptoks])
@@ -530,7 +567,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     engine = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     resolved, cal_id, _, command = resolve_row(inputs.thresholds_for(engine.info.to_dict()), req.model, req.ledger,
                                                req.measure_tier if req.write_evidence else None, log=progress)
-    tol = probe_tolerance(resolved)
+    tol = probe_tolerance(resolved, moe=inputs.model.hparams.n_expert > 0)
     tier = {"source": resolved.row.source if resolved.row else None, "self_calibration": cal_id,
             "unmeasured_reason": None if tol else resolved.row_misfit, "command": None if tol else command}
     made: list[Any] = []  # the timed reference, made on first use (the long probe)

@@ -185,12 +185,14 @@ def test_pieces_equal_whole(candidate_engine, probe_tokens, whole_logits, tolera
 
 
 @pytest.fixture(scope="session")
-def probe_tolerance(gate):
+def probe_tolerance(gate, hp):
     """The probe tolerances of the calibrated row for the candidate's class (``probes.min_cosine``,
-    ``probes.max_kld``); UNMEASURED (exit 5) where no row fits."""
-    from harness.compare.probes import ProbeTolerance
+    ``probes.max_kld``, and on an MoE model ``probes.moe_excursions``: ``probes.probe_tolerance``);
+    UNMEASURED (exit 5) where no row fits."""
+    from harness.compare import probes
 
-    return ProbeTolerance(min_cosine=float(gate.gate("min_cosine", "probes").value), max_kld=float(gate.gate("max_kld", "probes").value))
+    gate.gate("min_cosine", "probes"), gate.gate("max_kld", "probes")  # UNMEASURED, naming why, where no row fits
+    return probes.probe_tolerance(gate, moe=hp.n_expert > 0)
 
 
 def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
