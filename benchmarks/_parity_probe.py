@@ -7,7 +7,9 @@ Engine time is the wall time inside an engine's forward pass: the llama.cpp work
 and its ``logits`` stream while it runs (process start, model load, decode, and the one copy of
 each row through the pipe, which cannot be told apart from waiting for the decode; the worker's
 ``tokenize`` run is tokenization and counted as harness time), and the oracle's
-``logits`` generator while it computes (trunk, lm_head, float32 conversion). Everything else in ``harness.cli.main`` is the harness's own time:
+``logits`` generator while it computes (trunk, lm_head, float32 conversion) and its ``generate``
+(free-running greedy: a session's decode steps; the worker's ``generate`` run is timed like its
+other runs). Everything else in ``harness.cli.main`` is the harness's own time:
 tokenization, metrics, the receipt, the ledger row, the report. Printed fields: ``main_s``,
 ``engine_s`` (per engine), ``tokenize_s``, ``import_s``, ``maxrss_mb`` (this process: the harness
 and the in-process oracle), ``worker_peak_rss_mb`` (the largest decoding llama.cpp worker's own
@@ -89,6 +91,7 @@ _record_worker_peak(LlamaCppEngine)
 _timed(LlamaCppEngine, "_run", lambda a: "tokenize" if a[0].get("op") == "tokenize" else "llama.cpp")
 _timed_stream(LlamaCppEngine, "logits", "llama.cpp")  # the worker streams its logits while it decodes
 _timed_stream(Qwen35Oracle, "logits", "oracle")
+_timed(Qwen35Oracle, "generate", "oracle")  # free-running greedy (report-only): the oracle's own decode steps
 
 
 def run() -> None:

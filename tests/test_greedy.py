@@ -89,3 +89,37 @@ def test_dt_bias_dropped_reports_its_divergence_step_and_margin(default):
         assert p["reference_token"] != p["candidate_token"]
         assert math.isfinite(p["margin"]) and p["margin"] >= 0 and p["near_tie"] == (p["margin"] < fr["near_tie_margin"])
     assert fr["first_divergence"] == min(p["diverged_at"] for p in diverged)
+
+
+def test_last_row_keeps_one_block_and_checks_the_stream():
+    """``last_row`` (what a divergence's reference margin reads) equals the gathered array's last
+    row and rejects the streams ``gather`` rejects."""
+    from harness.engines.base import last_row
+    from harness.errors import EngineError
+
+    rng = np.random.default_rng(0)
+    full = rng.normal(size=(10, 7)).astype(np.float32)
+    blocks = [(0, full[:4]), (4, full[4:9]), (9, full[9:])]
+    assert np.array_equal(last_row(iter(blocks), 10), full[-1:]) and np.array_equal(gather(iter(blocks), 10)[-1:], full[-1:])
+    with pytest.raises(EngineError, match="expected 11"):
+        last_row(iter(blocks), 11)
+    with pytest.raises(EngineError, match="starts at 9, expected 4"):
+        last_row(iter([blocks[0], blocks[2]]))
+    with pytest.raises(EngineError, match="no positions"):
+        last_row(iter([]))
+
+
+def test_an_oracle_too_large_for_a_session_leaves_generation_unmeasured():
+    """The oracle keeps every layer's float64 weights only up to ``session_weights_bytes``: above
+    it ``generate`` is an EngineError naming the sizes, so free-running greedy is unmeasured
+    (report-only) instead of holding the whole model in float64."""
+    from harness.errors import EngineError
+
+    oracle = resolve_engine("oracle", resolve_model(default_model()))
+    need = oracle.session_bytes()
+    assert need > 0
+    oracle.session_weights_bytes = need - 1
+    with pytest.raises(EngineError, match="over the oracle's"):
+        oracle.generate([1, 2, 3], 2)
+    oracle.session_weights_bytes = need
+    assert len(oracle.generate([1, 2, 3], 2)) == 2

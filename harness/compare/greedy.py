@@ -25,7 +25,7 @@ from typing import Any, Callable, Collection, Sequence
 import numpy as np
 
 from harness.compare import metrics
-from harness.engines.base import Engine, gather
+from harness.engines.base import Engine, last_row
 from harness.errors import EngineError
 
 DEFAULT_TOKENS = 64
@@ -135,7 +135,7 @@ def free_running(reference: Engine, candidate: Engine, prompts: Sequence[Any], n
 
         def margin_at(step: int, toks=toks, ref=ref) -> float | None:
             seq = toks + ref[:step]
-            row = gather(reference.logits(seq), len(seq))[-1:]
+            row = last_row(reference.logits(seq), len(seq))
             return float(metrics.reference_margin(row)[0])
 
         if len(ref) < n_tokens and not any(t in eos_ids for t in ref):

@@ -133,13 +133,10 @@ def validate_chunks(n_tokens: int, chunks: Sequence[int] | None) -> list[int]:
     return chunks
 
 
-def gather(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.ndarray:
-    """Join logit blocks into one float32 ``[T, V]`` array (use only when T·V is small).
-
-    Raises ``EngineError`` when blocks are out of order, overlap, have inconsistent widths, or
-    (with ``n_tokens``) do not cover exactly ``n_tokens`` positions.
-    """
-    parts: list[np.ndarray] = []
+def checked_blocks(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> Iterator[np.ndarray]:
+    """The blocks of a logits stream as float32 ``[B, V]`` arrays, in order, each checked as it
+    arrives. Raises ``EngineError`` when blocks are out of order, overlap, have inconsistent
+    widths, or (with ``n_tokens``) do not cover exactly ``n_tokens`` positions."""
     expect = 0
     width = None
     for start, block in blocks:
@@ -151,13 +148,32 @@ def gather(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.ndar
         if width is not None and block.shape[1] != width:
             raise EngineError(f"logit block width {block.shape[1]} != {width}")
         width = block.shape[1]
-        parts.append(block.astype(np.float32, copy=False))
         expect += block.shape[0]
+        yield block.astype(np.float32, copy=False)
     if n_tokens is not None and expect != n_tokens:
         raise EngineError(f"engine returned {expect} positions, expected {n_tokens}")
+
+
+def gather(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.ndarray:
+    """Join logit blocks into one float32 ``[T, V]`` array (use only when T·V is small); the
+    checks and errors of ``checked_blocks``."""
+    parts = list(checked_blocks(blocks, n_tokens))
     if not parts:
         return np.zeros((0, 0), dtype=np.float32)
     return np.concatenate(parts, axis=0)
+
+
+def last_row(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.ndarray:
+    """The last position's logits, float32 ``[1, V]``, with ``checked_blocks``'s checks, keeping
+    one block at a time (a prompt's whole ``[T, V]`` at Qwen3.5's vocabulary is 1 MB a position).
+    Raises ``EngineError`` as ``checked_blocks`` does, and for an empty stream."""
+    last = None
+    for block in checked_blocks(blocks, n_tokens):
+        if block.shape[0]:
+            last = np.array(block[-1:], dtype=np.float32)
+    if last is None:
+        raise EngineError("engine returned no positions")
+    return last
 
 
 def npy_rows(arr: np.ndarray, start: int, stop: int) -> np.ndarray:

@@ -35,10 +35,22 @@ from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 from scipy.special import expit
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
+
+_CONTROLLER: list[ThreadpoolController] = []
+
+
+def _blas_controller() -> ThreadpoolController:
+    """One ``threadpoolctl.ThreadpoolController`` for the process: it finds the loaded BLAS
+    libraries once (``threadpool_limits`` searches them on every call, 0.8 ms: more than a decode
+    step's delta rule at small shapes)."""
+    if not _CONTROLLER:
+        _CONTROLLER.append(ThreadpoolController())
+    return _CONTROLLER[0]
+
 
 # ---------------------------------------------------------------------------------------------
 # Elementwise
@@ -425,8 +437,15 @@ class Qwen35Oracle:
     # dequantizes to float32 values) while it takes at most this many bytes; a larger one is
     # dequantized slice by slice for every block of positions.
     output_cache_bytes = 2 << 30
+    # Kept as float64 instead while that takes at most this many bytes (the same values).
+    output_cache_f64_bytes = 512 << 20
     # Vocabulary rows per BLAS call of the output projection (one float64 dgemm each).
     output_slice_rows = 16384
+    # A session (free-running generation, prefix-reuse sessions) keeps every layer's weights
+    # dequantized to float64 while they take at most this many bytes; for a larger model the
+    # oracle refuses a session (EngineError: report-only generation is then unmeasured) rather
+    # than hold the whole model in float64 (Qwen3.5-0.8B's shapes: 6 GB).
+    session_weights_bytes = 1 << 30
 
     def __init__(self, model: Any):
         from harness.model.gguf_model import GGUFModel
@@ -495,10 +514,20 @@ class Qwen35Oracle:
 
     def session(self) -> Any:
         """A fresh ``harness.engines.oracle.session.OracleSession``: one sequence whose state is
-        kept between calls (free-running generation, prefix-reuse sessions)."""
+        kept between calls (free-running generation, prefix-reuse sessions). Raises
+        ``EngineError`` when its weights (``session_bytes``) exceed ``session_weights_bytes``."""
         from harness.engines.oracle.session import OracleSession
 
+        need = self.session_bytes()
+        if need > self.session_weights_bytes:
+            raise EngineError(f"oracle: a session keeps every layer's weights dequantized to float64 ({need / 2**20:,.0f} MiB for this "
+                              f"model, over the oracle's {self.session_weights_bytes / 2**20:,.0f} MiB bound), so this oracle cannot "
+                              "generate or keep a session on it; its logits stream layer by layer and are unaffected")
         return OracleSession(self)
+
+    def session_bytes(self) -> int:
+        """Bytes a session's weights take: every ``blk.*`` tensor's elements × 8 (float64)."""
+        return sum(8 * int(np.prod(self.model.tensor_info(n).ne)) for n in self.model.tensor_names if n.startswith("blk."))
 
     def generate(self, tokens: Sequence[int], n_tokens: int) -> list[int]:
         """Greedy free-running continuation (capability ``generate``, ``harness.engines.base.Engine``):
@@ -632,7 +661,7 @@ class Qwen35Oracle:
         a loaded 2-core machine at Qwen3.5-0.8B's 16 heads x 128 x 128). The values are the same
         bit for bit (``tests/test_oracle_pinned.py``).
         """
-        with threadpool_limits(1, user_api="blas"):
+        with _blas_controller().limit(limits=1, user_api="blas"):
             if q.shape[0] >= self.gdn_chunk_size:
                 return self.gated_delta_rule_chunked(q, k, v, g, beta, s, chunk_size=self.gdn_chunk_size)
             return self.gated_delta_rule_recurrent(q, k, v, g, beta, s)
@@ -738,14 +767,16 @@ class Qwen35Oracle:
         return out
 
     def _output_weights(self) -> np.ndarray | None:
-        """The output matrix [V, n_embd] dequantized once, as float32 (float64 for an F64
-        tensor), or None when it is larger than ``output_cache_bytes`` (then ``lm_head`` reads it
+        """The output matrix [V, n_embd] dequantized once, as float64 while that takes at most
+        ``output_cache_f64_bytes`` (every slice of every call is then used as it is, not widened
+        again: free-running generation calls this once per token) or for an F64 tensor, else as
+        float32 (exact: the values are float32), or None when it is larger than ``output_cache_bytes`` (then ``lm_head`` reads it
         slice by slice). Read through ``read_tensor`` in slices, so dequantization's temporaries
         stay small."""
         if self._output_cache is None:
             info = self.model.tensor_info(self._output_name)
-            dtype = np.float64 if info.type == "F64" else np.float32
             v, d = int(info.ne[1]), int(info.ne[0])
+            dtype = np.float64 if info.type == "F64" or v * d * 8 <= self.output_cache_f64_bytes else np.float32
             if v * d * np.dtype(dtype).itemsize > self.output_cache_bytes:
                 return None
             cache = np.empty((v, d), dtype=dtype)

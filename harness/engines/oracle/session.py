@@ -41,9 +41,11 @@ class OracleSession:
         other.states = copy.deepcopy(self.states)
         return other
 
-    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+    def feed(self, tokens: Sequence[int], last_only: bool = False) -> np.ndarray:
         """Feed ``tokens`` after the ones fed so far; returns their logits float32 ``[T, V]``
-        (row t: the distribution after this session's history and ``tokens[:t+1]``).
+        (row t: the distribution after this session's history and ``tokens[:t+1]``), or with
+        ``last_only`` only the last row ``[1, V]`` (the output projection of the others skipped:
+        generation needs only the next token's distribution).
         Raises ``EngineError`` (empty input, token ids outside the vocab, non-finite values)."""
         o = self.oracle
         toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
@@ -58,7 +60,7 @@ class OracleSession:
                     raise EngineError(f"oracle: floating-point {err} in layer {il} after op {emit.last!r}") from None
             h = o.result_norm(h, emit)
         self.n_past += len(toks)
-        return o.lm_head(h, np.float32)
+        return o.lm_head(h[-1:] if last_only else h, np.float32)
 
 
 def greedy_continue(session: OracleSession, tokens: Sequence[int], n_tokens: int) -> list[int]:
@@ -67,9 +69,9 @@ def greedy_continue(session: OracleSession, tokens: Sequence[int], n_tokens: int
     out: list[int] = []
     if n_tokens <= 0:
         return out
-    last = session.feed(tokens)[-1]
+    last = session.feed(tokens, last_only=True)[-1]
     while True:
         out.append(int(np.argmax(last)))
         if len(out) >= n_tokens:
             return out
-        last = session.feed([out[-1]])[-1]
+        last = session.feed([out[-1]], last_only=True)[-1]
