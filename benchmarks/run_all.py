@@ -545,6 +545,19 @@ ISSUE15_FIXES = [
     "and returns the pages of that tensor and of llama.cpp's output buffer to the kernel once used, so only one 485 MiB "
     "buffer of a 512-token ubatch is resident at a time (the bytes are the same: `tests/test_llamacpp_rows.py`; n_batch, "
     "n_ubatch and the requested outputs are unchanged).",
+    "- **Free-running greedy** (issue 14's report-only generation, on by default with 64 steps) was not counted as engine "
+    "time and was unbounded: the oracle session's first feed projected every prompt row to the vocabulary, the divergence "
+    "margin gathered a whole prompt's `[T, V]` for one row, and a session held every layer in float64 (5.6 GB at the 0.8B "
+    "shapes, 16 GB at the 2B shape). Now the feed projects only the last row (`OracleSession.feed(last_only=True)`), the "
+    "margin reads one row (`base.last_row`), an oracle whose layers exceed `session_weights_bytes` (1 GiB) refuses the "
+    "session (generation reported unmeasured), and `benchmarks/_parity_probe.py` times the oracle's `generate` as engine "
+    "time (the worker's generate runs were already). Harness process at 2,048 positions: 1,439 → 1,060 MB.",
+    "- **The oracle's delta rule** limited BLAS threads through `threadpool_limits`, which searches the loaded libraries on "
+    "every call (0.8 ms, 2.2 s over a run's decode steps); one `ThreadpoolController` per process does it once. The output "
+    "matrix is kept in float64 while it takes at most 512 MiB (the same values; not widened again for every decode step).",
+    "- The harness's own time fell more than the engines' did, but the engines' fell too, so the share (a ratio) is still "
+    "above 10 %: what remains is the report's plots (about 0.4 s warm, plus matplotlib's import), the per-position "
+    "metrics (1.1 s profiled) and thresholds.yaml's schema validation (0.35 s of jsonschema for 60 rows).",
 ]
 
 
