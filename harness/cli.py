@@ -553,7 +553,7 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads],
                     "rows": [{k: v for k, v in r.items() if k != "goods"} for r in res.rows], "probes": res.probes,
                     "localization": res.localization, "matrix": res.matrix, "class_matrix": res.class_matrix,
-                    "skipped": res.skipped, "problems": res.problems})
+                    "moe_excursions": res.moe_excursions, "skipped": res.skipped, "problems": res.problems})
     else:
         _render_calibration(res)
     if res.problems:

@@ -591,3 +591,12 @@ def test_catalogue_references_exist():
         if func:
             names = {n.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef)}
             assert func in names, (kind, ref)
+
+
+def test_calibrate_refuses_an_unknown_mutant_before_measuring_anything(tmp_path):
+    """``harness calibrate --mutant NAME`` with a name no mutant has: exit 2, one line listing the
+    mutants, and the thresholds file it would write is left as it was (nothing was measured)."""
+    out = tmp_path / "thresholds.yaml"
+    out.write_text("kept\n")
+    line = cli("calibrate", "--mutant", "no-such-mutant", "--out", out).assert_one_line("INVALID", 2, "'no-such-mutant'", "conv-state-dropped")
+    assert "mutants:" in line and out.read_text() == "kept\n"

@@ -624,13 +624,18 @@ def consistency_problems(goods: list[PairStats], bads: list[PairStats], rows: li
 
 
 def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> CalibrationResult:
-    """Run every pair of ``plan`` and propose the thresholds (does not write them).
+    """Run every pair of ``plan`` and propose the thresholds (does not write them). Raises
+    ``InvalidInput`` for a mutant name ``MUTANTS`` does not know (before anything runs).
 
     Long because it is the phases in order, each a named function: open the models, measure the
     known-good pairs per class, make the rows, probe and localization floors, mutants, checks.
     """
     from harness.compare.probes import ProbeTolerance
+    from harness.engines.mutants import MUTANTS
 
+    unknown = [m for m in plan.mutants or () if m not in MUTANTS]
+    if unknown:  # before any model is opened or measured
+        raise InvalidInput(f"unknown mutant {unknown[0]!r}; mutants: {', '.join(MUTANTS)}")
     use_torch = plan.include_transformers and have_torch()
     skipped = [] if use_torch else ["transformers (every class): the hf extra (torch) is not installed"]
     models: list[ModelMeasurement] = []
