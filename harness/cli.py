@@ -627,7 +627,7 @@ def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> 
             click.echo(f"MoE excursions: {ex['value']} positions (known-good worst {ex['floor']} on {_p(str(ex['model']))})")
     if not dry_run:
         command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --probes"
-        merge_probe_rows(out, probes, ex, command, base_model, moe_model or None, harness_info().get("git_commit"))
+        merge_probe_rows(out, probes, ex, command, base_model, harness_info().get("git_commit"))
         click.echo(f"wrote the probe tolerances of {len(probes)} class(es) to {out}")
 
 

@@ -118,7 +118,7 @@ def test_merge_probe_rows_replaces_only_the_probe_numbers(tmp_path):
     probes = {"bf16": {"min_cosine": {"value": 0.99, "floor": 0.9995, "n": 7, "decode_tokens": 640, "engines": {"e": (0.9995, 1e-3)}},
                        "max_kld": {"value": 0.05, "floor": 1e-3, "n": 7, "decode_tokens": 640}}}
     ex = {"value": 9, "floor": 3, "n": 11, "engines": {"e on m": 3}, "min_cosine": 0.998, "decode_tokens": 640, "model": "fixture:m"}
-    merge_probe_rows(path, probes, ex, "harness calibrate --probes", "fixture:trained-qwen35", "fixture:m", None)
+    merge_probe_rows(path, probes, ex, "harness calibrate --probes", "fixture:trained-qwen35", None)
     after = load_thresholds(path).data
     for a, b in zip(before["calibrated"], after["calibrated"]):
         assert a["gates"] == b["gates"]

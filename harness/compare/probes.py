@@ -187,13 +187,19 @@ def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance
         max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
         return Comparison(label, n, diff.size == 0, _min(pm["cosine"]), _max(pm["kld"]), max_abs, int(diff[0]) if diff.size else None)
     pm = metrics.position_metrics(base, other)
-    with np.errstate(invalid="ignore"):
-        bad = ~(pm["finite"] & (pm["cosine"] >= tol.min_cosine) & (pm["kld"] <= tol.max_kld))
+    bad = outside(pm, tol)
     idx = np.flatnonzero(bad)
     ok = idx.size == 0 or (idx.size <= tol.excursions and bool(pm["finite"].all()) and not bad[-1])
     max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
     return Comparison(label, n, ok, _min(pm["cosine"]), _max(pm["kld"]), max_abs, None if ok else int(idx[0]),
                       excursions=int(idx.size) if ok else 0)
+
+
+def outside(pm: dict[str, np.ndarray], tol: ProbeTolerance) -> np.ndarray:
+    """Which positions of ``metrics.position_metrics``'s result leave ``tol``'s bounds (bool
+    ``[T]``; a non-finite position always does)."""
+    with np.errstate(invalid="ignore"):
+        return ~(pm["finite"] & (pm["cosine"] >= tol.min_cosine) & (pm["kld"] <= tol.max_kld))
 
 
 def _min(a: np.ndarray) -> float | None:

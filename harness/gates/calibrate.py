@@ -444,6 +444,19 @@ def _extra_floor_models(path: Path) -> list[tuple[str, Path]]:
     return [(spec, p) for spec, p in out if Path(p).resolve() != Path(path).resolve()]
 
 
+def _measured(label: str, make: Callable[[Path], Any], path: Path, decode_tokens: int, log: Callable[[str], None],
+              prompts: Sequence[Sequence[int]] | None = None) -> list[dict[str, np.ndarray]] | None:
+    """``_self_comparisons`` of ``make(path)`` on ``prompts`` (default: the shipped prompts
+    tokenized whole), or None, logged, when the engine cannot build that model (transformers
+    cannot build every fixture, e.g. the random-weight MoE)."""
+    log(f"  {label}: split and {decode_tokens}-token decode")
+    try:
+        return _self_comparisons(make(path), prompts if prompts is not None else _prompts(path, 1 << 30), decode_tokens)
+    except (HarnessError, RuntimeError) as e:
+        log(f"  skipped: {label}: {str(e).splitlines()[0][:160]}")
+        return None
+
+
 def probe_floors(path: Path, classes: Sequence[str], use_torch: bool, log: Callable[[str], None],
                  decode_tokens: int | None = None, extra: bool = False) -> dict[str, dict[str, dict[str, Any]]]:
     """Probe tolerances per class (``propose_probes``) from the class engines' own split and
@@ -453,38 +466,37 @@ def probe_floors(path: Path, classes: Sequence[str], use_torch: bool, log: Calla
     ``f32`` also llama.cpp at n_ubatch 7 against its default. ``extra``: the same engines on
     ``PROBE_FLOOR_MODELS`` join the floor (what thresholds.yaml's rows use; a subject's own
     measurement does not). Each tolerance's ``floor`` is the worst position of any comparison,
-    ``n`` the comparisons, ``engines`` the worst per engine (and model)."""
+    ``n`` the comparisons, ``engines`` the worst per engine (and model), ``models`` the models."""
     from harness.compare.probes import DECODE_TOKENS, MAIN_TOKENS
 
     decode_tokens = decode_tokens or DECODE_TOKENS
     prompts = _prompts(path, 1 << 30)
-    floors: dict[str, tuple[float, float, int, dict[str, tuple[float, float]]]] = {}
+    extras = _extra_floor_models(path) if extra else []
+    floors: dict[str, tuple[int, dict[str, tuple[float, float]], list[str]]] = {}
     for cls, engs in _probe_engines(classes, use_torch).items():
-        cos, kld, n, per = 1.0, 0.0, 0, {}
-        for (label, make), (spec, where) in ((e, m) for e in engs for m in [(str(path), path), *(_extra_floor_models(path) if extra and cls in EXTRA_FLOOR_CLASSES else [])]):
-            label = label if where == path else f"{label} on {spec}"
-            log(f"  probe floor ({cls}): {label}, split and {decode_tokens}-token decode")
-            try:
-                comps = _self_comparisons(make(where), prompts if where == path else _prompts(where, 1 << 30), decode_tokens)
-            except (HarnessError, RuntimeError) as e:  # transformers cannot build every fixture
-                log(f"  skipped: {label}: {str(e).splitlines()[0][:160]}")
-                continue
-            per[label] = (min(float(np.min(c["cosine"])) for c in comps), max(float(np.max(c["kld"])) for c in comps))
-            cos, kld, n = min(cos, per[label][0]), max(kld, per[label][1]), n + len(comps)
+        where = [("", path, prompts)] + ([(f" on {spec}", p, None) for spec, p in extras] if cls in EXTRA_FLOOR_CLASSES else [])
+        per: dict[str, tuple[float, float]] = {}
+        n = 0
+        for (label, make), (suffix, p, ps) in ((e, w) for e in engs for w in where):
+            comps = _measured(f"probe floor ({cls}): {label}{suffix}", make, p, decode_tokens, log, ps)
+            if comps is not None:
+                per[label + suffix] = (min(float(np.min(c["cosine"])) for c in comps), max(float(np.max(c["kld"])) for c in comps))
+                n += len(comps)
         if cls == "f32":
             main = list(max(prompts, key=len))[:MAIN_TOKENS]
             pm = metrics.position_metrics(gather(_llama(path).logits(main), len(main)), gather(_llama(path, n_ubatch=7).logits(main), len(main)))
             per["llama.cpp n_ubatch 7 vs default"] = (float(np.min(pm["cosine"])), float(np.max(pm["kld"])))
-            cos, kld, n = min(cos, per["llama.cpp n_ubatch 7 vs default"][0]), max(kld, per["llama.cpp n_ubatch 7 vs default"][1]), n + 1
-        floors[cls] = (cos, kld, n, per)
+            n += 1
+        floors[cls] = (n, per, [str(path)] + [spec for spec, _ in extras if cls in EXTRA_FLOOR_CLASSES])
     out = {}
     for cls in classes:
         members = CLASS_MEMBERS[cls]
-        out[cls] = propose_probes(min(floors[c][0] for c in members), max(floors[c][1] for c in members), cls)
+        per = {label: w for c in members for label, w in floors[c][1].items()}
+        out[cls] = propose_probes(min((c for c, _ in per.values()), default=1.0), max((k for _, k in per.values()), default=0.0), cls)
         for v in out[cls].values():
-            v["models"] = [str(path)] + [spec for spec, _ in _extra_floor_models(path)] if extra and any(c in EXTRA_FLOOR_CLASSES for c in members) else [str(path)]
-            v["n"] = sum(floors[c][2] for c in members)
-            v["engines"] = {label: w for c in members for label, w in floors[c][3].items()}
+            v["models"] = list(dict.fromkeys(m for c in members for m in floors[c][2]))
+            v["n"] = sum(floors[c][0] for c in members)
+            v["engines"] = per
             v["decode_tokens"] = decode_tokens
     return out
 
@@ -512,24 +524,19 @@ def moe_excursions(specs: Sequence[str], bounds: dict[str, dict[str, Any]], use_
     ``MOE_EXCURSION_MARGIN`` × the largest count, at least ``MOE_EXCURSION_MIN``. Returns
     ``{"value", "floor" (largest count), "n" (comparisons), "engines" ({"label on model": count}),
     "min_cosine" (the lowest cosine among them), "model" (the specs, comma-joined)}``."""
-    from harness.compare.probes import DECODE_TOKENS
+    from harness.compare.probes import DECODE_TOKENS, ProbeTolerance, outside
     from harness.fixtures.resolve import resolve_model
 
     decode_tokens = decode_tokens or DECODE_TOKENS
+    tol = ProbeTolerance(min_cosine=bounds["min_cosine"]["value"], max_kld=bounds["max_kld"]["value"])
     counts, n, low, skipped = {}, 0, 1.0, []
     for spec, (label, make) in ((s_, e) for s_ in specs for e in _probe_engines(["f32"], use_torch)["f32"]):
-        log(f"  MoE router excursions: {label} on {spec}, split and {decode_tokens}-token decode")
-        path = resolve_model(spec)
         label = f"{label} on {spec}"
-        try:
-            comps = _self_comparisons(make(path), _prompts(path, 1 << 30), decode_tokens)
-        except (HarnessError, RuntimeError) as e:  # transformers cannot build every fixture (e.g. the random-weight MoE)
-            log(f"  skipped: {label}: {str(e).splitlines()[0][:160]}")
+        comps = _measured(f"MoE router excursions: {label}", make, resolve_model(spec), decode_tokens, log)
+        if comps is None:
             skipped.append(label)
             continue
-        with np.errstate(invalid="ignore"):
-            outside = [~((c["cosine"] >= bounds["min_cosine"]["value"]) & (c["kld"] <= bounds["max_kld"]["value"])) for c in comps]
-        counts[label] = max(int(o.sum()) for o in outside)
+        counts[label] = max(int(outside(c, tol).sum()) for c in comps)
         low = min([low] + [float(np.min(c["cosine"])) for c in comps])
         n += len(comps)
     worst = max(counts.values())
@@ -784,11 +791,11 @@ def probe_document(cls: str, pr: dict[str, dict[str, Any]], command: str, model:
     }
 
 
-def moe_excursions_document(ex: dict[str, Any], command: str, model: str, commit_txt: str) -> dict[str, Any]:
+def moe_excursions_document(ex: dict[str, Any], command: str, commit_txt: str) -> dict[str, Any]:
     """thresholds.yaml ``probes.moe_excursions`` with its basis, from ``moe_excursions``."""
     counts = "; ".join(f"{label}: {c}" for label, c in ex["engines"].items())
     return {"value": int(ex["value"]), "basis": {
-        "kind": "measured", "command": command, "n": int(ex["n"]), "model": model, "date": datetime.date.today().isoformat(),
+        "kind": "measured", "command": command, "n": int(ex["n"]), "model": ex["model"], "date": datetime.date.today().isoformat(),
         "known_good_floor": float(ex["floor"]),
         "known_bad": [{"value": float(ex["decode_tokens"] - 1), "what": "a state dropped or drifting between calls (mutant:ssm-state-reset, "
                        "a recurrent state rounded to bf16): up to every position after the first call leaves the bounds"}],
@@ -816,7 +823,7 @@ def calibrate_probes(base_model: str, moe_model: str | None, classes: Sequence[s
 
 
 def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any]]], ex: dict[str, Any] | None, command: str,
-                     base_model: str, moe_model: str | None, commit: str | None) -> Path:
+                     base_model: str, commit: str | None) -> Path:
     """thresholds.yaml at ``path`` with every calibrated row's ``probes`` section of a class in
     ``probes`` replaced (known-bad sides kept from the file) and, with ``ex``,
     ``probes.moe_excursions``; every other number kept; written by ``write_thresholds``."""
@@ -829,8 +836,8 @@ def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any
             old = row.get("probes", {}).get("min_cosine", {}).get("basis", {}).get("known_bad", [])
             bads = [(0.0, b["what"]) for b in old if str(b.get("what", "")).startswith("mutant:")]
             row["probes"] = probe_document(row["class"], probes[row["class"]], command, base_model, bads, commit_txt)
-    if ex is not None and moe_model:
-        doc["probes"] = {**doc.get("probes", {}), "moe_excursions": moe_excursions_document(ex, command, ex["model"], commit_txt)}
+    if ex is not None:
+        doc["probes"] = {**doc.get("probes", {}), "moe_excursions": moe_excursions_document(ex, command, commit_txt)}
     return write_thresholds(doc, path)
 
 
@@ -856,7 +863,7 @@ def thresholds_document(res: CalibrationResult, command: str, commit: str | None
         "calibrated": [_row_document(r, res, command, commit_txt) for r in res.rows],
     }
     if res.moe_excursions is not None:
-        doc["probes"]["moe_excursions"] = moe_excursions_document(res.moe_excursions, command, res.moe_excursions["model"], commit_txt)
+        doc["probes"]["moe_excursions"] = moe_excursions_document(res.moe_excursions, command, commit_txt)
     return doc
 
 
