@@ -538,8 +538,9 @@ def record_paths(evidence_dir: Path, contract_id: str, ob_id: str, candidate: st
     one obligation, the flat layout's record counted as another build when its GREEN run was
     ``candidate`` (module docstring)."""
     folder = evidence_dir / contract_id
-    current = folder / build_dir(candidate) / f"{ob_id}.json"
-    slug = build_dir(candidate).split("@", 1)[0]
+    here = build_dir(candidate)  # hashes the engine's sources: once
+    current = folder / here / f"{ob_id}.json"
+    slug = here.split("@", 1)[0]
     others = [p for p in sorted(folder.glob(f"{slug}@*/{ob_id}.json")) if p != current] if folder.is_dir() else []
     flat = folder / f"{ob_id}.json"
     if flat.is_file():

@@ -3,10 +3,10 @@
 Each DIR is another host's evidence folder (``DIR/parity/ledger.jsonl`` with ``receipts/`` beside
 it), or a ledger's folder (``DIR/ledger.jsonl``), or a ledger file. Merging is all or nothing:
 
-1. every source ledger is verified (``verify_ledger``: chain, rows against receipts; the
-   rendering is checked when it travelled with the folder) and every receipt it names is loaded
-   and checked (``load_receipt``: schema, content id, arrays); a ledger or receipt that fails is
-   refused, naming its path, and nothing is written;
+1. every source ledger is verified (``verify_ledger``: chain, and every receipt a row names
+   hashed, loaded and checked by ``load_receipt`` (schema, content id, arrays) and matched to its
+   row; the rendering is checked when it travelled with the folder); a ledger or receipt that
+   fails is refused, naming its path, and nothing is written;
 2. receipts are deduplicated by id: a receipt id already in this ledger, or already in this
    receipts folder, or in two sources, must be byte for byte the same file, else the merge is
    refused naming both paths;
@@ -67,12 +67,7 @@ def _checked_source(ledger: Path) -> list[tuple[dict[str, Any], Path]]:
     for row in read_rows(ledger):
         if row.get("kind") not in RECEIPT_KINDS or not row.get("receipt_id"):
             continue
-        path = receipts / f"{row['receipt_id']}.json"
-        try:
-            load_receipt(path)
-        except InvalidInput as e:
-            raise InvalidInput(f"{path}: refused, the receipt does not verify: {e}") from None
-        out.append((row, path))
+        out.append((row, receipts / f"{row['receipt_id']}.json"))  # verify_ledger has hashed and loaded it
     return out
 
 
