@@ -466,16 +466,16 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
     }
     if tol is None:
-        why = f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})"
-        for name in TOLERANCED:
-            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens,
-                                    cases[name].tokens)
+        _unmeasured(cases, TOLERANCED, f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})")
     if "topk" in engine.info.capabilities:  # a server (http:NAME): the probes compare logits it cannot give
-        why = f"{engine.info.name} gives top-k logprobs, not logits"
-        for name in cases:
-            cases[name] = ProbeCase(lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why), cases[name].prompt, cases[name].n_tokens,
-                                    cases[name].tokens)
+        _unmeasured(cases, list(cases), f"{engine.info.name} gives top-k logprobs, not logits")
     return cases
+
+
+def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> None:
+    """Make each probe of ``names`` in ``cases`` report UNMEASURED with ``why`` (what it would feed kept)."""
+    for name in names:
+        cases[name] = replace(cases[name], run=lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why))
 
 
 def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
