@@ -34,9 +34,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-import jsonschema
 import yaml
 
 from harness.contracts import suite
@@ -48,6 +47,9 @@ from harness.provenance import sha256_bytes
 from harness.rundir import scratch_dir
 from harness.validation import schema_validator
 from harness.yamlnodes import check_size, duplicate_keys, line_of
+
+if TYPE_CHECKING:
+    import jsonschema
 
 SCHEMA_PATH = SCHEMA_DIR / "contract.schema.json"
 CONTRACT_MARKER = "contract"

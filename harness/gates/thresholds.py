@@ -32,9 +32,8 @@ import datetime
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import jsonschema
 import yaml
 
 from harness.errors import InvalidInput, Unmeasured
@@ -44,6 +43,9 @@ from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.validation import schema_validator
 from harness.yamlnodes import check_size, duplicate_keys, line_of
+
+if TYPE_CHECKING:
+    import jsonschema  # errors are explained by jsonschema only when a file breaks the schema
 
 SCHEMA_ID = "harness-thresholds/v2"
 SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
@@ -297,6 +299,8 @@ def _most_useful(errors: list[jsonschema.ValidationError]) -> jsonschema.Validat
             (e.validator == "required" and "'basis'" in e.message) or e.validator == "type"
         ):
             return e
+    import jsonschema
+
     return jsonschema.exceptions.best_match(errors)
 
 
