@@ -20,6 +20,7 @@ import yaml
 
 from harness.errors import InvalidInput
 from harness.paths import IS_CHECKOUT, SUITE_ROOT
+from harness.yamlnodes import SAFE_LOADER
 
 CHUNK_BYTES = 1 << 20
 GIT_TIMEOUT_S = 30
@@ -84,7 +85,7 @@ def suite_pins() -> dict[str, Any]:
     contracts: dict[str, str | None] = {}
     for path in sorted((SUITE_ROOT / "contracts").glob("*.yaml")):
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.load(path.read_text(), Loader=SAFE_LOADER)  # shipped files: libyaml when present
             contracts[path.stem] = str(data.get("version")) if isinstance(data, dict) else None
         except (OSError, yaml.YAMLError):
             contracts[path.stem] = None

@@ -44,7 +44,6 @@ from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
-import requests
 
 from harness.config import HarnessConfig, configured_engine, engine_table, load_config
 from harness.display import plain
@@ -201,6 +200,8 @@ class HttpEngine:
         self.kind = KINDS[spec.kind]
         self.model_path = Path(model_path).resolve()
         self.overrides = list(overrides)
+        import requests  # only an http:NAME run needs it (about 25 ms of imports)
+
         self._session = requests.Session()
         self.requests_sent = 0
         self.served_model: str | None = None
@@ -251,6 +252,8 @@ class HttpEngine:
                 raise EngineError(f"{self.who}: the API key variable {self.spec.api_key_env} is not set")
             headers["Authorization"] = f"Bearer {key}"
         self.requests_sent += 1
+        import requests
+
         try:
             with self._session.post(url, json=body, headers=headers, timeout=self.spec.timeout_s, stream=True) as r:
                 raw = r.raw.read(MAX_RESPONSE_BYTES + 1, decode_content=True)
@@ -474,6 +477,8 @@ def load_http_engine(name: str, model_path: str | os.PathLike, overrides: Sequen
 
 def wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
     """Poll ``url``/v1/models until it answers 200 (True) or ``timeout_s`` passes (False)."""
+    import requests
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

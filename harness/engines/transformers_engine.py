@@ -28,7 +28,6 @@ import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError, InvalidInput
-from harness.fixtures.convert import to_transformers
 from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -84,6 +83,8 @@ class TransformersEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never look for hub kernels
         if self.threads:
             self.torch.set_num_threads(self.threads)
+        from harness.fixtures.convert import to_transformers  # NumPy-to-torch conversion: only when the engine runs
+
         return to_transformers(self.gguf, getattr(self.torch, self.dtype))
 
     @property

@@ -42,7 +42,7 @@ from harness.gates.tiers import Row, Subject, find_row, find_topk_row
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.validation import schema_validator
-from harness.yamlnodes import check_size, duplicate_keys, line_of
+from harness.yamlnodes import SAFE_LOADER, check_size, duplicate_keys, line_of
 
 if TYPE_CHECKING:
     import jsonschema  # errors are explained by jsonschema only when a file breaks the schema
@@ -214,9 +214,6 @@ class Thresholds:
 # ----------------------------------------------------------------------------------- loading
 
 
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""libyaml's safe loader when PyYAML was built with it, else the pure-Python one (same results)."""
-
 
 def load_thresholds(path: str | Path) -> Thresholds:
     """Read, parse (``yaml.safe_load``) and validate a thresholds file.
@@ -232,7 +229,7 @@ def load_thresholds(path: str | Path) -> Thresholds:
         # a second on this 240 kB file; libyaml bounds nesting at 1,000 levels itself): the node
         # tree is bounded (check_size: alias expansion) and then constructed, as safe_load would,
         # without parsing the text a second time.
-        loader = _LOADER(text)
+        loader = SAFE_LOADER(text)
         try:
             root = loader.get_single_node()
             if root is not None:
