@@ -6,7 +6,8 @@ Used by ``benchmarks/run_all.py``; one process per measurement so peak RSS is th
 Engine time is the wall time inside an engine's forward pass: the llama.cpp worker's ``info`` run
 and its ``logits`` stream while it runs (process start, model load, decode, and the one copy of
 each row through the pipe, which cannot be told apart from waiting for the decode; the worker's
-``tokenize`` run is tokenization and counted as harness time), and the oracle's
+``tokenize`` run is tokenization and counted as harness time, except that a run which also
+describes the model for its ``info`` counts only the worker's own tokenizing seconds so), and the oracle's
 ``logits`` generator while it computes (trunk, lm_head, float32 conversion) and its ``generate``
 (free-running greedy: a session's decode steps; the worker's ``generate`` run is timed like its
 other runs). Everything else in ``harness.cli.main`` is the harness's own time:
@@ -88,7 +89,34 @@ def _record_worker_peak(cls) -> None:
 
 
 _record_worker_peak(LlamaCppEngine)
-_timed(LlamaCppEngine, "_run", lambda a: "tokenize" if a[0].get("op") == "tokenize" else "llama.cpp")
+def _time_runs(cls) -> None:
+    """A worker run that decodes nothing is engine time (``info``) or tokenization: a ``tokenize``
+    run that also describes the model (``with_info``: the reference, which needs its ``info``
+    anyway) counts the worker's own ``tokenize_s`` as tokenization and the rest (process start,
+    model load, the description) as llama.cpp's."""
+    real = cls._run
+
+    def wrapper(self, request, *a, **k):
+        t = time.perf_counter()
+        info = None
+        try:
+            info = real(self, request, *a, **k)
+            return info
+        finally:
+            dt = time.perf_counter() - t
+            if request.get("op") != "tokenize":
+                timers["llama.cpp"] += dt
+            elif request.get("with_info") and info is not None:
+                tok = min(dt, float(info.get("tokenize_s") or 0.0))
+                timers["tokenize"] += tok
+                timers["llama.cpp"] += dt - tok
+            else:
+                timers["tokenize"] += dt
+
+    cls._run = wrapper
+
+
+_time_runs(LlamaCppEngine)
 _timed_stream(LlamaCppEngine, "logits", "llama.cpp")  # the worker streams its logits while it decodes
 _timed_stream(Qwen35Oracle, "logits", "oracle")
 _timed(Qwen35Oracle, "generate", "oracle")  # free-running greedy (report-only): the oracle's own decode steps

@@ -139,6 +139,33 @@ def test_tokenizer_round_trips_text():
     assert len(toks) < len(text.encode())  # merges applied
 
 
+
+def test_the_reference_tokenizes_and_describes_itself_in_one_worker_run(monkeypatch):
+    """A reference's tokenize run also loads the model for its ``info`` (one process start and
+    one load, not two); the description is the one a separate info run gives, and a
+    tokenizer-only engine still loads the vocabulary alone."""
+    path = fx.build("tiny-qwen35")
+    runs: list[dict] = []
+    real = LlamaCppEngine._run
+
+    def counting(self, request, workdir):
+        runs.append(request)
+        return real(self, request, workdir)
+
+    monkeypatch.setattr(LlamaCppEngine, "_run", counting)
+    ref = LlamaCppEngine(path)
+    texts = ["the cat sat", "on the mat"]
+    toks = ref.tokenize_many(texts)
+    info, n_vocab = ref.info.to_dict(), ref.n_vocab
+    assert [r["op"] for r in runs] == ["tokenize"] and runs[0]["with_info"] is True
+
+    alone = LlamaCppEngine(path)
+    assert alone.info.to_dict() == info and alone.n_vocab == n_vocab == GGUFModel(path).hparams.n_vocab
+    assert [r["op"] for r in runs[1:]] == ["info"]
+    assert LlamaCppEngine(path, tokenizer_only=True).tokenize_many(texts) == toks
+    assert runs[-1] == {"op": "tokenize", "texts": texts, "with_info": False}
+    assert ref.tokenize_many(texts) == toks and runs[-1]["with_info"] is False  # described already: vocabulary only
+
 def test_llamacpp_activations_match_the_oracle_by_name():
     """llama.cpp's own intermediate tensors (cb_eval) join across ubatches and agree with the
     oracle's activations of the same name."""

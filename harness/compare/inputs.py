@@ -86,7 +86,7 @@ class RunInputs:
         the same file (token ids always come from llama.cpp's vocabulary)."""
         if reference is not None and hasattr(reference, "tokenize"):
             return reference
-        return LlamaCppEngine(self.path, self.overrides)
+        return LlamaCppEngine(self.path, self.overrides, tokenizer_only=True)
 
     def tokens(self, reference: Engine | None = None, prompt_set: PromptSet | None = None) -> list[PromptTokens]:
         """Token ids of every prompt of ``prompt_set`` (default: the run's), tokenized by

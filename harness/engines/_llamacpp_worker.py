@@ -24,11 +24,12 @@ Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``generate
 ``overrides`` (list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch,
 n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
 lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``),
-``rows_from`` (``graph``, the default, or ``output``: a single sequence's rows read from
+``with_info`` (``tokenize``: load the whole model, not its vocabulary alone, and write what
+``info`` writes beside the tokens), ``rows_from`` (``graph``, the default, or ``output``: a single sequence's rows read from
 llama.cpp's output buffer, as several sequences' are; tests compare the two), ``n_generate``
 (``generate``: greedy ids written to ``generated.json``).
 ``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
-(``VmHWM``).
+(``VmHWM``); a ``tokenize`` run's holds ``tokenize_s`` (inside ``llama_tokenize``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _load(llama_cpp, req):
     if overrides:
         keep = _kv_override_array(llama_cpp, overrides)
         mparams.kv_overrides = keep
-    if req.get("op") == "tokenize":
+    if req.get("op") == "tokenize" and not req.get("with_info"):
         mparams.vocab_only = True
     model = llama_cpp.llama_model_load_from_file(req["model"].encode(), mparams)
     if not model:
@@ -402,7 +403,11 @@ def main(req_path: str) -> int:
         "load_s": round(time.time() - t0, 4),
     }
     if req["op"] == "tokenize":
+        t1 = time.time()
         toks = [_tokenize(llama_cpp, model, t) for t in req["texts"]]
+        info["tokenize_s"] = round(time.time() - t1, 4)
+        if req.get("with_info"):
+            _model_info(llama_cpp, model, info)
         (out_dir / "tokens.json").write_text(json.dumps(toks))
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0
