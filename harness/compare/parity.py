@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.compare import greedy, metrics, topk, verdicts
+from harness.compare import greedy, metrics, near_ties, topk, verdicts
 from harness.compare.calibrated import MeasureTier, resolve_row
 from harness.compare.inputs import RunInputs, RunRequest, engine_record, subject_of
 from harness.compare.localize import DEFAULT_MAX_TOKENS
@@ -169,9 +169,12 @@ def check_comparable(model: GGUFModel, reference: Engine, candidate: Engine, pro
     return n_vocab_ref
 
 
-def _prompt_summary(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, near_tie_margin: float) -> dict[str, Any]:
+def _prompt_summary(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, near_tie_margin: float,
+                    judged: np.ndarray | None = None) -> dict[str, Any]:
     s = metrics.summarize(pm, near_tie_margin)
     fails = metrics.cosine_failures(pm, min_cosine)
+    if judged is not None:  # positions the applied tier left out (a router near-tie cut) do not fail
+        fails = fails[judged[fails]]
     return {
         "id": p.id,
         "positions": len(p.tokens),
@@ -237,6 +240,8 @@ def cell_gate(m: Measured, rel: verdicts.TierResult, cal: verdicts.TierResult, r
     applied = cal if cal.status != "unmeasured" else rel
     cos_thr = applied.checks[0].threshold
     fails = metrics.cosine_failures(pp, cos_thr)
+    if applied.not_judged is not None:  # an MoE prompt cut at a router near-tie: those positions are not this tier's
+        fails = fails[~applied.not_judged[fails]]
     worst = verdicts.worst_position(pp, fails)
     kld = np.asarray(pp.get("kld", np.zeros(0)), np.float64)
     worst_kld = int(np.argmax(np.where(np.isfinite(kld), kld, -np.inf))) if np.isfinite(kld).any() else None
@@ -297,22 +302,43 @@ def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) ->
 
 def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row | None, subject: tiers.Subject,
                near_tie_margin: float = metrics.NEAR_TIE_MARGIN, unmeasured_reason: str = "",
-               command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None) -> CellResult:
+               command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None,
+               cuts: near_ties.RouterCuts | None = None, cut_gap: float = 0.0) -> CellResult:
     """Judge a measured cell with the two tiers (``harness.compare.verdicts``): the release gate
     (``release``: ``{"min_cosine": {"value"}, "min_positions": {"value"}}``) and the calibrated
     row (None: unmeasured, with ``unmeasured_reason`` and the ``command`` that would measure it).
-    ``case`` starts a failure's reproducer (default: the candidate's name and the model's sha256)."""
+    ``case`` starts a failure's reproducer (default: the candidate's name and the model's sha256).
+    ``cuts``: MoE prompts the calibrated tier judges only up to a router near-tie (``router_cuts``)."""
     pp = m.per_position
     rel = verdicts.judge_release(pp, release)
-    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command)
+    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts, cut_gap)
     verdict, msg = verdicts.overall(rel, cal, subject, require_calibrated)
     gate = cell_gate(m, rel, cal, release, row, subject)
     if verdict is Verdict.FAIL:
         msg = failure_text(gate, msg, m.prompts, case or Reproducer(m.candidate_info["name"], "MODEL", subject.sha256))
-    per_prompt = [_prompt_summary(p, {k: v[pp["prompt_index"] == i] for k, v in pp.items()}, gate["min_cosine"], near_tie_margin)
+    judged = ~cal.not_judged if cal.status != "unmeasured" and cal.not_judged is not None else np.ones(pp["cosine"].size, bool)
+    per_prompt = [_prompt_summary(p, {k: v[pp["prompt_index"] == i] for k, v in pp.items()}, gate["min_cosine"], near_tie_margin,
+                                  judged[pp["prompt_index"] == i])
                   for i, p in enumerate(m.prompts)]
     kind = "self-consistency" if same_engine(m.candidate_info, m.reference_info) else "parity"
     return CellResult(verdict, kind, m.prompts, pp, m.summary, per_prompt, gate, m.candidate_info, m.reference_info, m.n_vocab, msg)
+
+
+def router_cuts_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel, reference: Engine) -> tuple[near_ties.RouterCuts | None, float]:
+    """(``near_ties.router_cuts`` of the cell, thresholds.yaml ``probes.moe_router_max_gap``), or
+    (None, 0) where the rule does not apply: a dense model, no calibrated row, a class outside
+    ``near_ties.CUT_CLASSES``, or a thresholds file without the gap. A position is outside the
+    row's bounds when its cosine is below the row's or its KLD above the row's p99 gate."""
+    row, h = resolved.row, model.hparams
+    gap = resolved.probes.get("moe_router_max_gap")
+    if row is None or h.n_expert <= 0 or gap is None or resolved.subject.compute_class not in near_ties.CUT_CLASSES:
+        return None, 0.0
+    pp = m.per_position
+    with np.errstate(invalid="ignore"):
+        inside = pp["finite"] & pp["ref_finite"] & (pp["cosine"] >= float(row.gates["min_cosine"]["value"]))
+        if "max_kld_p99" in row.gates:
+            inside &= pp["kld"] <= float(row.gates["max_kld_p99"]["value"])
+    return near_ties.router_cuts(pp, ~inside, m.prompts, reference, h.n_layer, h.n_expert_used, float(gap.value)), float(gap.value)
 
 
 def run_cell(
@@ -448,8 +474,9 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     measure = req.measure_tier if req.write_evidence else None
     resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
                                                       measure, req.calibrate_max_tokens, log)
+    cuts, cut_gap = router_cuts_for(m, resolved, inputs.model, reference.engine)
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
-                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate))
+                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate), cuts, cut_gap)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     _add_free_running(req, inputs, reference, candidate, prompts, receipt)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}

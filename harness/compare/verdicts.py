@@ -50,11 +50,17 @@ class TierResult:
     failing_positions: int = 0
     first_failing: int | None = None
     worst: int | None = None
+    not_judged: np.ndarray | None = None
+    """bool [N]: positions this tier did not judge (an MoE prompt cut at a router near-tie)."""
+    router_cuts: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tier": self.tier, "status": self.status, "line": self.line, "source": self.source,
-                "reason": self.reason, "command": self.command, "failing_positions": self.failing_positions,
-                "checks": [c.to_dict() for c in self.checks]}
+        d = {"tier": self.tier, "status": self.status, "line": self.line, "source": self.source,
+             "reason": self.reason, "command": self.command, "failing_positions": self.failing_positions,
+             "checks": [c.to_dict() for c in self.checks]}
+        if self.router_cuts is not None:
+            d["router_cuts"] = self.router_cuts
+        return d
 
 
 def _cosine_check(tier: str, per_position: Mapping[str, np.ndarray], threshold: float, basis_kind: str) -> tuple[GateCheck, np.ndarray]:
@@ -100,17 +106,32 @@ def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, 
 
 
 def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[str, Any], row: Row | None,
-                     subject: Subject, unmeasured_reason: str = "", command: str | None = None) -> TierResult:
+                     subject: Subject, unmeasured_reason: str = "", command: str | None = None,
+                     cuts: Any = None, cut_gap: float = 0.0) -> TierResult:
     """The calibrated tier: ``row``'s cosine and KLD gates (KL(P_ref ‖ P_cand), nats, over all
     positions), or ``unmeasured`` with ``unmeasured_reason`` and the ``command`` that would measure
-    it when no row fits (``row`` None)."""
+    it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``, with
+    thresholds.yaml's ``cut_gap``): positions of MoE prompts from a verified router near-tie on,
+    which this tier leaves out (its line says so); failing and worst positions index the whole cell."""
     if row is None:
         line = f"calibrated tier ({subject.key_text()}): UNMEASURED — {unmeasured_reason}"
         if command:
             line += f"; measure it with: {command}"
         return TierResult("calibrated", "unmeasured", [], line, None, unmeasured_reason, command)
+    keep = None
+    if cuts is not None and cuts.count:
+        keep = np.flatnonzero(~cuts.mask)
+        if not keep.size:  # nothing left to judge: never a PASS
+            reason = "every position follows a router near-tie (" + cuts.line(cut_gap) + ")"
+            return TierResult("calibrated", "unmeasured", [], f"calibrated tier ({subject.key_text()}): UNMEASURED — {reason}",
+                              row.source, reason, None, router_cuts=cuts.to_dict(cut_gap))
+        per_position = {k: np.asarray(v)[keep] for k, v in per_position.items()}
+        summary = metrics.summarize(per_position)
     g = row.gates["min_cosine"]
     cos_check, fails = _cosine_check("calibrated", per_position, float(g["value"]), g.get("basis", {}).get("kind", "declared"))
+    worst = worst_position(per_position, fails)
+    if keep is not None:  # back to the cell's own indices
+        fails, worst = keep[fails], (None if worst is None else int(keep[worst]))
     checks = [cos_check]
     for name, (key, label) in KLD_GATES.items():
         if name not in row.gates:
@@ -124,8 +145,11 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
     parts = [f"{c.label} {'≥' if c.name == 'min_cosine' else '≤'} {c.threshold:g}: "
              f"{'ok' if c.ok else ('FAIL' if c.ok is False else 'not computed')} ({_fmt(c.observed)})" for c in checks]
     line = f"calibrated tier ({subject.key_text()}, {row.source}): " + "; ".join(parts)
+    if cuts is not None and (cuts.cuts or cuts.notes):
+        line += "; " + (cuts.line(cut_gap) or "not cut at a router near-tie: " + "; ".join(cuts.notes))
     return TierResult("calibrated", status, checks, line, row.source, None, None, int(fails.size),
-                      int(fails[0]) if fails.size else None, worst_position(per_position, fails))
+                      int(fails[0]) if fails.size else None, worst,
+                      None if keep is None else cuts.mask, None if cuts is None else cuts.to_dict(cut_gap))
 
 
 def _fmt(x: float | None) -> str:

@@ -822,6 +822,21 @@ def calibrate_probes(base_model: str, moe_model: str | None, classes: Sequence[s
     return {c: v for c, v in probes.items() if c in classes}, ex
 
 
+MOE_ROUTER_MAX_GAP = {"value": 1e-3, "basis": {
+    "kind": "declared", "who": "harness maintainers (MoE router near-ties in parity; harness/compare/near_ties.py)",
+    "why": "An MoE prompt's calibrated comparison ends at its first position outside the row's bounds when the reference's own "
+           "router logits have a k-th to (k+1)-th gap of at most this many logits there (any MoE layer): a correct engine may keep "
+           "other experts from there on, and the Gated DeltaNet state carries the difference to every later position. Measured "
+           "on fixture:trained-qwen35moe, llama.cpp n_ubatch=7 against llama.cpp, prompt prose-deltanet: the first position outside "
+           "the f32 row is 336, at a reference router gap of 3.5e-4 (66 positions follow, the worst at cosine 0.99915 and KLD 0.116 "
+           "nats); 1e-3 is about 3x that gap. Over the shipped prompts' 1,479 positions 1.8 % have a gap at most 1e-3 (0.95 % at "
+           "most 5e-4, the smallest 2.5e-6), so a fault that first shows elsewhere is judged on every position. Applies to "
+           "classes f64 and f32.",
+    "date": "2026-12-01"}}
+"""thresholds.yaml ``probes.moe_router_max_gap``: not measured by ``harness calibrate``, so every
+document it writes carries this declared value and basis."""
+
+
 def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any]]], ex: dict[str, Any] | None, command: str,
                      base_model: str, commit: str | None) -> Path:
     """thresholds.yaml at ``path`` with every calibrated row's ``probes`` section of a class in
@@ -838,6 +853,7 @@ def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any
             row["probes"] = probe_document(row["class"], probes[row["class"]], command, base_model, bads, commit_txt)
     if ex is not None:
         doc["probes"] = {**doc.get("probes", {}), "moe_excursions": moe_excursions_document(ex, command, commit_txt)}
+    doc["probes"] = {**doc.get("probes", {}), "moe_router_max_gap": doc.get("probes", {}).get("moe_router_max_gap", MOE_ROUTER_MAX_GAP)}
     return write_thresholds(doc, path)
 
 
@@ -864,6 +880,7 @@ def thresholds_document(res: CalibrationResult, command: str, commit: str | None
     }
     if res.moe_excursions is not None:
         doc["probes"]["moe_excursions"] = moe_excursions_document(res.moe_excursions, command, commit_txt)
+    doc["probes"]["moe_router_max_gap"] = MOE_ROUTER_MAX_GAP
     return doc
 
 

@@ -1,0 +1,133 @@
+"""MoE router near-ties: where a correct engine's parity comparison stops being like for like.
+
+On a model with experts (``expert_count`` > 0) each layer's router keeps the
+``expert_used_count`` (k) experts with the largest router logits (llama.cpp ``llama-graph.cpp``
+``build_moe_ffn``: ``ffn_moe_logits``, softmax, top-k). Where the k-th and (k+1)-th logits are
+nearly equal, two correct engines whose float32 sums differ in their last bits keep different
+experts. From that position on they compute different functions of the prompt, and in a
+hybrid model the difference does not stay where it happened: the Gated DeltaNet state carries
+it to every later position. Measured on ``fixture:trained-qwen35moe`` (llama.cpp at n_ubatch 7
+against llama.cpp, prompt ``prose-deltanet``): the first position outside the f32 row's bounds is
+336, where the reference's router gap is 3.5e-4 logits; 66 more follow over the rest of the
+1,026-token prompt, most at positions whose own gap is 0.1-0.2, the worst (724) at cosine
+0.99915 and KLD 0.116 nats. Every other position of the cell is within the row.
+
+``router_cuts`` therefore ends a prompt's comparison for the calibrated tier at its first
+position outside the row's bounds when, and only when, the **reference's** own router logits
+(its activations ``ffn_moe_logits-N``, every MoE layer) have a k-th to (k+1)-th gap of at most
+thresholds.yaml ``probes.moe_router_max_gap`` there. A fault does not choose near-tied positions:
+one that shows from the first position, or wherever a near-tie is not, is judged on every
+position as before. The release gate (cosine >= 0.98) is never cut; positions before the cut
+and every other prompt are judged by the row as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from harness.errors import HarnessError
+
+CUT_CLASSES = ("f64", "f32")
+"""Compute classes whose rows are tight enough for a flip to leave them. A bf16/f16 engine's
+router logits differ from llama.cpp's by ~1e-2, so its flips are part of what its rows measured."""
+
+
+@dataclass
+class RouterCuts:
+    """What ``router_cuts`` decided: ``mask`` (bool [N] over the cell's concatenated positions:
+    not judged by the calibrated tier), ``cuts`` ({prompt, position, router_gap, positions_cut}
+    per prompt cut) and ``notes`` (per prompt outside the bounds and not cut: why)."""
+
+    mask: np.ndarray
+    cuts: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return int(self.mask.sum())
+
+    def to_dict(self, max_gap: float) -> dict[str, Any]:
+        return {"positions": self.count, "cuts": self.cuts, "router_max_gap": max_gap, "notes": self.notes}
+
+    def line(self, max_gap: float) -> str:
+        """The tier line's clause: which prompts were cut where, and why."""
+        if not self.cuts:
+            return ""
+        where = ", ".join(f"{c['prompt']!r} from position {c['position']} (gap {c['router_gap']:.2g})" for c in self.cuts)
+        return (f"judged up to the reference's first MoE router near-tie outside the bounds (gap ≤ {max_gap:g}; a correct "
+                f"engine may keep other experts from there on): {where}; {self.count} positions not judged by this tier")
+
+
+def router_gaps(engine: Any, tokens: Sequence[int], n_layer: int, n_expert_used: int) -> np.ndarray:
+    """float64 ``[T]``: at each position, the smallest over the MoE layers of (k-th largest minus
+    (k+1)-th largest router logit), k = ``n_expert_used``, from ``engine.activations`` under
+    llama.cpp's names ``ffn_moe_logits-N`` ([T, n_expert] each).
+
+    Raises ``EngineError`` from the engine, and ``ValueError`` when it returns no router logits."""
+    names = [f"ffn_moe_logits-{i}" for i in range(n_layer)]
+    acts = engine.activations(list(tokens), names=names)
+    gaps = []
+    for n in names:
+        if n in acts:
+            a = np.asarray(acts[n], np.float64).reshape(len(tokens), -1)
+            if a.shape[1] <= n_expert_used:
+                continue
+            top = -np.partition(-a, (n_expert_used - 1, n_expert_used), axis=1)
+            gaps.append(top[:, n_expert_used - 1] - top[:, n_expert_used])
+    if not gaps:
+        raise ValueError(f"the engine returned no router logits ({names[0]} ... {names[-1]})")
+    return np.min(np.stack(gaps), axis=0)
+
+
+def router_cuts(per_position: Mapping[str, np.ndarray], outside: np.ndarray, prompts: Sequence[Any], reference: Any,
+                n_layer: int, n_expert_used: int, max_gap: float) -> RouterCuts:
+    """Where each prompt's calibrated comparison ends (module docstring).
+
+    Args:
+        per_position: the cell's concatenated metrics (``prompt_index``, ``position``, ``finite``,
+            ``ref_finite``).
+        outside: bool ``[N]``, positions outside the calibrated row's bounds.
+        prompts: the cell's ``PromptTokens`` (``id``, ``tokens``), in ``prompt_index`` order.
+        reference: the engine whose router logits decide (``activations`` capability).
+        max_gap: thresholds.yaml ``probes.moe_router_max_gap`` (logits).
+
+    Returns ``RouterCuts``. A prompt is cut at its first outside position p when that position
+    is finite and the reference's router gap at p is at most ``max_gap``; the mask then holds
+    every position of that prompt from p on. Reading the router logits is an engine run on the
+    prompt up to p; when it fails, the prompt is not cut (a note says why) and the tier judges it
+    whole, as without this rule. Never raises.
+    """
+    mask = np.zeros(outside.size, bool)
+    out = RouterCuts(mask)
+    if not outside.any():
+        return out
+    if not hasattr(reference, "activations"):
+        out.notes.append("the reference gives no router logits (activations capability): no prompt cut at a near-tie")
+        return out
+    pidx = np.asarray(per_position["prompt_index"])
+    ppos = np.asarray(per_position["position"])
+    finite = np.asarray(per_position["finite"], bool) & np.asarray(per_position["ref_finite"], bool)
+    for i in np.unique(pidx[outside]).tolist():
+        sel = pidx == i
+        first = int(ppos[sel & outside].min())
+        pid = prompts[i].id
+        at = np.flatnonzero(sel & (ppos == first))[0]
+        if not finite[at]:
+            out.notes.append(f"prompt {pid!r} position {first} is non-finite: never a near-tie")
+            continue
+        try:
+            gap = float(router_gaps(reference, prompts[i].tokens[: first + 1], n_layer, n_expert_used)[first])
+        except (HarnessError, ValueError) as e:
+            out.notes.append(f"prompt {pid!r}: the reference's router logits could not be read ({str(e).splitlines()[0][:200]})")
+            continue
+        if not gap <= max_gap:
+            out.notes.append(f"prompt {pid!r} leaves the bounds at position {first}, where the reference's router has no "
+                             f"near-tie (gap {gap:.3g} > {max_gap:g})")
+            continue
+        cut = sel & (ppos >= first)
+        mask |= cut
+        out.cuts.append({"prompt": pid, "position": first, "router_gap": gap, "positions_cut": int(cut.sum())})
+    return out

@@ -1,0 +1,177 @@
+"""MoE router near-ties in parity (harness.compare.near_ties): a prompt's calibrated comparison
+ends at its first position outside the row's bounds only where the reference's own router is
+near-tied; a fault is still judged on every position.
+
+The real case: on fixture:trained-qwen35moe, llama.cpp at n_ubatch 7 (a known-good f32 engine)
+keeps another expert than llama.cpp at position 336 of the shipped prompt prose-deltanet, and the
+Gated DeltaNet state carries the difference to the end of the prompt, so the f32 row FAILs it
+without the rule.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from harness.compare import near_ties
+from harness.compare.parity import ParityRequest, judge_cell, measure_cell, router_cuts_for, run_parity, subject_of
+from harness.compare.prompts import PromptTokens, load_prompt_set, tokenize_prompts
+from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+from harness.engines.registry import resolve_engine
+from harness.errors import EngineError, Verdict
+from harness.evidence.receipts import load_receipt
+from harness.fixtures import synthetic as fx
+from harness.gates.thresholds import load_thresholds
+from harness.model.gguf_model import GGUFModel
+from harness.paths import SOURCE_ROOT
+
+MOE = "trained-qwen35moe"
+
+
+# ----------------------------------------------------------------------------------- units
+class FakeRouter:
+    """An engine whose router logits are given: ``logits[layer]`` is [T, E]."""
+
+    def __init__(self, logits: dict[int, np.ndarray], fail: bool = False):
+        self.logits, self.fail, self.calls = logits, fail, []
+
+    def activations(self, tokens, chunks=None, names=None):
+        self.calls.append(len(tokens))
+        if self.fail:
+            raise EngineError("worker died")
+        return {f"ffn_moe_logits-{i}": a[: len(tokens)] for i, a in self.logits.items()}
+
+
+def _cell(n_prompts: int = 2, n: int = 10) -> dict[str, np.ndarray]:
+    return {"prompt_index": np.repeat(np.arange(n_prompts), n).astype(np.int32),
+            "position": np.tile(np.arange(n), n_prompts).astype(np.int32),
+            "finite": np.ones(n_prompts * n, bool), "ref_finite": np.ones(n_prompts * n, bool)}
+
+
+def _router(n: int = 10, tie_at: int | None = None, gap: float = 1e-4) -> np.ndarray:
+    """[n, 4] logits, top-2 kept: the 2nd and 3rd largest differ by 0.5, except ``gap`` at ``tie_at``."""
+    a = np.tile(np.array([3.0, 2.0, 1.5, 0.0]), (n, 1))
+    if tie_at is not None:
+        a[tie_at, 2] = 2.0 - gap
+    return a
+
+
+def test_router_gaps_are_the_kth_minus_next_logit_smallest_over_layers():
+    r = FakeRouter({0: _router(tie_at=3, gap=1e-4), 1: _router(tie_at=5, gap=2e-3)})
+    g = near_ties.router_gaps(r, list(range(10)), n_layer=2, n_expert_used=2)
+    assert g.shape == (10,)
+    assert g[3] == pytest.approx(1e-4) and g[5] == pytest.approx(2e-3) and g[0] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no router logits"):
+        near_ties.router_gaps(FakeRouter({}), [1, 2], n_layer=2, n_expert_used=2)
+
+
+def test_a_prompt_is_cut_at_its_first_outside_position_only_where_the_router_is_near_tied():
+    pp = _cell()
+    prompts = [PromptTokens("a", list(range(10)), "ids"), PromptTokens("b", list(range(10)), "ids")]
+    outside = np.zeros(20, bool)
+    outside[[4, 6, 9]] = True  # prompt a: first outside at 4 (a near-tie there)
+    outside[[12, 18]] = True  # prompt b: first outside at position 2 (no near-tie)
+    ref = FakeRouter({0: _router(tie_at=4, gap=3e-4)})
+    cuts = near_ties.router_cuts(pp, outside, prompts, ref, n_layer=1, n_expert_used=2, max_gap=1e-3)
+    assert cuts.cuts == [{"prompt": "a", "position": 4, "router_gap": pytest.approx(3e-4), "positions_cut": 6}]
+    assert np.flatnonzero(cuts.mask).tolist() == [4, 5, 6, 7, 8, 9]  # prompt a from 4 on; prompt b judged whole
+    assert "prompt 'b' leaves the bounds at position 2" in cuts.notes[0] and "gap 0.5 > 0.001" in cuts.notes[0]
+    assert ref.calls == [5, 3]  # the router read up to each prompt's first outside position, no further
+    assert "'a' from position 4 (gap 0.0003)" in cuts.line(1e-3)
+
+
+def test_no_cut_for_a_non_finite_position_a_reference_without_router_logits_or_an_engine_failure():
+    pp = _cell(1)
+    prompts = [PromptTokens("a", list(range(10)), "ids")]
+    outside = np.zeros(10, bool)
+    outside[4] = True
+    tied = {0: _router(tie_at=4, gap=1e-5)}
+    bad = dict(pp, finite=pp["finite"].copy())
+    bad["finite"][4] = False
+    for per_position, ref, why in ((bad, FakeRouter(tied), "non-finite"), (pp, object(), "no router logits"),
+                                   (pp, FakeRouter(tied, fail=True), "could not be read (worker died)")):
+        cuts = near_ties.router_cuts(per_position, outside, prompts, ref, 1, 2, 1e-3)
+        assert cuts.count == 0 and not cuts.cuts and why in " ".join(cuts.notes)
+    assert near_ties.router_cuts(pp, np.zeros(10, bool), prompts, FakeRouter(tied), 1, 2, 1e-3).count == 0
+
+
+# ------------------------------------------------------------------------ the real MoE case
+@pytest.fixture(scope="module")
+def moe_prose():
+    path = fx.build(MOE)
+    ref = LlamaCppEngine(path)
+    prompts = [p for p in tokenize_prompts(load_prompt_set(None), ref) if p.id == "prose-deltanet"]
+    return path, GGUFModel(path), ref, prompts
+
+
+def _judged(model, ref, cand, prompts, cuts_on=True):
+    m = measure_cell(model, ref, cand, prompts)
+    th = load_thresholds(SOURCE_ROOT / "thresholds.yaml")
+    res = th.resolve(subject_of(model, m.candidate_info), f"fixture:{MOE}")
+    cuts, gap = router_cuts_for(m, res, model, ref) if cuts_on else (None, 0.0)
+    return judge_cell(m, res.release_gates, res.row, res.subject, th.near_tie_margin, res.row_misfit, cuts=cuts, cut_gap=gap), cuts
+
+
+def test_a_known_good_f32_engine_passes_where_a_router_near_tie_moves_the_rest_of_the_prompt(moe_prose):
+    path, model, ref, prompts = moe_prose
+    cand = LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))
+    without, _ = _judged(model, ref, cand, prompts, cuts_on=False)
+    assert without.verdict is Verdict.FAIL and "KLD mean ≤ 1e-06: FAIL" in without.gate["calibrated"]["line"]
+    res, cuts = _judged(model, ref, cand, prompts)
+    assert res.verdict is Verdict.PASS, res.message
+    (cut,) = cuts.cuts
+    gaps = near_ties.router_gaps(ref, prompts[0].tokens[: cut["position"] + 1], model.hparams.n_layer, model.hparams.n_expert_used)
+    assert gaps[cut["position"]] <= 1e-3 and cut["position"] == 336
+    pp = res.per_position
+    assert (pp["cosine"][: cut["position"]] >= 0.99999).all()  # everything before the cut is within the f32 row
+    assert res.gate["release"]["status"] == "ok" and res.gate["failing_positions"] == 0
+    assert "judged up to the reference's first MoE router near-tie" in res.gate["calibrated"]["line"]
+    assert res.per_prompt[0]["failing_positions"] == 0
+
+
+@pytest.mark.parametrize("mutant", ["mutant:moe-weights-unnormalized", "mutant:shexp-gate-ignored"])
+def test_moe_faults_are_still_judged_on_every_position(moe_prose, mutant):
+    path, model, ref, prompts = moe_prose
+    short = [PromptTokens("prose-deltanet", prompts[0].tokens[:96], "ids")]
+    res, cuts = _judged(model, ref, resolve_engine(mutant, path), short)
+    assert res.verdict is Verdict.FAIL and cuts.count == 0
+    assert "where the reference's router has no near-tie" in " ".join(cuts.notes)
+
+
+def test_a_dense_model_or_another_class_has_no_cut():
+    path = fx.build("tiny-qwen35")
+    model = GGUFModel(path)
+    ref = LlamaCppEngine(path)
+    prompts = [PromptTokens("p", list(range(1, 70)), "ids")]
+    m = measure_cell(model, ref, resolve_engine("oracle", path), prompts)
+    res = load_thresholds(SOURCE_ROOT / "thresholds.yaml").resolve(subject_of(model, m.candidate_info), "fixture:tiny-qwen35")
+    assert router_cuts_for(m, res, model, ref) == (None, 0.0)
+
+
+def test_the_receipt_records_the_cut(tmp_path, moe_prose):
+    path, _, _, prompts = moe_prose
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text(json.dumps({"id": "prose-deltanet", "tokens": prompts[0].tokens}) + "\n")
+    out = run_parity(ParityRequest(model=f"fixture:{MOE}", candidate="llama.cpp", candidate_settings={"n_ubatch": 7},
+                                   prompts=str(pf), ledger=str(tmp_path / "ledger.jsonl"), greedy_tokens=0))
+    assert out.result.verdict is Verdict.PASS
+    rec = load_receipt(out.receipt_path).receipt
+    rc = rec["gated"]["calibrated"]["router_cuts"]
+    assert rc["router_max_gap"] == 1e-3 and rc["cuts"][0]["position"] == 336 and rc["positions"] == rc["cuts"][0]["positions_cut"]
+
+
+
+def test_a_tier_left_with_no_position_is_unmeasured_never_pass():
+    from harness.compare import metrics, verdicts
+
+    path = fx.build("tiny-qwen35")
+    model = GGUFModel(path)
+    ref = LlamaCppEngine(path)
+    m = measure_cell(model, ref, resolve_engine("oracle", path), [PromptTokens("p", list(range(1, 70)), "ids")])
+    res = load_thresholds(SOURCE_ROOT / "thresholds.yaml").resolve(subject_of(model, m.candidate_info), "fixture:tiny-qwen35")
+    cuts = near_ties.RouterCuts(np.ones(69, bool), [{"prompt": "p", "position": 0, "router_gap": 1e-4, "positions_cut": 69}])
+    tier = verdicts.judge_calibrated(m.per_position, metrics.summarize(m.per_position), res.row, res.subject, cuts=cuts, cut_gap=1e-3)
+    assert tier.status == "unmeasured" and "every position follows a router near-tie" in tier.line
+    assert tier.to_dict()["router_cuts"]["positions"] == 69
