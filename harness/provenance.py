@@ -20,7 +20,7 @@ import yaml
 
 from harness.errors import InvalidInput
 from harness.paths import IS_CHECKOUT, SUITE_ROOT
-from harness.yamlnodes import SAFE_LOADER
+from harness.yamlnodes import safe_load_shipped
 
 CHUNK_BYTES = 1 << 20
 GIT_TIMEOUT_S = 30
@@ -85,7 +85,7 @@ def suite_pins() -> dict[str, Any]:
     contracts: dict[str, str | None] = {}
     for path in sorted((SUITE_ROOT / "contracts").glob("*.yaml")):
         try:
-            data = yaml.load(path.read_text(), Loader=SAFE_LOADER)  # shipped files: libyaml when present
+            data = safe_load_shipped(path.read_text())
             contracts[path.stem] = str(data.get("version")) if isinstance(data, dict) else None
         except (OSError, yaml.YAMLError):
             contracts[path.stem] = None

@@ -61,6 +61,44 @@ def check_size(path: Path, root: yaml.Node) -> None:
         stack.extend((c, depth + 1, False) for c in children)
 
 
+def load_bounded(path: Path, text: str, what: str) -> tuple[yaml.Node | None, Any]:
+    """``(root node, data)`` of a YAML document, composed once (by libyaml when present), bounded
+    by ``check_size`` before anything walks it, and constructed from that node tree as
+    ``yaml.safe_load`` would construct it, without parsing the text a second time. ``(None, None)``
+    for an empty document.
+
+    Raises ``yaml.YAMLError`` for invalid YAML and ``InvalidInput`` for a document too large or
+    nested too deeply (``what`` names the kind of file in that message, e.g. "a contract"; both
+    the pure-Python composer's recursion and libyaml's own 1,000-level bound end there)."""
+    deep = f"{path}: YAML nested too deeply ({what} is a few levels deep)"
+    loader = SAFE_LOADER(text)
+    try:
+        try:
+            root = loader.get_single_node()
+        except RecursionError:
+            raise InvalidInput(deep) from None
+        except yaml.YAMLError as e:
+            if "exceeded maximum nesting depth" in str(getattr(e, "problem", "") or ""):
+                raise InvalidInput(deep) from None
+            raise
+        if root is None:
+            return None, None
+        check_size(path, root)
+        return root, loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
+def safe_load_shipped(text: str) -> Any:
+    """``yaml.safe_load`` through ``SAFE_LOADER`` (libyaml when present), for files the harness
+    ships (its own contracts); a user's file goes through ``load_bounded``."""
+    loader = SAFE_LOADER(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def line_of(root: yaml.Node | None, keys: Sequence[Any]) -> int:
     """1-based line of the node at ``keys`` (a mapping key's own line), or of its deepest
     existing ancestor."""

@@ -46,7 +46,7 @@ from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.rundir import scratch_dir
 from harness.validation import schema_validator
-from harness.yamlnodes import check_size, duplicate_keys, line_of
+from harness.yamlnodes import duplicate_keys, line_of, load_bounded
 
 if TYPE_CHECKING:
     import jsonschema
@@ -170,17 +170,12 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, yaml.Node | None, bytes, l
     except (OSError, UnicodeDecodeError) as e:
         return None, None, b"", [ContractError(p, 1, "(file)", f"cannot read contract: {e}")]
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        if root is not None:
-            check_size(path, root)  # alias bombs, recursive aliases, deep nesting: refused before any walk
-        data = yaml.safe_load(text)
+        root, data = load_bounded(path, text, "a contract")  # alias bombs, recursive aliases, deep nesting: refused before any walk
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         return None, None, raw, [ContractError(p, (mark.line + 1) if mark else 1, "(yaml)", f"YAML syntax error: {getattr(e, 'problem', None) or e}")]
     except InvalidInput as e:
         return None, None, raw, [ContractError(p, 1, "(yaml)", str(e).split(": ", 1)[-1])]
-    except RecursionError:
-        return None, None, raw, [ContractError(p, 1, "(yaml)", "YAML nested too deeply")]
     errors = [ContractError(p, line, _dotted(keys), f"duplicate key (first at line {first}); YAML would keep only the last")
               for keys, line, first in duplicate_keys(root)]
     if not isinstance(data, dict):

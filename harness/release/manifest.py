@@ -36,7 +36,7 @@ from harness.errors import InvalidInput
 from harness.fschecks import read_utf8
 from harness.provenance import sha256_bytes
 from harness.validation import best_error, schema_validator
-from harness.yamlnodes import check_size, duplicate_keys, line_of
+from harness.yamlnodes import duplicate_keys, line_of, load_bounded
 
 SCHEMA_ID = "harness-release/v1"
 SCHEMA_FILE = "release-manifest.schema.json"
@@ -109,10 +109,7 @@ def load_manifest(path: str | Path) -> Manifest:
         raise InvalidInput(f"{p}: no such release manifest")
     raw, text = read_utf8(p, "release manifest", "; a release manifest is UTF-8 YAML")
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        if root is not None:
-            check_size(p, root)
-        data = yaml.safe_load(text)
+        root, data = load_bounded(p, text, "a release manifest")
     except yaml.YAMLError as e:
         raise InvalidInput(f"{p}: not valid YAML ({' '.join(str(e).split())})") from None
     for keys, line, _first in duplicate_keys(root)[:1]:
