@@ -126,3 +126,11 @@ def test_placeholders_are_whole_arguments_only(tmp_path, monkeypatch):
     args = json.loads(seen.read_text())
     assert args[1] == "x{request}"  # embedded placeholder left alone
     assert args[2].endswith("request.json") and len(args) == 4
+
+
+def test_exit_status_names_the_signal_or_the_code():
+    from harness.engines.process import exit_status
+
+    assert exit_status(3) == "exited 3"
+    assert exit_status(-6) == "died with SIGABRT" and exit_status(-9) == "died with SIGKILL"
+    assert exit_status(-1000) == "died with signal 1000"  # no such signal: the number

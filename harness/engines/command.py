@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import zipfile
 from contextlib import contextmanager
@@ -51,6 +50,7 @@ from harness.engines.base import (
 from harness.engines.persistent import PersistentProcess, serve_for
 from harness.engines.process import (
     check_timeout,
+    exit_status,
     read_small_file,
     regular_file,
     run_process,
@@ -353,12 +353,7 @@ class CommandEngine:
         if res.returncode is None:
             raise EngineError(f"{self.who} timed out after {self.spec.timeout_s:g} s", res.tail)
         if res.returncode != 0:
-            rc = res.returncode
-            try:
-                what = f"died with {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
-            except ValueError:
-                what = f"died with signal {-rc}"
-            raise EngineError(f"{self.who} {what}", res.tail)
+            raise EngineError(f"{self.who} {exit_status(res.returncode)}", res.tail)
         self._last_info = load_info(out_dir, self.who, res.tail)
         return out_dir, res.tail
 

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
-from harness.engines.process import read_tail, tail_lines
+from harness.engines.process import exit_status, read_tail, tail_lines
 from harness.errors import EngineError
 from harness.model.gguf_model import Override
 from harness.rundir import scratch_dir
@@ -57,13 +56,6 @@ class LlamaCppSettings:
         d["n_batch"] = min(d["n_batch"], d["n_ctx"])
         d["n_ubatch"] = min(d["n_ubatch"], d["n_batch"])
         return d
-
-
-def _signal_name(rc: int) -> str:
-    try:
-        return signal.Signals(-rc).name
-    except ValueError:
-        return f"signal {-rc}"
 
 
 def _error_line(stderr: str) -> str:
@@ -149,7 +141,7 @@ class LlamaCppEngine:
         if rc is None:
             raise EngineError(f"llama.cpp worker timed out after {self.timeout_s:.0f} s on {self.model_path.name}", tail)
         if rc != 0:
-            what = f"died with {_signal_name(rc)}" if rc < 0 else f"exited {rc}"
+            what = exit_status(rc)
             line = _error_line(stderr)
             msg = f"llama.cpp {what} on {self.model_path.name}"
             raise EngineError(f"{msg}: {line}" if line else msg, tail)

@@ -23,14 +23,13 @@ import atexit
 import json
 import os
 import select
-import signal
 import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from harness.engines.process import kill_group, read_tail, start_error, tail_lines
+from harness.engines.process import exit_status, kill_group, read_tail, start_error, tail_lines
 from harness.errors import EngineError
 from harness.rundir import scratch_dir
 
@@ -98,11 +97,7 @@ class PersistentProcess:
         tail = self.tail()
         rc = self.proc.poll() if self.proc is not None else None
         if rc is not None and rc != 0:
-            try:
-                what = f"died with {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
-            except ValueError:
-                what = f"died with signal {-rc}"
-            message = f"{message} ({what})"
+            message = f"{message} ({exit_status(rc)})"
         self.close()
         return EngineError(message, tail)
 

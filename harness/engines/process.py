@@ -61,6 +61,18 @@ class ProcessResult:
     stderr_end: str
 
 
+def exit_status(rc: int) -> str:
+    """How a process that did not exit 0 ended, for an error line: ``died with SIGABRT``
+    (``rc`` < 0: killed by that signal, named where Python knows it, else ``died with signal
+    N``) or ``exited N``."""
+    if rc >= 0:
+        return f"exited {rc}"
+    try:
+        return f"died with {signal.Signals(-rc).name}"
+    except ValueError:
+        return f"died with signal {-rc}"
+
+
 def start_error(who: str, program: str, e: OSError) -> EngineError:
     """The one-line ENGINE-ERROR for an engine program that could not be started (``Popen``
     raised ``e``): not found, not executable, or the OS's reason."""

@@ -32,7 +32,7 @@ import ast
 import json
 import shlex
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,15 @@ class _Found:
     receipt: dict[str, Any]
     path: Path
 
+    @cached_property
+    def inputs(self) -> dict[str, Any]:
+        """``receipt_inputs`` of the receipt (worked out once: every run of a sign-off asks)."""
+        return receipt_inputs(self.receipt)
+
+    @cached_property
+    def key(self) -> str:
+        return input_key(self.inputs)
+
 
 def ledger_receipts(paths: EvidencePaths) -> list[_Found]:
     """The standing parity/probe rows of the ledger with their receipts (oldest first); a row
@@ -236,13 +245,13 @@ def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple
     """The status of one run and the receipt id it used (module docstring)."""
     cmd = f"harness sweep {shlex.quote(str(m.path))}"
     label = f"{run.cell.candidate.engine} @ {run.cell.model.spec} [{run.cell.backend}] {run.kind}"
-    exact = [f for f in found if input_key(receipt_inputs(f.receipt)) == run.key]
+    exact = [f for f in found if f.key == run.key]
     swept = [f for f in found if (f.receipt.get("cell") or {}).get("key") == run.key]
     if exact or swept:
         f = (exact or swept)[-1]
         so.relied_on.append({"id": f.row["receipt_id"], "sha256": f.row["receipt_sha256"]})
         if not exact:  # made for this cell, but the engine reported other inputs (class, backend)
-            diff = differences(run.inputs, receipt_inputs(f.receipt))
+            diff = differences(run.inputs, f.inputs)
             so.items.append(Item("cell", label, FAILED, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made for this cell "
                                  f"but the engine reported: {'; '.join(diff)}", run_command(m, run)))
             return FAILED, f.row["receipt_id"]
@@ -250,10 +259,10 @@ def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple
         fix = {OK: None, FAILED: run_command(m, run), UNMEASURED: _measure_command(run)}.get(status, cmd)
         so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}", fix))
         return status, f.row["receipt_id"]
-    same_cell = [f for f in found if _same_cell(run, receipt_inputs(f.receipt))]
+    same_cell = [f for f in found if _same_cell(run, f.inputs)]
     if same_cell:
         f = same_cell[-1]
-        diff = differences(run.inputs, receipt_inputs(f.receipt))
+        diff = differences(run.inputs, f.inputs)
         so.items.append(Item("cell", label, STALE, f"newest receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made from other "
                              f"inputs: {'; '.join(diff)}", run_command(m, run)))
         return STALE, None
