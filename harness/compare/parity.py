@@ -478,10 +478,18 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate), cuts, cut_gap)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
+    return _finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
+
+
+def _finish(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens], result: CellResult,
+            receipt: dict[str, Any], cal_path: Path | None = None) -> ParityOutcome:
+    """A judged cell's receipt completed (free-running greedy, both engines' timings) and, unless
+    ``req.write_evidence`` is off, recorded with its ledger row; a dry run still refuses the
+    receipt a recording run would refuse (``prepare_receipt``)."""
     _add_free_running(req, inputs, reference, candidate, prompts, receipt)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     if not req.write_evidence:
-        prepare_receipt(receipt, result.per_position)  # a dry run refuses what a recording run would
+        prepare_receipt(receipt, result.per_position)
         return ParityOutcome(result, receipt, None, None, None)
     rec = record_evidence(receipt, result.per_position, req.ledger)
     return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path)
@@ -540,10 +548,4 @@ def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candi
     resolved = inputs.thresholds_for(result.candidate_info)
     receipt = build_receipt(req, inputs, result, resolved, None)
     receipt["thresholds"]["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
-    _add_free_running(req, inputs, reference, candidate, prompts, receipt)
-    receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
-    if not req.write_evidence:
-        prepare_receipt(receipt, result.per_position)
-        return ParityOutcome(result, receipt, None, None, None)
-    rec = record_evidence(receipt, result.per_position, req.ledger)
-    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path)
+    return _finish(req, inputs, reference, candidate, prompts, result, receipt)

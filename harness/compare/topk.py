@@ -72,9 +72,10 @@ def truncate(top: TopK, k: int) -> TopK:
     return TopK(np.where(ids >= 0, ids, -1), np.where(ids >= 0, lps, np.nan), top.dropped_max)
 
 
-def _row_metrics(r: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> tuple[float, int, int, float, float, float, int]:
+def _row_metrics(r: np.ndarray, ids: np.ndarray, lps: np.ndarray, ref_top: np.ndarray) -> tuple[float, int, int, float, float, float, int]:
     """(kld, cand_argmax, cand_rank, top5, top10, tail_mass, n_entries) of one position; ``r``
-    float64 reference logits ``[V]``."""
+    float64 reference logits ``[V]``, ``ref_top`` its ids by (logit descending, id ascending),
+    at least the first ``max(TOPK)`` (``metrics.top_k``)."""
     ok = (ids >= 0) & np.isfinite(lps)
     ids, lps = ids[ok], lps[ok]
     ids, first = np.unique(ids, return_index=True)  # a duplicated id keeps its first entry
@@ -92,13 +93,12 @@ def _row_metrics(r: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> tuple[float
     if p_tail >= TAIL_EPS or q_tail >= TAIL_EPS:  # both below it: rounding of sums near 1, no tail to judge
         kld += p_tail * (math.log(p_tail) - math.log(max(q_tail, 1e-12))) if p_tail > 0 else 0.0
     kld = max(kld, 0.0)
-    ref_top = int(np.argmax(r))
-    hits = np.flatnonzero(ids == ref_top)
+    hits = np.flatnonzero(ids == ref_top[0])
     rank = int(hits[0]) if hits.size else -1
     over = []
-    for m in (5, 10):
+    for m in metrics.TOPK:  # the top-m of a (logit, id) ordering is the first m of its top-10
         m = min(m, n)
-        over.append(float(np.intersect1d(metrics.top_k(r[None, :].astype(np.float32), m)[0], ids[:m]).size) / m if m else math.nan)
+        over.append(float(np.intersect1d(ref_top[:m], ids[:m]).size) / m if m else math.nan)
     return kld, int(ids[0]) if n else -1, rank, over[0], over[1], q_tail, n
 
 
@@ -119,10 +119,10 @@ def topk_position_metrics(ref: np.ndarray, top: TopK) -> dict[str, np.ndarray]:
         r = ref[i]
         if not out["ref_finite"][i]:
             continue
-        srt = np.partition(r, r.size - 2)[-2:] if r.size > 1 else np.array([r[0], r[0]])
-        out["ref_margin"][i] = float(srt[1] - srt[0])
-        out["ref_argmax"][i] = int(np.argmax(r))
-        kld, ca, rank, t5, t10, tail, n = _row_metrics(r, top.ids[i], top.logprobs[i])
+        ref_top = metrics.top_k(r[None, :].astype(np.float32), max(metrics.TOPK))[0]  # one selection per row
+        out["ref_margin"][i] = float(r[ref_top[0]] - r[ref_top[1]]) if ref_top.size > 1 else 0.0
+        out["ref_argmax"][i] = int(ref_top[0])
+        kld, ca, rank, t5, t10, tail, n = _row_metrics(r, top.ids[i], top.logprobs[i], ref_top)
         if n == 0:
             continue
         out["finite"][i] = True
