@@ -501,8 +501,9 @@ def report(receipt, out_dir, localize_) -> None:
 @click.option("--moe-model", default="fixture:trained-qwen35moe", show_default=True)
 @click.option("--ladder", multiple=True, help="Models for the file-type rows (default: every shipped file type of the 256-wide trained bases).")
 @click.option("--classes", multiple=True, type=click.Choice(["f64", "f32", "bf16", "f16", "mixed"]), help="Classes to measure (default: all).")
-@click.option("--max-tokens", default=None, type=int, help="Tokens per prompt (default: 256 on the F32 trained models, 128 with --model).")
-@click.option("--ladder-max-tokens", default=128, show_default=True, type=int, help="Tokens per prompt on the file-type ladder.")
+@click.option("--max-tokens", default=None, type=int,
+              help="Tokens per prompt (default: whole prompts on the F32 trained models, as parity judges them; 128 with --model; 256 with --topk).")
+@click.option("--ladder-max-tokens", default=None, type=int, help="Tokens per prompt on the file-type ladder (default: whole prompts).")
 @click.option("--mutant", "mutants", multiple=True, help="Only these mutants (default: all).")
 @click.option("--ledger", default=None, type=click.Path(), help="With --model: the ledger the calibration receipt and row go to.")
 @click.option("--out", default="thresholds.yaml", show_default=True, type=click.Path(), help="Where to write the measured thresholds.")
@@ -546,7 +547,7 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
     plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None,
                            ladder=tuple(ladder) or None, classes=tuple(classes) or CalibrationPlan.classes,
-                           max_tokens=max_tokens or 256, ladder_max_tokens=ladder_max_tokens)
+                           max_tokens=max_tokens, ladder_max_tokens=ladder_max_tokens)
     con = _console(stderr=True)
     res = run(plan, log=lambda m: con.print(_p(m), markup=False))
     if as_json:

@@ -118,7 +118,8 @@ def test_a_known_good_f32_engine_passes_where_a_router_near_tie_moves_the_rest_o
     path, model, ref, prompts = moe_prose
     cand = LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))
     without, _ = _judged(model, ref, cand, prompts, cuts_on=False)
-    assert without.verdict is Verdict.FAIL and "KLD mean ≤ 1e-06: FAIL" in without.gate["calibrated"]["line"]
+    assert without.verdict is Verdict.FAIL and "KLD mean ≤" in without.gate["calibrated"]["line"]
+    assert [c["ok"] for c in without.gate["calibrated"]["checks"]] == [False, False, False]  # cosine, KLD mean, KLD p99
     res, cuts = _judged(model, ref, cand, prompts)
     assert res.verdict is Verdict.PASS, res.message
     (cut,) = cuts.cuts
@@ -175,3 +176,23 @@ def test_a_tier_left_with_no_position_is_unmeasured_never_pass():
     tier = verdicts.judge_calibrated(m.per_position, metrics.summarize(m.per_position), res.row, res.subject, cuts=cuts, cut_gap=1e-3)
     assert tier.status == "unmeasured" and "every position follows a router near-tie" in tier.line
     assert tier.to_dict()["router_cuts"]["positions"] == 69
+
+
+def test_router_logits_split_by_ubatch_are_joined_in_order():
+    a = np.arange(12.0).reshape(3, 4)
+    acts = {"ffn_moe_logits-0@ubatch0": a[:2], "ffn_moe_logits-0@ubatch1": a[2]}  # a 1-token ubatch lost its token axis
+    assert np.array_equal(near_ties.router_logits(acts, "ffn_moe_logits-0", 3), a)
+    assert near_ties.router_logits(acts, "ffn_moe_logits-1", 3) is None
+    with pytest.raises(ValueError, match="2 rows for 3 tokens"):
+        near_ties.router_logits({"x@ubatch0": a[:2]}, "x", 3)
+
+
+def test_calibration_finds_the_flip_by_the_experts_both_engines_keep(moe_prose):
+    """harness calibrate measures a known-good MoE pair up to the position where it keeps other
+    experts than llama.cpp (both engines' router logits): here the same position the parity rule
+    cuts at from the reference's router alone."""
+    path, model, ref, prompts = moe_prose
+    h = model.hparams
+    f, gap = near_ties.first_flip(ref, LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7)), prompts[0].tokens, h.n_layer, h.n_expert_used)
+    assert f == 336 and gap == pytest.approx(3.5e-4, rel=0.05)
+    assert near_ties.first_flip(ref, resolve_engine("oracle", path), prompts[0].tokens, h.n_layer, h.n_expert_used) == (None, pytest.approx(float("nan"), nan_ok=True))

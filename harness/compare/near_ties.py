@@ -61,6 +61,24 @@ class RouterCuts:
                 f"engine may keep other experts from there on): {where}; {self.count} positions not judged by this tier")
 
 
+def router_logits(acts: Mapping[str, np.ndarray], name: str, n_tokens: int) -> np.ndarray | None:
+    """float64 ``[T, E]`` of activation ``name`` (e.g. ``ffn_moe_logits-3``), or None when absent.
+    llama.cpp's worker returns a tensor it cannot join across ubatches (a last ubatch of one token
+    loses its token axis) as ``name@ubatchK`` pieces; they are joined here in order."""
+    if name in acts:
+        return np.asarray(acts[name], np.float64).reshape(n_tokens, -1)
+    pieces = []
+    while f"{name}@ubatch{len(pieces)}" in acts:
+        a = np.asarray(acts[f"{name}@ubatch{len(pieces)}"], np.float64)
+        pieces.append(a.reshape(1, -1) if a.ndim == 1 else a.reshape(a.shape[0], -1))
+    if not pieces:
+        return None
+    a = np.concatenate(pieces)
+    if a.shape[0] != n_tokens:
+        raise ValueError(f"{name}: {a.shape[0]} rows for {n_tokens} tokens")
+    return a
+
+
 def router_gaps(engine: Any, tokens: Sequence[int], n_layer: int, n_expert_used: int) -> np.ndarray:
     """float64 ``[T]``: at each position, the smallest over the MoE layers of (k-th largest minus
     (k+1)-th largest router logit), k = ``n_expert_used``, from ``engine.activations`` under
@@ -71,8 +89,8 @@ def router_gaps(engine: Any, tokens: Sequence[int], n_layer: int, n_expert_used:
     acts = engine.activations(list(tokens), names=names)
     gaps = []
     for n in names:
-        if n in acts:
-            a = np.asarray(acts[n], np.float64).reshape(len(tokens), -1)
+        a = router_logits(acts, n, len(tokens))
+        if a is not None:
             if a.shape[1] <= n_expert_used:
                 continue
             top = -np.partition(-a, (n_expert_used - 1, n_expert_used), axis=1)
@@ -131,3 +149,40 @@ def router_cuts(per_position: Mapping[str, np.ndarray], outside: np.ndarray, pro
         mask |= cut
         out.cuts.append({"prompt": pid, "position": first, "router_gap": gap, "positions_cut": int(cut.sum())})
     return out
+
+
+def _kept_experts(acts: Mapping[str, np.ndarray], names: Sequence[str], n_tokens: int, k: int) -> np.ndarray:
+    """bool ``[T, L, E]``: which experts each MoE layer keeps at each position (its k largest router logits)."""
+    layers = []
+    for n in names:
+        a = router_logits(acts, n, n_tokens)
+        if a is None:
+            raise ValueError(f"no router logits {n}")
+        keep = np.zeros(a.shape, bool)
+        np.put_along_axis(keep, np.argpartition(-a, k - 1, axis=1)[:, :k], True, axis=1)
+        layers.append(keep)
+    return np.stack(layers, axis=1)
+
+
+def first_flip(reference: Any, candidate: Any, tokens: Sequence[int], n_layer: int, n_expert_used: int) -> tuple[int | None, float]:
+    """``(position, reference router gap there)`` of the first position where ``candidate`` keeps
+    other experts than ``reference`` in some MoE layer (both engines' ``ffn_moe_logits-N``
+    activations), or ``(None, nan)`` when they agree everywhere. For calibration, where both
+    engines are known-good and may be asked; a parity candidate is never trusted this way
+    (``router_cuts``). Raises ``EngineError`` from an engine and ``ValueError`` when one gives
+    no router logits."""
+    names = [f"ffn_moe_logits-{i}" for i in range(n_layer)]
+    toks = list(tokens)
+    ra = reference.activations(toks, names=names)
+    present = [n for n in names if router_logits(ra, n, len(toks)) is not None]
+    if not present:
+        raise ValueError("the reference gives no router logits")
+    ca = candidate.activations(toks, names=present)
+    r, c = _kept_experts(ra, present, len(toks), n_expert_used), _kept_experts(ca, present, len(toks), n_expert_used)
+    differs = np.flatnonzero((r != c).any(axis=(1, 2)))
+    if not differs.size:
+        return None, float("nan")
+    f = int(differs[0])
+    a = np.stack([router_logits(ra, n, len(toks))[f] for n in present])
+    top = -np.partition(-a, (n_expert_used - 1, n_expert_used), axis=1)
+    return f, float(np.min(top[:, n_expert_used - 1] - top[:, n_expert_used]))

@@ -122,18 +122,63 @@ class CachedReference:
         return self.cache[key]
 
 
-def measure_pair(label: str, good: bool, model: str, ref: CachedReference, cand, prompts: list[list[int]]) -> PairStats:
+@dataclass
+class RouterFlips:
+    """How a known-good pair on an MoE model is measured the way ``harness parity`` judges it
+    (``harness.compare.near_ties``): each prompt up to the first position where the candidate
+    keeps other experts than llama.cpp, when llama.cpp's router gap there is at most
+    ``max_gap`` (thresholds.yaml ``probes.moe_router_max_gap``); a flip where the router is not
+    near-tied is measured like any other position, so it would widen the row and show."""
+
+    n_layer: int
+    n_expert_used: int
+    max_gap: float
+    log: Callable[[str], None] = print
+
+    def cut(self, ref: Any, cand: Any, toks: Sequence[int], label: str) -> int | None:
+        """The position the prompt's comparison ends at, or None (the whole prompt)."""
+        from harness.compare import near_ties
+        from harness.errors import HarnessError
+
+        try:
+            f, gap = near_ties.first_flip(ref, cand, toks, self.n_layer, self.n_expert_used)
+        except (HarnessError, ValueError) as e:
+            self.log(f"    {label}: router logits not compared ({str(e).splitlines()[0][:120]}): whole prompt measured")
+            return None
+        if f is None:
+            return None
+        if not gap <= self.max_gap:
+            self.log(f"    {label}: keeps other experts from position {f} where llama.cpp's router gap is {gap:.3g} "
+                     f"(> {self.max_gap:g}): measured, not cut")
+            return None
+        self.log(f"    {label}: keeps other experts from position {f} of {len(toks)} (router gap {gap:.2g}): measured up to it")
+        return f
+
+
+def measure_pair(label: str, good: bool, model: str, ref: CachedReference, cand, prompts: list[list[int]],
+                 flips: RouterFlips | None = None) -> PairStats:
     """Per-position metrics of ``cand`` vs the cached reference over ``prompts``; the pair's class
-    is the candidate's declared ``compute_class`` (``f64`` when none: the oracle's mutants)."""
-    mins, klds = [], []
-    for toks in prompts:
+    is the candidate's declared ``compute_class`` (``f64`` when none: the oracle's mutants).
+    ``flips``: a known-good pair on an MoE model, each prompt measured up to its router flip
+    (``RouterFlips``; ``extra["router_flips"]`` lists them)."""
+    mins, klds, cut_at = [], [], []
+    for i, toks in enumerate(prompts):
         pm = metrics.position_metrics(ref.get(toks), gather(cand.logits(toks), len(toks)))
+        f = flips.cut(ref.engine, cand, toks, label) if flips is not None else None
+        if f is not None:
+            cut_at.append({"prompt_index": i, "position": f, "positions": len(toks)})
+            pm = {k: v[:f] for k, v in pm.items()}
+            if not f:
+                continue
         cos = np.where(pm["finite"], pm["cosine"], -1.0)
         mins.append(float(np.min(cos)))
         klds.append(np.where(pm["finite"], pm["kld"], np.inf))
     allk = np.concatenate(klds)
-    return PairStats(label, good, model, float(min(mins)), float(np.mean(allk)), float(np.quantile(allk, 0.99)),
+    pair = PairStats(label, good, model, float(min(mins)), float(np.mean(allk)), float(np.quantile(allk, 0.99)),
                      np.array(mins), klds, compute_class=cand.info.compute_class or "f64")
+    if cut_at:
+        pair.extra["router_flips"] = cut_at
+    return pair
 
 
 def bootstrap_by_prompt(pair: PairStats, stat: str, n_resamples: int = 999, seed: int = 0) -> tuple[float, float]:
@@ -285,8 +330,12 @@ def have_torch() -> bool:
 class CalibrationPlan:
     """What to measure: the F32 trained models (mutants run on these), the file-type ladder,
     the compute classes, the mutants, and the tokens per prompt (``max_tokens`` on the F32 trained
-    models, where the mutants run and 160 tokens span the delta rule's 64-token chunks;
-    ``ladder_max_tokens`` on the file-type ladder, where only known-good pairs run)."""
+    models, where the mutants run; ``ladder_max_tokens`` on the file-type ladder, where only
+    known-good pairs run). None, the default for both: whole prompts, as ``harness parity``
+    judges them. A recurrent state's drift grows with the position: rows measured on the first
+    256 tokens judged the shipped prompts' 1,026-token one with gates it crosses (llama.cpp at
+    n_ubatch 7 on ``trained-qwen35-256-F32``: KLD mean 1.28e-6 and p99 1.2e-5 against 1e-6 and
+    1e-5, the largest KLD at position 946)."""
 
     base_model: str = "fixture:trained-qwen35"
     moe_model: str = "fixture:trained-qwen35moe"
@@ -294,8 +343,8 @@ class CalibrationPlan:
     classes: tuple[str, ...] = COMPUTE_CLASSES
     mutants: tuple[str, ...] | None = None  # None: all
     include_transformers: bool = True
-    max_tokens: int = 256
-    ladder_max_tokens: int = 128
+    max_tokens: int | None = None
+    ladder_max_tokens: int | None = None
 
     def models(self) -> list[str]:
         from harness.fixtures.synthetic import LADDER_BASES, TRAINED_LADDER
@@ -340,7 +389,8 @@ class CalibrationResult:
         return next(r["gates"] for r in self.rows if r["weights"] == "F32" and r["class"] == "f64")
 
 
-def _prompts(model_path: Path, n_max_tokens: int) -> list[list[int]]:
+def _prompts(model_path: Path, n_max_tokens: int | None) -> list[list[int]]:
+    """The shipped prompts as llama.cpp tokenizes them, each cut to ``n_max_tokens`` (None: whole)."""
     from harness.compare.prompts import load_prompt_set, tokenize_prompts
     from harness.engines.llamacpp import LlamaCppEngine
 
@@ -348,7 +398,7 @@ def _prompts(model_path: Path, n_max_tokens: int) -> list[list[int]]:
     return [p.tokens[:n_max_tokens] for p in ps]
 
 
-def open_for_calibration(spec: str, max_tokens: int) -> ModelMeasurement:
+def open_for_calibration(spec: str, max_tokens: int | None) -> ModelMeasurement:
     """Resolve ``spec`` (building a ladder fixture if needed) and set up its cached reference."""
     from harness.engines.llamacpp import LlamaCppEngine
     from harness.fixtures.resolve import resolve_model
@@ -363,14 +413,20 @@ def open_for_calibration(spec: str, max_tokens: int) -> ModelMeasurement:
 
 def measure_goods(mm: ModelMeasurement, classes: Sequence[str], use_torch: bool, log: Callable[[str], None]) -> list[PairStats]:
     """Every known-good engine of the member classes of ``classes`` on one model."""
+    from harness.compare.near_ties import CUT_CLASSES
+    from harness.model.gguf_model import GGUFModel
+
     wanted = sorted({c for k in classes for c in CLASS_MEMBERS[k]}, key=COMPUTE_CLASSES.index)
+    hp = GGUFModel(mm.path).hparams
+    flips = RouterFlips(hp.n_layer, hp.n_expert_used, float(MOE_ROUTER_MAX_GAP["value"]), log) if hp.n_expert > 0 else None
     out = []
     for cls in wanted:
         for label, make, needs_torch in KNOWN_GOOD[cls]:
             if needs_torch and not use_torch:
                 continue
             log(f"  good ({cls}): {label} vs llama.cpp on {mm.spec}")
-            p = measure_pair(f"{label} vs llama.cpp", True, mm.spec, mm.ref, make(mm.path), mm.prompts)
+            p = measure_pair(f"{label} vs llama.cpp", True, mm.spec, mm.ref, make(mm.path), mm.prompts,
+                             flips if cls in CUT_CLASSES else None)
             p.compute_class, p.weights = cls, mm.weights
             p.extra.update(file_type=mm.file_type, dims=mm.dims)
             out.append(p)
