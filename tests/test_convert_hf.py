@@ -234,3 +234,21 @@ def test_transformers_engine_chunks_activations_and_float64(source_tokens):
         assert got[n].shape == want[n].shape == (len(toks), 96), n
         rel = np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()
         assert rel < 1e-4, f"{n}: relative difference {rel:.2e} between transformers and the oracle"
+
+
+@pytest.mark.hf
+def test_a_vector_stored_without_its_size_one_axis_is_taken_as_transformers_shapes_it(source_tokens):
+    """llama.cpp's quantizer (and the synthetic fixtures) write ffn_gate_inp_shexp as [n_embd]
+    where the trainer wrote [n_embd, 1]; transformers' shared_expert_gate is [1, n_embd]: the
+    conversion reshapes, and the model agrees with llama.cpp (it refused to load: an
+    INTERNAL-ERROR in calibrate on a quantized MoE file, "cannot load" on tiny-qwen35moe)."""
+    import gguf
+
+    from harness.engines.base import gather
+    from harness.engines.registry import resolve_engine
+
+    path = fx.build("tiny-qwen35moe")
+    shexp = [t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_gate_inp_shexp.weight"][0]
+    assert shexp.shape.tolist() == [64]
+    ref = gather(resolve_engine("llama.cpp", path).logits(source_tokens))
+    _agreement(ref, gather(resolve_engine("transformers", path).logits(source_tokens)), "transformers vs llama.cpp on the 1-D gate")
