@@ -37,9 +37,9 @@ def _judge(model: str, make, thresholds: Path):
     m = measure_cell(gm, ref, make(path), prompts)
     th = load_thresholds(thresholds)
     resolved = th.resolve(subject_of(gm, m.candidate_info), f"fixture:{model}")
-    cuts, gap = router_cuts_for(m, resolved, gm, ref)  # as harness parity judges an MoE model (docs/gates.md)
+    cuts = router_cuts_for(m, resolved, gm, ref)  # as harness parity judges an MoE model (docs/gates.md)
     return judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, th.near_tie_margin, resolved.row_misfit,
-                      cuts=cuts, cut_gap=gap), resolved
+                      cuts=cuts), resolved
 
 
 @pytest.mark.parametrize("model", MODELS)

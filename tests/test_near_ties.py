@@ -79,7 +79,7 @@ def test_a_prompt_is_cut_at_its_first_outside_position_only_where_the_router_is_
     assert np.flatnonzero(cuts.mask).tolist() == [4, 5, 6, 7, 8, 9]  # prompt a from 4 on; prompt b judged whole
     assert "prompt 'b' leaves the bounds at position 2" in cuts.notes[0] and "gap 0.5 > 0.001" in cuts.notes[0]
     assert ref.calls == [5, 3]  # the router read up to each prompt's first outside position, no further
-    assert "'a' from position 4 (gap 0.0003)" in cuts.line(1e-3)
+    assert "'a' from position 4 (gap 0.0003)" in cuts.line() and "gap ≤ 0.001" in cuts.line()
 
 
 def test_no_cut_for_a_non_finite_position_a_reference_without_router_logits_or_an_engine_failure():
@@ -110,8 +110,8 @@ def _judged(model, ref, cand, prompts, cuts_on=True):
     m = measure_cell(model, ref, cand, prompts)
     th = load_thresholds(SOURCE_ROOT / "thresholds.yaml")
     res = th.resolve(subject_of(model, m.candidate_info), f"fixture:{MOE}")
-    cuts, gap = router_cuts_for(m, res, model, ref) if cuts_on else (None, 0.0)
-    return judge_cell(m, res.release_gates, res.row, res.subject, th.near_tie_margin, res.row_misfit, cuts=cuts, cut_gap=gap), cuts
+    cuts = router_cuts_for(m, res, model, ref) if cuts_on else None
+    return judge_cell(m, res.release_gates, res.row, res.subject, th.near_tie_margin, res.row_misfit, cuts=cuts), cuts
 
 
 def test_a_known_good_f32_engine_passes_where_a_router_near_tie_moves_the_rest_of_the_prompt(moe_prose):
@@ -148,7 +148,7 @@ def test_a_dense_model_or_another_class_has_no_cut():
     prompts = [PromptTokens("p", list(range(1, 70)), "ids")]
     m = measure_cell(model, ref, resolve_engine("oracle", path), prompts)
     res = load_thresholds(SOURCE_ROOT / "thresholds.yaml").resolve(subject_of(model, m.candidate_info), "fixture:tiny-qwen35")
-    assert router_cuts_for(m, res, model, ref) == (None, 0.0)
+    assert router_cuts_for(m, res, model, ref) is None
 
 
 def test_the_receipt_records_the_cut(tmp_path, moe_prose):
@@ -172,8 +172,8 @@ def test_a_tier_left_with_no_position_is_unmeasured_never_pass():
     ref = LlamaCppEngine(path)
     m = measure_cell(model, ref, resolve_engine("oracle", path), [PromptTokens("p", list(range(1, 70)), "ids")])
     res = load_thresholds(SOURCE_ROOT / "thresholds.yaml").resolve(subject_of(model, m.candidate_info), "fixture:tiny-qwen35")
-    cuts = near_ties.RouterCuts(np.ones(69, bool), [{"prompt": "p", "position": 0, "router_gap": 1e-4, "positions_cut": 69}])
-    tier = verdicts.judge_calibrated(m.per_position, metrics.summarize(m.per_position), res.row, res.subject, cuts=cuts, cut_gap=1e-3)
+    cuts = near_ties.RouterCuts(np.ones(69, bool), 1e-3, [{"prompt": "p", "position": 0, "router_gap": 1e-4, "positions_cut": 69}])
+    tier = verdicts.judge_calibrated(m.per_position, metrics.summarize(m.per_position), res.row, res.subject, cuts=cuts)
     assert tier.status == "unmeasured" and "every position follows a router near-tie" in tier.line
     assert tier.to_dict()["router_cuts"]["positions"] == 69
 

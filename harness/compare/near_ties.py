@@ -38,10 +38,11 @@ router logits differ from llama.cpp's by ~1e-2, so its flips are part of what it
 @dataclass
 class RouterCuts:
     """What ``router_cuts`` decided: ``mask`` (bool [N] over the cell's concatenated positions:
-    not judged by the calibrated tier), ``cuts`` ({prompt, position, router_gap, positions_cut}
+    not judged by the calibrated tier), ``max_gap`` (the router gap it allowed, logits), ``cuts`` ({prompt, position, router_gap, positions_cut}
     per prompt cut) and ``notes`` (per prompt outside the bounds and not cut: why)."""
 
     mask: np.ndarray
+    max_gap: float
     cuts: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -49,15 +50,15 @@ class RouterCuts:
     def count(self) -> int:
         return int(self.mask.sum())
 
-    def to_dict(self, max_gap: float) -> dict[str, Any]:
-        return {"positions": self.count, "cuts": self.cuts, "router_max_gap": max_gap, "notes": self.notes}
+    def to_dict(self) -> dict[str, Any]:
+        return {"positions": self.count, "cuts": self.cuts, "router_max_gap": self.max_gap, "notes": self.notes}
 
-    def line(self, max_gap: float) -> str:
+    def line(self) -> str:
         """The tier line's clause: which prompts were cut where, and why."""
         if not self.cuts:
             return ""
         where = ", ".join(f"{c['prompt']!r} from position {c['position']} (gap {c['router_gap']:.2g})" for c in self.cuts)
-        return (f"judged up to the reference's first MoE router near-tie outside the bounds (gap ≤ {max_gap:g}; a correct "
+        return (f"judged up to the reference's first MoE router near-tie outside the bounds (gap ≤ {self.max_gap:g}; a correct "
                 f"engine may keep other experts from there on): {where}; {self.count} positions not judged by this tier")
 
 
@@ -79,22 +80,31 @@ def router_logits(acts: Mapping[str, np.ndarray], name: str, n_tokens: int) -> n
     return a
 
 
+def router_names(n_layer: int) -> list[str]:
+    """llama.cpp's names of every layer's router logits, ``ffn_moe_logits-0`` ... ``-{n_layer-1}``."""
+    return [f"ffn_moe_logits-{i}" for i in range(n_layer)]
+
+
+def kept_gap(logits: np.ndarray, k: int) -> np.ndarray:
+    """The k-th largest minus the (k+1)-th largest entry of each row of ``logits`` ([..., E]):
+    how far the last kept expert is from the first dropped one."""
+    top = -np.partition(-logits, (k - 1, k), axis=-1)
+    return top[..., k - 1] - top[..., k]
+
+
 def router_gaps(engine: Any, tokens: Sequence[int], n_layer: int, n_expert_used: int) -> np.ndarray:
     """float64 ``[T]``: at each position, the smallest over the MoE layers of (k-th largest minus
     (k+1)-th largest router logit), k = ``n_expert_used``, from ``engine.activations`` under
     llama.cpp's names ``ffn_moe_logits-N`` ([T, n_expert] each).
 
     Raises ``EngineError`` from the engine, and ``ValueError`` when it returns no router logits."""
-    names = [f"ffn_moe_logits-{i}" for i in range(n_layer)]
+    names = router_names(n_layer)
     acts = engine.activations(list(tokens), names=names)
     gaps = []
     for n in names:
         a = router_logits(acts, n, len(tokens))
-        if a is not None:
-            if a.shape[1] <= n_expert_used:
-                continue
-            top = -np.partition(-a, (n_expert_used - 1, n_expert_used), axis=1)
-            gaps.append(top[:, n_expert_used - 1] - top[:, n_expert_used])
+        if a is not None and a.shape[1] > n_expert_used:
+            gaps.append(kept_gap(a, n_expert_used))
     if not gaps:
         raise ValueError(f"the engine returned no router logits ({names[0]} ... {names[-1]})")
     return np.min(np.stack(gaps), axis=0)
@@ -119,7 +129,7 @@ def router_cuts(per_position: Mapping[str, np.ndarray], outside: np.ndarray, pro
     whole, as without this rule. Never raises.
     """
     mask = np.zeros(outside.size, bool)
-    out = RouterCuts(mask)
+    out = RouterCuts(mask, max_gap)
     if not outside.any():
         return out
     if not hasattr(reference, "activations"):
@@ -171,7 +181,7 @@ def first_flip(reference: Any, candidate: Any, tokens: Sequence[int], n_layer: i
     engines are known-good and may be asked; a parity candidate is never trusted this way
     (``router_cuts``). Raises ``EngineError`` from an engine and ``ValueError`` when one gives
     no router logits."""
-    names = [f"ffn_moe_logits-{i}" for i in range(n_layer)]
+    names = router_names(n_layer)
     toks = list(tokens)
     ra = reference.activations(toks, names=names)
     present = [n for n in names if router_logits(ra, n, len(toks)) is not None]
@@ -183,6 +193,4 @@ def first_flip(reference: Any, candidate: Any, tokens: Sequence[int], n_layer: i
     if not differs.size:
         return None, float("nan")
     f = int(differs[0])
-    a = np.stack([router_logits(ra, n, len(toks))[f] for n in present])
-    top = -np.partition(-a, (n_expert_used - 1, n_expert_used), axis=1)
-    return f, float(np.min(top[:, n_expert_used - 1] - top[:, n_expert_used]))
+    return f, float(np.min(kept_gap(np.stack([router_logits(ra, n, len(toks))[f] for n in present]), n_expert_used)))

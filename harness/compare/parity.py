@@ -303,7 +303,7 @@ def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) ->
 def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row | None, subject: tiers.Subject,
                near_tie_margin: float = metrics.NEAR_TIE_MARGIN, unmeasured_reason: str = "",
                command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None,
-               cuts: near_ties.RouterCuts | None = None, cut_gap: float = 0.0) -> CellResult:
+               cuts: near_ties.RouterCuts | None = None) -> CellResult:
     """Judge a measured cell with the two tiers (``harness.compare.verdicts``): the release gate
     (``release``: ``{"min_cosine": {"value"}, "min_positions": {"value"}}``) and the calibrated
     row (None: unmeasured, with ``unmeasured_reason`` and the ``command`` that would measure it).
@@ -311,7 +311,7 @@ def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row |
     ``cuts``: MoE prompts the calibrated tier judges only up to a router near-tie (``router_cuts``)."""
     pp = m.per_position
     rel = verdicts.judge_release(pp, release)
-    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts, cut_gap)
+    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts)
     verdict, msg = verdicts.overall(rel, cal, subject, require_calibrated)
     gate = cell_gate(m, rel, cal, release, row, subject)
     if verdict is Verdict.FAIL:
@@ -324,21 +324,21 @@ def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row |
     return CellResult(verdict, kind, m.prompts, pp, m.summary, per_prompt, gate, m.candidate_info, m.reference_info, m.n_vocab, msg)
 
 
-def router_cuts_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel, reference: Engine) -> tuple[near_ties.RouterCuts | None, float]:
-    """(``near_ties.router_cuts`` of the cell, thresholds.yaml ``probes.moe_router_max_gap``), or
-    (None, 0) where the rule does not apply: a dense model, no calibrated row, a class outside
+def router_cuts_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel, reference: Engine) -> near_ties.RouterCuts | None:
+    """``near_ties.router_cuts`` of the cell with thresholds.yaml ``probes.moe_router_max_gap``, or
+    None where the rule does not apply: a dense model, no calibrated row, a class outside
     ``near_ties.CUT_CLASSES``, or a thresholds file without the gap. A position is outside the
     row's bounds when its cosine is below the row's or its KLD above the row's p99 gate."""
     row, h = resolved.row, model.hparams
     gap = resolved.probes.get("moe_router_max_gap")
     if row is None or h.n_expert <= 0 or gap is None or resolved.subject.compute_class not in near_ties.CUT_CLASSES:
-        return None, 0.0
+        return None
     pp = m.per_position
     with np.errstate(invalid="ignore"):
         inside = pp["finite"] & pp["ref_finite"] & (pp["cosine"] >= float(row.gates["min_cosine"]["value"]))
         if "max_kld_p99" in row.gates:
             inside &= pp["kld"] <= float(row.gates["max_kld_p99"]["value"])
-    return near_ties.router_cuts(pp, ~inside, m.prompts, reference, h.n_layer, h.n_expert_used, float(gap.value)), float(gap.value)
+    return near_ties.router_cuts(pp, ~inside, m.prompts, reference, h.n_layer, h.n_expert_used, float(gap.value))
 
 
 def run_cell(
@@ -474,9 +474,9 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     measure = req.measure_tier if req.write_evidence else None
     resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
                                                       measure, req.calibrate_max_tokens, log)
-    cuts, cut_gap = router_cuts_for(m, resolved, inputs.model, reference.engine)
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
-                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate), cuts, cut_gap)
+                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate),
+                        router_cuts_for(m, resolved, inputs.model, reference.engine))
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     return _finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
 

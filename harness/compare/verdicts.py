@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness.compare import metrics
+from harness.compare.near_ties import RouterCuts
 from harness.engines.base import ASSUMED_CLASS, COMPUTE_CLASSES
 from harness.errors import Verdict
 from harness.gates.tiers import KLD_GATES, Row, Subject
@@ -107,11 +108,10 @@ def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, 
 
 def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[str, Any], row: Row | None,
                      subject: Subject, unmeasured_reason: str = "", command: str | None = None,
-                     cuts: Any = None, cut_gap: float = 0.0) -> TierResult:
+                     cuts: RouterCuts | None = None) -> TierResult:
     """The calibrated tier: ``row``'s cosine and KLD gates (KL(P_ref ‖ P_cand), nats, over all
     positions), or ``unmeasured`` with ``unmeasured_reason`` and the ``command`` that would measure
-    it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``, with
-    thresholds.yaml's ``cut_gap``): positions of MoE prompts from a verified router near-tie on,
+    it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``): positions of MoE prompts from a verified router near-tie on,
     which this tier leaves out (its line says so); failing and worst positions index the whole cell."""
     if row is None:
         line = f"calibrated tier ({subject.key_text()}): UNMEASURED — {unmeasured_reason}"
@@ -122,9 +122,9 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
     if cuts is not None and cuts.count:
         keep = np.flatnonzero(~cuts.mask)
         if not keep.size:  # nothing left to judge: never a PASS
-            reason = "every position follows a router near-tie (" + cuts.line(cut_gap) + ")"
+            reason = "every position follows a router near-tie (" + cuts.line() + ")"
             return TierResult("calibrated", "unmeasured", [], f"calibrated tier ({subject.key_text()}): UNMEASURED — {reason}",
-                              row.source, reason, None, router_cuts=cuts.to_dict(cut_gap))
+                              row.source, reason, None, router_cuts=cuts.to_dict())
         per_position = {k: np.asarray(v)[keep] for k, v in per_position.items()}
         summary = metrics.summarize(per_position)
     g = row.gates["min_cosine"]
@@ -146,10 +146,10 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
              f"{'ok' if c.ok else ('FAIL' if c.ok is False else 'not computed')} ({_fmt(c.observed)})" for c in checks]
     line = f"calibrated tier ({subject.key_text()}, {row.source}): " + "; ".join(parts)
     if cuts is not None and (cuts.cuts or cuts.notes):
-        line += "; " + (cuts.line(cut_gap) or "not cut at a router near-tie: " + "; ".join(cuts.notes))
+        line += "; " + (cuts.line() or "not cut at a router near-tie: " + "; ".join(cuts.notes))
     return TierResult("calibrated", status, checks, line, row.source, None, None, int(fails.size),
                       int(fails[0]) if fails.size else None, worst,
-                      None if keep is None else cuts.mask, None if cuts is None else cuts.to_dict(cut_gap))
+                      None if keep is None else cuts.mask, None if cuts is None else cuts.to_dict())
 
 
 def _fmt(x: float | None) -> str:
