@@ -196,3 +196,18 @@ def test_calibration_finds_the_flip_by_the_experts_both_engines_keep(moe_prose):
     f, gap = near_ties.first_flip(ref, LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7)), prompts[0].tokens, h.n_layer, h.n_expert_used)
     assert f == 336 and gap == pytest.approx(3.5e-4, rel=0.05)
     assert near_ties.first_flip(ref, resolve_engine("oracle", path), prompts[0].tokens, h.n_layer, h.n_expert_used) == (None, pytest.approx(float("nan"), nan_ok=True))
+
+
+def test_calibration_measures_a_known_good_moe_pair_up_to_its_flip_and_reads_the_reference_once(moe_prose):
+    from harness.gates.calibrate import CachedReference, RouterFlips, measure_pair
+
+    path, model, ref, prompts = moe_prose
+    cached = CachedReference(ref)
+    flips = RouterFlips(model.hparams.n_layer, model.hparams.n_expert_used, 1e-3, log=lambda m: None)
+    toks = [prompts[0].tokens]
+    cut = measure_pair("n_ubatch=7", True, MOE, cached, LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7)), toks, flips)
+    whole = measure_pair("n_ubatch=7", True, MOE, cached, LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7)), toks)
+    assert cut.extra["router_flips"] == [{"prompt_index": 0, "position": 336, "positions": 1026}] and cut.n == 336
+    assert whole.n == 1026 and whole.kld_mean > 10 * cut.kld_mean  # the flip is what widened a row measured whole
+    measure_pair("oracle", True, MOE, cached, resolve_engine("oracle", path), toks, flips)
+    assert len(cached.acts) == 1  # the reference's router logits read once for both pairs

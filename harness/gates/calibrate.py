@@ -109,11 +109,20 @@ class PairStats:
 
 
 class CachedReference:
-    """llama.cpp logits per token sequence, computed once (every pair on a model shares them)."""
+    """llama.cpp logits (and router activations) per token sequence, computed once: every pair
+    on a model shares them."""
 
     def __init__(self, engine):
         self.engine = engine
         self.cache: dict[tuple[int, ...], np.ndarray] = {}
+        self.acts: dict[tuple[tuple[int, ...], tuple[str, ...]], dict[str, np.ndarray]] = {}
+
+    def activations(self, tokens: Sequence[int], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """``engine.activations(tokens, names=names)``, once per (tokens, names)."""
+        key = (tuple(tokens), tuple(names))
+        if key not in self.acts:
+            self.acts[key] = self.engine.activations(list(tokens), names=list(names))
+        return self.acts[key]
 
     def get(self, tokens: Sequence[int]) -> np.ndarray:
         key = tuple(tokens)
@@ -164,7 +173,7 @@ def measure_pair(label: str, good: bool, model: str, ref: CachedReference, cand,
     mins, klds, cut_at = [], [], []
     for i, toks in enumerate(prompts):
         pm = metrics.position_metrics(ref.get(toks), gather(cand.logits(toks), len(toks)))
-        f = flips.cut(ref.engine, cand, toks, label) if flips is not None else None
+        f = flips.cut(ref, cand, toks, label) if flips is not None else None
         if f is not None:
             cut_at.append({"prompt_index": i, "position": f, "positions": len(toks)})
             pm = {k: v[:f] for k, v in pm.items()}
@@ -507,7 +516,7 @@ def _measured(label: str, make: Callable[[Path], Any], path: Path, decode_tokens
     cannot build every fixture, e.g. the random-weight MoE)."""
     log(f"  {label}: split and {decode_tokens}-token decode")
     try:
-        return _self_comparisons(make(path), prompts if prompts is not None else _prompts(path, 1 << 30), decode_tokens)
+        return _self_comparisons(make(path), prompts if prompts is not None else _prompts(path, None), decode_tokens)
     except (HarnessError, RuntimeError) as e:
         log(f"  skipped: {label}: {str(e).splitlines()[0][:160]}")
         return None
@@ -526,7 +535,7 @@ def probe_floors(path: Path, classes: Sequence[str], use_torch: bool, log: Calla
     from harness.compare.probes import DECODE_TOKENS, MAIN_TOKENS
 
     decode_tokens = decode_tokens or DECODE_TOKENS
-    prompts = _prompts(path, 1 << 30)
+    prompts = _prompts(path, None)
     extras = _extra_floor_models(path) if extra else []
     floors: dict[str, tuple[int, dict[str, tuple[float, float]], list[str]]] = {}
     for cls, engs in _probe_engines(classes, use_torch).items():
