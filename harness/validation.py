@@ -47,24 +47,22 @@ class Validator:
         cls.check_schema(self.schema)
         return cls(self.schema)
 
+    def _accepted(self, doc: Any) -> bool:
+        """jsonschema-rs's verdict; False, so that jsonschema judges, for what it cannot take as
+        JSON data (e.g. a non-str key)."""
+        try:
+            return bool(self._fast.is_valid(doc))
+        except (ValueError, TypeError, OverflowError):
+            return False
+
     def is_valid(self, doc: Any) -> bool:
         """Whether ``doc`` (JSON data: dicts with str keys, lists, str, numbers, bool, None) is valid."""
-        try:
-            if self._fast.is_valid(doc):
-                return True
-        except (ValueError, TypeError, OverflowError):  # not JSON data (e.g. a non-str key): let jsonschema say
-            pass
-        return self._explainer.is_valid(doc)
+        return self._accepted(doc) or self._explainer.is_valid(doc)
 
     def iter_errors(self, doc: Any) -> Iterator["jsonschema.ValidationError"]:
         """jsonschema's errors for ``doc``; none (without importing jsonschema) when
         jsonschema-rs finds it valid."""
-        try:
-            if self._fast.is_valid(doc):
-                return iter(())
-        except (ValueError, TypeError, OverflowError):
-            pass
-        return self._explainer.iter_errors(doc)
+        return iter(()) if self._accepted(doc) else self._explainer.iter_errors(doc)
 
 
 def make_validator(schema: Mapping[str, Any]) -> Validator:

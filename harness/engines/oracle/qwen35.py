@@ -31,6 +31,7 @@ and overriding one step; the oracle is written so that this needs no copied code
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
@@ -40,16 +41,12 @@ from threadpoolctl import ThreadpoolController
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
 
-_CONTROLLER: list[ThreadpoolController] = []
-
-
+@lru_cache(maxsize=1)
 def _blas_controller() -> ThreadpoolController:
     """One ``threadpoolctl.ThreadpoolController`` for the process: it finds the loaded BLAS
     libraries once (``threadpool_limits`` searches them on every call, 0.8 ms: more than a decode
     step's delta rule at small shapes)."""
-    if not _CONTROLLER:
-        _CONTROLLER.append(ThreadpoolController())
-    return _CONTROLLER[0]
+    return ThreadpoolController()
 
 
 # ---------------------------------------------------------------------------------------------
