@@ -38,7 +38,6 @@ from harness.engines import (
     transformers_engine,
 )
 from harness.engines.base import Engine
-from harness.engines.oracle import lowp
 from harness.errors import InvalidInput
 from harness.model import gguf_model
 from harness.model.gguf_model import Override
@@ -83,6 +82,18 @@ class EngineEntry:
         return sorted(p.relative_to(SOURCE_ROOT).as_posix() for p in files)
 
 
+def _lowp_oracle(compute_class: str) -> Loader:
+    """``oracle-bf16`` / ``oracle-f16``. Imported when used: ml_dtypes takes 0.05-0.45 s to import
+    (0.7 builds every format's finfo), which a run of any other engine should not pay."""
+
+    def load(rest: str, path: Path, overrides: Sequence[Override], settings: dict[str, Any]) -> Engine:
+        from harness.engines.oracle import lowp
+
+        return lowp.load_lowp_oracle(path, compute_class, overrides)
+
+    return load
+
+
 def _llamacpp(rest: str, path: Path, overrides: Sequence[Override], settings: dict[str, Any]) -> Engine:
     return llamacpp.LlamaCppEngine(path, overrides, llamacpp.LlamaCppSettings(**settings) if settings else None)
 
@@ -92,8 +103,8 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("llama.cpp", _llamacpp, (llamacpp, _llamacpp_worker, base), aliases=("llamacpp", "llama-cpp"),
                 distributions=("llama-cpp-python",)),
     EngineEntry("oracle", lambda rest, path, ov, s: oracle.load_oracle(path, ov), _ORACLE),
-    EngineEntry("oracle-bf16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "bf16", ov), _ORACLE),
-    EngineEntry("oracle-f16", lambda rest, path, ov, s: lowp.load_lowp_oracle(path, "f16", ov), _ORACLE),
+    EngineEntry("oracle-bf16", _lowp_oracle("bf16"), _ORACLE),
+    EngineEntry("oracle-f16", _lowp_oracle("f16"), _ORACLE),
     EngineEntry("mutant:", lambda rest, path, ov, s: mutants.load_mutant(rest, path, ov), _ORACLE + (mutants,)),
     EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, persistent, base, config)),
     EngineEntry("http:", lambda rest, path, ov, s: http_engine.load_http_engine(rest, path, ov), (http_engine, base, config)),
