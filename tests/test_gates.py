@@ -71,6 +71,28 @@ def test_calibrated_tier_judges_cosine_and_kld_and_says_when_unmeasured():
     assert "UNMEASURED" in none.line and "harness calibrate --model m.gguf --class bf16" in none.line
 
 
+def test_a_row_judges_only_the_architecture_it_was_measured_on():
+    """An MoE file's known-good floor is its own (expert routing): a row measured on qwen35moe
+    files never judges a dense file of the same weights and class, nor the reverse."""
+    basis = {"kind": "measured"}
+
+    def arch_row(arch: str, cos: float) -> tiers.Row:
+        return tiers.Row("F32+Q4_K+Q6_K", "f64", ({"name": f"m-{arch}", "arch": arch, "n_layer": 4, "n_embd": 256},),
+                         {"min_cosine": {"value": cos, "basis": basis}}, {}, f"{arch} row")
+
+    def subj(arch: str) -> tiers.Subject:
+        return tiers.Subject("F32+Q4_K+Q6_K", "Q4_K_M", "f64", True, 4, 256, "0" * 64, arch)
+
+    dense, moe = arch_row("qwen35", 0.995), arch_row("qwen35moe", 0.98)
+    assert tiers.find_row([moe, dense], subj("qwen35"))[0] is dense
+    assert tiers.find_row([dense, moe], subj("qwen35moe"))[0] is moe
+    row, why = tiers.find_row([moe], subj("qwen35"))
+    assert row is None and why == "no calibrated row for weights F32+Q4_K+Q6_K (Q4_K_M), class f64 measured on qwen35 models"
+    assert moe.misfit(subj("qwen35")) == "measured on qwen35moe models, not qwen35"
+    legacy = tiers.Row("F32+Q4_K+Q6_K", "f64", ({"name": "m", "n_layer": 4, "n_embd": 256},), dense.gates, {}, "no arch")
+    assert legacy.archs is None and legacy.misfit(subj("qwen35moe")) is None  # a row that does not say fits either
+
+
 def test_verdict_combines_the_tiers():
     rel_ok = verdicts.judge_release(per_position([0.999] * 100), RELEASE)
     rel_bad = verdicts.judge_release(per_position([0.9] * 100), RELEASE)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare.parity import judge_cell, measure_cell, router_cuts_for, subject_of
+from harness.compare.parity import judge_cell, measure_cell, router_near_ties, subject_of
 from harness.compare.prompts import load_prompt_set, tokenize_prompts
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import Verdict
@@ -37,9 +37,9 @@ def _judge(model: str, make, thresholds: Path):
     m = measure_cell(gm, ref, make(path), prompts)
     th = load_thresholds(thresholds)
     resolved = th.resolve(subject_of(gm, m.candidate_info), f"fixture:{model}")
-    cuts = router_cuts_for(m, resolved, gm, ref)  # as harness parity judges an MoE model (docs/gates.md)
+    excuses, cuts = router_near_ties(m, resolved, gm, ref)  # as harness parity judges an MoE model (docs/gates.md)
     return judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, th.near_tie_margin, resolved.row_misfit,
-                      cuts=cuts), resolved
+                      cuts=cuts, excuses=excuses), resolved
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import textwrap
 from pathlib import Path
 
@@ -104,6 +106,16 @@ def test_a_row_looser_than_the_release_floor_is_refused_naming_it(tmp_path):
 def test_two_rows_for_one_key_are_refused(tmp_path):
     with pytest.raises(InvalidInput, match=r"calibrated\[1\] \(weights F32, class f32\) repeats the key of calibrated\[0\]"):
         load_thresholds(write(tmp_path, base("calibrated:\n" + row() + row(cos=0.9998))))
+
+
+def test_one_key_may_have_a_row_per_architecture_and_each_judges_its_own(tmp_path):
+    dense = row(cos=0.9999).replace(f"name: '{SHA_A}'", f"name: '{SHA_A}', arch: qwen35")
+    moe = row(cos=0.9995).replace(f"name: '{SHA_A}'", f"name: '{SHA_A}', arch: qwen35moe")
+    t = load_thresholds(write(tmp_path, base("calibrated:\n" + dense + moe)))
+    assert t.resolve(replace(subject(), arch="qwen35moe")).row.gates["min_cosine"]["value"] == 0.9995
+    assert t.resolve(replace(subject(), arch="qwen35")).row.gates["min_cosine"]["value"] == 0.9999
+    with pytest.raises(InvalidInput, match=r"repeats the key of calibrated\[0\]; one row per weights × class × architecture"):
+        load_thresholds(write(tmp_path, base("calibrated:\n" + moe + moe)))
 
 
 def test_v1_files_are_refused_with_the_command_that_rewrites_them(tmp_path):

@@ -156,11 +156,11 @@ def engine_record(info: Mapping[str, Any], name: str) -> dict[str, Any]:
 def subject_of(model: GGUFModel, candidate_info: Mapping[str, Any] | None) -> Subject:
     """The calibrated tier's key for ``model`` judged with a candidate of ``candidate_info``: the
     weights key, file type, ``n_layer``/``n_embd``, sha256, and the candidate's ``compute_class``
-    (``ASSUMED_CLASS``, and not declared, when it states none)."""
+    (``ASSUMED_CLASS``, and not declared, when it states none), and ``general.architecture``."""
     declared = (candidate_info or {}).get("compute_class")
     hp = model.hparams
     return Subject(model.weights_key, model.file_type, declared or ASSUMED_CLASS, declared is not None,
-                   hp.n_layer, hp.n_embd, model.sha256)
+                   hp.n_layer, hp.n_embd, model.sha256, hp.arch)
 
 
 def resolve_inputs(model: str, *, thresholds: str | Path | None = None, overrides: list[str] | None = None,

@@ -303,20 +303,24 @@ def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) ->
 def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row | None, subject: tiers.Subject,
                near_tie_margin: float = metrics.NEAR_TIE_MARGIN, unmeasured_reason: str = "",
                command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None,
-               cuts: near_ties.RouterCuts | None = None) -> CellResult:
+               cuts: near_ties.RouterCuts | None = None, excuses: near_ties.RouterExcuses | None = None) -> CellResult:
     """Judge a measured cell with the two tiers (``harness.compare.verdicts``): the release gate
     (``release``: ``{"min_cosine": {"value"}, "min_positions": {"value"}}``) and the calibrated
     row (None: unmeasured, with ``unmeasured_reason`` and the ``command`` that would measure it).
     ``case`` starts a failure's reproducer (default: the candidate's name and the model's sha256).
-    ``cuts``: MoE prompts the calibrated tier judges only up to a router near-tie (``router_cuts``)."""
+    ``cuts``: MoE prompts the calibrated tier judges only up to a router near-tie (``router_cuts``);
+    ``excuses``: positions below the release floor excused at one (``release_excuses``), which
+    neither tier counts (``router_near_ties`` finds both)."""
     pp = m.per_position
-    rel = verdicts.judge_release(pp, release)
-    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts)
+    rel = verdicts.judge_release(pp, release, excuses)
+    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts,
+                                    None if excuses is None else excuses.mask)
     verdict, msg = verdicts.overall(rel, cal, subject, require_calibrated)
     gate = cell_gate(m, rel, cal, release, row, subject)
     if verdict is Verdict.FAIL:
         msg = failure_text(gate, msg, m.prompts, case or Reproducer(m.candidate_info["name"], "MODEL", subject.sha256))
-    judged = ~cal.not_judged if cal.status != "unmeasured" and cal.not_judged is not None else np.ones(pp["cosine"].size, bool)
+    applied = cal if cal.status != "unmeasured" else rel
+    judged = ~applied.not_judged if applied.not_judged is not None else np.ones(pp["cosine"].size, bool)
     per_prompt = [_prompt_summary(p, {k: v[pp["prompt_index"] == i] for k, v in pp.items()}, gate["min_cosine"], near_tie_margin,
                                   judged[pp["prompt_index"] == i])
                   for i, p in enumerate(m.prompts)]
@@ -324,21 +328,51 @@ def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row |
     return CellResult(verdict, kind, m.prompts, pp, m.summary, per_prompt, gate, m.candidate_info, m.reference_info, m.n_vocab, msg)
 
 
-def router_cuts_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel, reference: Engine) -> near_ties.RouterCuts | None:
+def release_excuses_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel, reference: Engine) -> near_ties.RouterExcuses | None:
+    """``near_ties.release_excuses`` of the cell with thresholds.yaml ``release.moe_router_tie_gap``
+    and ``release.moe_router_max_excused``, or None where the rule does not apply (a dense model,
+    a thresholds file without them, no position below the release floor)."""
+    h, rel = model.hparams, resolved.release
+    if h.n_expert <= 0 or "moe_router_tie_gap" not in rel or "moe_router_max_excused" not in rel:
+        return None
+    below = ~(np.nan_to_num(m.per_position["cosine"], nan=-np.inf) >= float(rel["min_cosine"].value))
+    below |= ~(np.asarray(m.per_position["finite"], bool) & np.asarray(m.per_position["ref_finite"], bool))
+    if not below.any():
+        return None
+    return near_ties.release_excuses(m.per_position, below, m.prompts, reference, h.n_layer, h.n_expert_used,
+                                     float(rel["moe_router_tie_gap"].value), float(rel["moe_router_max_excused"].value))
+
+
+def router_cuts_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel, reference: Engine,
+                    excused: np.ndarray | None = None) -> near_ties.RouterCuts | None:
     """``near_ties.router_cuts`` of the cell with thresholds.yaml ``probes.moe_router_max_gap``, or
-    None where the rule does not apply: a dense model, no calibrated row, a class outside
-    ``near_ties.CUT_CLASSES``, or a thresholds file without the gap. A position is outside the
-    row's bounds when its cosine is below the row's or its KLD above the row's p99 gate."""
+    None where the rule does not apply: a dense model, no calibrated row, a class or a file the
+    rule is not for (``near_ties.cuts_apply``: f64/f32 on unquantized weights), or a thresholds
+    file without the gap. A position is outside the
+    row's bounds when its cosine is below the row's or its KLD above the row's p99 gate; one the
+    release gate excused (``excused``, bool [N]) is not looked at."""
     row, h = resolved.row, model.hparams
     gap = resolved.probes.get("moe_router_max_gap")
-    if row is None or h.n_expert <= 0 or gap is None or resolved.subject.compute_class not in near_ties.CUT_CLASSES:
+    if (row is None or h.n_expert <= 0 or gap is None
+            or not near_ties.cuts_apply(resolved.subject.compute_class, resolved.subject.weights)):
         return None
     pp = m.per_position
     with np.errstate(invalid="ignore"):
         inside = pp["finite"] & pp["ref_finite"] & (pp["cosine"] >= float(row.gates["min_cosine"]["value"]))
         if "max_kld_p99" in row.gates:
             inside &= pp["kld"] <= float(row.gates["max_kld_p99"]["value"])
+    if excused is not None:
+        inside |= excused
     return near_ties.router_cuts(pp, ~inside, m.prompts, reference, h.n_layer, h.n_expert_used, float(gap.value))
+
+
+def router_near_ties(m: Measured, resolved: ResolvedThresholds, model: GGUFModel,
+                     reference: Engine) -> tuple[near_ties.RouterExcuses | None, near_ties.RouterCuts | None]:
+    """How ``harness parity`` treats an MoE model's router near-ties (``harness.compare.near_ties``):
+    the release gate's excused positions, then the calibrated tier's cuts among the others. Both
+    None on a dense model."""
+    excuses = release_excuses_for(m, resolved, model, reference)
+    return excuses, router_cuts_for(m, resolved, model, reference, None if excuses is None else excuses.mask)
 
 
 def run_cell(
@@ -351,10 +385,13 @@ def run_cell(
     near_tie_margin: float = metrics.NEAR_TIE_MARGIN,
     progress: Progress | None = None,
     row: tiers.Row | None = None,
+    resolved: ResolvedThresholds | None = None,
 ) -> CellResult:
     """Measure and judge one cell: the release gate ``min_cosine`` over ``min_positions`` and,
     when given, the calibrated ``row`` (``measure_cell`` + ``judge_cell``). Used where the caller
-    already knows the row; ``run_parity`` resolves it from thresholds.yaml.
+    already knows the row; ``run_parity`` resolves it from thresholds.yaml. With ``resolved``
+    (the thresholds that apply to the subject, ``Thresholds.resolve``), an MoE model's router
+    near-ties are treated as ``harness parity`` treats them (``router_near_ties``).
 
     Raises ``NotComparable`` (vocab sizes differ, token id out of range) and ``EngineError``.
     """
@@ -362,7 +399,9 @@ def run_cell(
     release = {"min_cosine": {"value": min_cosine}, "min_positions": {"value": min_positions}}
     subject = subject_of(model, m.candidate_info)
     case = Reproducer(m.candidate_info["name"], str(model.path), model.sha256, overrides=[o.to_flag() for o in model.overrides.values()])
-    return judge_cell(m, release, row, subject, near_tie_margin, "no calibrated row given" if row is None else "", case=case)
+    excuses, cuts = router_near_ties(m, resolved, model, reference) if resolved is not None else (None, None)
+    return judge_cell(m, release, row, subject, near_tie_margin, "no calibrated row given" if row is None else "", case=case,
+                      cuts=cuts, excuses=excuses)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,9 +513,9 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     measure = req.measure_tier if req.write_evidence else None
     resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
                                                       measure, req.calibrate_max_tokens, log)
+    excuses, cuts = router_near_ties(m, resolved, inputs.model, reference.engine)
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
-                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate),
-                        router_cuts_for(m, resolved, inputs.model, reference.engine))
+                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate), cuts, excuses)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     return _finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
 

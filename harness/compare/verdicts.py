@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness.compare import metrics
-from harness.compare.near_ties import RouterCuts
+from harness.compare.near_ties import RouterCuts, RouterExcuses
 from harness.engines.base import ASSUMED_CLASS, COMPUTE_CLASSES
 from harness.errors import Verdict
 from harness.gates.tiers import KLD_GATES, Row, Subject
@@ -52,8 +52,10 @@ class TierResult:
     first_failing: int | None = None
     worst: int | None = None
     not_judged: np.ndarray | None = None
-    """bool [N]: positions this tier did not judge (an MoE prompt cut at a router near-tie)."""
+    """bool [N]: positions this tier did not judge (an MoE prompt cut at a router near-tie; a
+    position the release gate excused at one)."""
     router_cuts: dict[str, Any] | None = None
+    router_excuses: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {"tier": self.tier, "status": self.status, "line": self.line, "source": self.source,
@@ -61,6 +63,8 @@ class TierResult:
              "checks": [c.to_dict() for c in self.checks]}
         if self.router_cuts is not None:
             d["router_cuts"] = self.router_cuts
+        if self.router_excuses is not None:
+            d["router_excuses"] = self.router_excuses
         return d
 
 
@@ -80,17 +84,26 @@ def worst_position(per_position: Mapping[str, np.ndarray], fails: np.ndarray) ->
     return int(fails[np.argmin(cos[fails])])
 
 
-def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, Mapping[str, Any]]) -> TierResult:
+def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, Mapping[str, Any]],
+                  excuses: RouterExcuses | None = None) -> TierResult:
     """The release gate over concatenated per-position metrics (``metrics.position_metrics``).
 
     ``release``: ``{"min_cosine": {"value": 0.98, ...}, "min_positions": {"value": 64, ...}}``.
     Status ``unmeasured`` when fewer than ``min_positions`` positions were compared (a cosine
-    failure among them is still ``fail``).
+    failure among them is still ``fail``). ``excuses`` (``harness.compare.near_ties.RouterExcuses``,
+    MoE models): positions below the floor at a reference router near-tie, which are not
+    failures; the minimum and the count are over the other positions, and the line names them.
     """
     thr = float(release["min_cosine"]["value"])
     need = int(release["min_positions"]["value"])
-    check, fails = _cosine_check("release", per_position, thr, release["min_cosine"].get("basis", {}).get("kind", "declared"))
+    kind = release["min_cosine"].get("basis", {}).get("kind", "declared")
     n = int(np.asarray(per_position["cosine"]).size)
+    keep = np.flatnonzero(~excuses.mask) if excuses is not None and excuses.count else None
+    if keep is None:
+        check, fails = _cosine_check("release", per_position, thr, kind)
+    else:
+        check, fails = _cosine_check("release", {k: np.asarray(v)[keep] for k, v in per_position.items()}, thr, kind)
+        fails, n = keep[fails], int(keep.size)
     obs = "non-finite" if check.observed is None else f"{check.observed:.5f}"
     if fails.size:
         status, word = "fail", "FAIL"
@@ -102,29 +115,37 @@ def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, 
     line = f"release gate cosine ≥ {thr:g} over ≥ {need} positions: {word}, min {obs} over {n} positions"
     if fails.size:
         line += f" ({fails.size} below)"
+    if excuses is not None and (excuses.excused or excuses.notes):
+        line += "; " + excuses.line()
     return TierResult("release", status, [check], line, "thresholds.yaml release", None, None, int(fails.size),
-                      int(fails[0]) if fails.size else None, worst_position(per_position, fails))
+                      int(fails[0]) if fails.size else None, worst_position(per_position, fails),
+                      not_judged=None if keep is None else excuses.mask,
+                      router_excuses=None if excuses is None else excuses.to_dict())
 
 
 def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[str, Any], row: Row | None,
                      subject: Subject, unmeasured_reason: str = "", command: str | None = None,
-                     cuts: RouterCuts | None = None) -> TierResult:
+                     cuts: RouterCuts | None = None, excused: np.ndarray | None = None) -> TierResult:
     """The calibrated tier: ``row``'s cosine and KLD gates (KL(P_ref ‖ P_cand), nats, over all
     positions), or ``unmeasured`` with ``unmeasured_reason`` and the ``command`` that would measure
-    it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``): positions of MoE prompts from a verified router near-tie on,
-    which this tier leaves out (its line says so); failing and worst positions index the whole cell."""
+    it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``):
+    positions of MoE prompts from a verified router near-tie on, which this tier leaves out (its
+    line says so); ``excused`` (bool [N]): positions the release gate excused at a router near-tie
+    (``RouterExcuses.mask``), left out too, as calibration measured the rows. Failing and worst
+    positions index the whole cell."""
     if row is None:
         line = f"calibrated tier ({subject.key_text()}): UNMEASURED — {unmeasured_reason}"
         if command:
             line += f"; measure it with: {command}"
         return TierResult("calibrated", "unmeasured", [], line, None, unmeasured_reason, command)
-    keep = None
-    if cuts is not None and cuts.count:
-        keep = np.flatnonzero(~cuts.mask)
+    keep, left_out = None, None
+    if (cuts is not None and cuts.count) or (excused is not None and excused.any()):
+        left_out = (cuts.mask if cuts is not None else np.zeros(excused.size, bool)) | (excused if excused is not None else False)
+        keep = np.flatnonzero(~left_out)
         if not keep.size:  # nothing left to judge: never a PASS
-            reason = "every position follows a router near-tie (" + cuts.line() + ")"
+            reason = "every position follows a router near-tie (" + (cuts.line() if cuts is not None else "excused") + ")"
             return TierResult("calibrated", "unmeasured", [], f"calibrated tier ({subject.key_text()}): UNMEASURED — {reason}",
-                              row.source, reason, None, router_cuts=cuts.to_dict())
+                              row.source, reason, None, router_cuts=None if cuts is None else cuts.to_dict())
         per_position = {k: np.asarray(v)[keep] for k, v in per_position.items()}
         summary = metrics.summarize(per_position)
     g = row.gates["min_cosine"]
@@ -147,9 +168,11 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
     line = f"calibrated tier ({subject.key_text()}, {row.source}): " + "; ".join(parts)
     if cuts is not None and (cuts.cuts or cuts.notes):
         line += "; " + (cuts.line() or "not cut at a router near-tie: " + "; ".join(cuts.notes))
+    if excused is not None and excused.any():
+        n_ex = int(excused.sum())
+        line += f"; the {n_ex} position{'s' if n_ex != 1 else ''} the release gate excused left out"
     return TierResult("calibrated", status, checks, line, row.source, None, None, int(fails.size),
-                      int(fails[0]) if fails.size else None, worst,
-                      None if keep is None else cuts.mask, None if cuts is None else cuts.to_dict())
+                      int(fails[0]) if fails.size else None, worst, left_out, None if cuts is None else cuts.to_dict())
 
 
 def _fmt(x: float | None) -> str:

@@ -321,14 +321,15 @@ def _check_finite(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -
 
 
 def _check_rows(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> None:
-    """One row per weights × class key, and none looser than the release floor."""
+    """One row per weights × class × architecture key, and none looser than the release floor."""
     floor = float(data["release"]["min_cosine"]["value"])
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[tuple[str, str, tuple[str, ...]], int] = {}
     for i, row in enumerate(data.get("calibrated", [])):
-        key = (row["weights"], row["class"])
+        archs = tuple(sorted({str(m.get("arch")) for m in row.get("basis_models", [])}))
+        key = (row["weights"], row["class"], archs)
         where = f"{path}:{line_of(root, ['calibrated', i])}: calibrated[{i}] (weights {key[0]}, class {key[1]})"
         if key in seen:
-            raise InvalidInput(f"{where} repeats the key of calibrated[{seen[key]}]; one row per weights × class")
+            raise InvalidInput(f"{where} repeats the key of calibrated[{seen[key]}]; one row per weights × class × architecture")
         seen[key] = i
         cos = float(row["gates"]["min_cosine"]["value"])
         if cos < floor:

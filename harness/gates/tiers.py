@@ -9,9 +9,11 @@
 2. **Calibrated tier**: cosine, KLD mean, KLD p99 (parity) and the probe tolerances, from a row
    keyed by what the file's matmul weights hold (``GGUFModel.weights_key``, e.g. ``F32`` or
    ``F32+Q4_K+Q6_K``) and by the candidate's compute class (``f64``, ``f32``, ``bf16``, ``f16``,
-   ``mixed``). A row fits only when both match and the subject is at most ``MAX_SCALE`` times the
-   row's largest basis model in ``n_layer`` and ``n_embd``; a row for another weights key or class
-   is never borrowed. Where no row fits, the tier is measured on the subject itself
+   ``mixed``). A row fits only when both match, its basis models share the subject's
+   ``general.architecture`` (``qwen35`` or ``qwen35moe``: expert routing has its own known-good
+   floor, so an MoE file's row never judges a dense one of the same weights, nor the reverse) and
+   the subject is at most ``MAX_SCALE`` times the row's largest basis model in ``n_layer`` and
+   ``n_embd``; a row for another weights key or class is never borrowed. Where no row fits, the tier is measured on the subject itself
    (``harness calibrate --model``) or is UNMEASURED, naming the command that would measure it.
 
 Verdict (``harness.compare.verdicts.overall``): FAIL when either tier fails; UNMEASURED when
@@ -41,7 +43,8 @@ class Subject:
     ``weights``: ``GGUFModel.weights_key`` (sorted ggml types of every ≥2-D tensor, ``+``-joined);
     ``file_type``: ``general.file_type`` as llama.cpp names it (a label); ``compute_class``: the
     candidate's class (``ASSUMED_CLASS`` when it declares none, ``class_declared`` False);
-    ``n_layer``/``n_embd``: the model's ``block_count``/``embedding_length``.
+    ``n_layer``/``n_embd``: the model's ``block_count``/``embedding_length``; ``arch``: its
+    ``general.architecture`` (empty: not known, fits a row of any).
     """
 
     weights: str
@@ -51,13 +54,14 @@ class Subject:
     n_layer: int
     n_embd: int
     sha256: str = ""
+    arch: str = ""
 
     def key_text(self) -> str:
         return f"weights {self.weights} ({self.file_type}), class {self.compute_class}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "file_type": self.file_type, "compute_class": self.compute_class,
-                "class_declared": self.class_declared, "n_layer": self.n_layer, "n_embd": self.n_embd}
+                "class_declared": self.class_declared, "n_layer": self.n_layer, "n_embd": self.n_embd, "arch": self.arch}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,13 @@ class Row:
     k: int = 0
 
     @property
+    def archs(self) -> frozenset[str] | None:
+        """The basis models' ``general.architecture`` values, or None when one does not say (a
+        row written before rows were split by architecture: it fits a subject of any)."""
+        a = [m.get("arch") for m in self.basis_models]
+        return None if not a or any(x is None for x in a) else frozenset(a)
+
+    @property
     def max_dims(self) -> tuple[int, int]:
         return (max(int(m["n_layer"]) for m in self.basis_models), max(int(m["n_embd"]) for m in self.basis_models))
 
@@ -88,6 +99,8 @@ class Row:
             return f"weights {self.weights}"
         if self.compute_class != s.compute_class:
             return f"class {self.compute_class}"
+        if s.arch and self.archs is not None and s.arch not in self.archs:
+            return f"measured on {', '.join(sorted(self.archs))} models, not {s.arch}"
         nl, ne = self.max_dims
         if s.n_layer > MAX_SCALE * nl or s.n_embd > MAX_SCALE * ne:
             return (f"measured on models up to n_layer {nl}, n_embd {ne}; the subject's {s.n_layer} × {s.n_embd} "
@@ -107,7 +120,10 @@ def find_row(rows: list[Row], subject: Subject) -> tuple[Row | None, str]:
         if r.misfit(subject) is None:
             return r, ""
     if same_key:
-        return None, f"the row for {subject.key_text()} was {same_key[0].misfit(subject)}"
+        same_arch = [r for r in same_key if not subject.arch or r.archs is None or subject.arch in r.archs]
+        if not same_arch:
+            return None, f"no calibrated row for {subject.key_text()} measured on {subject.arch} models"
+        return None, f"the row for {subject.key_text()} was {same_arch[0].misfit(subject)}"
     return None, f"no calibrated row for {subject.key_text()}"
 
 

@@ -95,7 +95,7 @@ def parity_cell(memo_candidate, memo_reference, harness_model_path, cell_prompts
     """One parity cell of the candidate against the reference on the cell prompts, judged by the
     release gate and the calibrated row for the candidate's class."""
     return run_cell(GGUFModel(harness_model_path), memo_reference, memo_candidate, cell_prompts,
-                    gate.release_min_cosine, gate.min_positions, gate.near_tie_margin, row=gate.row)
+                    gate.release_min_cosine, gate.min_positions, gate.near_tie_margin, row=gate.row, resolved=gate)
 
 
 def test_release_gate(parity_cell, gate):
