@@ -438,6 +438,14 @@ class CalibrationPlan:
 
     base_model: str = "fixture:trained-qwen35"
     moe_model: str = "fixture:trained-qwen35moe"
+    floor_models: tuple[tuple[str, tuple[str, ...]], ...] = (("fixture:tiny-qwen35", ("f64", "f32", "f16")),)
+    """``(model, classes)``: known-good pairs of those classes only (no mutant runs on them),
+    joining the F32 rows of their architecture. The random-weight dense fixture, which sign-offs
+    and CI run engines on: its sharper logits put the f16 emulation further from llama.cpp than on
+    the trained model (oracle-f16: 1 − cosine 1.0e-4 and KLD mean 6.0e-5, where a row measured on
+    the trained fixtures alone allowed 4.8e-5 and 2.5e-5). Not for bf16: there a correct bf16
+    engine falls below the release floor itself (oracle-bf16 min cosine 0.941, transformers
+    bfloat16 0.946), which no row can loosen."""
     ladder: tuple[str, ...] | None = None  # None: every TRAINED_LADDER entry plus the F16 bases
     classes: tuple[str, ...] = COMPUTE_CLASSES
     mutants: tuple[str, ...] | None = None  # None: all
@@ -450,7 +458,12 @@ class CalibrationPlan:
 
         ladder = self.ladder if self.ladder is not None else tuple(
             f"fixture:{n}" for n in (*LADDER_BASES, *TRAINED_LADDER))
-        return [m for m in (self.base_model, self.moe_model, *ladder) if m]
+        return [m for m in (self.base_model, self.moe_model, *(f for f, _ in self.floor_models), *ladder) if m]
+
+    def classes_for(self, spec: str) -> tuple[str, ...]:
+        """The classes measured on ``spec``: all of ``classes``, or a floor model's own."""
+        own = dict(self.floor_models).get(spec)
+        return self.classes if own is None else tuple(c for c in self.classes if c in own)
 
 
 @dataclass
@@ -817,14 +830,14 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
     skipped = [] if use_torch else ["transformers (every class): the hf extra (torch) is not installed"]
     models: list[ModelMeasurement] = []
     for spec in plan.models():
-        tokens = plan.max_tokens if spec in (plan.base_model, plan.moe_model) else plan.ladder_max_tokens
+        tokens = plan.max_tokens if spec in (plan.base_model, plan.moe_model, *dict(plan.floor_models)) else plan.ladder_max_tokens
         try:
             models.append(open_for_calibration(spec, tokens))
         except HarnessError as e:
             skipped.append(f"{spec}: {e}")
     if not models or models[0].spec != plan.base_model:
         raise InvalidInput(f"calibration needs its base model {plan.base_model}")
-    goods = [p for mm in models for p in measure_goods(mm, plan.classes, use_torch, log)]
+    goods = [p for mm in models for p in measure_goods(mm, plan.classes_for(mm.spec), use_torch, log)]
     rows, row_skips = rows_from_goods(goods, plan.classes, use_torch)
     skipped += row_skips
     base = models[0]
