@@ -5,6 +5,7 @@ and the tier measured on the subject when no row fits."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,23 @@ def test_a_row_judges_only_the_architecture_it_was_measured_on():
     assert moe.misfit(subj("qwen35")) == "measured on qwen35moe models, not qwen35"
     legacy = tiers.Row("F32+Q4_K+Q6_K", "f64", ({"name": "m", "n_layer": 4, "n_embd": 256},), dense.gates, {}, "no arch")
     assert legacy.archs is None and legacy.misfit(subj("qwen35moe")) is None  # a row that does not say fits either
+
+
+def test_a_row_measured_over_the_first_positions_judges_only_those():
+    """A row measured on the subject over each prompt's first N positions (harness calibrate
+    --model: 128) judges those positions; later ones, where a recurrent state has drifted further,
+    are the release gate's alone."""
+    cos = [0.99995] * 100 + [0.9990] * 50
+    ref = np.random.default_rng(0).standard_normal((150, 16)).astype(np.float32)
+    pp = dict(metrics.position_metrics(ref, ref), cosine=np.array(cos), kld=np.zeros(150), position=np.arange(150),
+              prompt_index=np.zeros(150, int))
+    bounded = tiers.Row("F32", "f32", ({"name": "m", "n_layer": 8, "n_embd": 96},),
+                        {"min_cosine": {"value": 0.9999, "basis": {"kind": "measured"}}}, {}, "measured on the subject", max_tokens=100)
+    ok = verdicts.judge_calibrated(pp, {}, bounded, subject())
+    assert ok.status == "ok" and "judged over each prompt's first 100 positions" in ok.line and "50 later positions" in ok.line
+    whole = verdicts.judge_calibrated(pp, {}, replace(bounded, max_tokens=None), subject())
+    assert whole.status == "fail" and whole.failing_positions == 50
+    assert bounded.to_receipt()["max_tokens"] == 100 and "max_tokens" not in replace(bounded, max_tokens=None).to_receipt()
 
 
 def test_verdict_combines_the_tiers():

@@ -28,7 +28,7 @@ def row_from_calibration_receipt(receipt: dict[str, Any], receipt_id: str) -> Ro
     """The ``Row`` a ``harness-calibration-receipt/v1`` recorded (its source names the receipt)."""
     r = receipt["row"]
     return Row(r["weights"], r["compute_class"], tuple(r["basis_models"]), r["gates"], r.get("probes", {}),
-               f"calibration receipt {receipt_id[:12]}", r.get("file_type", ""))
+               f"calibration receipt {receipt_id[:12]}", r.get("file_type", ""), max_tokens=r.get("max_tokens"))
 
 
 def find_recorded(ledger: str | Path | None, model_sha256: str, compute_class: str) -> tuple[Row, str] | None:

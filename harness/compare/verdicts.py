@@ -131,16 +131,20 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
     it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``):
     positions of MoE prompts from a verified router near-tie on, which this tier leaves out (its
     line says so); ``excused`` (bool [N]): positions the release gate excused at a router near-tie
-    (``RouterExcuses.mask``), left out too, as calibration measured the rows. Failing and worst
-    positions index the whole cell."""
+    (``RouterExcuses.mask``), left out too, as calibration measured the rows. A row measured over
+    a bounded number of positions per prompt (``row.max_tokens``: measured on the subject) judges
+    those positions of each prompt only. Failing and worst positions index the whole cell."""
     if row is None:
         line = f"calibrated tier ({subject.key_text()}): UNMEASURED — {unmeasured_reason}"
         if command:
             line += f"; measure it with: {command}"
         return TierResult("calibrated", "unmeasured", [], line, None, unmeasured_reason, command)
     keep, left_out = None, None
-    if (cuts is not None and cuts.count) or (excused is not None and excused.any()):
-        left_out = (cuts.mask if cuts is not None else np.zeros(excused.size, bool)) | (excused if excused is not None else False)
+    n = np.asarray(per_position["cosine"]).size
+    beyond = (np.asarray(per_position["position"]) >= row.max_tokens if row.max_tokens is not None and "position" in per_position
+              else np.zeros(n, bool))
+    if (cuts is not None and cuts.count) or (excused is not None and excused.any()) or beyond.any():
+        left_out = (cuts.mask if cuts is not None else np.zeros(n, bool)) | (excused if excused is not None else False) | beyond
         keep = np.flatnonzero(~left_out)
         if not keep.size:  # nothing left to judge: never a PASS
             reason = "every position follows a router near-tie (" + (cuts.line() if cuts is not None else "excused") + ")"
@@ -171,6 +175,9 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
     if excused is not None and excused.any():
         n_ex = int(excused.sum())
         line += f"; the {n_ex} position{'s' if n_ex != 1 else ''} the release gate excused left out"
+    if beyond.any():
+        line += (f"; judged over each prompt's first {row.max_tokens} positions, as the row was measured "
+                 f"({int(beyond.sum())} later positions left to the release gate)")
     return TierResult("calibrated", status, checks, line, row.source, None, None, int(fails.size),
                       int(fails[0]) if fails.size else None, worst, left_out, None if cuts is None else cuts.to_dict())
 

@@ -891,7 +891,8 @@ def calibrate_subject(spec: str, compute_class: str, max_tokens: int = 128, use_
                                                          f"{MARGIN}x the bootstrap CI by prompt.")} for name, v in gates.items()}
     pbasis = {name: {"value": v["value"], "basis": _basis("harness calibrate --model " + spec + " --class " + compute_class, 1, spec, v["floor"], [],
                                                           "the class engines' own split/decode floor on the subject.")} for name, v in probes.items()}
-    row = Row(mm.weights, compute_class, (mm.dims,), basis, pbasis, f"measured on the subject ({spec})", mm.file_type)
+    row = Row(mm.weights, compute_class, (mm.dims,), basis, pbasis, f"measured on the subject ({spec})", mm.file_type,
+              max_tokens=max_tokens)
     return SubjectCalibration(row, goods, mm, [] if use_torch else ["transformers: the hf extra is not installed"])
 
 

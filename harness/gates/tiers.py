@@ -70,7 +70,10 @@ class Row:
 
     ``gates`` / ``probes``: ``{name: {"value": float, "basis": {...}}}``; ``basis_models``: the
     models it was measured on, each ``{"name", "n_layer", "n_embd", ...}``; ``source`` says where
-    the row came from (``thresholds.yaml calibrated[3]``, or a calibration receipt id).
+    the row came from (``thresholds.yaml calibrated[3]``, or a calibration receipt id);
+    ``max_tokens``: the positions per prompt it was measured over when that was bounded (a row
+    measured on the subject, ``harness calibrate --model``: 128), which the calibrated tier then
+    judges (a recurrent state's drift grows with the position); None: whole prompts.
     """
 
     weights: str
@@ -81,6 +84,7 @@ class Row:
     source: str
     file_type: str = ""
     k: int = 0
+    max_tokens: int | None = None
 
     @property
     def archs(self) -> frozenset[str] | None:
@@ -108,9 +112,12 @@ class Row:
         return None
 
     def to_receipt(self) -> dict[str, Any]:
-        return {"weights": self.weights, "compute_class": self.compute_class, "file_type": self.file_type,
-                "source": self.source, "basis_models": [dict(m) for m in self.basis_models],
-                "gates": {k: dict(v) for k, v in self.gates.items()}, "probes": {k: dict(v) for k, v in self.probes.items()}}
+        d = {"weights": self.weights, "compute_class": self.compute_class, "file_type": self.file_type,
+             "source": self.source, "basis_models": [dict(m) for m in self.basis_models],
+             "gates": {k: dict(v) for k, v in self.gates.items()}, "probes": {k: dict(v) for k, v in self.probes.items()}}
+        if self.max_tokens is not None:
+            d["max_tokens"] = self.max_tokens
+        return d
 
 
 def find_row(rows: list[Row], subject: Subject) -> tuple[Row | None, str]:
