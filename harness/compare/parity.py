@@ -335,10 +335,11 @@ def release_excuses_for(m: Measured, resolved: ResolvedThresholds, model: GGUFMo
     h, rel = model.hparams, resolved.release
     if h.n_expert <= 0 or "moe_router_tie_gap" not in rel or "moe_router_max_excused" not in rel:
         return None
-    below = ~(np.nan_to_num(m.per_position["cosine"], nan=-np.inf) >= float(rel["min_cosine"].value))
-    below |= ~(np.asarray(m.per_position["finite"], bool) & np.asarray(m.per_position["ref_finite"], bool))
-    if not below.any():
+    fails = metrics.cosine_failures(m.per_position, float(rel["min_cosine"].value))  # below the floor, or non-finite
+    if not fails.size:
         return None
+    below = np.zeros(np.asarray(m.per_position["cosine"]).size, bool)
+    below[fails] = True
     return near_ties.release_excuses(m.per_position, below, m.prompts, reference, h.n_layer, h.n_expert_used,
                                      float(rel["moe_router_tie_gap"].value), float(rel["moe_router_max_excused"].value))
 
