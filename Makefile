@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[server]"
+	$(PY) -m pip install -q -e ".[server,test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -17,8 +17,9 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/harness parity
 
-## the test suite (what CI runs)
+## the test suite (what CI runs): the layers contract (import-linter, pyproject.toml), then pytest
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 ## slow tests kept out of the default run

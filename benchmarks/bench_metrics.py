@@ -3,7 +3,7 @@
     python benchmarks/bench_metrics.py [--vocab 248320] [--positions 256] [--block 64] [--repeat 3]
 
 The plain pass is ``ref.sum(axis=1); cand.sum(axis=1)`` per block: it reads both float32 arrays
-once and does nothing else, so it runs at memory bandwidth. ``harness.compare.metrics.position_metrics``
+once and does nothing else, so it runs at memory bandwidth. ``harness.measure.metrics.position_metrics``
 is timed over the same blocks. Target (issue 15): ratio ≤ 6. Both run single-threaded in this
 process; arrays are larger than the last-level cache so neither pass is served from cache alone.
 Logits are synthetic but shaped like a language model's: a Gaussian body, a few leading tokens,
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from harness.compare import metrics
+from harness.measure import metrics
 
 
 def make_logits(n_pos: int, n_vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

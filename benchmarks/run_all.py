@@ -135,7 +135,7 @@ def build_prompts(path: Path, positions: int, work: Path) -> tuple[Path, list[li
     """The shipped prompts' texts (tokenized by the run itself, as users' are) topped up with one
     prompt of token ids so the run compares exactly ``positions`` positions. Returns the file,
     every prompt's token ids (for the oracle-alone run) and how many came from text."""
-    from harness.compare.prompts import load_prompt_set
+    from harness.measure.prompts import load_prompt_set
     from harness.engines.llamacpp import LlamaCppEngine
 
     texts = [p for p in load_prompt_set(None) if p.text]
@@ -162,16 +162,16 @@ CATEGORIES = [
     ("harness/engines/oracle/qwen35.py", "_forward", "engine: oracle trunk"),
     ("harness/engines/oracle/qwen35.py", "lm_head", "engine: oracle lm_head"),
     ("harness/model/gguf_model.py", "__init__", "opening the GGUF (gguf-py parse; shared with the oracle)"),
-    ("harness/compare/metrics.py", "position_metrics", "metrics per position"),
-    ("harness/compare/metrics.py", "summarize", "metric summaries (per prompt + whole set)"),
-    ("harness/compare/metrics.py", "cosine_failures", "gate evaluation"),
+    ("harness/measure/metrics.py", "position_metrics", "metrics per position"),
+    ("harness/measure/metrics.py", "summarize", "metric summaries (per prompt + whole set)"),
+    ("harness/measure/metrics.py", "cosine_failures", "gate evaluation"),
     ("harness/evidence/receipts.py", "write_receipt", "receipt (JSON + npz, atomic)"),
     ("harness/evidence/ledger.py", "append_row", "ledger row + LEDGER render"),
     ("harness/evidence/report.py", "write_report", "report (Markdown + PNG plots)"),
-    ("harness/compare/explain.py", "vocabulary", "token texts for the report (the model's vocabulary)"),
-    ("harness/gates/thresholds.py", "load_thresholds", "thresholds.yaml"),
+    ("harness/runs/explain.py", "vocabulary", "token texts for the report (the model's vocabulary)"),
+    ("harness/judge/thresholds.py", "load_thresholds", "thresholds.yaml"),
     ("harness/model/gguf_model.py", "sha256", "model sha256"),
-    ("harness/compare/prompts.py", "load_prompt_set", "prompt file"),
+    ("harness/measure/prompts.py", "load_prompt_set", "prompt file"),
 ]
 
 
@@ -369,7 +369,7 @@ def render(r: dict) -> str:
         "",
         "## 1. Metrics throughput at V = 248,320",
         "",
-        f"`harness.compare.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
+        f"`harness.measure.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
         f"positions in blocks of {met['block']}, against a plain pass (`sum(axis=1)` of both arrays: reads the same bytes once).",
         "",
         "| | positions/s | µs/position |",
@@ -598,7 +598,7 @@ FIXES = [
     "command engines.",
     "- **A tokenizer worker ran when there was nothing to tokenize**: `tokenize_prompts` called llama.cpp's "
     "`tokenize_many([])` when every prompt carried token ids, which starts a worker and loads the 248,320-token "
-    "vocabulary (3.5 s). `harness/compare/parity.py`: no texts, no tokenizer run.",
+    "vocabulary (3.5 s). `harness/runs/parity.py`: no texts, no tokenizer run.",
     "",
     "These were the first session's fixes; the second session's and this issue's are listed in the section above. What "
     "remains of the harness's share at the tiny trunk is proportional to the vocabulary, not to the model: the "

@@ -275,7 +275,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class."""
     # deferred: startup
-    from harness.compare.parity import ParityRequest, run_parity
+    from harness.runs.parity import ParityRequest, run_parity
 
     d = _parity_defaults()
     specs = list(models) or d["models"]
@@ -319,7 +319,7 @@ def _write_report(receipt_path, localize_: bool | None, quiet: bool = False) -> 
     report that cannot be written is a warning (the evidence is already on disk), never a lost
     verdict."""
     # deferred: startup
-    from harness.compare.explain import write_explained_report
+    from harness.runs.explain import write_explained_report
 
     con = _console(stderr=True)
     try:
@@ -343,7 +343,7 @@ def _measure_tier(no_calibrate: bool):
     if no_calibrate:
         return None
     # deferred: startup
-    from harness.gates.subject import measure_and_record
+    from harness.runs.subject import measure_and_record
 
     return measure_and_record
 
@@ -389,7 +389,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
     # deferred: startup
-    from harness.compare.probes import ProbeRequest, run_probes
+    from harness.runs.probes import ProbeRequest, run_probes
 
     d = _parity_defaults()
     req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
@@ -435,8 +435,8 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     """Compare a candidate's named activations with the oracle's, in forward order, and name the
     first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
     # deferred: startup
-    from harness.compare.localize import LocalizeRequest, run_localize
-    from harness.compare.reproducer import parse_chunks_arg
+    from harness.runs.localize import LocalizeRequest, run_localize
+    from harness.judge.reproducer import parse_chunks_arg
 
     d = _parity_defaults()
     try:
@@ -481,7 +481,7 @@ def report(receipt, out_dir, localize_) -> None:
     """Write the verdict page of a parity or probe receipt: report.md, report.html and PNG plots;
     the reports index beside the ledger is regenerated."""
     # deferred: startup
-    from harness.compare.explain import write_explained_report
+    from harness.runs.explain import write_explained_report
 
     if out_dir:
         require_writable_dir(out_dir, "report folder")  # before any localization is spent
@@ -534,14 +534,14 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         return
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.gates.calibrate import (
+    from harness.runs.calibrate import (
         CalibrationPlan,
         CalibrationRefused,
         matrix_markdown,
         thresholds_document,
         write_thresholds,
     )
-    from harness.gates.calibrate import calibrate as run
+    from harness.runs.calibrate import calibrate as run
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
@@ -580,7 +580,7 @@ def _kept_topk_rows(path) -> list:
     from pathlib import Path
 
     from harness.errors import HarnessError
-    from harness.gates.thresholds import load_thresholds
+    from harness.judge.thresholds import load_thresholds
 
     try:
         return list(load_thresholds(path).data.get("topk", [])) if Path(path).is_file() else []
@@ -592,7 +592,7 @@ def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_js
     """``harness calibrate --topk K``: the top-k rows only (``gates.calibrate.calibrate_topk``)."""
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.gates.calibrate import TOPK_CLASSES, calibrate_topk, merge_topk_rows
+    from harness.runs.calibrate import TOPK_CLASSES, calibrate_topk, merge_topk_rows
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)
@@ -611,7 +611,7 @@ def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> 
     """``harness calibrate --probes``: the probe tolerances only (``gates.calibrate.calibrate_probes``)."""
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.gates.calibrate import calibrate_probes, merge_probe_rows
+    from harness.runs.calibrate import calibrate_probes, merge_probe_rows
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)
@@ -636,7 +636,7 @@ def _render_calibration(res) -> None:
     # deferred: startup
     from rich.table import Table
 
-    from harness.gates.calibrate import GATES
+    from harness.runs.calibrate import GATES
 
     t = Table(title="known-bad pairs x gates at f64 (X = caught)")
     t.add_column("known-bad pair")
@@ -662,7 +662,7 @@ def _render_calibration(res) -> None:
 
 def _calibrate_subject(spec: str, compute_class: str, max_tokens: int, ledger: str | None, as_json: bool) -> None:
     # deferred: startup
-    from harness.gates.subject import describe_row, measure_and_record
+    from harness.runs.subject import describe_row, measure_and_record
 
     con = _console(stderr=True)
     row, rid, path = measure_and_record(spec, compute_class, ledger or _parity_defaults()["ledger"], ["harness", *sys.argv[1:]],

@@ -4,10 +4,10 @@ Shipped with the harness so that any repository can run them. Each test is one c
 
 * ``test_parity[CANDIDATE@MODEL]``: the candidate against the reference on the prompt set, gated
   by thresholds.yaml, through the same path as ``harness parity``
-  (``harness.compare.parity.run_parity``): PASS passes; FAIL (the message names the prompt and
+  (``harness.runs.parity.run_parity``): PASS passes; FAIL (the message names the prompt and
   position), UNMEASURED, NOT-COMPARABLE, ENGINE-ERROR and INVALID fail;
 * ``test_probes[CANDIDATE@MODEL]``: the self-consistency probes of ``harness probe``
-  (``harness.compare.probes.run_probes``): split, decode, ubatch, multiseq, determinism, long, or
+  (``harness.runs.probes.run_probes``): split, decode, ubatch, multiseq, determinism, long, or
   ``[tool.harness] probes``; fails when a measured probe fails or a required one (split, decode,
   determinism) could not be measured.
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from harness.compare.parity import ParityRequest, run_parity
-from harness.compare.probes import ProbeRequest, run_probes
+from harness.runs.parity import ParityRequest, run_parity
+from harness.runs.probes import ProbeRequest, run_probes
 from harness.errors import HarnessError, Verdict
 
 __all__ = ["test_parity", "test_probes"]

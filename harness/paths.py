@@ -20,7 +20,7 @@ SOURCE_ROOT = PACKAGE_DIR.parent
 DATA_DIR = PACKAGE_DIR / "data"
 SCHEMA_DIR = PACKAGE_DIR / "schemas"
 DEFAULT_PROMPTS = DATA_DIR / "prompts" / "default.jsonl"
-"""The shipped prompt set (``harness.compare.prompts``; reports omit ``--prompts`` for it)."""
+"""The shipped prompt set (``harness.measure.prompts``; reports omit ``--prompts`` for it)."""
 INSTALLED_SUITE = PACKAGE_DIR / "suite"
 
 

@@ -94,10 +94,11 @@ def suite_pins() -> dict[str, Any]:
             "sha256": _files_sha256(files, SUITE_ROOT) if files else None}
 
 
-NUMBERS_SOURCES = ("compare", "gates", "model")
+NUMBERS_SOURCES = ("measure", "judge", "runs", "model")
 """Folders of the ``harness`` package whose code turns engine outputs into numbers and verdicts
-(metrics, parity, probes, tiers, thresholds, the GGUF reader); the engines' own code is in their
-build ids (``harness.engines.registry.engine_build_id``)."""
+(metrics, tiers, thresholds, the parity, top-k, probe, localize and calibration runs, the GGUF
+reader), read recursively (``harness/runs/calibrate/`` is a package); the engines' own code is in
+their build ids (``harness.engines.registry.engine_build_id``)."""
 
 
 @lru_cache(maxsize=1)
@@ -106,5 +107,5 @@ def numbers_sha256() -> str:
     ``NUMBERS_SOURCES`` (path relative to the package and content), read once per process. A sweep
     re-runs a cell when it changes; a docs or CLI change leaves it alone."""
     pkg = Path(__file__).resolve().parent
-    files = [f for d in NUMBERS_SOURCES for f in sorted((pkg / d).glob("*.py"))]
+    files = [f for d in NUMBERS_SOURCES for f in sorted((pkg / d).rglob("*.py"))]
     return _files_sha256(files, pkg)

@@ -51,7 +51,7 @@ class Alarm:
 def load_prompts_or_refusal(directory: Path, raw: bytes) -> Any:
     """Write ``raw`` as ``directory/p.jsonl`` and load it with ``load_prompt_set``: the loaded
     set, or None when it was refused, after checking the refusal is one line naming the file."""
-    from harness.compare.prompts import load_prompt_set
+    from harness.measure.prompts import load_prompt_set
     from harness.errors import InvalidInput
 
     p = directory / "p.jsonl"

@@ -43,8 +43,8 @@ ENGINE = textwrap.dedent(f"""
 os.environ["HARNESS_CONFIG"] = str(WORK / "harness.toml")
 os.environ["MPLBACKEND"] = "Agg"
 
-import harness.compare.explain  # noqa: E402  (the verdict page and the index each run writes)
-import harness.compare.parity  # noqa: E402
+import harness.runs.explain  # noqa: E402  (the verdict page and the index each run writes)
+import harness.runs.parity  # noqa: E402
 import harness.evidence.index  # noqa: E402
 import harness.evidence.ledger  # noqa: E402  (warm every module a run touches before forking)
 import harness.evidence.receipts  # noqa: E402
@@ -57,7 +57,7 @@ from harness.evidence.receipts import load_receipt  # noqa: E402
 from harness.fixtures import synthetic as fx  # noqa: E402
 
 harness.evidence.report._plt()
-harness.evidence.receipts.harness_info(Path(harness.compare.parity.__file__).resolve().parent.parent)  # git calls, cached for the children
+harness.evidence.receipts.harness_info(Path(harness.runs.parity.__file__).resolve().parent.parent)  # git calls, cached for the children
 fx.build("tiny-qwen35")
 LEDGER = WORK / "ev" / "ledger.jsonl"
 RECEIPTS = LEDGER.parent / "receipts"

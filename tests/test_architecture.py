@@ -1,167 +1,120 @@
-"""Dependencies point down: which harness module may import which.
-
-Every ``import`` of a harness module counts, at the top of a file or deferred inside a function
-(a deferred import is still a dependency). The layers, lowest first:
-
-* base: ``errors``, ``paths``, ``config``, ``provenance`` (sha256, git state), ``validation``
-  (JSON Schema), ``yamlnodes``, ``display`` (escaping untrusted text), ``fschecks`` (can a path
-  be written), ``rundir`` (the per-run temporary folder): import only each other;
-* ``model`` (GGUF reading, hyperparameters, lint): base only; it knows nothing of fixtures,
-  engines, comparisons, gates, evidence or contracts;
-* ``engines`` (protocol, oracle, mutants, llama.cpp, command, transformers, registry): base and
-  model;
-* ``fixtures`` (synthetic, defects, convert, training, resolve): base and model;
-* ``evidence`` (receipts, ledger, report, record): base only, so a record can be read without
-  running anything;
-* ``gates.thresholds`` and ``gates.tiers`` (the gate data: rows, subjects): base only;
-  ``compare`` (inputs, prompts, metrics, parity, probes, localize, verdicts, calibrated):
-  everything above plus thresholds and evidence; ``gates.calibrate`` and ``gates.subject``
-  (measuring the calibrated tier, recording it as evidence): compare, evidence and everything
-  below them;
-* ``contracts`` (loader, discharge): base, model, engines, fixtures; discharge runs the bound
-  tests in pytest subprocesses rather than importing them;
-* ``release`` (manifests, ``harness signoff``, ``harness sweep``): everything above but the entry
-  points (it judges contracts' records, runs compare's cells and writes evidence);
-* ``conformance`` (the shipped parity and probe cells, pytest tests a repository collects):
-  base and compare; ``scaffold`` (``harness init``'s files): base and evidence (the empty ledger);
-* entry points: ``pytest_plugin`` (engines and fixtures, deferred: it loads in every pytest
-  process; it names the conformance module's file but does not import it) and ``cli`` (anything
-  but the plugin); nothing imports either.
-
-Three edges cross a layer on purpose, each listed in ``CROSSINGS`` with its reason. And the
-module graph has no cycle, so no import order can half-initialise a module.
+"""The package's layers are import-linter's contracts in pyproject.toml (``[tool.importlinter]``),
+which ``make test`` runs as ``lint-imports`` before the suite; docs/design.md ("Layout") says what
+each layer holds. These tests run the same check here, and show that it can fail: on a copy of
+the package with an upward import, with a new cycle, and with a crossing no module makes any more.
 """
 
 from __future__ import annotations
 
-import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "harness"
-BASE = {"harness.errors", "harness.paths", "harness.config", "harness.provenance", "harness.validation", "harness.yamlnodes",
-        "harness.display", "harness.fschecks", "harness.rundir"}
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "harness"
+LINT = Path(sys.executable).with_name("lint-imports")
 
-ALLOWED: dict[str, set[str]] = {
-    "base": {"base"},
-    "model": {"base", "model"},
-    "engines": {"base", "model", "engines"},
-    "fixtures": {"base", "model", "fixtures"},
-    "evidence": {"base", "evidence"},
-    "thresholds": {"base", "thresholds"},
-    "compare": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare"},
-    "calibrate": {"base", "model", "engines", "fixtures", "thresholds", "compare", "evidence", "calibrate"},
-    "contracts": {"base", "model", "engines", "fixtures", "contracts"},
-    "release": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts", "release"},
-    "conformance": {"base", "compare"},
-    "scaffold": {"base", "evidence"},
-    "pytest_plugin": {"base", "engines", "fixtures"},
-    "cli": {"base", "model", "engines", "fixtures", "evidence", "thresholds", "compare", "calibrate", "contracts", "scaffold", "release"},
-    "main": {"cli"},
-}
-"""Layer → the layers its modules may import."""
-
-CROSSINGS: dict[tuple[str, str], str] = {
-    ("harness.engines.transformers_engine", "harness.fixtures.convert"):
-        "the transformers engine builds its model from the GGUF with the converter (the HF boundary)",
-    ("harness.fixtures.training", "harness.engines.llamacpp"):
-        "the training corpus is tokenized by llama.cpp, so a trained model sees the reference's token ids",
-    ("harness.fixtures.synthetic", "harness.compare.prompts"):
-        "the fixtures' BPE merges are learned from the shipped prompt texts",
-}
-"""(importer, imported) edges allowed across the layers, with the reason."""
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e .[test])")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def lint(package_parent: Path, config: Path = ROOT / "pyproject.toml") -> subprocess.CompletedProcess:
+    """``lint-imports`` over the ``harness`` package found in ``package_parent``."""
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run([str(LINT), str(config), "--no-cache"], cwd=package_parent, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    """A copy of the package (Python files only) and of pyproject.toml, to plant faults in."""
+    shutil.copytree(PACKAGE, tmp_path / "harness", ignore=shutil.ignore_patterns("data", "__pycache__", "*.json"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
 
 
-def layer(module: str) -> str:
-    """The layer of a harness module (see the module docstring)."""
-    if module in BASE or module == "harness":
-        return "base"
-    special = {"harness.gates": "thresholds", "harness.gates.thresholds": "thresholds", "harness.gates.tiers": "thresholds",
-               "harness.gates.calibrate": "calibrate", "harness.gates.subject": "calibrate",
-               "harness.pytest_plugin": "pytest_plugin", "harness.cli": "cli", "harness.__main__": "main",
-               "harness.conformance": "conformance", "harness.scaffold": "scaffold"}
-    if module in special:
-        return special[module]
-    top = module.split(".")[1]
-    assert top in ALLOWED, f"{module}: no layer; add it to tests/test_architecture.py"
-    return top
+def test_the_tree_keeps_its_layers_and_has_no_cycle():
+    r = lint(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"Contracts: 2 kept, 0 broken", r.stdout), r.stdout
 
 
-def imports(module: str, source: str | None = None) -> set[str]:
-    """Every harness module ``module`` imports, anywhere in its file (or in ``source``)."""
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([node.module] if node.module else []))
-            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-    return {m for m in found if m in MODULES and m != module}
+def plant(copy: Path, module: str, line: str) -> None:
+    path = copy / (module.replace(".", "/") + ".py")
+    path.write_text(path.read_text() + f"\n\ndef _planted():\n    {line}\n")
 
 
-GRAPH = {m: imports(m) for m in MODULES}
+def test_an_upward_import_breaks_the_layers(copy: Path):
+    """A pure measurement module importing a run (deferred, inside a function: still a dependency)."""
+    plant(copy, "harness.measure.metrics", "from harness.runs import parity")
+    r = lint(copy)
+    assert r.returncode == 1
+    assert "harness layers: a module imports only the layers below its own BROKEN" in r.stdout, r.stdout
+    assert "harness.measure.metrics -> harness.runs.parity" in r.stdout, r.stdout
 
 
-def test_cli_imports_nothing_from_the_pytest_plugin():
-    assert "harness.pytest_plugin" not in GRAPH["harness.cli"]
-    assert not [m for m, deps in GRAPH.items() if "harness.pytest_plugin" in deps], "nothing imports the pytest plugin"
+def test_a_new_cycle_breaks_the_acyclic_contract(copy: Path):
+    """Two modules of one layer importing each other are allowed by the layers, not by the cycle check."""
+    plant(copy, "harness.judge.tiers", "from harness.judge import verdicts")
+    r = lint(copy)
+    assert r.returncode == 1
+    assert "harness layers: a module imports only the layers below its own KEPT" in r.stdout, r.stdout
+    assert "no import cycle among the modules of any harness package BROKEN" in r.stdout, r.stdout
+    assert "No cycles are allowed in harness.judge" in r.stdout and ".verdicts -> .tiers" in r.stdout, r.stdout
 
 
-ABOVE_ALL = ("harness.compare", "harness.gates", "harness.evidence", "harness.contracts", "harness.conformance", "harness.scaffold",
-             "harness.release", "harness.cli", "harness.pytest_plugin")
+def test_a_stale_crossing_fails(copy: Path):
+    """A listed crossing that no module makes any more is an error, not a silent allowance."""
+    cfg = copy / "pyproject.toml"
+    cfg.write_text(cfg.read_text().replace(
+        '    "harness.fixtures.synthetic -> harness.measure.prompts",\n',
+        '    "harness.fixtures.synthetic -> harness.measure.prompts",\n    "harness.model.lint -> harness.engines.registry",\n'))
+    r = lint(copy, cfg)
+    assert r.returncode == 1
+    assert "harness.model.lint -> harness.engines.registry" in r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("lower, above", [("model", ABOVE_ALL + ("harness.engines", "harness.fixtures")), ("engines", ABOVE_ALL)])
-def test_model_and_engines_import_nothing_above_them(lower, above):
-    bad = [(m, d) for m, deps in GRAPH.items() if layer(m) == lower for d in deps if d.startswith(above)]
-    assert not bad, f"{lower} imports from a layer above it: {bad}"
+def numbers_sha256(package_parent: Path) -> str:
+    code = "from harness import provenance; print(provenance.numbers_sha256())"
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=package_parent, env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
 
 
-def test_every_import_points_down_or_is_a_listed_crossing():
-    bad = [f"{m} -> {d} ({layer(m)} may import {sorted(ALLOWED[layer(m)])}, not {layer(d)})"
-           for m, deps in sorted(GRAPH.items()) for d in sorted(deps)
-           if layer(d) not in ALLOWED[layer(m)] and (m, d) not in CROSSINGS]
-    assert not bad, "imports against the layering:\n" + "\n".join(bad)
-    unused = [edge for edge in CROSSINGS if edge[1] not in GRAPH.get(edge[0], set())]
-    assert not unused, f"listed crossings no module makes any more (remove them): {unused}"
+@pytest.mark.parametrize("module, counts", [("harness/runs/calibrate/fit.py", True), ("harness/runs/topk.py", True),
+                                            ("harness/judge/verdicts.py", True), ("harness/measure/metrics.py", True),
+                                            ("harness/cli.py", False)])
+def test_the_numbers_hash_follows_the_runs_into_their_folders(copy: Path, module: str, counts: bool):
+    """``provenance.numbers_sha256`` decides when a sweep re-runs a cell, so an edit to any run,
+    measurement or judgement module changes it (``harness/runs/calibrate/`` is a package, read
+    recursively); a CLI edit does not."""
+    before = numbers_sha256(copy)
+    (copy / module).write_text((copy / module).read_text() + "\n# edited\n")
+    assert (numbers_sha256(copy) != before) is counts
 
 
-def test_the_module_graph_has_no_cycle():
-    state: dict[str, int] = {}
-    cycles: list[list[str]] = []
+def test_the_old_import_paths_still_import_the_moved_modules():
+    """Release 0.1's ``harness.compare.*`` / ``harness.gates.*`` import as the new modules, with a
+    DeprecationWarning (``harness.moved``)."""
+    import importlib
+    import warnings
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for d in sorted(GRAPH[m]):
-            if state.get(d) == 1:
-                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
-            elif d not in state:
-                visit(d, path + [d])
-        state[m] = 2
+    from harness.judge import thresholds
+    from harness.measure import metrics
 
-    for m in sorted(GRAPH):
-        if m not in state:
-            visit(m, [m])
-    assert not cycles, f"import cycles: {cycles}"
+    for name in [n for n in list(sys.modules) if n.startswith(("harness.compare", "harness.gates"))]:
+        del sys.modules[name]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        old_metrics = importlib.import_module("harness.compare.metrics")
+        old_thresholds = importlib.import_module("harness.gates.thresholds")
+    assert old_metrics is metrics and old_thresholds is thresholds
+    assert any("harness.compare.metrics moved to harness.measure.metrics" in str(x.message) for x in w)
+    from harness.compare.parity import run_parity
+    from harness.runs.parity import run_parity as new
 
-
-def test_the_import_reader_sees_deferred_and_relative_imports():
-    """A check that cannot fail tells nothing: an engine module importing the plugin inside a
-    function, and the registry relatively, is read as importing both, and breaks the layering."""
-    src = "def f():\n    from harness.pytest_plugin import candidate_names\n    from . import registry\n    import harness.compare.metrics\n"
-    found = imports("harness.engines.base", src)
-    assert found == {"harness.pytest_plugin", "harness.engines.registry", "harness.compare.metrics"}
-    assert {layer(d) for d in found} - ALLOWED[layer("harness.engines.base")] == {"pytest_plugin", "compare"}
+    assert run_parity is new

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.gates.calibrate import (
+from harness.runs.calibrate import (
     CalibrationResult,
     PairStats,
     bootstrap_by_prompt,
@@ -15,8 +15,8 @@ from harness.gates.calibrate import (
     thresholds_document,
     write_thresholds,
 )
-from harness.gates.thresholds import load_thresholds
-from harness.gates.tiers import Subject
+from harness.judge.thresholds import load_thresholds
+from harness.judge.tiers import Subject
 
 
 def pair(label, good, cos_mins, kld_level, n=50, seed=0, **extra):
@@ -95,9 +95,9 @@ def test_probe_floors_measure_the_decode_the_probe_makes():
     """The oracle (f64) fed one token per call over the probe's decode length equals itself fed
     whole, so its floor is exact and the f64 tolerance is the smallest step; ``n`` counts every
     split and decode comparison, ``decode_tokens`` says how long the decode was."""
-    from harness.compare.probes import split_points
+    from harness.runs.probes import split_points
     from harness.fixtures import synthetic as fx
-    from harness.gates.calibrate import PROBE_MIN_STEP, probe_floors
+    from harness.runs.calibrate import PROBE_MIN_STEP, probe_floors
 
     out = probe_floors(fx.build("tiny-qwen35"), ["f64"], False, lambda m: None, decode_tokens=48)["f64"]
     assert out["min_cosine"]["floor"] == 1.0 and out["max_kld"]["floor"] == 0.0
@@ -110,7 +110,7 @@ def test_merge_probe_rows_replaces_only_the_probe_numbers(tmp_path):
     ``probes.moe_excursions`` (each with a measured basis) and keeps every gate as it was."""
     import shutil
 
-    from harness.gates.calibrate import merge_probe_rows
+    from harness.runs.calibrate import merge_probe_rows
 
     path = tmp_path / "thresholds.yaml"
     shutil.copy("thresholds.yaml", path)

@@ -127,14 +127,14 @@ def test_paths_that_live_elsewhere_resolve_where_they_live():
 
 def test_the_path_rules_on_examples():
     text = (
-        "see harness/compare/parity.py run_cell and `docs/design.md`, tests/contracts/test_e2e.py::test_logit_parity, "
+        "see harness/runs/parity.py run_cell and `docs/design.md`, tests/contracts/test_e2e.py::test_logit_parity, "
         "harness/model/lint.py:13 and thresholds.yaml. Also DESIGN.md. Templates: evidence/parity/receipts/<id>.json, "
         "contracts/X.yaml, harness/data/fixtures/NAME.recipe.json, tests/... and harness/{a,b}.py. Not ours: "
         "vendor/llama.cpp/src/models/qwen35.cpp, src/models/qwen35.cpp, ./harness/x.py, /tmp/harness/y.py, "
-        "models/qwen3_5/modeling_qwen3_5.py, harness.compare.parity, the harness/ package, tests/../x.py."
+        "models/qwen3_5/modeling_qwen3_5.py, harness.runs.parity, the harness/ package, tests/../x.py."
     )
     assert cited_paths(text) == [
-        "harness/compare/parity.py", "docs/design.md", "tests/contracts/test_e2e.py", "harness/model/lint.py",
+        "harness/runs/parity.py", "docs/design.md", "tests/contracts/test_e2e.py", "harness/model/lint.py",
         "thresholds.yaml", "DESIGN.md",
     ]
 
@@ -145,7 +145,7 @@ def test_the_scan_sees_the_citations_it_must_check():
     found = {f: set(cited_paths(t)) for f, t in docs.items()}
     assert "docs/design.md" in found["README.md"]
     assert "docs/qwen35-gguf-math.md" in found["contracts/qwen35-shapes-v1.yaml"]
-    assert "harness/compare/parity.py" in found["contracts/qwen35-e2e-verification-v1.yaml"]
+    assert "harness/runs/parity.py" in found["contracts/qwen35-e2e-verification-v1.yaml"]
     assert "docs/engine-protocol.md" in found["harness/config.py"]
     assert "harness/schemas/thresholds.schema.json" in found["thresholds.yaml"]
     assert sum(len(v) for v in found.values()) > 100

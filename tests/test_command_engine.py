@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import command_table_refused, fake_engines_config
 
-from harness.compare.metrics import cosine
+from harness.measure.metrics import cosine
 from harness.engines.base import gather
 from harness.engines.command import load_command_engine
 from harness.engines.llamacpp import LlamaCppEngine

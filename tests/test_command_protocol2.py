@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import command_table_refused
 
-from harness.compare.metrics import cosine
-from harness.compare.probes import ProbeTolerance, probe_multiseq, probe_prefix, probe_ubatch
+from harness.measure.metrics import cosine
+from harness.runs.probes import ProbeTolerance, probe_multiseq, probe_prefix, probe_ubatch
 from harness.engines import persistent
 from harness.engines.base import gather
 from harness.engines.command import load_command_engine
@@ -196,8 +196,8 @@ def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
     """Acceptance: on the default model, a parity run (free-running greedy included) and every
     probe start the persistent example engine once; each probe it declares is measured and
     passes; the receipt, the ledger row and the report carry the free-running comparison."""
-    from harness.compare.parity import ParityRequest, run_parity
-    from harness.compare.probes import ProbeRequest, run_probes
+    from harness.runs.parity import ParityRequest, run_parity
+    from harness.runs.probes import ProbeRequest, run_probes
     from harness.evidence.report import write_report
     from harness.fixtures.resolve import default_model
 

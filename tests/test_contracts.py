@@ -1,5 +1,5 @@
 """Contracts, mutants and the per-activation comparison (harness/contracts/loader.py,
-harness/engines/mutants.py, harness.compare.metrics.compare_activations).
+harness/engines/mutants.py, harness.measure.metrics.compare_activations).
 
 The committed contracts validate; a contract citing a test pytest cannot collect is invalid (exit
 2) naming file, line and field; schema and cross-contract errors name theirs too; every mutant is
@@ -17,7 +17,7 @@ import pytest
 from helpers import repo_copy
 
 from harness.cli import main
-from harness.compare.metrics import compare_activations
+from harness.measure.metrics import compare_activations
 from harness.contracts.loader import ContractsInvalid, load_contracts
 from harness.engines.base import gather
 from harness.engines.mutants import MUTANTS, PLANTS, PlantedEngine, load_mutant
@@ -81,7 +81,7 @@ def test_schema_and_semantic_errors_name_file_line_field(tmp_path):
     lines[1] = 'version: "1.0"'  # not semver
     text = "\n".join(lines) + "\n"
     text = text.replace("red: {mutant: nondeterministic}", "red: {mutant: no-such-mutant}")
-    text = text.replace("oracle: harness.compare.metrics.cosine", "oracle: harness.compare.metrics.no_such_function")
+    text = text.replace("oracle: harness.measure.metrics.cosine", "oracle: harness.measure.metrics.no_such_function")
     text = text.replace("id: QE2E-EQV-003", "id: GDN-EQ-001")  # duplicate across contracts
     text = text.replace("    if_fails: \"Thread-count", "    iff_fails: \"Thread-count")
     path.write_text(text)

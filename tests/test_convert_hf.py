@@ -152,7 +152,7 @@ def source_tokens() -> list[int]:
 
 
 def _agreement(ref: np.ndarray, cand: np.ndarray, where: str) -> None:
-    from harness.compare.metrics import cosine, reference_margin
+    from harness.measure.metrics import cosine, reference_margin
 
     cos = cosine(ref, cand)
     assert cos.min() >= MIN_COSINE, f"{where}: min cosine {cos.min():.8f} at position {int(cos.argmin())}"
@@ -210,7 +210,7 @@ def test_round_trip_gguf_transformers_gguf_reproduces_every_tensor(name, tmp_pat
 
 @pytest.mark.hf
 def test_transformers_engine_chunks_activations_and_float64(source_tokens):
-    from harness.compare.metrics import cosine
+    from harness.measure.metrics import cosine
     from harness.engines.base import gather
     from harness.engines.registry import resolve_engine
     from harness.engines.transformers_engine import load_transformers

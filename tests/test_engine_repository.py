@@ -263,7 +263,7 @@ def test_cells_record_evidence_and_fail_naming_prompt_and_position(tmp_path):
 
 def test_probe_cell_failure_prints_each_failed_probe_as_a_reproducer(tmp_path):
     """The probe cell of an engine's repository fails with the reproducer line of each failed probe
-    (harness.compare.reproducer): the case, the chunks, the likely cause and the rerun command."""
+    (harness.judge.reproducer): the case, the chunks, the likely cause and the rerun command."""
     (tmp_path / "pyproject.toml").write_text('[tool.harness]\ncandidate = "mutant:conv-state-dropped"\n'
                                              'models = ["fixture:tiny-qwen35"]\nprobes = ["split"]\n')
     (tmp_path / "tests").mkdir()

@@ -40,8 +40,8 @@ from hypothesis import strategies as st
 
 from harness.errors import InvalidInput, Unmeasured
 from harness.fixtures import synthetic as fx
-from harness.gates.thresholds import load_thresholds
-from harness.gates.tiers import Subject
+from harness.judge.thresholds import load_thresholds
+from harness.judge.tiers import Subject
 from harness.model.gguf_model import GGUFModel, PlainReader
 from harness.model.lint import lint_model
 
@@ -464,7 +464,7 @@ def test_prompt_loader_on_generated_files(tmp_path_factory, raw):
     long numbers, stray bytes, BOMs, U+2028 and CR inside lines): ``InvalidInput`` naming the
     file, or prompts exactly as the file says — unique string ids, int32 token ids, and texts
     equal to the JSON strings (no byte silently replaced)."""
-    from harness.compare.prompts import MAX_TOKEN_ID
+    from harness.measure.prompts import MAX_TOKEN_ID
 
     ps = load_prompts_or_refusal(tmp_path_factory.mktemp("fuzz-prompts"), raw)
     if ps is None:

@@ -1,4 +1,4 @@
-"""The two-tier gate model (harness.gates.tiers): the release gate always judged, a calibrated tier
+"""The two-tier gate model (harness.judge.tiers): the release gate always judged, a calibrated tier
 that applies only where its row fits, classes that decide which row, the low-precision emulation,
 and the tier measured on the subject when no row fits."""
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import yaml
 
-from harness.compare import metrics, verdicts
+from harness.judge import verdicts
+from harness.measure import metrics
 from harness.engines.oracle.lowp import (
     RoundedWeight,
     load_lowp_oracle,
@@ -25,7 +26,7 @@ from harness.engines.oracle.lowp import (
 )
 from harness.errors import Verdict
 from harness.fixtures import synthetic as fx
-from harness.gates import tiers
+from harness.judge import tiers
 
 REPO = Path(__file__).resolve().parents[1]
 RELEASE = {"min_cosine": {"value": 0.98}, "min_positions": {"value": 64}}

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare.parity import judge_cell, measure_cell, router_near_ties, subject_of
-from harness.compare.prompts import load_prompt_set, tokenize_prompts
+from harness.runs.parity import judge_cell, measure_cell, router_near_ties, subject_of
+from harness.measure.prompts import load_prompt_set, tokenize_prompts
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import Verdict
 from harness.fixtures import synthetic as fx
-from harness.gates.calibrate import KNOWN_GOOD
-from harness.gates.thresholds import load_thresholds
+from harness.runs.calibrate import KNOWN_GOOD
+from harness.judge.thresholds import load_thresholds
 from harness.model.gguf_model import GGUFModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]

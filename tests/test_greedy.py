@@ -1,4 +1,4 @@
-"""Free-running greedy generation (harness.compare.greedy): the pure step comparison, each
+"""Free-running greedy generation (harness.runs.greedy): the pure step comparison, each
 built-in engine's own continuation, and what parity records (receipt, report, ledger row)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from harness.compare import greedy
-from harness.compare.greedy import compare_generation, free_running
-from harness.compare.inputs import RunRequest
+from harness.runs import greedy
+from harness.runs.greedy import compare_generation, free_running
+from harness.runs.inputs import RunRequest
 from harness.engines.base import EngineInfo, gather
 from harness.engines.registry import resolve_engine
 from harness.fixtures.resolve import default_model, resolve_model

@@ -610,7 +610,7 @@ class _FakeOutcome:
     """What ``_render_parity`` reads, from a recorded synthetic receipt."""
 
     def __init__(self, rec, s: str):
-        from harness.compare.parity import CellResult
+        from harness.runs.parity import CellResult
 
         r = rec.receipt
         self.receipt, self.receipt_path, self.ledger_path, self.ledger_row = r, rec.receipt_path, rec.ledger_path, rec.row
@@ -719,7 +719,7 @@ prompt_lines = st.one_of(
 def test_prompt_lines_at_fault_are_invalid_input(tmp_path_factory, lines):
     """Deep nesting, long numbers and raw bytes in prompt lines: ``InvalidInput`` or a loaded
     set whose tokens are int32 ids — never RecursionError, ValueError or UnicodeDecodeError."""
-    from harness.compare.prompts import MAX_TOKEN_ID
+    from harness.measure.prompts import MAX_TOKEN_ID
 
     raw = b"\n".join(ln if isinstance(ln, bytes) else ln.encode() for ln in lines) + b"\n"
     ps = load_prompts_or_refusal(tmp_path_factory.mktemp("prompts"), raw)
@@ -780,8 +780,8 @@ nonfinite_plants = st.tuples(st.sampled_from(["reference", "candidate"]), st.int
 def test_nonfinite_logits_blame_the_engine_that_produced_them(plant):
     """NaN/±Inf anywhere in one engine's logits: in the reference, ``EngineError`` naming the
     reference, the prompt and the first bad position; in the candidate, FAIL at that position."""
-    from harness.compare.parity import run_cell
-    from harness.compare.prompts import PromptTokens
+    from harness.runs.parity import run_cell
+    from harness.measure.prompts import PromptTokens
     from harness.model.gguf_model import GGUFModel
 
     side, pi, pos, col, value = plant
@@ -897,7 +897,7 @@ bad_gates = st.one_of(
 def test_out_of_range_gate_values_are_refused_at_load(tmp_path_factory, case):
     """Every kind of gate with a value it can never mean: a negative divergence bound, a cosine
     outside [-1, 1], a non-positive or fractional position count: refused at load, naming it."""
-    from harness.gates.thresholds import load_thresholds
+    from harness.judge.thresholds import load_thresholds
 
     where, value = case
     section, name = where.split(".")[0], where.split(".")[-1]

@@ -1,4 +1,4 @@
-"""``http:NAME`` engines (harness/engines/http_engine.py) and the top-k tier (harness/compare/topk.py).
+"""``http:NAME`` engines (harness/engines/http_engine.py) and the top-k tier (harness/measure/topk.py).
 
 A real llama-cpp-python OpenAI-compatible server (the ``server`` extra) is started once for the
 module on a free 127.0.0.1 port, with other threads and batch size than the reference
@@ -30,15 +30,16 @@ import numpy as np
 import pytest
 
 from harness.cli import main as cli_main
-from harness.compare import metrics, probes, topk
+from harness.measure import metrics, topk
+from harness.runs import probes
 from harness.config import HarnessConfig
 from harness.engines import http_engine
 from harness.engines.base import TopK
 from harness.engines.http_engine import HttpEngine, HttpSpec, configured_servers, wait_until_up
 from harness.errors import EngineError, InvalidInput, NotComparable, Verdict
 from harness.fixtures.resolve import default_model, resolve_model
-from harness.gates.thresholds import load_thresholds
-from harness.gates.tiers import Row, Subject, find_topk_row
+from harness.judge.thresholds import load_thresholds
+from harness.judge.tiers import Row, Subject, find_topk_row
 
 MODEL = resolve_model(default_model())
 REPO = Path(__file__).resolve().parent.parent
@@ -456,7 +457,7 @@ def test_topk_rows_fit_by_weights_class_and_k():
 
 
 def test_calibrate_topk_derives_a_row_from_cut_known_good_pairs(tmp_path):
-    from harness.gates.calibrate import calibrate_topk, merge_topk_rows
+    from harness.runs.calibrate import calibrate_topk, merge_topk_rows
 
     rows = calibrate_topk(5, ("f64",), ("fixture:trained-qwen35",), ("dt-bias-dropped",), max_tokens=24, log=lambda m: None,
                           command="harness calibrate --topk 5 --classes f64")

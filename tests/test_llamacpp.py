@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.compare.metrics import cosine
-from harness.compare.prompts import load_prompts
+from harness.measure.metrics import cosine
+from harness.measure.prompts import load_prompts
 from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from harness.errors import EngineError

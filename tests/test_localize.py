@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness.compare.localize import LocalizeRequest, localize_activations, run_localize
+from harness.runs.localize import LocalizeRequest, localize_activations, run_localize
 from harness.engines.registry import resolve_engine
 from harness.errors import Verdict
 from harness.fixtures import synthetic as fx
@@ -121,7 +121,7 @@ def test_every_mutant_is_localized_to_its_layer_type_and_op(oracle_acts):
 def test_cli_localize_failure_is_a_reproducer():
     """A real divergence prints what test-backend-ops would: candidate, model sha256, prompt,
     n_tokens, chunks, the numbers, the mutant table's bug class for that op, and the rerun command."""
-    from harness.compare.prompts import load_prompt_set
+    from harness.measure.prompts import load_prompt_set
 
     argv = ["localize", "--candidate", "mutant:attn-output-gate-dropped", "--model", "fixture:tiny-qwen35", "--max-tokens", "40",
             "--chunks", "16,24"]
@@ -139,10 +139,10 @@ def test_cli_localize_failure_is_a_reproducer():
 
 
 def test_report_likely_causes_come_from_the_mutant_table():
-    """A verdict page's likely cause (harness.compare.causes) is the mutants whose first divergence
+    """A verdict page's likely cause (harness.judge.causes) is the mutants whose first divergence
     is the same op in the same kind of layer (SHOWS_FIRST_AT, checked above against real runs),
     with what that op computes; every op a mutant first diverges at is described."""
-    from harness.compare.causes import OPS, explain
+    from harness.judge.causes import OPS, explain
     from harness.engines.mutants import SHOWS_FIRST_AT
 
     assert {at[1] for at in SHOWS_FIRST_AT.values() if at} <= set(OPS)
@@ -153,7 +153,7 @@ def test_report_likely_causes_come_from_the_mutant_table():
 
 
 def test_each_tensor_is_labelled_by_its_sub_block():
-    from harness.compare.localize import sub_block
+    from harness.runs.localize import sub_block
 
     dense, moe = GGUFModel(fx.build("tiny-qwen35")).hparams, GGUFModel(fx.build("tiny-qwen35moe")).hparams
     assert [sub_block(dense, 2, op) for op in ("attn_norm", "conv_output_silu", "Qcur_normed", "attn_gated", "attn_residual")] == ["mixer"] * 5

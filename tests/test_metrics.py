@@ -1,4 +1,4 @@
-"""harness.compare.metrics against scipy and brute force, plus the invariants the definitions imply."""
+"""harness.measure.metrics against scipy and brute force, plus the invariants the definitions imply."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from scipy import stats
 from scipy.spatial.distance import cosine as scipy_cosine_distance
 from scipy.special import log_softmax, rel_entr
 
-from harness.compare import metrics as M
+from harness.measure import metrics as M
 from harness.errors import InvalidInput, NotComparable
 
 # Vocab sizes that exercise every path: direct top-k (< 8,192), blocked rows that a block width
@@ -92,7 +92,7 @@ def test_cosine_matches_scipy(v):
     got = M.cosine(ref, cand)
     for i in range(3):
         want = 1.0 - scipy_cosine_distance(ref[i].astype(np.float64), cand[i].astype(np.float64))
-        # Block partial sums are rounded to float32 before their float64 sum (harness.compare.metrics,
+        # Block partial sums are rounded to float32 before their float64 sum (harness.measure.metrics,
         # "_Scratch.dot64"): ~1e-9 absolute, bounded here at 1e-8.
         assert got[i] == pytest.approx(want, abs=1e-8)
     assert got[2] == pytest.approx(-1.0, abs=1e-8)

@@ -1,4 +1,4 @@
-"""The one-pass-per-row metrics (``harness.compare.metrics.position_metrics``) against a plain
+"""The one-pass-per-row metrics (``harness.measure.metrics.position_metrics``) against a plain
 float64 computation of every field at Qwen3.5's vocab and at the F32 floor (KLD ~ 1e-8), and the
 one-read finiteness check (``finite_rows``) against an element-by-element one (issue 15)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from harness.compare import metrics as M
+from harness.measure import metrics as M
 
 QWEN35_VOCAB = 248_320
 

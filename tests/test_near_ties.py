@@ -1,4 +1,4 @@
-"""MoE router near-ties in parity (harness.compare.near_ties): a prompt's calibrated comparison
+"""MoE router near-ties in parity (harness.measure.near_ties): a prompt's calibrated comparison
 ends at its first position outside the row's bounds only where the reference's own router is
 near-tied; a fault is still judged on every position.
 
@@ -15,8 +15,9 @@ import json
 import numpy as np
 import pytest
 
-from harness.compare import metrics, near_ties, verdicts
-from harness.compare.parity import (
+from harness.judge import verdicts
+from harness.measure import metrics, near_ties
+from harness.runs.parity import (
     ParityRequest,
     judge_cell,
     measure_cell,
@@ -25,14 +26,14 @@ from harness.compare.parity import (
     run_parity,
     subject_of,
 )
-from harness.compare.prompts import PromptTokens, load_prompt_set, tokenize_prompts
+from harness.measure.prompts import PromptTokens, load_prompt_set, tokenize_prompts
 from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from harness.engines.registry import resolve_engine
 from harness.errors import EngineError, Verdict
 from harness.evidence.receipts import load_receipt
 from harness.fixtures import synthetic as fx
-from harness.gates import tiers
-from harness.gates.thresholds import load_thresholds
+from harness.judge import tiers
+from harness.judge.thresholds import load_thresholds
 from harness.model.gguf_model import GGUFModel
 from harness.paths import SOURCE_ROOT
 
@@ -276,7 +277,8 @@ def test_an_moe_fault_whose_positions_below_the_floor_are_all_near_tied_is_caugh
 
 
 def test_a_tier_left_with_no_position_is_unmeasured_never_pass():
-    from harness.compare import metrics, verdicts
+    from harness.judge import verdicts
+    from harness.measure import metrics
 
     path = fx.build("tiny-qwen35")
     model = GGUFModel(path)
@@ -310,7 +312,7 @@ def test_calibration_finds_the_flip_by_the_experts_both_engines_keep(moe_prose):
 
 
 def test_calibration_measures_a_known_good_moe_pair_up_to_its_flip_and_reads_the_reference_once(moe_prose):
-    from harness.gates.calibrate import CachedReference, RouterFlips, measure_pair
+    from harness.runs.calibrate import CachedReference, RouterFlips, measure_pair
 
     path, model, ref, prompts = moe_prose
     cached = CachedReference(ref)

@@ -133,7 +133,7 @@ def test_sample_check_sees_a_one_ulp_change_of_the_math():
 
 
 def test_pins_cover_every_trained_fixture_and_default_prompt():
-    from harness.compare.prompts import load_prompt_set
+    from harness.measure.prompts import load_prompt_set
 
     pins = json.loads(PINS.read_text())
     ids = [p.id for p in load_prompt_set(None)]
@@ -146,7 +146,7 @@ def write() -> None:
     """Record the current kernel's digests with the current code (tokenizing the default prompts
     with llama.cpp), keeping other kernels' digests when the tokens and model are unchanged, and
     each prompt's float64 sample."""
-    from harness.compare.prompts import load_prompt_set, tokenize_prompts
+    from harness.measure.prompts import load_prompt_set, tokenize_prompts
     from harness.engines.llamacpp import LlamaCppEngine
 
     old = json.loads(PINS.read_text()) if PINS.exists() else {"fixtures": {}}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.compare.metrics import cosine, reference_margin
-from harness.compare.prompts import load_prompt_set
+from harness.measure.metrics import cosine, reference_margin
+from harness.measure.prompts import load_prompt_set
 from harness.engines.base import gather
 from harness.engines.registry import resolve_engine
 from harness.fixtures import synthetic as fx

@@ -12,8 +12,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from harness.compare.parity import run_cell
-from harness.compare.prompts import PromptTokens, load_prompt_set, tokenize_prompts
+from harness.runs.parity import run_cell
+from harness.measure.prompts import PromptTokens, load_prompt_set, tokenize_prompts
 from harness.engines.base import EngineInfo
 from harness.engines.registry import resolve_engine
 from harness.errors import EngineError, NotComparable, Verdict

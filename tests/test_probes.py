@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness.compare.probes import (
+from harness.runs.probes import (
     ProbeTolerance,
     overall_verdict,
     probe_decode,
@@ -30,7 +30,7 @@ TOL = ProbeTolerance(min_cosine=0.9999, max_kld=1e-3)
 @pytest.fixture(scope="module")
 def tokens():
     eng = resolve_engine("llama.cpp", fx.build("tiny-qwen35"))
-    from harness.compare.prompts import load_prompts
+    from harness.measure.prompts import load_prompts
 
     return eng.tokenize(load_prompts(None)[0].text)[:130]
 
@@ -110,7 +110,7 @@ def test_nondeterministic_engine_fails_determinism(tokens):
 
 
 def test_overall_verdict_rules():
-    from harness.compare.probes import ProbeResult
+    from harness.runs.probes import ProbeResult
 
     ok = lambda n: ProbeResult(n, Verdict.PASS)
     un = lambda n: ProbeResult(n, Verdict.UNMEASURED, reason="x")
@@ -138,8 +138,8 @@ def test_cli_probe_failure_is_a_reproducer(tmp_path):
     model sha256, prompt, n_tokens, the chunks of the failing split, the numbers and their bounds,
     the mutant table's bug classes for the split obligation, and the command that reruns it; the
     probe receipt keeps the same line."""
-    from harness.compare.probes import MAIN_TOKENS, PROBES
-    from harness.compare.prompts import load_prompt_set, tokenize_prompts
+    from harness.runs.probes import MAIN_TOKENS, PROBES
+    from harness.measure.prompts import load_prompt_set, tokenize_prompts
     from harness.engines.mutants import MUTANTS
     from harness.model.gguf_model import GGUFModel
 
@@ -169,7 +169,7 @@ def test_probe_obligations_are_contract_obligations():
     exists in the e2e contract, and the mutants it shows RED with are among those causes."""
     from pathlib import Path
 
-    from harness.compare.probes import PROBES
+    from harness.runs.probes import PROBES
     from harness.contracts.loader import load_contracts
     from harness.engines.mutants import MUTANTS
 
@@ -189,7 +189,7 @@ def test_a_failing_pieces_probe_names_localize_at_its_boundary_which_finds_what_
     ``harness localize`` with its defaults (the prompt fed whole) reports clean."""
     import shlex
 
-    from harness.compare.probes import ProbeRequest, run_probes
+    from harness.runs.probes import ProbeRequest, run_probes
 
     run = run_probes(ProbeRequest(model="fixture:tiny-qwen35", candidate="mutant:conv-state-dropped", only=["split"], write_evidence=False))
     rep = run.results[0].reproducer
@@ -205,7 +205,7 @@ def test_a_failing_pieces_probe_names_localize_at_its_boundary_which_finds_what_
 
 
 def test_chunks_arg_round_trips():
-    from harness.compare.reproducer import chunks_arg, chunks_up_to, parse_chunks_arg
+    from harness.judge.reproducer import chunks_arg, chunks_up_to, parse_chunks_arg
 
     pieces = [16] + [1] * 40 + [3, 3]
     assert chunks_arg(pieces) == "16,1x40,3,3" and parse_chunks_arg("16,1x40,3,3") == pieces == parse_chunks_arg("16,1×40,3,3")
@@ -230,7 +230,7 @@ def test_moe_excursions_forgive_a_router_burst_but_not_a_drift():
     and says how many; a state fault that drifts on every later position fails all the same, and
     so do a few bad positions that last to the end; the dense tolerance (no excursions) fails the
     burst."""
-    from harness.compare.probes import compare
+    from harness.runs.probes import compare
 
     dense = ProbeTolerance(min_cosine=0.99999, max_kld=1e-5)
     moe = ProbeTolerance(min_cosine=0.99999, max_kld=1e-5, excursions=8)
@@ -250,7 +250,7 @@ def test_moe_excursions_forgive_a_router_burst_but_not_a_drift():
 
 
 def test_a_non_finite_position_is_never_an_excursion():
-    from harness.compare.probes import compare
+    from harness.runs.probes import compare
 
     base, burst = _burst(at=(10,))
     burst[10, 3] = np.nan
@@ -258,9 +258,9 @@ def test_a_non_finite_position_is_never_an_excursion():
 
 
 def test_probe_tolerance_applies_moe_excursions_only_to_moe_models():
-    from harness.compare.probes import probe_tolerance
-    from harness.compare.inputs import subject_of
-    from harness.gates.thresholds import load_thresholds
+    from harness.runs.probes import probe_tolerance
+    from harness.runs.inputs import subject_of
+    from harness.judge.thresholds import load_thresholds
     from harness.model.gguf_model import GGUFModel
 
     th = load_thresholds("thresholds.yaml")

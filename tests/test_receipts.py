@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.compare import metrics, verdicts
+from harness.judge import verdicts
+from harness.measure import metrics
 from harness.errors import InvalidInput
 from harness.evidence import receipts
 from harness.evidence.receipts import (
@@ -17,8 +18,8 @@ from harness.evidence.receipts import (
     receipt_id,
     write_receipt,
 )
-from harness.gates.thresholds import load_thresholds
-from harness.gates.tiers import Subject
+from harness.judge.thresholds import load_thresholds
+from harness.judge.tiers import Subject
 from harness.provenance import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]

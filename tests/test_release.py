@@ -74,7 +74,7 @@ def ledger_of(root: Path) -> Path:
 
 def test_the_manifest_schema_names_every_probe():
     """The schema's probe names are the probes ``harness probe`` runs (one list, checked)."""
-    from harness.compare.probes import PROBE_NAMES
+    from harness.runs.probes import PROBE_NAMES
     from harness.paths import SCHEMA_DIR
     from harness.release.manifest import SCHEMA_FILE
 

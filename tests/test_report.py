@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.compare.explain import write_explained_report
-from harness.compare.parity import ParityRequest, run_parity
-from harness.compare.probes import ProbeRequest, run_probes
-from harness.compare.prompts import load_prompts
+from harness.runs.explain import write_explained_report
+from harness.runs.parity import ParityRequest, run_parity
+from harness.runs.probes import ProbeRequest, run_probes
+from harness.measure.prompts import load_prompts
 from harness.evidence.index import INDEX_HTML, INDEX_MD, reports_dir
 from harness.evidence.ledger import read_rows, verify_ledger
 from harness.evidence.receipts import load_receipt, write_receipt

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.compare.reproducer import (
+from harness.judge.reproducer import (
     MAX_CAUSES,
     Reproducer,
     causes_breaking,

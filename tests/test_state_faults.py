@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 from state_faults import SlotEngine
 
-from harness.compare import probes
-from harness.compare.inputs import RunInputs
-from harness.compare.probes import ProbeRequest, run_probes
+from harness.runs import probes
+from harness.runs.inputs import RunInputs
+from harness.runs.probes import ProbeRequest, run_probes
 from harness.engines.registry import resolve_engine
 from harness.errors import Verdict
 from harness.fixtures.resolve import default_model, resolve_model

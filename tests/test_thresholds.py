@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.errors import InvalidInput, Unmeasured
-from harness.gates.thresholds import load_thresholds
-from harness.gates.tiers import Subject
+from harness.judge.thresholds import load_thresholds
+from harness.judge.tiers import Subject
 
 REPO = Path(__file__).resolve().parents[1]
 SHA_A = "a" * 64

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from harness.compare.metrics import cosine, kl_divergence, reference_margin
+from harness.measure.metrics import cosine, kl_divergence, reference_margin
 from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import resolve_engine

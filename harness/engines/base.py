@@ -21,7 +21,7 @@ LogitBlock = tuple[int, np.ndarray]
 @dataclass
 class TopK:
     """Top-k logprobs of consecutive positions, what a server gives instead of logits
-    (``http:NAME``; ``harness.compare.topk``): ``ids`` int64 ``[T, k]`` (-1: an empty slot),
+    (``http:NAME``; ``harness.measure.topk``): ``ids`` int64 ``[T, k]`` (-1: an empty slot),
     ``logprobs`` float64 ``[T, k]`` (natural log, NaN in empty slots); row t is the distribution
     after ``tokens[:t+1]``, as a logits row. ``dropped_max`` float64 ``[T]`` (optional): the
     largest logprob among the entries the server sent whose key maps to no single token id (their
@@ -99,7 +99,7 @@ class Engine(Protocol):
       ``tokens``: the engine feeds the prompt, then each token it chose, with its own state
       carried (its decode path, not teacher forcing). Returns at most ``n_tokens`` new ids (an
       engine may stop early at its own end-of-generation token); the harness stops the
-      comparison at the reference's EOS (``harness.compare.greedy``).
+      comparison at the reference's EOS (``harness.runs.greedy``).
     - ``"prefix_reuse"``: ``session_logits(tokens, *, session: str, parent: str | None = None,
       after: int = 0, checkpoints: Sequence[int] = ()) -> Iterator[LogitBlock]`` feeds ``tokens``
       starting from the state sequence ``parent`` had after its first ``after`` tokens (None:

@@ -2,9 +2,9 @@
 ``[tool.harness.http.NAME]`` (docs/engine-protocol.md, "HTTP engines").
 
 A server gives top-k logprobs per position, not logits: the engine's ``topk(tokens)`` returns
-``harness.compare.topk.TopK`` rows aligned like logits (row t = the distribution after
+``harness.measure.topk.TopK`` rows aligned like logits (row t = the distribution after
 ``tokens[:t+1]``), and parity judges it with the top-k tier (the cosine release gate cannot be
-computed; ``harness.compare.topk``). ``generate(tokens, n)`` decodes greedily (``temperature``
+computed; ``harness.measure.topk``). ``generate(tokens, n)`` decodes greedily (``temperature``
 0). ``logits`` raises ``EngineError``: there are none to give.
 
 Server kinds (``KINDS``) differ in three ways, each a column of the table and each tested against

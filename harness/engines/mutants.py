@@ -538,9 +538,9 @@ SHOWS_FIRST_AT: dict[str, tuple[str, str] | None] = {
 """Mutant name → (layer type, op) of the first activation, in the oracle's forward order, at which
 the fault shows: what ``harness localize`` names for it (faults in carried state with the prompt
 fed in pieces); None for a fault that is not in the forward pass (the determinism probe catches
-it). Layer types are ``harness.compare.localize.layer_type``'s (the layer kinds of
+it). Layer types are ``harness.runs.localize.layer_type``'s (the layer kinds of
 ``harness.model.gguf_model``, and ``MOE`` for an MoE FFN op). The likely cause a localize
-failure prints is looked up here (``harness.compare.reproducer``); tests/test_localize.py localizes
+failure prints is looked up here (``harness.judge.reproducer``); tests/test_localize.py localizes
 every mutant and checks this table."""
 
 

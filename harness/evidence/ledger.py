@@ -94,7 +94,7 @@ TIER_FIELDS = ("compute_class", "release", "calibrated")
 receipts that judge two tiers (``harness-thresholds/v2``)."""
 
 FREE_RUNNING_FIELD = "free_running"
-"""The free-running greedy headline (``harness.compare.greedy.headline``), in rows of parity
+"""The free-running greedy headline (``harness.runs.greedy.headline``), in rows of parity
 receipts that recorded ``report_only.free_running``; report-only."""
 
 SIGNOFF_FIELDS = ("release_name", "builds", "cells", "relied_on", "blocked")

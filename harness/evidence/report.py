@@ -10,7 +10,7 @@ provenance, and every command again.
 
 A FAIL explains itself: when the candidate declares the ``activations`` capability (oracle,
 ``mutant:*``, llama.cpp, transformers, command engines that declare it) the caller
-(``harness.compare.explain``, which may run engines; this module only reads and renders)
+(``harness.runs.explain``, which may run engines; this module only reads and renders)
 localizes the first divergence against the oracle on the receipt's own token ids
 (``localization_plan``) and the page shows the per-layer error profile and the likely cause;
 otherwise it says which capability would allow it.
@@ -372,7 +372,7 @@ def _receipt_link(receipt_json: Path, out: Path) -> str | None:
 
 @dataclass
 class Explanation:
-    """What a page shows beyond its receipt, looked up by the caller (``harness.compare.explain``
+    """What a page shows beyond its receipt, looked up by the caller (``harness.runs.explain``
     runs the engines and reads the model; this module only renders):
 
     - ``vocab``: the model's vocabulary (``fmt.TokenTexts``) for token texts, or None and
@@ -666,7 +666,7 @@ def _per_prompt_table(page: Page, rec: dict[str, Any]) -> None:
 
 def free_running_section(page: Page, rec: dict[str, Any]) -> None:
     """The free-running greedy table of a parity receipt (``report_only.free_running``,
-    ``harness.compare.greedy``): per prompt the steps compared and why they stopped (N tokens or
+    ``harness.runs.greedy``): per prompt the steps compared and why they stopped (N tokens or
     the reference's EOS), the identical steps, and at the first divergence both tokens and the
     reference's margin, near-tie or hard. Nothing when the receipt has none."""
     fr = rec["report_only"].get("free_running")
@@ -879,7 +879,7 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
     probe receipt; return the Markdown path.
 
     ``out_dir`` defaults to ``default_report_dir``. ``explanation`` carries what the caller looked
-    up (vocabulary, localization, likely causes: ``harness.compare.explain.explain_receipt``);
+    up (vocabulary, localization, likely causes: ``harness.runs.explain.explain_receipt``);
     without it the page is rendered from the receipt alone, with ``localization`` (a
     ``Localization.to_dict()``) if given. The reports index is the caller's to regenerate
     (``harness.evidence.index.refresh_index``; ``compare.explain.write_explained_report`` does).

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from harness.compare.calibrated import find_recorded
-from harness.compare.inputs import resolve_inputs, resolve_thresholds_path
-from harness.compare.prompts import load_prompt_set
+from harness.judge.calibrated import find_recorded
+from harness.runs.inputs import resolve_inputs, resolve_thresholds_path
+from harness.measure.prompts import load_prompt_set
 from harness.engines.registry import engine_build_id
 from harness.errors import HarnessError
 from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from harness.compare.probes import PROBE_NAMES, REQUIRED_PROBES
+from harness.runs.probes import PROBE_NAMES, REQUIRED_PROBES
 from harness.config import DEFAULT_REFERENCE
 from harness.errors import InvalidInput
 from harness.fschecks import read_utf8

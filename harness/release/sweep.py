@@ -61,8 +61,8 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     "seconds"}``, or ``{"error": {"verdict", "message"}, "seconds"}`` when the harness refused or an
     engine failed (a ``HarnessError``). The receipt carries ``cell`` (the planned key and inputs)."""
     # deferred: a worker process imports the engines only when it runs a task
-    from harness.compare.parity import ParityRequest, run_parity
-    from harness.compare.probes import ProbeRequest, run_probes
+    from harness.runs.parity import ParityRequest, run_parity
+    from harness.runs.probes import ProbeRequest, run_probes
 
     os.environ.update(task["env"])
     os.chdir(task["cwd"])

@@ -91,7 +91,7 @@ def tolerance(request) -> Callable[[str], dict[str, Any]]:
 @pytest.fixture(scope="session")
 def where(candidate_engine, subject_model) -> str:
     """A reproducer line for failure messages: candidate, model and sha256
-    (``harness.compare.reproducer``, the formatter of every failure message)."""
-    from harness.compare.reproducer import Reproducer
+    (``harness.judge.reproducer``, the formatter of every failure message)."""
+    from harness.judge.reproducer import Reproducer
 
     return Reproducer(candidate_engine.info.name, Path(subject_model.path).name, subject_model.sha256).where()

@@ -1,6 +1,6 @@
 """Bound tests of contracts/qwen35-e2e-verification-v1.yaml: the candidate end to end.
 
-Parity against the reference (llama.cpp) through the parity cell (``harness.compare.parity.run_cell``)
+Parity against the reference (llama.cpp) through the parity cell (``harness.runs.parity.run_cell``)
 with the gate numbers of thresholds.yaml; the report-only fields the cell records; determinism
 and pieces ≡ whole through the candidate's own ``logits(tokens, chunks)``. Subjects:
 ``candidate_engine``, ``reference_engine`` on ``harness_model_path``.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from contract_helpers import LONG, PIECES
 
-from harness.compare.parity import run_cell
-from harness.compare.prompts import PromptTokens
+from harness.runs.parity import run_cell
+from harness.measure.prompts import PromptTokens
 from harness.engines.base import gather
 from harness.errors import Verdict
 from harness.model.gguf_model import GGUFModel
@@ -78,8 +78,8 @@ def whole_logits(memo_candidate, probe_tokens) -> np.ndarray:
 def gate(request, harness_model_path, harness_model_spec, memo_candidate):
     """The thresholds.yaml tiers resolved for the subject model and the candidate's compute class
     (fails closed without a basis): the release gate and the calibrated row that fits, if any."""
-    from harness.compare.parity import subject_of
-    from harness.gates.thresholds import load_thresholds
+    from harness.runs.parity import subject_of
+    from harness.judge.thresholds import load_thresholds
 
     th = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml")
     return th.resolve(subject_of(GGUFModel(harness_model_path), memo_candidate.info.to_dict()), harness_model_spec)
@@ -189,7 +189,7 @@ def probe_tolerance(gate, hp):
     """The probe tolerances of the calibrated row for the candidate's class (``probes.min_cosine``,
     ``probes.max_kld``, and on an MoE model ``probes.moe_excursions``: ``probes.probe_tolerance``);
     UNMEASURED (exit 5) where no row fits."""
-    from harness.compare import probes
+    from harness.runs import probes
 
     gate.gate("min_cosine", "probes"), gate.gate("max_kld", "probes")  # UNMEASURED, naming why, where no row fits
     return probes.probe_tolerance(gate, moe=hp.n_expert > 0)
@@ -198,7 +198,7 @@ def probe_tolerance(gate, hp):
 def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
     """QE2E-PRB-005: the split-prompt probe passes: fed whole vs in two pieces split at 1-5
     (conv kernel), 63-65 (delta-rule chunk boundary) and seeded random points."""
-    from harness.compare.probes import probe_split
+    from harness.runs.probes import probe_split
 
     r = probe_split(candidate_engine, probe_tokens, probe_tolerance, seed=0)
     if r.verdict is Verdict.UNMEASURED:
@@ -213,7 +213,7 @@ def test_probe_split(candidate_engine, probe_tokens, probe_tolerance, where):
 def test_probe_decode(candidate_engine, probe_tokens, probe_tolerance, where):
     """QE2E-PRB-006: the decode probe passes: a prefill of k tokens then one token per call
     equals the prompt fed whole."""
-    from harness.compare.probes import probe_decode
+    from harness.runs.probes import probe_decode
 
     r = probe_decode(candidate_engine, probe_tokens[:40], probe_tolerance, prefill=(1, 16))
     if r.verdict is Verdict.UNMEASURED:

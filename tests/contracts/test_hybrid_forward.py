@@ -2,7 +2,7 @@
 
 The layer schedule, pre-norm residual blocks, gated attention (output gate, QK-norm, partial
 rope, GQA), MoE routing and the shared expert, finiteness and shapes, the final norm, and
-per-layer agreement with the float64 oracle (``harness.compare.metrics.compare_activations``). Each op is
+per-layer agreement with the float64 oracle (``harness.measure.metrics.compare_activations``). Each op is
 recomputed from the candidate's own inputs to it and the file's weights. Subject:
 ``candidate_engine`` on ``harness_model_path``.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from contract_helpers import SHORT, assert_close, attention_layers, need
 
-from harness.compare.metrics import compare_activations
+from harness.measure.metrics import compare_activations
 from harness.engines.oracle.qwen35 import (
     causal_attention,
     imrope_positions,

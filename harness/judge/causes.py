@@ -3,7 +3,7 @@ bug classes first diverge there.
 
 The bug classes come from the mutant table (``harness.engines.mutants.SHOWS_FIRST_AT``: the layer
 type and op where localization first finds each mutant, checked against real runs by
-``tests/test_localize.py``), as ``harness.compare.reproducer.causes_first_at`` reads it for the
+``tests/test_localize.py``), as ``harness.judge.reproducer.causes_first_at`` reads it for the
 one-line failure messages; here each comes with its mutant and description. ``OPS`` says in a
 line what each op of the Qwen3.5 forward computes (names as in llama.cpp's ``src/models/qwen35.cpp`` and
 ``delta-net-base.cpp``, weights as the GGUF tensor names).

@@ -26,7 +26,7 @@ says so and never reports it as passed (``judge_topk``).
 
 Top-k rows of thresholds.yaml (``Thresholds.topk_rows``) are measured by cutting the full-logit
 known-good pairs of calibration down to their top k (``cut_topk``) and measuring them with these
-same functions (``harness.gates.calibrate.calibrate_topk``).
+same functions (``harness.runs.calibrate.calibrate_topk``).
 """
 
 from __future__ import annotations
@@ -37,13 +37,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy.special import log_softmax
 
-from harness.compare import metrics
-from harness.compare.verdicts import GateCheck, TierResult
-from harness.engines.base import TopK, gather
-from harness.errors import EngineError, Verdict
-
-TOPK_GATES = {"max_topk_kld_mean": ("mean", "top-k KLD mean"), "max_topk_kld_p99": ("p99", "top-k KLD p99")}
-"""Gates of a top-k row: gate name → (key of the summary's ``kld``, label)."""
+from harness.engines.base import TopK
+from harness.measure import metrics
 
 TAIL_EPS = 1e-6
 """Tail masses both below this are rounding (float32 logprobs summing to 1 ± 1e-7), not a tail:
@@ -174,56 +169,6 @@ def summarize_topk(per_position: Mapping[str, np.ndarray], near_tie_margin: floa
     return out
 
 
-def release_not_computable(release: Mapping[str, Mapping[str, Any]], k: int, positions: int) -> TierResult:
-    """The release gate's tier for a top-k cell: never judged, never passed (module docstring)."""
-    thr = float(release["min_cosine"]["value"])
-    reason = f"the candidate gives top-{k} logprobs, not logits: per-position logit cosine cannot be computed"
-    line = (f"release gate cosine ≥ {thr:g} over ≥ {int(release['min_positions']['value'])} positions: NOT COMPUTED — {reason} "
-            f"({positions} positions); it is not reported as passed")
-    check = GateCheck("release", "min_cosine", "cosine", thr, None, None, release["min_cosine"].get("basis", {}).get("kind", "declared"))
-    return TierResult("release", "unmeasured", [check], line, "thresholds.yaml release", reason)
-
-
-def judge_topk(summary: Mapping[str, Any], row: Any, subject_text: str, k: int, min_positions: int,
-               unmeasured_reason: str = "", command: str | None = None) -> TierResult:
-    """The top-k tier: ``row`` (a ``tiers.Row`` of ``Thresholds.topk_rows``, or None) judges the
-    top-k KLD mean and p99 over the compared positions. ``unmeasured`` when no row fits (naming
-    ``command``, which measures one) or fewer than ``min_positions`` positions were compared."""
-    compared = int(summary["compared_positions"])
-    if row is None:
-        line = f"top-k tier ({subject_text}, k {k}): UNMEASURED — {unmeasured_reason}"
-        if command:
-            line += f"; measure it with: {command}"
-        return TierResult("topk", "unmeasured", [], line, None, unmeasured_reason, command)
-    checks = []
-    for name, (key, label) in TOPK_GATES.items():
-        if name not in row.gates:
-            continue
-        thr = float(row.gates[name]["value"])
-        observed = (summary.get("kld") or {}).get(key)
-        checks.append(GateCheck("topk", name, label, thr, observed, None if observed is None else bool(observed <= thr),
-                                row.gates[name].get("basis", {}).get("kind", "declared")))
-    parts = [f"{c.label} ≤ {c.threshold:g}: {'ok' if c.ok else ('FAIL' if c.ok is False else 'not computed')} "
-             f"({'n/a' if c.observed is None else f'{c.observed:.3g}'})" for c in checks]
-    line = f"top-k tier ({subject_text}, k {row.k} of {k}, {row.source}): " + "; ".join(parts)
-    if any(c.ok is False for c in checks):
-        return TierResult("topk", "fail", checks, line, row.source)
-    if compared < min_positions or not checks or any(c.ok is None for c in checks):
-        why = f"{compared} positions compared, fewer than {min_positions}" if compared < min_positions else "a gate could not be computed"
-        return TierResult("topk", "unmeasured", checks, f"{line} — UNMEASURED: {why}", row.source, why)
-    return TierResult("topk", "ok", checks, line, row.source)
-
-
-def overall_topk(release: TierResult, tier: TierResult) -> tuple[Verdict, str]:
-    """A top-k cell's verdict: FAIL when the top-k tier fails, PASS when it is ok, else
-    UNMEASURED; the release tier's line (not computed) is always part of the message."""
-    if tier.status == "fail":
-        return Verdict.FAIL, f"{tier.line}; {release.line}"
-    if tier.status == "ok":
-        return Verdict.PASS, f"{tier.line}; {release.line}; verdict is the top-k tier's"
-    return Verdict.UNMEASURED, f"{tier.line}; {release.line}"
-
-
 def per_prompt_topk(prompt_ids: Sequence[str], lengths: Sequence[int], per_position: Mapping[str, np.ndarray],
                     near_tie_margin: float) -> list[dict[str, Any]]:
     """Per-prompt entries of a top-k receipt (the parity receipt's ``per_prompt`` fields; cosine
@@ -240,27 +185,3 @@ def per_prompt_topk(prompt_ids: Sequence[str], lengths: Sequence[int], per_posit
     return out
 
 
-def measure_topk_prompts(reference: Any, candidate: Any, prompts: Sequence[Any], n_vocab: int, k: int | None = None) -> dict[str, np.ndarray]:
-    """Top-k metrics of every prompt (``PER_POSITION_KEYS`` plus ``prompt_index``/``position``),
-    concatenated: the reference's logits (gathered per prompt) against ``candidate.topk`` cut to
-    ``k`` entries when given (a row measured with k judges k entries).
-
-    Raises ``EngineError`` (either engine) and ``NotComparable`` (the candidate's).
-    """
-    parts = []
-    for i, p in enumerate(prompts):
-        n = len(p.tokens)
-        ref = gather(reference.logits(p.tokens), n)
-        if ref.shape != (n, n_vocab):
-            raise EngineError(f"reference returned logits of shape {ref.shape} for {n} positions")
-        bad = np.flatnonzero(~np.isfinite(ref).all(axis=1))
-        if bad.size:
-            raise EngineError(f"reference returned non-finite logits at prompt {p.id!r} position {int(bad[0])}")
-        top = candidate.topk(p.tokens)
-        if top.ids.shape[0] != n:
-            raise EngineError(f"candidate {candidate.info.name} gave top-k rows for {top.ids.shape[0]} of {n} positions")
-        pm = topk_position_metrics(ref, truncate(top, k) if k else top)
-        pm["prompt_index"] = np.full(n, i, np.int32)
-        pm["position"] = np.arange(n, dtype=np.int32)
-        parts.append(pm)
-    return metrics.concat_metrics(parts)

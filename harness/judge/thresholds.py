@@ -1,7 +1,7 @@
 """thresholds.yaml: every gating number with its basis; fail closed without one.
 
 Schema ``harness-thresholds/v2`` (``harness/schemas/thresholds.schema.json``), two tiers
-(``harness.gates.tiers``)::
+(``harness.judge.tiers``)::
 
     schema: harness-thresholds/v2
     report_only: {near_tie_margin: 0.25}          # parameters of report-only fields, no basis
@@ -38,7 +38,7 @@ import yaml
 
 from harness.errors import InvalidInput, Unmeasured
 from harness.fschecks import read_utf8
-from harness.gates.tiers import Row, Subject, find_row, find_topk_row
+from harness.judge.tiers import Row, Subject, find_row, find_topk_row
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
 from harness.validation import schema_validator

@@ -7,7 +7,7 @@ an http engine with ``temperature: 0``) and the two continuations are compared:
 
 - ``compare_generation`` (pure, engine-agnostic): the steps identical, and at the first
   divergence the step, both tokens and the reference's top-1/top-2 margin there, a near-tie when
-  the margin is below ``near_tie_margin`` (``harness.compare.metrics.NEAR_TIE_MARGIN``), else
+  the margin is below ``near_tie_margin`` (``harness.measure.metrics.NEAR_TIE_MARGIN``), else
   hard. The comparison covers ``n_tokens`` steps or stops at the first end-of-generation token
   on the reference's side (``stop``: ``"n_tokens"`` or ``"eos"``, per prompt).
 - ``free_running``: both engines over a prompt set; the reference's margin at a divergence comes
@@ -24,9 +24,9 @@ from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from harness.compare import metrics
 from harness.engines.base import Engine, last_row
 from harness.errors import EngineError
+from harness.measure import metrics
 
 DEFAULT_TOKENS = 64
 """Steps generated per prompt unless told otherwise (``--greedy-tokens``)."""

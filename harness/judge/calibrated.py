@@ -2,7 +2,7 @@
 before (a calibration receipt in the ledger), else — when the caller can measure it — one
 measured now, else none (the tier is UNMEASURED, with the command that would measure it).
 
-Measuring (``harness.gates.subject.measure_and_record``) sits above this layer, so a caller that
+Measuring (``harness.runs.subject.measure_and_record``) sits above this layer, so a caller that
 wants it passes it in (``harness parity`` and ``harness probe`` do; ``--no-calibrate`` does not).
 """
 
@@ -16,12 +16,12 @@ from harness.errors import InvalidInput
 from harness.evidence.ledger import read_rows
 from harness.evidence.receipts import load_receipt
 from harness.evidence.record import default_ledger
-from harness.gates.thresholds import ResolvedThresholds
-from harness.gates.tiers import Row, calibrate_command
+from harness.judge.thresholds import ResolvedThresholds
+from harness.judge.tiers import Row, calibrate_command
 
 MeasureTier = Callable[..., tuple[Row, str, Path]]
 """``measure(model_spec, compute_class, ledger, max_tokens=, log=)`` → (row, receipt id, receipt
-path): ``harness.gates.subject.measure_and_record``."""
+path): ``harness.runs.subject.measure_and_record``."""
 
 
 def row_from_calibration_receipt(receipt: dict[str, Any], receipt_id: str) -> Row:

@@ -4,8 +4,8 @@ reads the model and may run engines (``harness.evidence.report`` only reads and 
 - the model's vocabulary (``harness.model.vocab``) for token texts, from the model file whose
   sha256 is still the receipt's (``model_file``: the recorded path, else the fixture of that name);
 - on a FAIL whose candidate declares ``activations``: first-divergence localization against the
-  oracle (``harness.compare.localize``) on the receipt's own token ids
-  (``report.localization_plan``), and the likely cause (``harness.compare.causes``).
+  oracle (``harness.runs.localize``) on the receipt's own token ids
+  (``report.localization_plan``), and the likely cause (``harness.judge.causes``).
 
 ``write_explained_report`` is what ``harness parity``, ``harness probe`` and ``harness report``
 call.
@@ -16,8 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from harness.compare.causes import OPS, likely_causes
-from harness.compare.localize import LocalizeRequest, run_localize
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence.index import refresh_index_quietly
 from harness.evidence.page import untrusted
@@ -29,9 +27,11 @@ from harness.evidence.report import (
     write_report,
 )
 from harness.fixtures import synthetic as fx
+from harness.judge.causes import OPS, likely_causes
 from harness.model.gguf_model import GGUFModel
 from harness.model.vocab import Vocab
 from harness.provenance import sha256_file
+from harness.runs.localize import LocalizeRequest, run_localize
 
 Log = Callable[[str], None]
 

@@ -3,11 +3,11 @@
 Both engines get identical token ids (tokenized by the reference, llama.cpp, unless a prompt
 carries its own ids). Logits are compared block by block as the two engines stream them, so
 nothing holds ``n_tokens × n_vocab`` when a block will do. Two tiers judge the cell
-(``harness.gates.tiers``): the release gate (per-position cosine of raw logits ≥ 0.98 over ≥ 64
+(``harness.judge.tiers``): the release gate (per-position cosine of raw logits ≥ 0.98 over ≥ 64
 positions) and the calibrated tier (cosine, KLD mean, KLD p99 from the row for the file's
 weights × the candidate's compute class, or measured on the subject); greedy agreement, margins
 and top-k overlap are recorded as report-only fields, and so is free-running greedy generation
-(``report_only.free_running``: ``harness.compare.greedy``, ``greedy_tokens`` steps per prompt).
+(``report_only.free_running``: ``harness.runs.greedy``, ``greedy_tokens`` steps per prompt).
 
 Verdicts: FAIL when either tier fails (a non-finite candidate row fails at its position); else
 UNMEASURED when fewer than the release gate's positions were compared (or the calibrated tier is
@@ -18,59 +18,33 @@ non-finite logit (it cannot judge anything, so the candidate is not blamed).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.compare import greedy, metrics, near_ties, topk, verdicts
-from harness.compare.calibrated import MeasureTier, resolve_row
-from harness.compare.inputs import RunInputs, RunRequest, engine_record, subject_of
-from harness.compare.localize import DEFAULT_MAX_TOKENS
-from harness.compare.prompts import PromptTokens
-from harness.compare.reproducer import Reproducer, causes_breaking, failure_message
 from harness.engines.base import Engine, LogitBlock
 from harness.engines.timing import timed
-from harness.errors import (
-    EngineError,
-    HarnessError,
-    NotComparable,
-    Verdict,
-)
-from harness.evidence.receipts import (
-    harness_info,
-    host_info,
-    prepare_receipt,
-    report_only_headline,
-)
-from harness.evidence.record import preflight_evidence, record_evidence
-from harness.gates import tiers
-from harness.gates.thresholds import ResolvedThresholds
+from harness.errors import EngineError, HarnessError, Verdict
+from harness.evidence.receipts import report_only_headline
+from harness.evidence.record import preflight_evidence
+from harness.judge import tiers, verdicts
+from harness.judge.calibrated import resolve_row
+from harness.judge.reproducer import Reproducer, causes_breaking, failure_message
+from harness.judge.thresholds import ResolvedThresholds
+from harness.measure import metrics, near_ties
+from harness.measure.prompts import PromptTokens
 from harness.model.gguf_model import GGUFModel
-from harness.paths import SOURCE_ROOT
+from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest, Progress, build_receipt, check_comparable, finish
+from harness.runs.inputs import subject_of
+from harness.runs.localize import DEFAULT_MAX_TOKENS
+from harness.runs.topk import run_topk_parity
 
-Progress = Callable[[str, int, int], None]
-"""``progress(prompt_id, positions_done, positions_total)``."""
+__all__ = ["CellResult", "Measured", "ParityOutcome", "ParityRequest", "Progress", "build_receipt", "check_comparable",
+           "compare_prompt", "judge_cell", "measure_cell", "run_cell", "run_parity", "run_topk_parity", "subject_of"]
+"""The parity cell's public names; the request, result and receipt types live in
+``harness.runs.cell`` (shared with the top-k cell) and are re-exported here."""
 
-
-@dataclass
-class CellResult:
-    """Everything a parity cell measured; ``per_position`` arrays are concatenated over prompts
-    (``prompt_index`` and ``position`` say where each row came from)."""
-
-    verdict: Verdict
-    kind: str  # "parity" or "self-consistency"
-    prompts: list[PromptTokens]
-    per_position: dict[str, np.ndarray]
-    summary: dict[str, Any]
-    per_prompt: list[dict[str, Any]]
-    gate: dict[str, Any]
-    candidate_info: dict[str, Any]
-    reference_info: dict[str, Any]
-    n_vocab: int
-    message: str = ""
 
 
 def _guarded(name: str, blocks: Iterator[LogitBlock]) -> Iterator[LogitBlock]:
@@ -153,22 +127,6 @@ PARITY_OBLIGATION = "QE2E-PAR-001"
 """The e2e contract's parity obligation: the mutants that break it are a parity FAIL's likely causes."""
 
 
-def check_comparable(model: GGUFModel, reference: Engine, candidate: Engine, prompts: list[PromptTokens]) -> int:
-    """The shared vocab size of both engines and the model. Raises ``NotComparable`` when the
-    vocab sizes differ or a token id is outside the vocab."""
-    n_vocab_ref, n_vocab_cand = int(reference.n_vocab), int(candidate.n_vocab)
-    if n_vocab_ref != n_vocab_cand:
-        raise NotComparable(f"vocab sizes differ: reference {n_vocab_ref}, candidate {n_vocab_cand}")
-    n_model = model.hparams.n_vocab
-    if n_model and n_model != n_vocab_ref:
-        raise NotComparable(f"engines report vocab {n_vocab_ref} but the model's token list has {n_model}")
-    for p in prompts:
-        bad = [t for t in p.tokens if not 0 <= t < n_vocab_ref]
-        if bad:
-            raise NotComparable(f"prompt {p.id!r}: token id {bad[0]} outside the vocab [0, {n_vocab_ref})")
-    return n_vocab_ref
-
-
 def _prompt_summary(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: float, near_tie_margin: float,
                     judged: np.ndarray | None = None) -> dict[str, Any]:
     s = metrics.summarize(pm, near_tie_margin)
@@ -186,26 +144,6 @@ def _prompt_summary(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: floa
         "first_failing_position": int(fails[0]) if fails.size else None,
         "nonfinite_positions": s["nonfinite_positions"],
     }
-
-
-@dataclass
-class Measured:
-    """Both engines run over the prompts: per-position metrics (concatenated, with
-    ``prompt_index``/``position``), the report-only summary, and both engines' infos."""
-
-    prompts: list[PromptTokens]
-    per_position: dict[str, np.ndarray]
-    summary: dict[str, Any]
-    candidate_info: dict[str, Any]
-    reference_info: dict[str, Any]
-    n_vocab: int
-
-    def where(self, idx: int | None) -> dict[str, Any] | None:
-        """``{prompt, position, token}`` of a concatenated index."""
-        if idx is None:
-            return None
-        pi, pos = int(self.per_position["prompt_index"][idx]), int(self.per_position["position"][idx])
-        return {"prompt": self.prompts[pi].id, "position": pos, "token": int(self.prompts[pi].tokens[pos])}
 
 
 def measure_cell(model: GGUFModel, reference: Engine, candidate: Engine, prompts: list[PromptTokens],
@@ -272,7 +210,7 @@ def cell_gate(m: Measured, rel: verdicts.TierResult, cal: verdicts.TierResult, r
 
 
 def failure_text(gate: dict[str, Any], message: str, prompts: list[PromptTokens], case: Reproducer) -> str:
-    """A FAIL's message as a reproducer (``harness.compare.reproducer``): the failed tiers' lines,
+    """A FAIL's message as a reproducer (``harness.judge.reproducer``): the failed tiers' lines,
     the first and worst failing positions, the largest KLD when a KLD gate failed, the case on the
     first failing prompt, and the ``harness localize`` command that names the first divergent op."""
     parts = [message]
@@ -304,7 +242,7 @@ def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row |
                near_tie_margin: float = metrics.NEAR_TIE_MARGIN, unmeasured_reason: str = "",
                command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None,
                cuts: near_ties.RouterCuts | None = None, excuses: near_ties.RouterExcuses | None = None) -> CellResult:
-    """Judge a measured cell with the two tiers (``harness.compare.verdicts``): the release gate
+    """Judge a measured cell with the two tiers (``harness.judge.verdicts``): the release gate
     (``release``: ``{"min_cosine": {"value"}, "min_positions": {"value"}}``) and the calibrated
     row (None: unmeasured, with ``unmeasured_reason`` and the ``command`` that would measure it).
     ``case`` starts a failure's reproducer (default: the candidate's name and the model's sha256).
@@ -369,7 +307,7 @@ def router_cuts_for(m: Measured, resolved: ResolvedThresholds, model: GGUFModel,
 
 def router_near_ties(m: Measured, resolved: ResolvedThresholds, model: GGUFModel,
                      reference: Engine) -> tuple[near_ties.RouterExcuses | None, near_ties.RouterCuts | None]:
-    """How ``harness parity`` treats an MoE model's router near-ties (``harness.compare.near_ties``):
+    """How ``harness parity`` treats an MoE model's router near-ties (``harness.measure.near_ties``):
     the release gate's excused positions, then the calibrated tier's cuts among the others. Both
     None on a dense model."""
     excuses = release_excuses_for(m, resolved, model, reference)
@@ -408,88 +346,6 @@ def run_cell(
 # ---------------------------------------------------------------------------------------------
 # The main job: resolve inputs, run the cell, write the receipt and the ledger row
 # ---------------------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class ParityRequest(RunRequest):
-    """Inputs of one ``harness parity`` cell (``RunRequest``), and how the calibrated tier is
-    found when no committed row fits: ``measure_tier`` (measures it on the model:
-    ``harness.gates.subject.measure_and_record``; None leaves it unmeasured), ``require_calibrated``
-    (an unmeasured tier makes the verdict UNMEASURED), ``calibrate_max_tokens`` (per prompt);
-    ``candidate_settings`` are engine-specific (``dtype`` for ``transformers``)."""
-
-    measure_tier: MeasureTier | None = None
-    require_calibrated: bool = False
-    calibrate_max_tokens: int = 128
-    candidate_settings: dict[str, Any] = field(default_factory=dict)
-    greedy_tokens: int = greedy.DEFAULT_TOKENS
-    """Free-running greedy steps per prompt (``harness.compare.greedy``, report-only); 0: skipped."""
-
-
-@dataclass
-class ParityOutcome:
-    """A finished cell: its result, the receipt as written, and where evidence went."""
-
-    result: CellResult
-    receipt: dict[str, Any]
-    receipt_path: Path | None
-    ledger_row: dict[str, Any] | None
-    ledger_path: Path | None
-    calibration_receipt: Path | None = None
-
-
-def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, resolved: ResolvedThresholds,
-                  self_calibration: str | None = None) -> dict[str, Any]:
-    """The receipt dict (schema ``harness-parity-receipt/v1``, before id/arrays are added)."""
-    prompt_set = inputs.prompt_set
-    return {
-        "kind": result.kind,
-        "host": host_info(),
-        "harness": harness_info(SOURCE_ROOT),
-        "command": list(req.argv) or ["harness", "parity"],
-        "model": inputs.model_record(),
-        "engines": {"reference": engine_record(result.reference_info, req.reference),
-                    "candidate": engine_record(result.candidate_info, req.candidate)},
-        "prompts": {
-            "id": prompt_set.id,
-            "path": str(prompt_set.path),
-            "sha256": prompt_set.sha256,
-            "count": len(result.prompts),
-            "positions": sum(len(p.tokens) for p in result.prompts),
-            "items": [{"id": p.id, "source": p.source, "tokens": p.tokens} for p in result.prompts],
-        },
-        "thresholds": {**resolved.to_receipt(), "self_calibration": self_calibration},
-        "gated": {"verdict": result.verdict.value, "message": result.message, **result.gate},
-        "report_only": result.summary,
-        "per_prompt": result.per_prompt,
-    }
-
-
-@contextmanager
-def _timings_kept(*engines: Any) -> Iterator[None]:
-    """Restore each engine's own ``timings`` dict (llama.cpp's summed load/decode seconds) after
-    the block: free-running generation is not part of the prefill speed a receipt records."""
-    saved = [(e, dict(e.timings)) for e in engines if isinstance(getattr(e, "timings", None), dict)]
-    try:
-        yield
-    finally:
-        for e, t in saved:
-            e.timings.clear()
-            e.timings.update(t)
-
-
-def _add_free_running(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens],
-                      receipt: dict[str, Any]) -> None:
-    """Free-running greedy (``harness.compare.greedy``, ``req.greedy_tokens`` steps per prompt)
-    into ``receipt["report_only"]["free_running"]``; report-only, so an engine that cannot
-    generate gives an ``unmeasured`` entry and never changes the verdict."""
-    if req.greedy_tokens <= 0:
-        return
-    try:
-        with _timings_kept(reference.engine, candidate.engine):  # the timings stay those of the gated comparison
-            fr = greedy.free_running(reference.engine, candidate.engine, prompts, req.greedy_tokens, greedy.eos_token_ids(inputs.model),
-                                     inputs.thresholds.near_tie_margin)
-    except HarnessError as e:
-        fr = {"n_tokens": req.greedy_tokens, "unmeasured": f"{e.verdict.value}: {str(e).splitlines()[0][:300]}"}
-    receipt["report_only"]["free_running"] = fr
 
 
 def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callable[[str], None] | None = None) -> ParityOutcome:
@@ -518,74 +374,11 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate), cuts, excuses)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
-    return _finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
-
-
-def _finish(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens], result: CellResult,
-            receipt: dict[str, Any], cal_path: Path | None = None) -> ParityOutcome:
-    """A judged cell's receipt completed (free-running greedy, both engines' timings) and, unless
-    ``req.write_evidence`` is off, recorded with its ledger row; a dry run still refuses the
-    receipt a recording run would refuse (``prepare_receipt``)."""
-    _add_free_running(req, inputs, reference, candidate, prompts, receipt)
-    receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
-    if not req.write_evidence:
-        prepare_receipt(receipt, result.per_position)
-        return ParityOutcome(result, receipt, None, None, None)
-    rec = record_evidence(receipt, result.per_position, req.ledger)
-    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path)
+    return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
 
 
 # ---------------------------------------------------------------------------------------------
 # A candidate that gives top-k logprobs (an http:NAME server): the top-k tier judges it
 # ---------------------------------------------------------------------------------------------
-def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: list[PromptTokens]) -> tuple[CellResult, tiers.Row | None]:
-    """Measure and judge a top-k cell (``harness.compare.topk``), and the top-k row used: the row
-    that fits the subject and the candidate's k judges the top-k KLD mean and p99; the release
-    gate's cosine is not computed and says so; no top-k row makes the verdict UNMEASURED, naming
-    the command that measures one. Raises ``NotComparable`` and ``EngineError``."""
-    n_vocab = check_comparable(inputs.model, reference, candidate, prompts)
-    cinfo = candidate.info.to_dict()
-    resolved = inputs.thresholds_for(cinfo)
-    k = int(cinfo["settings"].get("max_logprobs") or 0)
-    row, misfit = inputs.thresholds.resolve_topk(resolved.subject, k)
-    pp = topk.measure_topk_prompts(reference, candidate, prompts, n_vocab, row.k if row is not None else None)
-    cinfo = candidate.info.to_dict()  # after the requests: it names the model the server answered for
-    near = inputs.thresholds.near_tie_margin
-    summary = topk.summarize_topk(pp, near)
-    rel = topk.release_not_computable(resolved.release_gates, k, int(summary["positions"]))
-    cls = resolved.subject.compute_class
-    tier = topk.judge_topk(summary, row, resolved.subject.key_text(), k, resolved.min_positions, misfit,
-                           tiers.topk_calibrate_command(k, cls))
-    verdict, msg = topk.overall_topk(rel, tier)
-    m = Measured(prompts, pp, summary, cinfo, reference.info.to_dict(), n_vocab)
-    worst = (summary.get("kld") or {}).get("max_index")
-    where = m.where(worst)
-    if verdict is Verdict.FAIL and where is not None:
-        msg += (f"; largest top-k KLD {summary['kld']['max']:.3g} at prompt {where['prompt']!r} position {where['position']}; "
-                f"reproduce: {inputs.reproducer(candidate.info.name).harness('parity')}")
-    cal = verdicts.TierResult("calibrated", "unmeasured", [], "calibrated tier: not applicable — its cosine and full-vocabulary "
-                              "KLD gates need logits; the top-k tier judges this cell", None, "top-k candidate")
-    gate = {
-        "metric": "cosine", "min_cosine": resolved.release_min_cosine, "min_positions": resolved.min_positions,
-        "positions": int(summary["positions"]), "failing_positions": 0, "first_failing": None, "worst": None,
-        "worst_cosine": None, "min_cosine_observed": None, "min_cosine_where": None,
-        "nonfinite_positions": int(summary["nonfinite_positions"]), "first_nonfinite": m.where(summary["first_nonfinite_index"]),
-        "max_kld": (summary.get("kld") or {}).get("max"), "max_kld_where": where,
-        "release": rel.to_dict(), "calibrated": cal.to_dict(), "topk": {**tier.to_dict(), "k": k, "row_k": row.k if row else None},
-        "cosine_computed": False, "compute_class": cls, "class_declared": resolved.subject.class_declared,
-        "basis_kind": row.gates["max_topk_kld_mean"].get("basis", {}).get("kind", "declared") if row is not None else "declared",
-        "distribution_gates": [{"name": c.name, "label": c.label, "threshold": c.threshold, "observed": c.observed, "ok": c.ok}
-                               for c in tier.checks],
-    }
-    per_prompt = topk.per_prompt_topk([p.id for p in prompts], [len(p.tokens) for p in prompts], pp, near)
-    return CellResult(verdict, "parity", prompts, pp, summary, per_prompt, gate, cinfo, m.reference_info, n_vocab, msg), row
 
 
-def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens]) -> ParityOutcome:
-    """``run_parity`` for a top-k candidate (``topk_cell``): same receipt and ledger row, with the
-    top-k tier and the top-k row used (``thresholds.topk``)."""
-    result, row = topk_cell(inputs, reference, candidate, prompts)
-    resolved = inputs.thresholds_for(result.candidate_info)
-    receipt = build_receipt(req, inputs, result, resolved, None)
-    receipt["thresholds"]["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
-    return _finish(req, inputs, reference, candidate, prompts, result, receipt)

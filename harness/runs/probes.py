@@ -25,7 +25,7 @@ Probes (tolerances from thresholds.yaml ``probes:``, each with a basis):
   position where the gate fails.
 
 A failed probe run by ``run_probes`` carries a reproducer line (``probe_failure``, through
-``harness.compare.reproducer``): the first failing comparison and its bounds, candidate, model
+``harness.judge.reproducer``): the first failing comparison and its bounds, candidate, model
 sha256, prompt, n_tokens, the chunks it fed, the bug classes of the mutants that break the probe's
 contract obligation (``PROBES``), and the ``harness probe --only NAME`` command that reruns it; a
 failure of a prompt fed in pieces also names the ``harness localize ... --chunks`` command at the
@@ -42,17 +42,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from harness.compare import metrics
-from harness.compare.calibrated import MeasureTier, resolve_row
-from harness.compare.inputs import RunInputs, RunRequest, engine_record
-from harness.compare.prompts import PromptTokens
-from harness.compare.reproducer import Reproducer, causes_breaking, chunks_arg, chunks_up_to, failure_message
 from harness.engines.base import Engine, gather
 from harness.engines.timing import timed
 from harness.errors import EngineError, InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
 from harness.evidence.record import preflight_evidence, record_evidence
-from harness.gates.thresholds import ResolvedThresholds
+from harness.judge.calibrated import MeasureTier, resolve_row
+from harness.judge.reproducer import Reproducer, causes_breaking, chunks_arg, chunks_up_to, failure_message
+from harness.judge.thresholds import ResolvedThresholds
+from harness.measure import metrics
+from harness.measure.prompts import PromptTokens
+from harness.runs.inputs import RunInputs, RunRequest, engine_record
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -479,7 +479,7 @@ def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> 
 
 
 def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
-    """The reproducer line of a failed probe (``harness.compare.reproducer``): the first failing
+    """The reproducer line of a failed probe (``harness.judge.reproducer``): the first failing
     comparison and its bounds, the case with the chunks that comparison fed, the bug classes of the
     mutants that break the probe's obligation, and the ``harness probe`` command that reruns it."""
     first = result.first_failure

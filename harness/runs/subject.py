@@ -1,5 +1,5 @@
 """The calibrated tier measured on the subject itself and recorded (reused by
-``harness.compare.calibrated``).
+``harness.judge.calibrated``).
 
 Where no committed row of thresholds.yaml fits a subject (a file type or compute class never
 measured, or a model more than twice the size of every row's basis model), ``harness parity``
@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.compare.calibrated import row_from_calibration_receipt
 from harness.evidence.receipts import harness_info, host_info
 from harness.evidence.record import record_evidence
-from harness.gates.calibrate import SubjectCalibration, calibrate_subject
-from harness.gates.tiers import Row
+from harness.judge.calibrated import row_from_calibration_receipt
+from harness.judge.tiers import Row
 from harness.paths import SOURCE_ROOT
+from harness.runs.calibrate import SubjectCalibration, calibrate_subject
 
 
 def calibration_receipt(sc: SubjectCalibration, argv: list[str]) -> dict[str, Any]:

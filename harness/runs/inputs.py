@@ -16,22 +16,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from harness import display
-from harness.compare.prompts import (
-    DEFAULT_PROMPTS,
-    PromptSet,
-    PromptTokens,
-    load_prompt_set,
-    tokenize_prompts,
-)
-from harness.compare.reproducer import Reproducer
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
 from harness.engines.base import ASSUMED_CLASS, Engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import engine_build_id, resolve_engine
 from harness.errors import InvalidInput
 from harness.fixtures.resolve import resolve_model
-from harness.gates.thresholds import ResolvedThresholds, Thresholds, load_thresholds
-from harness.gates.tiers import Subject
+from harness.judge.reproducer import Reproducer
+from harness.judge.thresholds import ResolvedThresholds, Thresholds, load_thresholds
+from harness.judge.tiers import Subject
+from harness.measure.prompts import (
+    DEFAULT_PROMPTS,
+    PromptSet,
+    PromptTokens,
+    load_prompt_set,
+    tokenize_prompts,
+)
 from harness.model.gguf_model import GGUFModel, Override, parse_overrides
 from harness.paths import SUITE_ROOT
 
@@ -94,7 +94,7 @@ class RunInputs:
         return tokenize_prompts(prompt_set or self.prompt_set, self.tokenizer(reference))
 
     def reproducer(self, candidate: str) -> Reproducer:
-        """The start of every failure message of this run (``harness.compare.reproducer``):
+        """The start of every failure message of this run (``harness.judge.reproducer``):
         ``candidate`` and the model as the user named them, its sha256, the overrides, and the
         prompt and thresholds files when they are not the ones found by default."""
         th = self.thresholds.path

@@ -1,6 +1,6 @@
 """The two-tier gate model's data: what the calibrated tier is keyed by (``Subject``), its rows
 (``Row``) and which row fits a subject (``find_row``). The judgement itself is
-``harness.compare.verdicts``.
+``harness.judge.verdicts``.
 
 1. **Release gate** (the product's gate): per-position logit cosine ≥ ``release.min_cosine``
    (0.98) over ≥ ``release.min_positions`` (64) positions. A declared floor: it can always be
@@ -16,7 +16,7 @@
    ``n_embd``; a row for another weights key or class is never borrowed. Where no row fits, the tier is measured on the subject itself
    (``harness calibrate --model``) or is UNMEASURED, naming the command that would measure it.
 
-Verdict (``harness.compare.verdicts.overall``): FAIL when either tier fails; UNMEASURED when
+Verdict (``harness.judge.verdicts.overall``): FAIL when either tier fails; UNMEASURED when
 fewer than ``release.min_positions`` positions were compared, or when the calibrated tier is
 unmeasured and it was required (``--require-calibrated``, sign-off); else PASS (the release
 gate's verdict, with the calibrated tier's status on its own line).

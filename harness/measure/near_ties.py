@@ -58,7 +58,7 @@ def cuts_apply(compute_class: str, weights_key: str) -> bool:
     """Whether the calibrated tier cuts an MoE prompt at a router near-tie (``router_cuts``) for a
     candidate of ``compute_class`` on a file whose ``GGUFModel.weights_key`` is ``weights_key``:
     a class of ``CUT_CLASSES`` on a file of ``UNQUANTIZED`` weights only. Calibration measures
-    its known-good pairs by the same test (``harness.gates.calibrate.RouterFlips``)."""
+    its known-good pairs by the same test (``harness.runs.calibrate.RouterFlips``)."""
     return compute_class in CUT_CLASSES and set(weights_key.split("+")) <= UNQUANTIZED
 
 

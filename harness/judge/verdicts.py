@@ -1,4 +1,4 @@
-"""Judging a measured cell with the two tiers (``harness.gates.tiers``): the release gate every
+"""Judging a measured cell with the two tiers (``harness.judge.tiers``): the release gate every
 verdict shows, the calibrated tier where a row fits, and how they combine into the verdict.
 
 Every tier has one line that receipts, reports, ledger rows and the terminal show as it is, e.g.
@@ -12,11 +12,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from harness.compare import metrics
-from harness.compare.near_ties import RouterCuts, RouterExcuses
 from harness.engines.base import ASSUMED_CLASS, COMPUTE_CLASSES
 from harness.errors import Verdict
-from harness.gates.tiers import KLD_GATES, Row, Subject
+from harness.judge.tiers import KLD_GATES, Row, Subject
+from harness.measure import metrics
+from harness.measure.near_ties import RouterCuts, RouterExcuses
 
 
 @dataclass
@@ -90,7 +90,7 @@ def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, 
 
     ``release``: ``{"min_cosine": {"value": 0.98, ...}, "min_positions": {"value": 64, ...}}``.
     Status ``unmeasured`` when fewer than ``min_positions`` positions were compared (a cosine
-    failure among them is still ``fail``). ``excuses`` (``harness.compare.near_ties.RouterExcuses``,
+    failure among them is still ``fail``). ``excuses`` (``harness.measure.near_ties.RouterExcuses``,
     MoE models): positions below the floor at a reference router near-tie, which are not
     failures; the minimum and the count are over the other positions, and the line names them.
     """
@@ -128,7 +128,7 @@ def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[st
                      cuts: RouterCuts | None = None, excused: np.ndarray | None = None) -> TierResult:
     """The calibrated tier: ``row``'s cosine and KLD gates (KL(P_ref ‖ P_cand), nats, over all
     positions), or ``unmeasured`` with ``unmeasured_reason`` and the ``command`` that would measure
-    it when no row fits (``row`` None). ``cuts`` (``harness.compare.near_ties.RouterCuts``):
+    it when no row fits (``row`` None). ``cuts`` (``harness.measure.near_ties.RouterCuts``):
     positions of MoE prompts from a verified router near-tie on, which this tier leaves out (its
     line says so); ``excused`` (bool [N]): positions the release gate excused at a router near-tie
     (``RouterExcuses.mask``), left out too, as calibration measured the rows. A row measured over

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from harness.compare import metrics
-from harness.compare.inputs import InputsRequest
-from harness.compare.reproducer import Reproducer, causes_first_at, chunks_arg, failure_message
 from harness.errors import InvalidInput, Verdict
+from harness.judge.reproducer import Reproducer, causes_first_at, chunks_arg, failure_message
+from harness.measure import metrics
 from harness.model.gguf_model import GLOBAL, MOE, Qwen35HParams
+from harness.runs.inputs import InputsRequest
 
 DEFAULT_MAX_TOKENS = 128
 """Positions ``harness localize`` compares unless told otherwise (``--max-tokens``)."""
@@ -170,7 +170,7 @@ def localize_activations(
 
 
 def divergence_message(first: Divergence, case: Reproducer) -> str:
-    """The reproducer line of a first divergence (``harness.compare.reproducer``): where and how
+    """The reproducer line of a first divergence (``harness.judge.reproducer``): where and how
     far it left the oracle, the case, the bug classes of the mutants that first diverge at the same
     op in the same kind of layer, and the ``harness localize`` command that shows it again."""
     chunks = ["--chunks", chunks_arg(case.chunks)] if case.chunks else []
