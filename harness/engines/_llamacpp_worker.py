@@ -20,14 +20,16 @@ sequences (``sequences``) precede each batch's rows with an int64 count k and th
 indices the rows belong to (rows of different sequences interleave within a batch). All
 little-endian.
 
-Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``generate`` | ``info``), ``model``,
+Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``generate`` | ``draft`` | ``info``), ``model``,
 ``overrides`` (list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch,
 n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
 lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``),
 ``with_info`` (``tokenize``: load the whole model, not its vocabulary alone, and write what
 ``info`` writes beside the tokens), ``rows_from`` (``graph``, the default, or ``output``: a single sequence's rows read from
 llama.cpp's output buffer, as several sequences' are; tests compare the two), ``n_generate``
-(``generate``: greedy ids written to ``generated.json``).
+(``generate``: greedy ids written to ``generated.json``), ``mtp_convention`` (``draft``: ``llama.cpp`` or
+``vllm``; the MTP head's draft logits and hidden states written to ``draft_logits.npy`` and
+``hidden.npy``, see ``_draft``).
 ``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
 (``VmHWM``); a ``tokenize`` run's holds ``tokenize_s`` (inside ``llama_tokenize``).
 """
@@ -74,6 +76,8 @@ def _kv_override_array(llama_cpp, overrides):
 def _load(llama_cpp, req):
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
+    if req.get("op") == "draft":
+        mparams.load_mtp = True  # otherwise the nextn tensors are skipped at load
     overrides = req.get("overrides") or []
     keep = None
     if overrides:
@@ -100,8 +104,14 @@ def _tokenize(llama_cpp, model, text: str) -> list[int]:
     return [int(buf[i]) for i in range(n)]
 
 
-def _context(llama_cpp, model, s, n_seq_max=1, cb_eval=None):
+def _context(llama_cpp, model, s, n_seq_max=1, cb_eval=None, other=None):
+    """A context on ``model`` with settings ``s``; ``other``: a trunk context this one is the
+    MTP (nextn) context of (``LLAMA_CONTEXT_TYPE_MTP``, ``ctx_other``: its own KV cache, holding
+    the nextn block only)."""
     cparams = llama_cpp.llama_context_default_params()
+    if other is not None:
+        cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        cparams.ctx_other = other
     if cb_eval is not None:
         cparams.cb_eval = cb_eval
         cparams.cb_eval_user_data = None
@@ -337,6 +347,7 @@ def _model_info(llama_cpp: Any, model: Any, info: dict[str, Any]) -> int:
     n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
     info["n_vocab"] = n_vocab
     info["n_ctx_train"] = int(llama_cpp.llama_model_n_ctx_train(model))
+    info["n_layer_nextn"] = int(llama_cpp.llama_model_n_layer_nextn(model))
     buf = ctypes.create_string_buffer(256)
     llama_cpp.llama_model_desc(model, buf, 256)
     info["model_desc"] = buf.value.decode(errors="replace")
@@ -416,7 +427,10 @@ def main(req_path: str) -> int:
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0
 
-    _decode(llama_cpp, model, req, n_vocab, info, out_dir)
+    if req["op"] == "draft":
+        _draft(llama_cpp, model, req, n_vocab, info, out_dir)
+    else:
+        _decode(llama_cpp, model, req, n_vocab, info, out_dir)
     llama_cpp.llama_model_free(model)
     if req["op"] != "generate":
         info["peak_rss_mb"] = _peak_rss_mb()
@@ -459,6 +473,110 @@ def _decode(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path
             np.savez(out_dir / "activations.npz", **capture.arrays())
             info["ops"] = capture.ops
     llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+
+
+def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path) -> None:
+    """The ``draft`` op: teacher-forced draft logits of the MTP (nextn) head through llama.cpp's
+    own MTP context, written as ``draft_logits.npy`` float32 [Σ(T_i − 1), V] (row t of sequence i:
+    the head's logits for its tokens[t+2]) and ``hidden.npy`` float32 [Σ T_i, n_embd] (the h_t the
+    trunk context gave: its nextn embeddings, the state after ``output_norm``).
+
+    The trunk context decodes the tokens as ``_decode`` does (``chunks`` pieces in batches of
+    n_batch, or ``sequences`` side by side, one seq id each) with the nextn embeddings switched on
+    (``llama_set_embeddings_nextn``). After each trunk batch, the rows that batch completes go to
+    the MTP context (``ctx_type`` MTP, ``ctx_other`` the trunk) as one batch that carries a token
+    and an embedding per row, in ``mtp_convention``: ``llama.cpp`` (row (h_{p−1}, x_p) at position
+    p, h_{−1} = 0: the sentinel row 0 is decoded, as llama.cpp's speculative driver does, and not
+    written) or ``vllm`` (row (h_t, x_{t+1}) at position t). So a chunked prefill fills the head's
+    KV piece by piece, as llama.cpp's server does."""
+    from llama_cpp import llama_cpp_ext as ext
+
+    s = req["settings"]
+    sequences = req.get("sequences") or [req["tokens"]]
+    conv = req.get("mtp_convention", "llama.cpp")
+    shift = 1 if conv == "vllm" else 0
+    if int(llama_cpp.llama_model_n_layer_nextn(model)) < 1:
+        sys.stderr.write("harness-worker: the model has no MTP (nextn) layer (llama_model_n_layer_nextn is 0)\n")
+        sys.exit(26)
+    n_embd = int(llama_cpp.llama_model_n_embd(model))
+    n_batch = int(s["n_batch"])
+    ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences))
+    ext.llama_set_embeddings_nextn(ctx, True, False)
+    mctx = _context(llama_cpp, model, s, n_seq_max=len(sequences), other=ctx)
+    batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+    mbatch = llama_cpp.llama_batch_init(n_batch, n_embd, 1)
+    mtokens = (llama_cpp.llama_token * n_batch)()  # llama_batch_init leaves token NULL when embd is allocated
+    mbatch.token = ctypes.cast(mtokens, type(mbatch.token))
+    membd = np.ctypeslib.as_array(mbatch.embd, shape=(n_batch, n_embd))
+    hidden = [np.zeros((len(q), n_embd), np.float32) for q in sequences]
+    drafts = [np.zeros((len(q) - 1, n_vocab), np.float32) for q in sequences]
+    decode_s = 0.0
+
+    def step(items):
+        nonlocal decode_s
+        for i, (tok, pos, seq) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = tok, pos, 1, seq, 1
+        batch.n_tokens = len(items)
+        t = time.perf_counter()
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            sys.stderr.write("harness-worker: llama_decode (trunk) failed\n")
+            sys.exit(23)
+        decode_s += time.perf_counter() - t
+        h = np.ctypeslib.as_array(ext.llama_get_embeddings_nextn(ctx), shape=(len(items), n_embd))
+        for i, (_, pos, seq) in enumerate(items):
+            hidden[seq][pos] = h[i]
+        rows = []
+        for _, pos, seq in items:
+            r = pos - shift  # the head row whose inputs this token completes
+            if r < 0:
+                continue
+            q = sequences[seq]
+            emb = hidden[seq][r] if conv == "vllm" else (hidden[seq][r - 1] if r else np.zeros(n_embd, np.float32))
+            rows.append((q[r + shift], emb, r, seq))
+        if not rows:
+            return
+        for i, (tok, emb, r, seq) in enumerate(rows):
+            mtokens[i] = tok
+            membd[i] = emb
+            mbatch.pos[i], mbatch.n_seq_id[i], mbatch.seq_id[i][0], mbatch.logits[i] = r, 1, seq, 1
+        mbatch.n_tokens = len(rows)
+        t = time.perf_counter()
+        if llama_cpp.llama_decode(mctx, mbatch) != 0:
+            sys.stderr.write("harness-worker: llama_decode (MTP context) failed\n")
+            sys.exit(23)
+        decode_s += time.perf_counter() - t
+        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(mctx), shape=(len(rows), n_vocab))
+        for i, (_, _, r, seq) in enumerate(rows):
+            d = r - (1 - shift)  # llama.cpp: row p drafts for tokens[p+1], i.e. draft row p − 1
+            if 0 <= d < len(drafts[seq]):
+                drafts[seq][d] = out[i]
+
+    t1 = time.time()
+    if len(sequences) == 1:
+        q, pos = sequences[0], 0
+        for c in req.get("chunks") or [len(q)]:
+            end = pos + c
+            while pos < end:
+                k = min(n_batch, end - pos)
+                step([(q[pos + i], pos + i, 0) for i in range(k)])
+                pos += k
+    else:
+        per = max(1, n_batch // len(sequences))
+        for start in range(0, max(len(q) for q in sequences), per):
+            items = [(q[p], p, sid) for sid, q in enumerate(sequences) for p in range(start, min(start + per, len(q)))]
+            if items:
+                step(items)
+    np.save(out_dir / "draft_logits.npy", np.concatenate(drafts))
+    np.save(out_dir / "hidden.npy", np.concatenate(hidden))
+    info["decode_s"] = round(decode_s, 4)
+    info["decode_wall_s"] = round(time.time() - t1, 4)
+    info["n_tokens"] = sum(len(q) for q in sequences)
+    info["mtp_convention"] = conv
+    llama_cpp.llama_batch_free(batch)
+    mbatch.token = None  # ours (mtokens): llama_batch_free would free() it
+    llama_cpp.llama_batch_free(mbatch)
+    llama_cpp.llama_free(mctx)
     llama_cpp.llama_free(ctx)
 
 

@@ -75,6 +75,30 @@ class EngineInfo:
         }
 
 
+MTP_CONVENTIONS = ("llama.cpp", "vllm")
+"""Where an MTP head's rows sit (``info.settings["mtp_convention"]``): ``llama.cpp`` puts the row
+(h_{p−1}, x_p) at position p after a sentinel row (h = 0, x_0) at 0; ``vllm`` (and SGLang) put
+(h_t, x_{t+1}) at position t. The sentinel is one more key the head attends to, so the two give
+different draft logits; an exact comparison drives the reference in the candidate's convention."""
+
+
+@dataclass
+class Drafts:
+    """Teacher-forced draft logits of an MTP (nextn) head for one sequence of T tokens
+    (capability ``mtp``; docs/qwen35-gguf-math.md, "The MTP draft head").
+
+    ``logits``: float32 [T−1, V]; row t is the head's logits for tokens[t+2], from the trunk's
+    state after tokens[:t+1] and the embedding of tokens[t+1] (the last row predicts the token
+    after the sequence). ``hidden``: float32 [T, n_embd] or None, the h_t the head was fed (the
+    trunk's state after ``output_norm``: ``output · h_t`` is the trunk's logit row t).
+    ``activations``: the head's named tensors when asked for (llama.cpp ``graph_mtp`` names).
+    """
+
+    logits: np.ndarray
+    hidden: np.ndarray | None = None
+    activations: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A candidate or reference engine bound to one model file.
@@ -109,6 +133,11 @@ class Engine(Protocol):
       after=k``); ``parent == session`` with ``after`` equal to its length continues it. Rows are
       ``tokens``' only. This is how a server restores a prompt-cache checkpoint; the
       ``prefix`` probe compares it with the same tokens fed fresh. ``drop_sessions()`` frees them.
+    - ``"mtp"``: ``draft(tokens, chunks=None) -> Drafts``: the MTP head's teacher-forced draft
+      logits (and the hidden states it was fed), through the engine's real prefill path (fed in
+      ``chunks`` when given); with ``"multi_seq"`` too, ``draft_multi(sequences) -> list[Drafts]``
+      for sequences decoded together. ``info.settings["mtp_convention"]`` says where the head's
+      rows sit: ``"llama.cpp"`` or ``"vllm"`` (docs/engine-protocol.md, op ``draft``).
     """
 
     @property

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import MTP_CONVENTIONS, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.engines.process import exit_status, read_tail, tail_lines
 from harness.errors import EngineError
 from harness.model.gguf_model import Override
@@ -175,7 +175,7 @@ class LlamaCppEngine:
             name=self.name,
             version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
             settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
-            capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"],
+            capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"] + (["mtp"] if si.get("n_layer_nextn") else []),
             build={"system_info": si.get("system_info", ""), "model_desc": si.get("model_desc", "")},
             compute_class="f32",
         )
@@ -315,6 +315,43 @@ class LlamaCppEngine:
                 raise EngineError(f"llama.cpp worker wrote no readable generated.json ({e})") from None
         if not isinstance(out, list) or len(out) != n or not all(isinstance(t, int) for t in out):
             raise EngineError(f"llama.cpp worker generated {str(out)[:80]!r}, expected {n} token ids")
+        return out
+
+    def draft(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, convention: str = "llama.cpp") -> Drafts:
+        """The MTP head's teacher-forced draft logits through llama.cpp's own MTP context
+        (capability ``mtp``; ``harness.engines.base.Drafts``): the trunk fed in ``chunks``, its nextn
+        embeddings (post-``output_norm`` h_t) fed with the next tokens to a second context of type
+        MTP, rows in ``convention`` (``llama.cpp``: after a sentinel row; ``vllm``: (h_t, x_{t+1})
+        at t). Raises ``EngineError`` (no MTP block, worker failure, malformed output)."""
+        tokens = [int(t) for t in tokens]
+        pieces = validate_chunks(len(tokens), chunks)
+        return self._draft({"tokens": tokens, "chunks": pieces}, [tokens], convention)[0]
+
+    def draft_multi(self, sequences: Sequence[Sequence[int]], convention: str = "llama.cpp") -> list[Drafts]:
+        """``draft`` of several sequences decoded together, one seq id each in both contexts."""
+        seqs = [[int(t) for t in q] for q in sequences]
+        return self._draft({"sequences": seqs}, seqs, convention)
+
+    def _draft(self, fields: dict[str, Any], seqs: list[list[int]], convention: str) -> list[Drafts]:
+        if convention not in MTP_CONVENTIONS:
+            raise EngineError(f"unknown MTP convention {convention!r} (one of {', '.join(MTP_CONVENTIONS)})")
+        if any(len(q) < 2 for q in seqs):
+            raise EngineError("draft logits need at least 2 tokens per sequence (row t predicts tokens[t+2])")
+        req = {"op": "draft", **fields, "mtp_convention": convention, "settings": self.settings.resolved(max(len(q) for q in seqs))}
+        with scratch_dir("llamacpp-") as d:
+            self._run(req, d)
+            try:
+                logits = np.load(d / "draft_logits.npy", allow_pickle=False)
+                hidden = np.load(d / "hidden.npy", allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise EngineError(f"llama.cpp worker wrote unreadable draft logits: {e}") from None
+        n_rows, n_tok = sum(len(q) - 1 for q in seqs), sum(len(q) for q in seqs)
+        if logits.shape != (n_rows, self.n_vocab) or hidden.shape[0] != n_tok:
+            raise EngineError(f"llama.cpp worker wrote draft logits {logits.shape} / hidden {hidden.shape} for {len(seqs)} sequence(s)")
+        out, r, t = [], 0, 0
+        for q in seqs:
+            out.append(Drafts(logits[r : r + len(q) - 1], hidden[t : t + len(q)]))
+            r, t = r + len(q) - 1, t + len(q)
         return out
 
     def logits_multi(self, sequences: Sequence[Sequence[int]]) -> Iterator[LogitBlock]:

@@ -38,7 +38,7 @@ import numpy as np
 from scipy.special import expit
 from threadpoolctl import ThreadpoolController
 
-from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import MTP_CONVENTIONS, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
 
 @lru_cache(maxsize=1)
@@ -467,8 +467,9 @@ class Qwen35Oracle:
                 "gdn_form": f"chunked for pieces >= {self.gdn_chunk_size} tokens, else recurrent",
                 "softplus_threshold": SOFTPLUS_THRESHOLD,
                 "model_sha256": self.model.sha256,
+                **({"mtp_convention": self.mtp_convention} if self.has_mtp() else {}),
             },
-            capabilities=["chunks", "activations", "generate"],
+            capabilities=["chunks", "activations", "generate"] + (["mtp"] if self.has_mtp() else []),
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
             compute_class="f64",
         )
@@ -704,6 +705,145 @@ class Qwen35Oracle:
     def ffn(self, il: int, w: dict[str, np.ndarray], x: np.ndarray, emit: _Recorder) -> np.ndarray:
         """Dense SwiGLU FFN (qwen35). Source: llama.cpp ``qwen35.cpp`` ``build_layer_ffn``."""
         return self.swiglu(x, w["ffn_gate"], w["ffn_up"], w["ffn_down"])
+
+    # -- the MTP (nextn) draft head ------------------------------------------------------------
+    mtp_convention = "llama.cpp"  # or "vllm" (harness.engines.base.MTP_CONVENTIONS)
+
+    def has_mtp(self) -> bool:
+        """True when the file holds an MTP block the head can run (``blk.N.nextn.eh_proj``, N = n_layer)."""
+        return self.hp.n_layer_nextn >= 1 and self.model.has_tensor(f"blk.{self.hp.n_layer}.nextn.eh_proj.weight")
+
+    def mtp_layer(self) -> int:
+        """The block index of the MTP head: ``n_layer`` (the first block after the trunk). Raises
+        ``EngineError`` when the file has no nextn block."""
+        il = self.hp.n_layer
+        if not self.has_mtp():
+            raise EngineError(f"oracle: the model has no MTP (nextn) block: blk.{il}.nextn.eh_proj is absent "
+                              f"(nextn_predict_layers {self.hp.n_layer_nextn})")
+        return il
+
+    def mtp_weights(self, il: int) -> dict[str, np.ndarray]:
+        """The MTP block's tensors (``load_layer``) without its vocabulary-sized ones
+        (``nextn.embed_tokens``, ``nextn.shared_head_head``), which are read by rows or sliced."""
+        prefix = f"blk.{il}."
+        w = _LayerWeights(il)
+        for name in self.model.tensor_names:
+            if name.startswith(prefix) and not name.startswith((prefix + "nextn.embed_tokens", prefix + "nextn.shared_head_head")):
+                w[name[len(prefix) :].removesuffix(".weight")] = self.read_tensor(name)
+        return w
+
+    def mtp_embed(self, il: int, tokens: np.ndarray) -> np.ndarray:
+        """E[x] [R, n_embd]: rows of ``blk.N.nextn.embed_tokens`` when the file has it, else of
+        ``token_embd`` (llama.cpp ``graph_mtp``, ``mtp_tok_embd``)."""
+        name = f"blk.{il}.nextn.embed_tokens.weight"
+        if not self.model.has_tensor(name):
+            return self.embed(tokens)
+        uniq, inv = np.unique(tokens, return_inverse=True)
+        return self.read_tensor(name, uniq)[inv.reshape(-1)]
+
+    def mtp_rows(self, h: np.ndarray, tokens: np.ndarray, convention: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The head's input rows for one sequence of T tokens with trunk hidden states h [T, n_embd]:
+        ``(hidden [R, n_embd], tokens [R], positions [R], first_draft_row)``. ``vllm``: R = T − 1,
+        row t = (h_t, x_{t+1}) at position t. ``llama.cpp``: R = T, row p = (h_{p−1}, x_p) at
+        position p, with h_{−1} = 0 (the sentinel row 0 is not a draft: ``first_draft_row`` 1).
+        Either way the draft rows, in order, predict tokens[2:]."""
+        if convention == "vllm":
+            return h[:-1], tokens[1:], np.arange(len(tokens) - 1), 0
+        if convention == "llama.cpp":
+            return np.vstack([np.zeros((1, h.shape[1])), h[:-1]]), tokens, np.arange(len(tokens)), 1
+        raise EngineError(f"oracle: unknown MTP convention {convention!r} (one of {', '.join(MTP_CONVENTIONS)})")
+
+    def mtp_hidden(self, h_prenorm: np.ndarray, h_normed: np.ndarray) -> np.ndarray:
+        """What the head is fed as h_t: the trunk's state after ``output_norm`` (``h_nextn``,
+        llama.cpp ``t_h_nextn``), not the raw last-layer output. A hook for mutants."""
+        return h_normed
+
+    def mtp_concat(self, e_norm: np.ndarray, h_norm: np.ndarray) -> np.ndarray:
+        """[enorm(E[x]); hnorm(h)] [R, 2·n_embd]: embedding first, hidden second (llama.cpp
+        ``ggml_concat(e_norm, h_norm)``; vLLM ``qwen3_5_mtp.py``). A hook for mutants."""
+        return np.concatenate([e_norm, h_norm], axis=1)
+
+    def mtp_head_norm(self, x: np.ndarray, il: int, w: dict[str, np.ndarray]) -> np.ndarray:
+        """The head norm: ``nextn.shared_head_norm`` when the file has it, else ``output_norm``
+        (llama.cpp ``graph_mtp`` falls back the same way). A hook for mutants."""
+        weight = w["nextn.shared_head_norm"] if "nextn.shared_head_norm" in w else self.read_tensor("output_norm.weight")
+        return self.rmsnorm(x, weight, self.hp.rms_eps)
+
+    def mtp_state(self, il: int, w: dict[str, np.ndarray], state: dict[str, Any] | None) -> dict[str, Any]:
+        """The head's KV state before the next piece of rows: the one carried from the previous
+        piece (None: a fresh sequence). A hook for mutants (a KV not primed by chunked prefill)."""
+        return self.init_state(il, w) if state is None else state
+
+    def mtp_forward(self, h: np.ndarray, tokens: np.ndarray, pieces: Sequence[int], convention: str,
+                    emit: _Recorder) -> tuple[np.ndarray, int]:
+        """The head over one sequence, fed in the trunk's pieces: returns ``(g [R, n_embd], first
+        draft row)``, g = head_norm(B(u)) with u = eh_proj · [enorm(E[x]); hnorm(h)] and B the
+        block's gated attention over its own KV (rows s ≤ r) and FFN. The rows of a trunk piece
+        [s, e) are the rows whose inputs it completes (``vllm``: rows s−1 … e−2; ``llama.cpp``:
+        rows s … e−1), so a chunked prefill fills the head's KV piece by piece as engines do.
+        Named tensors as llama.cpp's ``graph_mtp`` (``mtp_enorm-N``, ``mtp_concat-N`` ...
+        ``h_nextn``). Source: llama.cpp ``src/models/qwen35.cpp`` ``graph_mtp``."""
+        il, eps = self.mtp_layer(), self.hp.rms_eps
+        w = self.mtp_weights(il)
+        hid, x, pos, first = self.mtp_rows(h, tokens, convention)
+        shift = 1 if convention == "vllm" else 0  # row r is complete once the trunk has seen token r + shift
+        bounds = np.cumsum([0] + list(pieces))
+        out = np.empty((len(x), self.hp.n_embd))
+        state = None
+        with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):
+            try:
+                for s, e in zip(bounds[:-1], bounds[1:]):
+                    r0, r1 = max(0, s - shift), max(0, min(len(x), e - shift))
+                    if r1 <= r0:
+                        continue
+                    state = self.mtp_state(il, w, state)
+                    e_tok = emit("mtp_tok_embd", il, self.mtp_embed(il, x[r0:r1]))
+                    h_norm = emit("mtp_hnorm", il, self.rmsnorm(hid[r0:r1], w["nextn.hnorm"], eps))
+                    e_norm = emit("mtp_enorm", il, self.rmsnorm(e_tok, w["nextn.enorm"], eps))
+                    cat = emit("mtp_concat", il, self.mtp_concat(e_norm, h_norm))
+                    u = emit("mtp_eh_proj", il, cat @ w["nextn.eh_proj"].T)
+                    b = self.block(il, w, u, state, pos[r0:r1], emit)
+                    out[r0:r1] = emit("h_nextn", -1, self.mtp_head_norm(b, il, w))
+            except FloatingPointError as err:
+                raise EngineError(f"oracle: floating-point {err} in the MTP block {il} after op {emit.last!r}") from None
+        return out, first
+
+    def mtp_logits(self, g: np.ndarray, il: int, dtype: Any = np.float32) -> np.ndarray:
+        """D = W · g [R, V]: W is ``blk.N.nextn.shared_head_head`` when the file has it, else the
+        trunk's LM head (``lm_head``)."""
+        name = f"blk.{il}.nextn.shared_head_head.weight"
+        if not self.model.has_tensor(name):
+            return self.lm_head(g, dtype)
+        with np.errstate(over="raise", invalid="raise"):
+            out = g @ self.read_tensor(name).T
+        if not np.isfinite(out).all():
+            raise EngineError("oracle: non-finite draft logits in 'result_output' (nextn.shared_head_head)")
+        return out.astype(dtype)
+
+    def draft(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Collection[str] | None = None) -> Drafts:
+        """Teacher-forced draft logits of the MTP head (capability ``mtp``, ``harness.engines.base.Engine``):
+        ``Drafts.logits`` float32 [T−1, V], row t the head's logits for tokens[t+2] from the trunk's
+        state after tokens[:t+1] and the embedding of tokens[t+1]; ``Drafts.hidden`` float32
+        [T, n_embd], the h_t it was fed; ``Drafts.activations``: the head's named tensors in
+        ``names`` (None: none). Rows follow ``mtp_convention``. Raises ``EngineError`` (no MTP
+        block, fewer than 2 tokens, non-finite values)."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        if len(toks) < 2:
+            raise EngineError("oracle: draft logits need at least 2 tokens (row t predicts tokens[t+2])")
+        pieces = validate_chunks(len(toks), chunks)
+        last = f"l_out-{self.hp.n_layer - 1}"
+        rec = _Recorder(set(names or ()) | {last})
+        h_normed = self._forward(toks, pieces, rec)
+        h = self.mtp_hidden(np.concatenate(rec.kept[last], axis=0), h_normed)
+        g, first = self.mtp_forward(h, toks, pieces, self.mtp_convention, rec)
+        logits = self.mtp_logits(g[first:], self.mtp_layer())
+        acts = {} if names is None else {k: v for k, v in rec.result().items() if k in names or k.rsplit("-", 1)[0] in names}
+        return Drafts(logits, h.astype(np.float32), acts)
+
+    def draft_multi(self, sequences: Sequence[Sequence[int]]) -> list[Drafts]:
+        """``draft`` of several sequences decoded together (capabilities ``mtp`` and
+        ``multi_seq``): the oracle keeps one state per sequence, so each equals its solo run."""
+        return [self.draft(q) for q in sequences]
 
     # -- weights and state --------------------------------------------------------------------
     def read_tensor(self, name: str, rows: np.ndarray | slice | None = None, dtype: Any = np.float64) -> np.ndarray:
