@@ -269,16 +269,24 @@ def _render_parity(outcome) -> None:
 @click.option("--require-calibrated", is_flag=True, help="An unmeasured calibrated tier makes the verdict UNMEASURED (exit 5).")
 @click.option("--greedy-tokens", default=64, show_default=True, type=click.IntRange(min=0),
               help="Free-running greedy steps per prompt, both engines (report-only; 0: skip).")
+@click.option("--mtp", is_flag=True, help="Judge the MTP (nextn) draft head instead of the trunk: the candidate's draft logits "
+              "against llama.cpp's own MTP context, in the candidate's mtp_convention (an MTP receipt and ledger row).")
+@click.option("--mtp-max-tokens", default=256, show_default=True, type=click.IntRange(min=3),
+              help="With --mtp: tokens per prompt the draft head is compared over.")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, no_calibrate,
-           require_calibrated, greedy_tokens) -> None:
+           require_calibrated, greedy_tokens, mtp, mtp_max_tokens) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
-    candidate's compute class."""
+    candidate's compute class. With --mtp: the MTP draft head instead."""
     # deferred: startup
     from harness.runs.parity import ParityRequest, run_parity
 
     d = _parity_defaults()
     specs = list(models) or d["models"]
+    if mtp:
+        _mtp_cells(specs, candidate or d["candidate"], reference or d["reference"], prompts or d["prompts"],
+                   thresholds or d["thresholds"], ledger or d["ledger"], overrides, as_json, no_evidence, dtype, mtp_max_tokens)
+        return
     verdicts = []
     for spec in specs:
         req = ParityRequest(
@@ -311,6 +319,52 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
     worst = Verdict.worst(verdicts)
     if len(specs) > 1:
         click.echo(_p(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}"))
+    sys.exit(worst.exit_code)
+
+
+def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, dtype, max_tokens) -> None:
+    """``harness parity --mtp``: one MTP cell per model (``harness.runs.mtp``), a table of its
+    checks, the implied acceptance, the receipt's path; exit code the worst verdict."""
+    # deferred: startup
+    from harness.runs.mtp import MtpRequest, run_mtp
+
+    verdicts = []
+    for spec in specs:
+        req = MtpRequest(model=spec, candidate=candidate, reference=reference, prompts=prompts, thresholds=thresholds, ledger=ledger,
+                         overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+                         candidate_settings=_dtype_settings(dtype, candidate), max_tokens=max_tokens)
+        try:
+            run = run_mtp(req, None if as_json else (lambda m: click.echo(_p(f"mtp: {m}"), err=True)))
+        except HarnessError as e:
+            if len(specs) == 1:
+                raise
+            click.echo(f"harness: {e.verdict.value}: {_p(spec)}: {_p(e)}", err=True)
+            verdicts.append(e.verdict)
+            continue
+        verdicts.append(run.verdict)
+        if as_json:
+            _echo_json(run.receipt)
+            continue
+        table = Table(title=Text(f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)"))
+        for col in ("check", "verdict", "rows", "min cosine", "max KLD", "first failing"):
+            table.add_column(col, no_wrap=True)
+        for c in run.checks:
+            ff = c.first_failing
+            table.add_row(c.name, c.verdict.value, str(c.positions), "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
+                          "—" if c.max_kld is None else f"{c.max_kld:.3g}",
+                          Text("—" if not ff else f"{ff['prompt']} row {ff['row']}"))
+        _console().print(table)
+        acc = run.receipt["report_only"].get("acceptance")
+        if acc:
+            click.echo(_p("implied acceptance (report-only): " + ", ".join(
+                f"{side} {v['accepted']}/{v['rows']} = {v['rate']:.3f}" for side, v in acc.items() if v["rate"] is not None)))
+        for c in run.checks:
+            if c.reproducer:
+                click.echo(_p(c.reproducer))
+        click.echo(_p(f"{run.verdict.value}: {run.message}"))
+        if run.receipt_path is not None:
+            click.echo(_p(f"receipt: {run.receipt_path}"))
+    worst = Verdict.worst(verdicts)
     sys.exit(worst.exit_code)
 
 

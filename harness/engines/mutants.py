@@ -30,10 +30,11 @@ from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
-from harness.engines.base import EngineInfo, LogitBlock, gather, iter_blocks
+from harness.engines.base import Drafts, EngineInfo, LogitBlock, gather, iter_blocks, validate_chunks
 from harness.engines.oracle import ORACLES
 from harness.engines.oracle.qwen35 import (
     Qwen35Oracle,
+    _Recorder,
     causal_attention,
     causal_conv1d,
     gated_delta_rule_chunked,
@@ -91,7 +92,7 @@ class _MutantBase:
     @property
     def info(self) -> EngineInfo:
         base = super().info  # type: ignore[misc]
-        m = MUTANTS[self.mutant_name]
+        m = MUTANTS.get(self.mutant_name) or MTP_MUTANTS[self.mutant_name]
         return EngineInfo(
             name=f"mutant:{m.name}",
             version=base.version,
@@ -544,11 +545,107 @@ failure prints is looked up here (``harness.judge.reproducer``); tests/test_loca
 every mutant and checks this table."""
 
 
+# ---------------------------------------------------------------------------------------------
+# MTP (nextn) draft-head faults: the trunk is untouched, so trunk parity and the probes pass them;
+# only the MTP cell (harness parity --mtp, harness.runs.mtp) sees them. Kept apart from MUTANTS,
+# whose every entry trunk calibration must catch.
+# ---------------------------------------------------------------------------------------------
+
+
+class MtpPrenormHidden(_MutantBase):
+    """The head is fed the trunk's last layer output before ``output_norm`` instead of the normed
+    state the LM head scores (LightLLM PR #1402, llama.cpp PR #24025, ik_llama #2322)."""
+
+    def mtp_hidden(self, h_prenorm: np.ndarray, h_normed: np.ndarray) -> np.ndarray:
+        return h_prenorm
+
+
+class MtpConcatSwapped(_MutantBase):
+    """The fusion input concatenated hidden first, embedding second (mlx-lm #1469)."""
+
+    def mtp_concat(self, e_norm: np.ndarray, h_norm: np.ndarray) -> np.ndarray:
+        return np.concatenate([h_norm, e_norm], axis=1)
+
+
+class MtpHeadNormSkipped(_MutantBase):
+    """The head norm (``nextn.shared_head_norm``, else ``output_norm``) skipped before the LM head."""
+
+    def mtp_head_norm(self, x: np.ndarray, il: int, w: dict[str, np.ndarray]) -> np.ndarray:
+        return x
+
+
+class MtpKvNotPrimed(_MutantBase):
+    """The MTP layer's KV not filled by a chunked prefill: each piece's rows attend only to that
+    piece (the head's KV starts empty at every call) (ik_llama #1979, mlx-vlm #2096)."""
+
+    def mtp_state(self, il: int, w: dict[str, np.ndarray], state: dict[str, Any] | None) -> dict[str, Any]:
+        return self.init_state(il, w)
+
+
+class MtpSlotCrossed(_MutantBase):
+    """With sequences decoded together, every sequence after the first drafts from the first
+    sequence's hidden states (its own tokens, slot 0's h_t) (buun-llama-cpp PR #110)."""
+
+    def draft_multi(self, sequences: Sequence[Sequence[int]]) -> list[Drafts]:
+        first = super().draft(sequences[0])  # type: ignore[misc]
+        out = [first]
+        for q in sequences[1:]:
+            own = super().draft(q)  # type: ignore[misc]
+            n = min(len(q), first.hidden.shape[0])
+            h = own.hidden.astype(np.float64)
+            h[:n] = first.hidden[:n]
+            g, lead = self.mtp_forward(h, np.asarray(q, np.int64), [len(q)], self.mtp_convention, _Recorder(None))
+            out.append(Drafts(self.mtp_logits(g[lead:], self.mtp_layer()), h.astype(np.float32)))
+        return out
+
+
+class MtpRowsOffByOne(_MutantBase):
+    """Draft rows one position late against the declared ``mtp_convention``: row t holds the
+    draft made from (h_{t−1}, x_t), the sentinel row kept and the last row dropped (a driver that
+    mixes up llama.cpp's and vLLM's row conventions)."""
+
+    def draft(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Any = None) -> Drafts:
+        d = super().draft(tokens, chunks, names)  # type: ignore[misc]
+        toks = np.asarray(tokens, np.int64)
+        g, _ = self.mtp_forward(d.hidden.astype(np.float64), toks, validate_chunks(len(toks), chunks), "llama.cpp", _Recorder(None))
+        return Drafts(self.mtp_logits(g[:-1], self.mtp_layer()), d.hidden, d.activations)  # the sentinel row kept, the last dropped
+
+
+_MTP = [
+    Mutant("mtp-prenorm-hidden", "MTP head fed the pre-norm hidden state", MtpPrenormHidden.__doc__,
+           ("QMTP-DRAFT-001", "QMTP-HID-002"), MtpPrenormHidden),
+    Mutant("mtp-concat-swapped", "MTP fusion concat order swapped (hidden first)", MtpConcatSwapped.__doc__,
+           ("QMTP-DRAFT-001",), MtpConcatSwapped),
+    Mutant("mtp-head-norm-skipped", "MTP head norm skipped", MtpHeadNormSkipped.__doc__,
+           ("QMTP-DRAFT-001",), MtpHeadNormSkipped),
+    Mutant("mtp-kv-not-primed", "MTP layer KV not filled at chunked prefill", MtpKvNotPrimed.__doc__,
+           ("QMTP-CHUNK-003",), MtpKvNotPrimed),
+    Mutant("mtp-slot-crossed", "a sequence drafting from another slot's state", MtpSlotCrossed.__doc__,
+           ("QMTP-SEQ-004",), MtpSlotCrossed),
+    Mutant("mtp-rows-off-by-one", "MTP draft rows off by one against the declared convention", MtpRowsOffByOne.__doc__,
+           ("QMTP-DRAFT-001",), MtpRowsOffByOne),
+]
+MTP_MUTANTS: dict[str, Mutant] = {m.name: m for m in _MTP}
+"""MTP draft-head mutant name → ``Mutant`` (engine ``mutant:NAME`` too); each is caught by the
+check of ``harness parity --mtp`` that ``MTP_CAUGHT_BY`` names, and by nothing in the trunk."""
+del _MTP
+
+MTP_CAUGHT_BY: dict[str, str] = {
+    "mtp-prenorm-hidden": "whole",
+    "mtp-concat-swapped": "whole",
+    "mtp-head-norm-skipped": "whole",
+    "mtp-kv-not-primed": "chunked",
+    "mtp-slot-crossed": "sequences",
+    "mtp-rows-off-by-one": "whole",
+}
+"""MTP mutant → the MTP cell's check that fails on it (``harness.runs.mtp.CHECKS``)."""
+
+
 def _clean_doc(doc: str | None) -> str:
     return " ".join((doc or "").replace("``", "").split())
 
 
-for _m in MUTANTS.values():
+for _m in (*MUTANTS.values(), *MTP_MUTANTS.values()):
     object.__setattr__(_m, "description", _clean_doc(_m.description))
 del _m
 
@@ -560,13 +657,14 @@ def mutant_class(name: str, arch: str) -> type:
 
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
-    if name not in MUTANTS:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    table = MUTANTS if name in MUTANTS else MTP_MUTANTS
+    if name not in table:
+        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join([*MUTANTS, *MTP_MUTANTS])}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)
     if key not in _CLASSES:
-        m = MUTANTS[name]
+        m = table[name]
         _CLASSES[key] = type(f"{m.mixin.__name__}_{arch}", (m.mixin, ORACLES[arch]), {"mutant_name": name, "__doc__": m.mixin.__doc__})
     return _CLASSES[key]
 

@@ -62,7 +62,7 @@ pd = _Pandas()
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
-KINDS = ("parity", "self-consistency", "probe", "calibration", "supersede", "signoff")
+KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "supersede", "signoff")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -224,9 +224,9 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
                 "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None,
                 "kld_mean": max(p["kld_mean"] for p in receipt["pairs"]), "basis_kind": gates["min_cosine"]["basis"]["kind"],
                 "compute_class": receipt["compute_class"]}
-    if receipt.get("schema") == "harness-probe-receipt/v1":
+    if receipt.get("schema") in ("harness-probe-receipt/v1", "harness-mtp-receipt/v1"):
         row = {
-            "kind": "probe",
+            "kind": receipt["kind"],
             **base,
             "candidate": _engine_label(receipt["engines"]["candidate"]),
             "reference": _engine_label(receipt["engines"]["reference"]) if receipt["engines"].get("reference") else None,

@@ -43,10 +43,12 @@ SCHEMA_ID = "harness-parity-receipt/v1"
 SCHEMA_PATH = SCHEMA_DIR / "receipt.schema.json"
 PROBE_SCHEMA_ID = "harness-probe-receipt/v1"
 CALIBRATION_SCHEMA_ID = "harness-calibration-receipt/v1"
+MTP_SCHEMA_ID = "harness-mtp-receipt/v1"
 SCHEMAS = {
     SCHEMA_ID: SCHEMA_PATH,
     PROBE_SCHEMA_ID: SCHEMA_DIR / "probe-receipt.schema.json",
     CALIBRATION_SCHEMA_ID: SCHEMA_DIR / "calibration-receipt.schema.json",
+    MTP_SCHEMA_ID: SCHEMA_DIR / "mtp-receipt.schema.json",
 }
 """Receipt kinds by ``schema`` field: parity cells, self-consistency probe runs, and the
 calibrated tier measured on a subject."""

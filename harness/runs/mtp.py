@@ -1,0 +1,396 @@
+"""The MTP cell: a candidate's MTP (nextn) draft head against llama.cpp's own MTP context.
+
+A wrong draft head changes no output (the target verifies every drafted token); it only loses
+acceptance, so only a comparison of draft logits finds it. The cell asks the candidate for its
+teacher-forced draft logits (capability ``mtp``: ``Engine.draft``, protocol-2 op ``draft``) and
+the reference for the same rows, driven in the candidate's own row convention
+(``info.settings["mtp_convention"]``: ``llama.cpp`` or ``vllm``; docs/qwen35-gguf-math.md,
+"The MTP draft head"), and compares them row by row with the parity metrics
+(``harness.measure.metrics``). Row t of a prompt of T tokens is the head's logits for
+tokens[t+2]; the llama.cpp convention's sentinel row (h = 0 at position 0) is not a draft and is
+never compared.
+
+Checks, each judged by the release gate (per-row cosine ≥ 0.98) over the rows it compared:
+
+- ``whole``: every prompt fed whole;
+- ``chunked``: every prompt fed in two pieces (capability ``chunks``), so the head's KV must be
+  filled by a chunked prefill (ik_llama #1979, mlx-vlm #2096);
+- ``sequences``: the first two prompts decoded side by side (capability ``multi_seq``) against the
+  reference decoding them side by side, so a slot cannot draft from another slot's state
+  (buun-llama-cpp PR #110);
+- ``hidden``: when the candidate returns the h_t it fed the head (``hidden.npy``), ``output · h_t``
+  against its own trunk logits for the same tokens: a pre-norm hidden state shows here with no
+  reference at all (LightLLM PR #1402, llama.cpp PR #24025).
+
+A check the candidate cannot be asked for is UNMEASURED with the reason, never PASS; the cell's
+verdict is FAIL when any check fails, else UNMEASURED when fewer than the release gate's
+positions were compared in ``whole``, else PASS. The calibrated tier's MTP rows are not measured
+yet: the receipt says UNMEASURED for it, with the reason.
+
+Report-only: the implied acceptance, mean[argmax D_t = tokens[t+2]] over the rows whose target is
+known, for the candidate beside the reference's; and for sequences side by side, each sequence
+against the candidate's own solo run.
+
+A failing check on a candidate that exposes the head's named tensors (the oracle's mutants) is
+localized against the oracle's: the first MTP tensor in graph order (``mtp_hnorm``,
+``mtp_concat``, …, ``h_nextn``) over the localization bounds of thresholds.yaml.
+
+The receipt is ``harness-mtp-receipt/v1`` (``harness/schemas/mtp-receipt.schema.json``), its
+ledger row of kind ``mtp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from harness.engines.base import MTP_CONVENTIONS, Drafts, Engine, gather
+from harness.engines.timing import timed
+from harness.errors import EngineError, NotComparable, Verdict
+from harness.evidence.receipts import harness_info, host_info, prepare_receipt
+from harness.evidence.record import preflight_evidence, record_evidence
+from harness.judge import verdicts
+from harness.judge.reproducer import failure_message, printable
+from harness.measure import metrics
+from harness.runs.inputs import RunInputs, RunRequest, engine_record
+
+CHECKS = ("whole", "chunked", "sequences", "hidden")
+MTP_OBLIGATION = "QMTP-DRAFT-001"
+"""The MTP contract's draft-logits obligation: its mutants are an MTP FAIL's likely causes."""
+
+CAUSES = {
+    "whole": "the head fed a pre-norm hidden state, the embedding and hidden swapped in the concat, the head norm "
+             "skipped, or rows off by one against the declared mtp_convention",
+    "chunked": "the MTP layer's KV not filled by a chunked prefill (only the last piece's rows kept)",
+    "sequences": "one sequence drafting from another sequence's hidden state or KV slot",
+    "hidden": "the head fed the trunk's hidden state before output_norm (output · h_t is not the trunk's logits)",
+}
+
+
+@dataclass
+class MtpCheck:
+    """One check of the cell: its verdict and numbers (rows compared, min cosine, max KLD, the
+    first row below the gate as prompt / row), or why it is UNMEASURED."""
+
+    name: str
+    verdict: Verdict
+    positions: int = 0
+    min_cosine: float | None = None
+    max_kld: float | None = None
+    first_failing: dict[str, Any] | None = None
+    line: str = ""
+    reason: str | None = None
+    reproducer: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "verdict": self.verdict.value, "positions": self.positions, "min_cosine": self.min_cosine,
+                "max_kld": self.max_kld, "first_failing": self.first_failing, "line": self.line, "reason": self.reason,
+                "reproducer": self.reproducer}
+
+
+@dataclass(kw_only=True)
+class MtpRequest(RunRequest):
+    """Inputs of one MTP cell (``RunRequest``: model, candidate, reference, prompts, ledger)."""
+
+    candidate_settings: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = 256
+    """Tokens per prompt the head is compared over (None: whole prompts): the head's cost is the
+    trunk's, twice, on both sides."""
+
+
+@dataclass
+class MtpRun:
+    """A finished MTP cell: the checks, the verdict and its message, the receipt as written and
+    where evidence went (None on a dry run)."""
+
+    checks: list[MtpCheck]
+    verdict: Verdict
+    message: str
+    receipt: dict[str, Any]
+    receipt_path: Any = None
+    ledger_row: dict[str, Any] | None = None
+
+
+def convention_of(engine: Engine) -> str:
+    """The candidate's declared ``mtp_convention``. Raises ``EngineError`` when it is missing or
+    unknown (the reference cannot be driven to match it)."""
+    conv = (engine.info.settings or {}).get("mtp_convention")
+    if conv not in MTP_CONVENTIONS:
+        raise EngineError(f"{engine.info.name}: info.json settings.mtp_convention is {printable(conv)!r}; it must be one of "
+                          f"{', '.join(MTP_CONVENTIONS)} (docs/engine-protocol.md, op draft)")
+    return conv
+
+
+def _checked(d: Drafts, n_tokens: int, n_vocab: int, who: str) -> Drafts:
+    if d.logits.shape != (n_tokens - 1, n_vocab):
+        raise EngineError(f"{who} returned draft logits of shape {tuple(d.logits.shape)} for {n_tokens} tokens "
+                          f"(expected [{n_tokens - 1}, {n_vocab}])")
+    if who == "reference" and not np.isfinite(d.logits).all():
+        raise EngineError("reference returned non-finite draft logits")
+    return d
+
+
+def acceptance(logits: np.ndarray, tokens: Sequence[int]) -> tuple[int, int]:
+    """Implied acceptance of one prompt's draft rows [T−1, V]: (rows whose argmax is tokens[t+2],
+    rows with a known target: T − 2)."""
+    n = len(tokens) - 2
+    if n <= 0:
+        return 0, 0
+    return int((np.argmax(logits[:n], axis=1) == np.asarray(tokens[2:], np.int64)).sum()), n
+
+
+def _metrics(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    parts = []
+    for i, (_, ref, cand) in enumerate(pairs):
+        pm = metrics.position_metrics(ref, cand)
+        pm["prompt_index"] = np.full(ref.shape[0], i, np.int32)
+        pm["position"] = np.arange(ref.shape[0], dtype=np.int32)
+        parts.append(pm)
+    return metrics.concat_metrics(parts)
+
+
+def judge_check(name: str, pairs: list[tuple[str, np.ndarray, np.ndarray]], release: dict[str, dict[str, Any]],
+                need_positions: bool) -> MtpCheck:
+    """One check judged by the release gate over its rows; ``need_positions``: fewer rows than the
+    gate's ``min_positions`` make it UNMEASURED (the ``whole`` check); the others are judged on
+    what they compared."""
+    pm = _metrics(pairs)
+    rel = verdicts.judge_release(pm, release)
+    n = int(pm["cosine"].size)
+    cos = pm["cosine"][np.isfinite(pm["cosine"])]
+    kld = pm["kld"][np.isfinite(pm["kld"])] if "kld" in pm else np.array([])
+    first = None
+    if rel.first_failing is not None:
+        i = rel.first_failing
+        first = {"prompt": pairs[int(pm["prompt_index"][i])][0], "row": int(pm["position"][i]), "cosine": metrics._f(pm["cosine"][i])}
+    if rel.status == "fail":
+        verdict = Verdict.FAIL
+    elif rel.status == "unmeasured" and need_positions:
+        verdict = Verdict.UNMEASURED
+    else:
+        verdict = Verdict.PASS if n else Verdict.UNMEASURED
+    line = f"mtp {name}: {rel.line}"
+    return MtpCheck(name, verdict, n, float(cos.min()) if cos.size else None, float(kld.max()) if kld.size else None, first, line,
+                    None if verdict is not Verdict.UNMEASURED else f"{n} rows compared")
+
+
+@dataclass
+class ReferenceDrafts:
+    """The reference's ``draft`` and ``draft_multi`` in one convention: llama.cpp's MTP context
+    takes the convention per call; the oracle (``--reference oracle``) is given it as its own."""
+
+    draft: Callable[..., Drafts]
+    draft_multi: Callable[..., list[Drafts]]
+
+
+def reference_drafts(engine: Any, convention: str) -> ReferenceDrafts:
+    """``engine``'s drafts in ``convention``. Raises ``EngineError`` when the reference has no
+    MTP head to drive (no ``mtp`` capability: a file without a nextn block)."""
+    from harness.engines.oracle.qwen35 import Qwen35Oracle
+
+    if "mtp" not in engine.info.capabilities:
+        raise EngineError(f"reference {engine.info.name} cannot run the MTP head of this model (no 'mtp' capability: "
+                          "the file has no nextn block, or the reference cannot drive one)")
+    if isinstance(engine, Qwen35Oracle):
+        engine.mtp_convention = convention
+        return ReferenceDrafts(lambda t, c=None: engine.draft(t, c), engine.draft_multi)
+    return ReferenceDrafts(lambda t, c=None: engine.draft(t, c, convention), lambda qs: engine.draft_multi(qs, convention))
+
+
+def _can_multi(engine: Any) -> bool:
+    """Whether the ``sequences`` check can ask ``engine``: ``draft_multi`` with ``multi_seq``
+    declared, or the oracle family (one state per sequence by construction: its ``draft_multi``
+    is each sequence alone, which a mutant may break)."""
+    from harness.engines.oracle.qwen35 import Qwen35Oracle
+
+    return callable(getattr(engine, "draft_multi", None)) and ("multi_seq" in engine.info.capabilities or isinstance(engine, Qwen35Oracle))
+
+
+def _unmeasured(name: str, why: str) -> MtpCheck:
+    return MtpCheck(name, Verdict.UNMEASURED, line=f"mtp {name}: UNMEASURED — {why}", reason=why)
+
+
+def _chunks(n: int) -> list[int]:
+    """The two pieces of the ``chunked`` check: the first half (at least 1 token), then the rest."""
+    k = max(1, n // 2)
+    return [k, n - k] if n - k else [n]
+
+
+def localize_mtp(inputs: RunInputs, candidate: Engine, tokens: Sequence[int], chunks: Sequence[int] | None) -> dict[str, Any] | None:
+    """The first MTP tensor (graph order) where the candidate leaves the oracle, for a candidate
+    whose ``draft`` takes ``names`` (the oracle's mutants); None when it cannot be asked. Bounds:
+    thresholds.yaml ``probes.localize_max_nmse`` / ``localize_min_cosine``."""
+    from harness.engines.oracle import load_oracle
+    from harness.engines.oracle.qwen35 import Qwen35Oracle
+
+    if not isinstance(candidate, Qwen35Oracle):
+        return None
+    names = ("mtp_tok_embd", "mtp_hnorm", "mtp_enorm", "mtp_concat", "mtp_eh_proj", "attn_norm", "attn_output", "attn_residual",
+             "attn_post_norm", "ffn_out", candidate.post_ffn_name, "l_out", "h_nextn")
+    il = candidate.hp.n_layer
+    wanted = {f"{n}-{il}" if n != "h_nextn" else n for n in names}
+    oracle = load_oracle(inputs.path, inputs.overrides)
+    oracle.mtp_convention = candidate.mtp_convention
+    ref = oracle.draft(tokens, chunks, names=wanted).activations
+    cand = candidate.draft(tokens, chunks, names=wanted).activations
+    resolved = inputs.thresholds_for()
+    max_nmse = float(resolved.gate("localize_max_nmse", "probes").value)
+    min_cos = float(resolved.gate("localize_min_cosine", "probes").value)
+    order = [k for k in ref if k in wanted]
+    for name in order:
+        r, c = np.asarray(ref[name], np.float64).reshape(len(ref[name]), -1), np.asarray(cand.get(name), np.float64)
+        if cand.get(name) is None or c.size != r.size:
+            return {"tensor": name, "status": "missing"}
+        c = c.reshape(r.shape)
+        nm = ((c - r) ** 2).sum(1) / np.maximum((r * r).sum(1), 1e-300)
+        nr, nc = np.linalg.norm(r, axis=1), np.linalg.norm(c, axis=1)
+        cs = np.where((nr == 0) & (nc == 0), 1.0, (r * c).sum(1) / np.maximum(nr * nc, 1e-300))  # the sentinel row's h = 0
+        bad = np.flatnonzero((nm > max_nmse) | (cs < min_cos))
+        if bad.size:
+            return {"tensor": name, "row": int(bad[0]), "nmse": float(nm[bad[0]]), "cosine": float(cs[bad[0]])}
+    return {"tensor": None}
+
+
+def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> MtpRun:
+    """Run one MTP cell end to end and write its evidence (module docstring).
+
+    Raises ``InvalidInput`` (inputs), ``EngineError`` (either engine; a reference without MTP
+    support), ``NotComparable`` (vocab sizes differ).
+    """
+    inputs = req.resolve()
+    if req.write_evidence:
+        preflight_evidence(req.ledger)
+    candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
+    reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
+    cinfo = candidate.info.to_dict()
+    resolved = inputs.thresholds_for(cinfo)
+    release = resolved.release_gates
+    prompts = [p if req.max_tokens is None else replace(p, tokens=list(p.tokens[: req.max_tokens])) for p in inputs.tokens(reference.engine)]
+    prompts = [p for p in prompts if len(p.tokens) >= 3]
+    checks: list[MtpCheck] = []
+    report: dict[str, Any] = {}
+    conv = None
+    if "mtp" not in candidate.info.capabilities:
+        why = f"{candidate.info.name} does not declare the 'mtp' capability (no draft op)"
+        checks = [_unmeasured(n, why) for n in CHECKS]
+    else:
+        conv = convention_of(candidate.engine)
+        if int(candidate.n_vocab) != int(reference.n_vocab):
+            raise NotComparable(f"vocab sizes differ: reference {reference.n_vocab}, candidate {candidate.n_vocab}")
+        n_vocab = int(reference.n_vocab)
+        drive = reference_drafts(reference.engine, conv)
+        ref_draft = lambda toks, chunks=None: _checked(drive.draft(toks, chunks), len(toks), n_vocab, "reference")
+        whole, cand_whole = [], {}
+        acc = {"candidate": [0, 0], "reference": [0, 0]}
+        for p in prompts:
+            if progress:
+                progress(f"whole {p.id}")
+            c = _checked(candidate.draft(p.tokens), len(p.tokens), n_vocab, "candidate")
+            r = ref_draft(p.tokens)
+            cand_whole[p.id] = c
+            whole.append((p.id, r.logits, c.logits))
+            for side, d in (("candidate", c), ("reference", r)):
+                a, n = acceptance(d.logits, p.tokens)
+                acc[side][0] += a
+                acc[side][1] += n
+        checks.append(judge_check("whole", whole, release, True))
+        report["acceptance"] = {side: {"accepted": a, "rows": n, "rate": (a / n) if n else None} for side, (a, n) in acc.items()}
+        if "chunks" in candidate.info.capabilities:
+            pairs = []
+            for p in prompts:
+                if progress:
+                    progress(f"chunked {p.id}")
+                ch = _chunks(len(p.tokens))
+                pairs.append((p.id, ref_draft(p.tokens, ch).logits,
+                              _checked(candidate.draft(p.tokens, ch), len(p.tokens), n_vocab, "candidate").logits))
+            checks.append(judge_check("chunked", pairs, release, False))
+        else:
+            checks.append(_unmeasured("chunked", f"{candidate.info.name} does not declare 'chunks'"))
+        if _can_multi(candidate.engine) and len(prompts) >= 2:
+            if progress:
+                progress("sequences")
+            seqs = [prompts[0].tokens, prompts[1].tokens]
+            cm = [_checked(d, len(q), n_vocab, "candidate") for d, q in zip(candidate.engine.draft_multi(seqs), seqs)]
+            rm = [_checked(d, len(q), n_vocab, "reference") for d, q in zip(drive.draft_multi(seqs), seqs)]
+            pairs = [(f"{prompts[i].id} (sequence {i} of 2)", rm[i].logits, cm[i].logits) for i in range(2)]
+            checks.append(judge_check("sequences", pairs, release, False))
+            solo = [metrics._f(np.nanmin(metrics.cosine(cand_whole[prompts[i].id].logits, cm[i].logits))) for i in range(2)]
+            report["sequences_vs_solo"] = [{"prompt": prompts[i].id, "min_cosine": solo[i]} for i in range(2)]
+        else:
+            checks.append(_unmeasured("sequences", f"{candidate.info.name} does not declare 'multi_seq' with draft_multi, "
+                                                   "or fewer than 2 prompts"))
+        hidden = [(p.id, cand_whole[p.id].hidden) for p in prompts if cand_whole[p.id].hidden is not None]
+        if hidden:
+            w_name = "output.weight" if inputs.model.has_tensor("output.weight") else "token_embd.weight"
+            w = inputs.model.tensor(w_name, np.float32)
+            pairs = []
+            for p in prompts:
+                h = cand_whole[p.id].hidden
+                if h is None:
+                    continue
+                if h.shape != (len(p.tokens), inputs.model.hparams.n_embd):
+                    raise EngineError(f"candidate returned hidden states of shape {tuple(h.shape)} for {len(p.tokens)} tokens")
+                pairs.append((p.id, gather(candidate.logits(p.tokens), len(p.tokens)), (np.asarray(h, np.float64) @ w.T).astype(np.float32)))
+            checks.append(judge_check("hidden", pairs, release, False))
+        else:
+            checks.append(_unmeasured("hidden", "the candidate returned no hidden.npy"))
+    verdict, message = overall(checks)
+    case = inputs.reproducer(req.candidate)
+    for c in checks:
+        if c.verdict is Verdict.FAIL:
+            where = c.first_failing or {}
+            numbers = f"mtp {c.name} FAIL: {c.line}" + (f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}" if where else "")
+            fallback = CAUSES[c.name]
+            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], fallback,
+                                           case.harness("parity", "--mtp"))
+    if verdict is Verdict.FAIL:
+        bad = next(c for c in checks if c.verdict is Verdict.FAIL)
+        p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
+        if p is not None:
+            loc = localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
+            if loc is not None:
+                report["localization"] = {"prompt": p.id, **loc}
+                if loc.get("tensor"):
+                    message += f"; first divergent MTP tensor: {loc['tensor']}"
+    receipt = {
+        "schema": "harness-mtp-receipt/v1",
+        "kind": "mtp",
+        "host": host_info(),
+        "harness": harness_info(),
+        "command": list(req.argv) or ["harness", "parity", "--mtp"],
+        "model": inputs.model_record(),
+        "engines": {"candidate": engine_record(cinfo, req.candidate), "reference": engine_record(reference.info.to_dict(), req.reference)},
+        "mtp_convention": conv,
+        "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "max_tokens": req.max_tokens,
+                    "items": [{"id": p.id, "tokens": list(p.tokens)} for p in prompts]},
+        "thresholds": {"release": resolved.to_receipt()["release"],
+                       "calibrated": {"status": "unmeasured", "reason": "no calibrated MTP rows in thresholds.yaml yet"}},
+        "compute_class": resolved.subject.compute_class,
+        "checks": [c.to_dict() for c in checks],
+        "verdict": verdict.value,
+        "message": message,
+        "positions": sum(c.positions for c in checks),
+        "min_cosine": min((c.min_cosine for c in checks if c.min_cosine is not None), default=None),
+        "basis_kind": release["min_cosine"].get("basis", {}).get("kind", "declared"),
+        "report_only": report,
+        "timings": {"candidate": candidate.timings(), "reference": reference.timings()},
+    }
+    if not req.write_evidence:
+        prepare_receipt(receipt, {})
+        return MtpRun(checks, verdict, message, receipt)
+    rec = record_evidence(receipt, {}, req.ledger)
+    return MtpRun(checks, verdict, message, rec.receipt, rec.receipt_path, rec.row)
+
+
+def overall(checks: Sequence[MtpCheck]) -> tuple[Verdict, str]:
+    """FAIL when a check fails; UNMEASURED when ``whole`` is (too few rows, no capability); else
+    PASS. The message joins every check's line."""
+    lines = "; ".join(c.line for c in checks)
+    if any(c.verdict is Verdict.FAIL for c in checks):
+        return Verdict.FAIL, lines
+    whole = next((c for c in checks if c.name == "whole"), None)
+    if whole is None or whole.verdict is not Verdict.PASS:
+        return Verdict.UNMEASURED, lines
+    return Verdict.PASS, lines
