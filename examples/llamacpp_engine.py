@@ -9,7 +9,8 @@ from the harness. Two ways to run it:
 - protocol 2 (persistent): ``llamacpp_engine.py --serve`` loads the model once, then reads
   one JSON request per line on stdin and answers each with one JSON line on stdout naming the
   files it wrote into the request's ``out_dir``: ``logits`` (one sequence in chunks, or several
-  ``sequences`` decoded side by side, one sequence id each), ``generate`` (greedy ids), sessions
+  ``sequences`` decoded side by side, one sequence id each), ``generate`` (greedy ids), ``tokenize``
+  (llama.cpp's own tokenizer of the GGUF: ``tokens.json``), sessions
   (``session``: keep the state, checkpoint it, fork from a checkpoint), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
 
 Each request gets a fresh llama.cpp context on the loaded model (recurrent memory cannot be
@@ -183,6 +184,10 @@ class Engine:
                 self.sessions.pop(sid, None)
             return {"ok": True, "files": []}
         (out / "info.json").write_text(json.dumps(self.info(req)))
+        if op == "tokenize":  # llama.cpp's own tokenizer of the GGUF: what this engine's users get
+            ids = self.llm.tokenize(req["text"].encode("utf-8"), add_bos=bool(req.get("add_special")), special=False)
+            (out / "tokens.json").write_text(json.dumps(ids))
+            return {"ok": True, "files": ["tokens.json", "info.json"]}
         if op == "generate":
             (out / "tokens.json").write_text(json.dumps(self.generate(req)))
             return {"ok": True, "files": ["tokens.json", "info.json"]}

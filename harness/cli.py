@@ -474,6 +474,45 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
     sys.exit(run.verdict.exit_code)
 
 
+# -- tokenizer -------------------------------------------------------------------------------
+@cli.command()
+@click.option("--candidate", default=None, help="Engine whose own tokenizer is judged (capability 'tokenize').")
+@click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
+@click.option("--prompts", default=None, type=click.Path(), help="Prompt file (default: the hostile tokenizer set).")
+@click.option("--add-special", is_flag=True, help="Ask both sides for the BOS/EOS the vocabulary adds (llama_tokenize add_special).")
+@click.option("--tokenizer-dir", default=None, type=click.Path(file_okay=False),
+              help="transformers candidate: the model folder whose tokenizer files it loads (without: UNMEASURED).")
+@click.option("--ledger", default=None, type=click.Path())
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
+@override_option
+@click.option("--json", "as_json", is_flag=True, help="Print the tokenizer receipt (JSON).")
+def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, ledger, no_evidence, overrides, as_json) -> None:
+    """The candidate's own token ids for each prompt's text against llama.cpp's (exit 0: all equal;
+    1: a text differs, naming the prompt, position and tokens; 5: no tokenizer of its own to ask)."""
+    # deferred: startup
+    from harness.runs.tokenizer import TokenizerRequest, run_tokenizer
+
+    d = _parity_defaults()
+    cand = candidate or d["candidate"]
+    req = TokenizerRequest(model=model or d["model"], candidate=cand, prompts=prompts, ledger=ledger or d["ledger"],
+                           overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+                           add_special=add_special, candidate_settings={"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {})
+    run = run_tokenizer(req)
+    if as_json:
+        _echo_json(run.receipt)
+    else:
+        t = Table(title=_m(f"tokenizer: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
+        for col in ("prompt", "llama.cpp", "candidate", "first difference"):
+            t.add_column(col)
+        for c in run.comparisons:
+            t.add_row(_m(c.prompt), str(len(c.reference)), str(len(c.candidate)), "—" if c.ok else str(c.first_diff))
+        _console().print(t)
+        click.echo(_p(f"{run.verdict.value}: {run.message}"))
+        if run.receipt_path:
+            click.echo(_p(f"receipt: {run.receipt_path}"))
+    sys.exit(run.verdict.exit_code)
+
+
 # -- localize --------------------------------------------------------------------------------
 @cli.command()
 @click.option("--candidate", required=True, help="Engine exposing activations (oracle, mutant:NAME, llama.cpp, transformers, command:NAME).")
@@ -780,7 +819,7 @@ def ledger_index(ledger_path) -> None:
 @click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
 @click.option("--candidate", default=None, help="Only rows whose candidate contains this (e.g. oracle, mutant:, command:NAME).")
 @click.option("--model", default=None, help="Only rows whose model or quant contains this.")
-@click.option("--kind", type=click.Choice(["parity", "self-consistency", "probe", "supersede"]), default=None, help="Only rows of this kind.")
+@click.option("--kind", type=click.Choice(["parity", "self-consistency", "probe", "tokenizer", "supersede"]), default=None, help="Only rows of this kind.")
 @click.option("--since", default=None, metavar="DATE", help="Only rows at or after this UTC date or ISO time.")
 @click.option("--verdict", default=None, type=click.Choice(["PASS", "FAIL", "UNMEASURED"], case_sensitive=False), help="Only rows with this verdict.")
 @click.option("--rows", "show_rows", is_flag=True, help="One line per ledger row (newest first) instead of trends per candidate.")

@@ -138,6 +138,13 @@ class Engine(Protocol):
       ``chunks`` when given); with ``"multi_seq"`` too, ``draft_multi(sequences) -> list[Drafts]``
       for sequences decoded together. ``info.settings["mtp_convention"]`` says where the head's
       rows sit: ``"llama.cpp"`` or ``"vllm"`` (docs/engine-protocol.md, op ``draft``).
+    - ``"tokenize"``: ``tokenize_text(text: str, add_special: bool = False) -> list[int]``: the
+      engine's *own* tokenization of ``text`` (the tokenizer its users get, not the harness's),
+      special-token strings in the text not parsed, BOS/EOS added only with ``add_special`` and
+      only where the vocabulary asks for them (llama.cpp ``llama_tokenize``'s ``add_special``).
+      ``harness tokenizer`` compares it with llama.cpp's ids (``harness.runs.tokenizer``). An
+      engine that declares it but has no tokenizer of its own for this model raises
+      ``Unmeasured`` with the reason (never answers with the harness's ids).
     """
 
     @property
@@ -147,6 +154,17 @@ class Engine(Protocol):
     def n_vocab(self) -> int: ...
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]: ...
+
+
+def checked_token_ids(ids: Any, n_vocab: int, who: str, what: str = "tokens") -> list[int]:
+    """``ids`` as a list of int token ids, each in ``[0, n_vocab)``. Raises ``EngineError``
+    naming ``who`` and ``what`` for anything else (not a list, a bool, a float, an id out of range)."""
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise EngineError(f"{who} answered {what} that are not a list of token ids")
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise EngineError(f"{who} answered token id {bad} in {what}, outside the vocabulary [0, {n_vocab})")
+    return [int(t) for t in ids]
 
 
 def validate_chunks(n_tokens: int, chunks: Sequence[int] | None) -> list[int]:

@@ -44,6 +44,7 @@ from harness.engines.base import (
     COMPUTE_CLASSES,
     EngineInfo,
     LogitBlock,
+    checked_token_ids,
     npy_rows,
     validate_chunks,
 )
@@ -63,7 +64,7 @@ from harness.rundir import scratch_dir
 REQUEST_SCHEMA = "harness-engine-request/v1"
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize")
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
 V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json")
@@ -461,6 +462,21 @@ class CommandEngine:
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.n_vocab for t in ids)):
             raise EngineError(f"{self.who} wrote a tokens.json that is not a list of at most {n} token ids in [0, {self.n_vocab})")
         return ids
+
+    def tokenize_text(self, text: str, add_special: bool = False) -> list[int]:
+        """The engine's own token ids for ``text`` (capability ``tokenize``, protocol 2: op
+        ``tokenize`` with ``text`` and ``add_special``, reply file ``tokens.json``, a JSON list of
+        ids in the vocab). Raises ``EngineError`` for a missing, oversized or malformed reply."""
+        self._need("tokenize")
+        with self._exchange({"op": "tokenize", "text": str(text), "add_special": bool(add_special)}) as (out_dir, tail):
+            raw = read_small_file(out_dir / "tokens.json", self.who, 16 * (len(str(text).encode("utf-8")) + 16) + 64)
+            if raw is None:
+                raise EngineError(f"{self.who} wrote no tokens.json for a tokenize request", tail)
+            try:
+                ids = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                ids = None
+        return checked_token_ids(ids, self.n_vocab, self.who, "tokens.json")
 
     def session_logits(self, tokens: Sequence[int], *, session: str, parent: str | None = None, after: int = 0,
                        checkpoints: Sequence[int] = ()) -> Iterator[LogitBlock]:

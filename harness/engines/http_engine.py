@@ -40,14 +40,14 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
 from harness.config import HarnessConfig, configured_engine, engine_table, load_config
 from harness.display import plain
-from harness.engines.base import COMPUTE_CLASSES, EngineInfo, LogitBlock, TopK
+from harness.engines.base import COMPUTE_CLASSES, EngineInfo, LogitBlock, TopK, checked_token_ids
 from harness.engines.process import check_timeout
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.model.gguf_model import GGUFModel, Override
@@ -121,6 +121,16 @@ class HttpSpec:
             netloc += f":{u.port}"
         return urlunsplit((u.scheme, netloc, u.path, "", ""))
 
+
+TOKENIZE: dict[str, Callable[[str, str, bool], tuple[str, dict[str, Any]]]] = {
+    # kind -> (model, text, add_special) -> (path, JSON body); each answers {"tokens": [ids...]}
+    "llama-cpp-python": lambda model, text, add: ("/extras/tokenize", {"input": text, "model": model}),
+    "vllm": lambda model, text, add: ("/tokenize", {"model": model, "prompt": text, "add_special_tokens": add}),
+    "llama-server": lambda model, text, add: ("/tokenize", {"content": text, "add_special": add}),
+}
+"""Each kind's own tokenize endpoint (the capability ``tokenize``): llama-cpp-python
+``llama_cpp/server/app.py`` ``/extras/tokenize``; vLLM's OpenAI server ``/tokenize``
+(``TokenizeCompletionRequest``); llama.cpp ``tools/server`` README ``POST /tokenize``."""
 
 GREEDY_PARAMS: dict[str, dict[str, Any]] = {
     # Sampling settings that would bend a temperature-0 continuation away from the argmax, set to
@@ -236,7 +246,7 @@ class HttpEngine:
                       "api_key_env": self.spec.api_key_env, "prompt": "token ids" if self.kind.sends_ids else "text",
                       "prompt_logprobs": self.kind.prompt_logprobs, "keys": self.kind.keys,
                       "served_model": self.served_model, "overrides": [o.to_flag() for o in self.overrides]},
-            capabilities=["topk", "generate"],
+            capabilities=["topk", "generate", "tokenize"],
             build={"kind_source": self.kind.source},
             compute_class=self.spec.compute_class,
         )
@@ -438,6 +448,16 @@ class HttpEngine:
         for i, entries in enumerate(rows):
             ids[i], lps[i], dropped[i] = self._row(entries, k, f"position {i}")
         return TopK(ids, lps, dropped)
+
+    def tokenize_text(self, text: str, add_special: bool = False) -> list[int]:
+        """The server's own token ids for ``text``, through its tokenize endpoint (``TOKENIZE``):
+        llama-cpp-python's ``/extras/tokenize`` (which always adds the BOS the model asks for and
+        parses special-token strings: ``llama_cpp/server/app.py``), vLLM's ``/tokenize``
+        (``add_special_tokens``), llama-server's ``/tokenize`` (``add_special``). Raises
+        ``EngineError`` (transport, no list of ids in the vocab)."""
+        path, body = TOKENIZE[self.kind.name](self.spec.model, str(text), bool(add_special))
+        obj = self._post(path, body)
+        return checked_token_ids(obj.get("tokens"), self.n_vocab, self.who, f"{path} tokens")
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         """Not available: a server gives top-k logprobs (``topk``). Raises ``EngineError``."""

@@ -27,7 +27,7 @@ from typing import Any, Collection, Iterator, Sequence
 import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
-from harness.errors import EngineError, InvalidInput
+from harness.errors import EngineError, InvalidInput, Unmeasured
 from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -65,6 +65,7 @@ class TransformersEngine:
         dtype: str = "float32",
         threads: int | None = None,
         block_size: int = 256,
+        tokenizer_dir: str | os.PathLike | None = None,
     ):
         if dtype not in DTYPES:
             raise InvalidInput(f"transformers engine dtype {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -76,6 +77,7 @@ class TransformersEngine:
         self.dtype = dtype
         self.threads = threads
         self.block_size = block_size
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else None
 
     @cached_property
     def lm(self) -> Any:
@@ -105,10 +107,37 @@ class TransformersEngine:
                 "device": "cpu",
                 "overrides": [o.to_flag() for o in self.overrides],
             },
-            capabilities=["chunks", "activations"],
-            build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.fixtures.convert.to_transformers"},
+            capabilities=["chunks", "activations", "tokenize"],
+            build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.fixtures.convert.to_transformers",
+                   "tokenizer_dir": None if self.tokenizer_dir is None else str(self.tokenizer_dir)},
             compute_class=DTYPE_CLASS[self.dtype],
         )
+
+    # -- tokenizer ------------------------------------------------------------------------
+    @cached_property
+    def tokenizer(self) -> Any:
+        """The tokenizer transformers loads from ``tokenizer_dir`` (``AutoTokenizer.from_pretrained``:
+        the model folder's ``tokenizer.json`` / ``tokenizer_config.json``, what a user of
+        transformers gets). Raises ``Unmeasured`` without a folder: the model is built from the
+        GGUF by the harness's own converter, so there is no tokenizer of transformers' own to
+        judge, and ``InvalidInput`` for a folder transformers cannot load a tokenizer from."""
+        if self.tokenizer_dir is None:
+            raise Unmeasured("transformers has no tokenizer of its own for this model: the harness builds the model from the GGUF "
+                             "(harness.fixtures.convert), and judging its own conversion against llama.cpp would not judge "
+                             "transformers; pass the model folder's tokenizer with --tokenizer-dir DIR")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidInput(f"transformers cannot load a tokenizer from {self.tokenizer_dir} ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+
+    def tokenize_text(self, text: str, add_special: bool = False) -> list[int]:
+        """Token ids of ``text`` by ``tokenizer`` (capability ``tokenize``;
+        ``add_special_tokens=add_special``). Raises ``Unmeasured`` / ``InvalidInput`` as ``tokenizer``."""
+        ids = self.tokenizer(str(text), add_special_tokens=bool(add_special))["input_ids"]
+        return [int(t) for t in ids]
 
     # -- forward --------------------------------------------------------------------------
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
@@ -198,7 +227,8 @@ def load_transformers(
 ) -> TransformersEngine:
     """The ``transformers`` engine for a qwen35 / qwen35moe GGUF (registry name ``transformers``).
 
-    ``dtype`` ``float32`` (default), ``float64``, ``bfloat16`` or ``float16``; other settings: ``threads``, ``block_size``.
+    ``dtype`` ``float32`` (default), ``float64``, ``bfloat16`` or ``float16``; other settings: ``threads``, ``block_size``,
+    ``tokenizer_dir`` (the model folder whose tokenizer files ``tokenize_text`` uses; None: UNMEASURED).
     Raises ``InvalidInput`` with the install command when torch or transformers is missing.
     """
     return TransformersEngine(model_path, overrides, dtype=dtype, **settings)

@@ -62,7 +62,7 @@ pd = _Pandas()
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
-KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "supersede", "signoff")
+KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "supersede", "signoff")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -212,7 +212,9 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
     ``model`` is the receipt's ``model.name`` (else the file name), ``quant`` its GGUF file type,
     ``candidate``/``reference`` ``"NAME VERSION"``, ``min_cosine`` the observed minimum,
     ``basis_kind`` the kind of the basis of the cosine threshold that judged it. A calibration
-    receipt's row names the class as its candidate and its verdict is MEASURED.
+    receipt's row names the class as its candidate and its verdict is MEASURED; a tokenizer
+    receipt's row (``harness tokenizer``) counts the reference's token ids compared as its
+    positions and has no cosine and no basis (exact equality is its gate).
     """
     model = receipt["model"]
     base = {"model": model.get("name") or Path(model["path"]).name, "model_sha256": model["sha256"], "quant": model["file_type"],
@@ -224,6 +226,11 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
                 "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None,
                 "kld_mean": max(p["kld_mean"] for p in receipt["pairs"]), "basis_kind": gates["min_cosine"]["basis"]["kind"],
                 "compute_class": receipt["compute_class"]}
+    if receipt.get("schema") == "harness-tokenizer-receipt/v1":  # no logits: positions are the reference's token ids compared
+        return {"kind": "tokenizer", **base, "candidate": _engine_label(receipt["engines"]["candidate"]),
+                "reference": _engine_label(receipt["engines"]["reference"]), "positions": receipt["positions"], "min_cosine": None,
+                "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None, "kld_mean": None,
+                "basis_kind": None}
     if receipt.get("schema") in ("harness-probe-receipt/v1", "harness-mtp-receipt/v1"):
         row = {
             "kind": receipt["kind"],

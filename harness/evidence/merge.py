@@ -31,7 +31,7 @@ from harness.evidence.ledger import TIMING_FIELDS, append_row, default_markdown_
 from harness.evidence.receipts import write_new, load_receipt
 from harness.evidence.record import preflight_evidence
 
-RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration")
+RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration", "tokenizer")
 
 
 @dataclass

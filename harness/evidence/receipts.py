@@ -44,14 +44,16 @@ SCHEMA_PATH = SCHEMA_DIR / "receipt.schema.json"
 PROBE_SCHEMA_ID = "harness-probe-receipt/v1"
 CALIBRATION_SCHEMA_ID = "harness-calibration-receipt/v1"
 MTP_SCHEMA_ID = "harness-mtp-receipt/v1"
+TOKENIZER_SCHEMA_ID = "harness-tokenizer-receipt/v1"
 SCHEMAS = {
     SCHEMA_ID: SCHEMA_PATH,
     PROBE_SCHEMA_ID: SCHEMA_DIR / "probe-receipt.schema.json",
     CALIBRATION_SCHEMA_ID: SCHEMA_DIR / "calibration-receipt.schema.json",
     MTP_SCHEMA_ID: SCHEMA_DIR / "mtp-receipt.schema.json",
+    TOKENIZER_SCHEMA_ID: SCHEMA_DIR / "tokenizer-receipt.schema.json",
 }
-"""Receipt kinds by ``schema`` field: parity cells, self-consistency probe runs, and the
-calibrated tier measured on a subject."""
+"""Receipt kinds by ``schema`` field: parity cells, self-consistency probe runs, the
+calibrated tier measured on a subject, and a candidate's own tokenization against llama.cpp's."""
 HASH_EXCLUDED = ("id", "created", "timings")
 """Top-level fields left out of the content hash: the hash itself, the wall-clock time and the
 engines' timings (speed measured in this run: identical runs keep one id; the ledger row of

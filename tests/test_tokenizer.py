@@ -1,0 +1,145 @@
+"""``harness tokenizer`` (harness/runs/tokenizer.py): the candidate's own ids against llama.cpp's.
+
+Engines judged: the example engine (llama.cpp's own tokenizer of the GGUF, protocol 2 op
+``tokenize``), ``command:bpe`` (examples/bpe_tokenizer_engine.py: a byte-level BPE written from
+the GGUF's tokens and merges with the qwen35 pre-tokenizer regex), its two planted faults (the
+gpt2 regex; the merge of rank 0 dropped) and the real llama-cpp-python server (``http:local``,
+``/extras/tokenize``). The planted faults must FAIL at the position where the faulty tokenizer,
+run here directly, first parts from llama.cpp; an engine without the capability is UNMEASURED.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main as cli_main
+from harness.engines.http_engine import HttpEngine, HttpSpec
+from harness.engines.llamacpp import LlamaCppEngine
+from harness.errors import EngineError, Verdict
+from harness.evidence.ledger import read_rows, verify_ledger
+from harness.fixtures.resolve import default_model, resolve_model
+from harness.measure.prompts import load_prompt_set
+from harness.measure.tokens import compare_ids, compare_text, first_difference
+from harness.runs.tokenizer import TOKENIZER_PROMPTS, TokenizerRequest, run_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = resolve_model(default_model())
+sys.path.insert(0, str(REPO / "examples"))
+from bpe_tokenizer_engine import Tokenizer  # noqa: E402  (the planted engines' tokenizer, run directly)
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Run from the repository root so its pyproject.toml (the engines) is the config."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("HARNESS_CONFIG", raising=False)
+
+
+@pytest.fixture(scope="module")
+def reference_ids():
+    texts = [p.text for p in load_prompt_set(TOKENIZER_PROMPTS)]
+    return texts, LlamaCppEngine(MODEL, tokenizer_only=True).tokenize_many(texts)
+
+
+# ------------------------------------------------------------------------------ pure comparison
+def test_first_difference_and_compare():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # the shorter side ends there
+    c = compare_ids("p", [7, 8, 9, 10], [7, 8, 11])
+    assert not c.ok and c.first_diff == 2 and c.window("reference") == [9, 10] and c.window("candidate") == [11]
+    d = c.to_dict(lambda t: f"t{t}")
+    assert d["reference"] == [{"id": 9, "text": "t9"}, {"id": 10, "text": "t10"}] and d["n_candidate"] == 3
+    t = compare_text("two-system", "<|im_start|>system\nA<|im_end|>", "<|im_start|>system\nB<|im_end|>")
+    assert t.first_diff == 19 and t.reference_excerpt.endswith("A<|im_end|>")
+
+
+def test_hostile_set_is_apart_from_the_parity_set():
+    hostile = {p.id for p in load_prompt_set(TOKENIZER_PROMPTS)}
+    assert {"cjk", "emoji-zwj", "digits", "whitespace", "code", "mixed-scripts", "split-utf8"} <= hostile
+    assert not hostile & {p.id for p in load_prompt_set(None)}
+    text = " ".join(p.text for p in load_prompt_set(TOKENIZER_PROMPTS))
+    assert "\u200d" in text and "\r\n" in text and "e\u0301" in text  # ZWJ, CRLF, a combining sequence
+
+
+# ------------------------------------------------------------------------------ engines judged
+def _run(candidate: str, tmp_path: Path, **kw) -> object:
+    return run_tokenizer(TokenizerRequest(model="fixture:trained-qwen35", candidate=candidate,
+                                          ledger=str(tmp_path / "ledger.jsonl"), **kw))
+
+
+@pytest.mark.parametrize("candidate", ["command:example", "command:bpe"])
+def test_correct_tokenizers_pass(candidate, tmp_path, in_repo, reference_ids):
+    texts, ids = reference_ids
+    run = _run(candidate, tmp_path)
+    assert run.verdict is Verdict.PASS, run.message
+    assert [list(c.candidate) for c in run.comparisons] == ids and len(run.comparisons) == len(texts)
+    assert run.receipt["positions"] == sum(map(len, ids))
+    row = read_rows(tmp_path / "ledger.jsonl")[-1]
+    assert row["kind"] == "tokenizer" and row["verdict"] == "PASS" and row["positions"] == sum(map(len, ids))
+    assert verify_ledger(tmp_path / "ledger.jsonl") == []  # the row re-derives from its receipt
+
+
+@pytest.mark.parametrize("candidate, pre, drop", [("command:planted-bpe-gpt2", "gpt2", None),
+                                                  ("command:planted-bpe-drop-merge", None, 0)])
+def test_planted_tokenizer_faults_fail_at_their_position(candidate, pre, drop, tmp_path, in_repo, reference_ids):
+    texts, ids = reference_ids
+    faulty = Tokenizer(str(MODEL), pre, drop)
+    expect = [(i, first_difference(a, faulty.encode(t))) for i, (t, a) in enumerate(zip(texts, ids))]
+    first_bad = next((i, d) for i, d in expect if d is not None)
+    run = _run(candidate, tmp_path)
+    assert run.verdict is Verdict.FAIL
+    bad = [c for c in run.comparisons if not c.ok]
+    assert [(texts.index(next(p.text for p in load_prompt_set(TOKENIZER_PROMPTS) if p.id == c.prompt)), c.first_diff) for c in bad] \
+        == [(i, d) for i, d in expect if d is not None]
+    pid = load_prompt_set(TOKENIZER_PROMPTS).prompts[first_bad[0]].id
+    ref_tok, cand_tok = ids[first_bad[0]][first_bad[1]], faulty.encode(texts[first_bad[0]])[first_bad[1]]
+    assert f"prompt {pid!r}: first difference at position {first_bad[1]}: llama.cpp {ref_tok} " in run.message
+    assert f"{candidate} {cand_tok} " in run.message and "reproduce: harness tokenizer --candidate" in run.message
+    c = run.receipt["comparisons"][first_bad[0]]
+    assert c["reference"][0]["id"] == ref_tok and c["candidate"][0]["id"] == cand_tok
+    assert read_rows(tmp_path / "ledger.jsonl")[-1]["verdict"] == "FAIL"
+
+
+def test_engine_without_the_capability_is_unmeasured(tmp_path, in_repo, capsys):
+    rc = cli_main(["tokenizer", "--candidate", "command:example-v1", "--model", "fixture:trained-qwen35",
+                   "--ledger", str(tmp_path / "ledger.jsonl")])
+    out = capsys.readouterr().out
+    assert rc == Verdict.UNMEASURED.exit_code and "UNMEASURED: command:example-v1 does not declare the 'tokenize' capability" in out
+    rec = json.loads(sorted((tmp_path / "receipts").glob("*.json"))[-1].read_text())
+    assert rec["verdict"] == "UNMEASURED" and rec["comparisons"] == [] and rec["positions"] == 0
+
+
+def test_cli_fail_is_one_line_with_exit_1(tmp_path, in_repo, capsys):
+    rc = cli_main(["tokenizer", "--candidate", "command:planted-bpe-gpt2", "--model", "fixture:trained-qwen35", "--no-evidence"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    line = next(x for x in out.splitlines() if x.startswith("FAIL: "))
+    assert "\u200d" not in line and "first difference at position" in line  # untrusted token text escaped
+
+
+# ------------------------------------------------------------------------------ servers
+def test_malformed_tokenize_answer_is_engine_error(monkeypatch):
+    eng = HttpEngine(HttpSpec("x", "http://127.0.0.1:9", "m"), MODEL)
+    monkeypatch.setattr(eng, "_post", lambda path, body: {"tokens": [1, True]})
+    with pytest.raises(EngineError, match="not a list of token ids"):
+        eng.tokenize_text("a")
+    monkeypatch.setattr(eng, "_post", lambda path, body: {"tokens": [10**6]})
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        eng.tokenize_text("a")
+
+
+def test_llama_cpp_python_server_passes(tmp_path, in_repo, monkeypatch, reference_ids):
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (pip install -e .[server])")
+    from test_http_engine import llama_cpp_server
+
+    texts, ids = reference_ids
+    with llama_cpp_server(MODEL) as url:
+        monkeypatch.setenv("HARNESS_LOCAL_URL", url)
+        run = _run("http:local", tmp_path)
+    assert run.verdict is Verdict.PASS, run.message
+    assert [list(c.candidate) for c in run.comparisons] == ids
