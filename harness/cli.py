@@ -782,6 +782,29 @@ def ledger_merge(folders, ledger_path) -> None:
     click.echo(_p(f"merged {len(res.sources)} ledger(s): {len(res.appended)} receipt(s) appended, {res.already} already here"))
 
 
+@ledger.command("engines-page")
+@click.option("--ledger", "ledger_path", default="evidence/engines/ledger.jsonl", show_default=True, type=click.Path(),
+              help="The ledger of the engine conformance runs (receipts beside it).")
+@click.option("--out", default="docs/engines.md", show_default=True, type=click.Path(dir_okay=False), help="Where to write the page.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 when OUT differs from the regeneration.")
+def ledger_engines_page(ledger_path, out, check) -> None:
+    """Regenerate docs/engines.md, the conformance page of the real engines the harness judges
+    (engine x model x compute class: verdicts, numbers, unmeasured cells with their reason, pitfalls)."""
+    # deferred: startup
+    from harness.evidence import engines_page
+
+    text = engines_page.render(ledger_path, shown_ledger=ledger_path)
+    if check:
+        current = Path(out).read_text() if Path(out).is_file() else None
+        if current != text:
+            click.echo(_p(f"{out} differs from its regeneration from {ledger_path}: run harness ledger engines-page --ledger {ledger_path} --out {out}"))
+            sys.exit(1)
+        click.echo(_p(f"{out}: equals its regeneration from {ledger_path}"))
+        return
+    Path(out).write_text(text)
+    click.echo(_p(f"wrote {out} from {ledger_path}"))
+
+
 # -- mutants, contracts, discharge, status ----------------------------------------------------
 @cli.group()
 def mutants() -> None:
