@@ -28,4 +28,5 @@ def test_an_empty_ledger_gives_every_cell_unmeasured_with_the_command_that_fills
     assert "PASS" not in text
     n_cells = len(engines_page.ENGINES) * len(engines_page.MODELS) * len(engines_page.CLASSES)
     assert text.count("UNMEASURED ¹") == n_cells
-    assert "harness parity --candidate mlx --model fixture:trained-qwen35moe-256-Q4_K_M --dtype bfloat16 --ledger L.jsonl" in text
+    assert "harness parity --candidate mlx --model fixture:trained-qwen35-256-Q4_K_M --dtype bfloat16 --ledger L.jsonl" in text
+    assert "mlx × `fixture:trained-qwen35moe-256-Q4_K_M` × bf16: ENGINE-ERROR on the CPU backend" in text

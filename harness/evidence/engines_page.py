@@ -14,7 +14,7 @@ equals its regeneration.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -30,12 +30,14 @@ COMMAND = "harness ledger engines-page"
 @dataclass(frozen=True)
 class PageEngine:
     """One engine row group: ``name`` as ``--candidate`` takes it, the ``--dtype`` of each class,
-    ``pitfalls`` (markdown lines) and ``unmeasured`` (``{class: reason}`` for whole classes)."""
+    ``pitfalls`` (markdown lines), ``unmeasured`` (``{class: reason}`` for whole classes) and
+    ``kind_unmeasured`` (``{(model kind, class): reason}``)."""
 
     name: str
     dtypes: Mapping[str, str]
     pitfalls: Sequence[str]
     unmeasured: Mapping[str, str]
+    kind_unmeasured: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
 
 MLX_PITFALLS = (
@@ -51,11 +53,14 @@ MLX_PITFALLS = (
     "It drops `mtp.*` weights on load: the folder holds the trunk only (a GGUF with MTP blocks is refused).",
     "No `multi_seq`: mlx-lm batches only through left padding (`BatchGenerator`), which feeds each sequence "
     "beside pad positions rather than as independent sequences, so the multiseq probe stays UNMEASURED.",
+    "MoE below float32 does not run on the CPU backend: mlx-cpu 0.32.4's `GatherMM` (the routed experts' "
+    "`gather_mm`) raises \"Currently only supports float32\", so the MoE bf16 cells are ENGINE-ERROR on this backend.",
     "`--dtype bfloat16` / `float16` cast every float parameter except `A_log` (mlx-lm's own `cast_predicate`); "
     "the activations, the RMSNorms and the gated delta rule then run in that dtype.",
 )
 ENGINES: tuple[PageEngine, ...] = (
-    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
+    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {},
+               {("MoE", "bf16"): "ENGINE-ERROR on the CPU backend: mlx-cpu's GatherMM supports float32 only (pitfalls above)"}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
                {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
@@ -158,7 +163,7 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
                 prb = found.get((eng.name, spec, cls, "probe"))
                 text = "<br>".join(t for t in (_parity_cell(par), _probe_cell(prb)) if t)
                 if not text:
-                    reason = eng.unmeasured.get(cls) or (
+                    reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or (
                         f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
                         f"--ledger {shown_ledger}`")
                     unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
