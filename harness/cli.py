@@ -253,7 +253,7 @@ def _render_parity(outcome) -> None:
 
 @cli.command()
 @click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] models / model, else the trained default model.")
-@click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, http:NAME, transformers, llama.cpp).")
+@click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, http:NAME, transformers, mlx, llama.cpp).")
 @click.option("--reference", default=None, help="Reference engine (default llama.cpp).")
 @click.option("--prompts", default=None, type=click.Path(), help="JSONL prompt file (id + text or tokens). Default: the shipped set.")
 @click.option("--thresholds", default=None, type=click.Path(), help="thresholds.yaml (default ./thresholds.yaml, else the shipped one).")
@@ -264,7 +264,9 @@ def _render_parity(outcome) -> None:
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize the first divergence in the report: default on a FAIL whose candidate exposes activations.")
 @click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
-              help="transformers candidate: the torch dtype it runs in (its compute class follows).")
+              help="transformers or mlx candidate: the dtype it runs in (its compute class follows; mlx: not float64).")
+@click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
+              help="mlx candidate: load this transformers folder instead of converting the GGUF.")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tier on the model: leave it UNMEASURED.")
 @click.option("--require-calibrated", is_flag=True, help="An unmeasured calibrated tier makes the verdict UNMEASURED (exit 5).")
 @click.option("--greedy-tokens", default=64, show_default=True, type=click.IntRange(min=0),
@@ -273,8 +275,8 @@ def _render_parity(outcome) -> None:
               "against llama.cpp's own MTP context, in the candidate's mtp_convention (an MTP receipt and ledger row).")
 @click.option("--mtp-max-tokens", default=256, show_default=True, type=click.IntRange(min=3),
               help="With --mtp: tokens per prompt the draft head is compared over.")
-def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, no_calibrate,
-           require_calibrated, greedy_tokens, mtp, mtp_max_tokens) -> None:
+def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, mlx_folder,
+           no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class. With --mtp: the MTP draft head instead."""
@@ -294,7 +296,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
             measure_tier=_measure_tier(no_calibrate), require_calibrated=require_calibrated,
-            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]), greedy_tokens=greedy_tokens,
+            candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder), greedy_tokens=greedy_tokens,
         )
         try:
             outcome = _with_progress(lambda cb: run_parity(req, cb, log=_stderr_log(as_json)), quiet=as_json)
@@ -384,12 +386,19 @@ def _write_report(receipt_path, localize_: bool | None, quiet: bool = False) -> 
         return None
 
 
-def _dtype_settings(dtype: str | None, candidate: str) -> dict[str, Any]:
-    if dtype is None:
-        return {}
-    if candidate != "transformers":
-        raise InvalidInput(f"--dtype applies to the transformers engine, not {candidate}")
-    return {"dtype": dtype}
+def _dtype_settings(dtype: str | None, candidate: str, mlx_folder: str | None = None) -> dict[str, Any]:
+    """The candidate's engine settings from ``--dtype`` (transformers, mlx) and ``--mlx-folder``
+    (mlx); ``InvalidInput`` when an option is given to an engine it does not apply to."""
+    out: dict[str, Any] = {}
+    if dtype is not None:
+        if candidate not in ("transformers", "mlx"):
+            raise InvalidInput(f"--dtype applies to the transformers and mlx engines, not {candidate}")
+        out["dtype"] = dtype
+    if mlx_folder is not None:
+        if candidate != "mlx":
+            raise InvalidInput(f"--mlx-folder applies to the mlx engine, not {candidate}")
+        out["folder"] = mlx_folder
+    return out
 
 
 def _measure_tier(no_calibrate: bool):
@@ -437,9 +446,12 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize a failing probe in the report: default on a FAIL whose candidate exposes activations.")
 @click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
-              help="transformers candidate: the torch dtype it runs in (its compute class follows).")
+              help="transformers or mlx candidate: the dtype it runs in (its compute class follows; mlx: not float64).")
+@click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
+              help="mlx candidate: load this transformers folder instead of converting the GGUF.")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
-def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
+def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, mlx_folder,
+          no_calibrate) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
     # deferred: startup
@@ -449,7 +461,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
     req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
-                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"]),
+                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
                        **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
@@ -861,6 +873,29 @@ def ledger_merge(folders, ledger_path) -> None:
         click.echo(_p(f"appended row {row['seq']}: {row['kind']} {row.get('candidate') or ''} on {row.get('model') or ''} "
                       f"{row.get('verdict') or ''} (receipt {row['receipt_id'][:12]})"))
     click.echo(_p(f"merged {len(res.sources)} ledger(s): {len(res.appended)} receipt(s) appended, {res.already} already here"))
+
+
+@ledger.command("engines-page")
+@click.option("--ledger", "ledger_path", default="evidence/engines/ledger.jsonl", show_default=True, type=click.Path(),
+              help="The ledger of the engine conformance runs (receipts beside it).")
+@click.option("--out", default="docs/engines.md", show_default=True, type=click.Path(dir_okay=False), help="Where to write the page.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 when OUT differs from the regeneration.")
+def ledger_engines_page(ledger_path, out, check) -> None:
+    """Regenerate docs/engines.md, the conformance page of the real engines the harness judges
+    (engine x model x compute class: verdicts, numbers, unmeasured cells with their reason, pitfalls)."""
+    # deferred: startup
+    from harness.evidence import engines_page
+
+    text = engines_page.render(ledger_path, shown_ledger=ledger_path)
+    if check:
+        current = Path(out).read_text() if Path(out).is_file() else None
+        if current != text:
+            click.echo(_p(f"{out} differs from its regeneration from {ledger_path}: run harness ledger engines-page --ledger {ledger_path} --out {out}"))
+            sys.exit(1)
+        click.echo(_p(f"{out}: equals its regeneration from {ledger_path}"))
+        return
+    Path(out).write_text(text)
+    click.echo(_p(f"wrote {out} from {ledger_path}"))
 
 
 # -- mutants, contracts, discharge, status ----------------------------------------------------

@@ -5,7 +5,7 @@ forward), ``oracle-bf16`` / ``oracle-f16`` (the oracle with bf16/f16 matmuls and
 stream: a compute class's emulation), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
 engine configured in ``[tool.harness.engines.NAME]``), ``http:NAME`` (an OpenAI-compatible server
 configured in ``[tool.harness.http.NAME]``: top-k logprobs, not logits), ``transformers``
-(optional extra).
+(optional extra), ``mlx`` (mlx-lm, optional extra).
 ``planted:NAME`` is no engine of its own: it names a fault planted into another engine's output
 (the pytest plugin's ``--plant``), listed here for its source files only.
 
@@ -32,6 +32,7 @@ from harness.engines import (
     command,
     http_engine,
     llamacpp,
+    mlx_engine,
     mutants,
     oracle,
     persistent,
@@ -110,6 +111,8 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("http:", lambda rest, path, ov, s: http_engine.load_http_engine(rest, path, ov), (http_engine, base, config)),
     EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),
                 (transformers_engine, base)),
+    EngineEntry("mlx", lambda rest, path, ov, s: mlx_engine.load_mlx(path, ov, **s), (mlx_engine, base),
+                distributions=("mlx", "mlx-cpu", "mlx-lm")),
     EngineEntry("planted:", None, (mutants,)),
 )
 """Every engine name the harness knows; see ``EngineEntry``."""

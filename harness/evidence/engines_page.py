@@ -1,0 +1,184 @@
+"""docs/engines.md: the conformance page of the real engines the harness judges, rendered from
+a ledger and its receipts (``harness ledger engines-page``).
+
+The page is a grid: engine × model (dense and MoE, F32 and two quantized file types) × compute
+class. A cell shows the newest parity row of that engine, model and class (verdict, min cosine,
+KLD mean, the calibrated row it was judged by) and the newest probe row of that engine and model
+in that class (each probe's verdict); a cell with no row is UNMEASURED with its reason (the
+engine's own reason where one is known, else the command that fills it). Below the grid: every
+pitfall the engine's module documents. Rendering reads only the committed files, so the page is
+a pure function of the evidence and ``tests/test_engines_page.py`` checks that the committed page
+equals its regeneration.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from harness.display import md_text
+from harness.errors import InvalidInput
+from harness.evidence.ledger import read_rows
+
+DEFAULT_LEDGER = "evidence/engines/ledger.jsonl"
+DEFAULT_OUT = "docs/engines.md"
+COMMAND = "harness ledger engines-page"
+
+
+@dataclass(frozen=True)
+class PageEngine:
+    """One engine row group: ``name`` as ``--candidate`` takes it, the ``--dtype`` of each class,
+    ``pitfalls`` (markdown lines), ``unmeasured`` (``{class: reason}`` for whole classes) and
+    ``kind_unmeasured`` (``{(model kind, class): reason}``)."""
+
+    name: str
+    dtypes: Mapping[str, str]
+    pitfalls: Sequence[str]
+    unmeasured: Mapping[str, str]
+    kind_unmeasured: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+
+MLX_PITFALLS = (
+    "mlx-lm loads a transformers folder, not a GGUF: the engine writes one with the harness's converter "
+    "(NumPy + safetensors, cached by the model's sha256) or takes `--mlx-folder`.",
+    "It wants `model_type: qwen3_5` / `qwen3_5_moe` with the text model under `text_config`; a bare "
+    "`qwen3_5_text` config is refused (\"Model type qwen3_5_text not supported\").",
+    "Its `sanitize` adds 1 to the layer, final and q/k norms only when some `conv1d.weight` still has the "
+    "transformers layout `[C, 1, K]`: norms stored as 1 + w with that layout are shifted twice, unshifted norms "
+    "with mlx's `[C, K, 1]` layout not at all. The engine compares the loaded norms with the GGUF's and names either case.",
+    "It builds layer i as full attention iff `(i + 1) % full_attention_interval == 0` and ignores `layer_types`: "
+    "the engine refuses a model whose schedule that rule does not give, before mlx-lm fails on the weights.",
+    "It drops `mtp.*` weights on load: the folder holds the trunk only (a GGUF with MTP blocks is refused).",
+    "No `multi_seq`: mlx-lm batches only through left padding (`BatchGenerator`), which feeds each sequence "
+    "beside pad positions rather than as independent sequences, so the multiseq probe stays UNMEASURED.",
+    "MoE below float32 does not run on the CPU backend: mlx-cpu 0.32.4's `GatherMM` (the routed experts' "
+    "`gather_mm`) raises \"Currently only supports float32\", so the MoE bf16 cells are ENGINE-ERROR on this backend.",
+    "`--dtype bfloat16` / `float16` cast every float parameter except `A_log` (mlx-lm's own `cast_predicate`); "
+    "the activations, the RMSNorms and the gated delta rule then run in that dtype.",
+)
+ENGINES: tuple[PageEngine, ...] = (
+    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {},
+               {("MoE", "bf16"): "ENGINE-ERROR on the CPU backend: mlx-cpu's GatherMM supports float32 only (pitfalls above)"}),
+    PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
+               ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
+               {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
+                "bf16": "not run: the machine that made this evidence has no torch (the `hf` extra)"}),
+)
+MODELS: tuple[tuple[str, str, str], ...] = (
+    ("fixture:trained-qwen35", "dense", "F32"),
+    ("fixture:trained-qwen35moe", "MoE", "F32"),
+    ("fixture:trained-qwen35-256-Q8_0", "dense", "Q8_0"),
+    ("fixture:trained-qwen35-256-Q4_K_M", "dense", "Q4_K_M"),
+    ("fixture:trained-qwen35moe-256-Q8_0", "MoE", "Q8_0"),
+    ("fixture:trained-qwen35moe-256-Q4_K_M", "MoE", "Q4_K_M"),
+)
+"""(model spec, kind, file type) of every column: the trained fixtures, F32 and two llama.cpp quants."""
+CLASSES = ("f32", "bf16")
+
+
+def _receipt(receipts: Path, row: Mapping[str, Any]) -> dict[str, Any]:
+    path = receipts / f"{row['receipt_id']}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{path}: the receipt of ledger row {row.get('seq')} is not readable ({e})") from None
+
+
+def _engine_of(receipt: Mapping[str, Any]) -> tuple[str, str | None]:
+    cand = receipt.get("engines", {}).get("candidate") or receipt.get("candidate") or {}
+    return str(cand.get("name", "")), cand.get("compute_class")
+
+
+def collect(ledger_path: str | Path) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    """``{(engine, model, class, kind): {"row": ledger row, "receipt": receipt}}``, the newest
+    row of each (kind ``parity`` or ``probe``); superseded rows are left out. Raises
+    ``InvalidInput`` for an unreadable ledger or receipt."""
+    ledger_path = Path(ledger_path)
+    if not ledger_path.is_file():
+        raise InvalidInput(f"{ledger_path}: no such ledger")
+    rows = read_rows(ledger_path)
+    superseded = {r.get("supersedes") for r in rows if r.get("kind") == "supersede"}
+    out: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("kind") not in ("parity", "probe") or row.get("seq") in superseded:
+            continue
+        receipt = _receipt(ledger_path.parent / "receipts", row)
+        name, cls = _engine_of(receipt)
+        out[(name, str(row.get("model")), str(cls), str(row["kind"]))] = {"row": row, "receipt": receipt}
+    return out
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "—"
+    v = float(v)
+    return f"1 − {1 - v:.2g}" if 0.999 < v < 1 else f"{v:.5f}"
+
+
+def _parity_cell(hit: Mapping[str, Any] | None) -> str:
+    if hit is None:
+        return ""
+    row, rc = hit["row"], hit["receipt"]
+    cal = (rc.get("gated") or {}).get("calibrated") or {}
+    src = cal.get("source") or cal.get("status") or "—"
+    return (f"**{row['verdict']}** cos {_num(row.get('min_cosine'))}, KLD mean {float(row['kld_mean']):.2g} "
+            f"({row.get('positions')} pos; row {src})" if row.get("kld_mean") is not None else f"**{row['verdict']}**")
+
+
+def _probe_cell(hit: Mapping[str, Any] | None) -> str:
+    if hit is None:
+        return ""
+    probes = hit["receipt"].get("probes") or []
+    parts = [f"{p['name']} {p['verdict']}" for p in probes]
+    return f"probes **{hit['row']['verdict']}**: " + ", ".join(parts)
+
+
+def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
+    """The markdown of docs/engines.md from the ledger at ``ledger_path`` (its receipts beside
+    it); ``shown_ledger`` is the path the page names. Deterministic: the same evidence gives the
+    same bytes. Raises ``InvalidInput`` as ``collect`` does."""
+    found = collect(ledger_path)
+    lines = [
+        "# Engines the harness judges: conformance",
+        "",
+        f"Generated by `{COMMAND} --ledger {shown_ledger} --out {DEFAULT_OUT}` from the ledger `{shown_ledger}`",
+        "and its receipts; do not edit by hand (`tests/test_engines_page.py` checks that this page equals its",
+        "regeneration). Each cell is the newest parity row of the engine on the model in that compute class",
+        "(verdict, lowest cosine over every position, KLD mean, the calibrated row of `thresholds.yaml` that judged",
+        "it) and, where run, its probe row (each probe's verdict). The reference is llama.cpp (llama-cpp-python",
+        "0.3.36) on the same token ids; rows are judged as `thresholds.yaml` stands, not re-calibrated.",
+        "A cell with no evidence is UNMEASURED, with its reason.",
+        "",
+    ]
+    unmeasured: list[str] = []
+    for eng in ENGINES:
+        lines += [f"## {eng.name}", "", "| model | kind | file type | " + " | ".join(CLASSES) + " |",
+                  "|---|---|---|" + "---|" * len(CLASSES)]
+        for spec, kind, ftype in MODELS:
+            cells = []
+            for cls in CLASSES:
+                par = found.get((eng.name, spec, cls, "parity"))
+                prb = found.get((eng.name, spec, cls, "probe"))
+                text = "<br>".join(t for t in (_parity_cell(par), _probe_cell(prb)) if t)
+                if not text:
+                    reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or (
+                        f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
+                        f"--ledger {shown_ledger}`")
+                    unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
+                    text = "UNMEASURED ¹"
+                cells.append(text)
+            lines.append(f"| `{md_text(spec)}` | {kind} | {ftype} | " + " | ".join(cells) + " |")
+        lines += ["", f"Pitfalls of {eng.name} (what a user driving it by hand must know):", ""]
+        lines += [f"- {p}" for p in eng.pitfalls]
+        lines.append("")
+    lines += ["## ¹ Unmeasured cells", ""] + (unmeasured or ["none"]) + [""]
+    return "\n".join(lines)
+
+
+def write(ledger_path: str | Path, out: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> Path:
+    """Render the page and write it to ``out``; returns ``out``."""
+    out = Path(out)
+    out.write_text(render(ledger_path, shown_ledger))
+    return out

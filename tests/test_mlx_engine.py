@@ -1,0 +1,193 @@
+"""The mlx engine (mlx-lm) and the torch-free transformers folder it loads.
+
+The folder tests need safetensors only; the engine tests need the mlx extra (CI installs it:
+.ci/run). Everything here runs on the tiny random-weight fixtures in seconds; the acceptance
+runs on the trained fixtures (parity at float32 and bfloat16, every probe) are recorded in
+evidence/engines/ and rendered on docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness.engines.base import gather
+from harness.errors import EngineError, InvalidInput
+from harness.fixtures import convert
+from harness.model.gguf_model import GGUFModel
+
+pytest.importorskip("safetensors", reason="the mlx extra is not installed: pip install -e .[mlx]")
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+# -- the folder ------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["tiny_path", "tiny_moe_path"])
+def test_folder_round_trip_gives_back_the_gguf_tensors_bit_for_bit(which, request, tmp_path):
+    src = GGUFModel(request.getfixturevalue(which))
+    folder = convert.write_transformers_folder(src, tmp_path / "hf")
+    top = json.loads((folder / "config.json").read_text())
+    assert top["model_type"] == ("qwen3_5_moe" if src.hparams.is_moe else "qwen3_5")
+    assert top["text_config"]["model_type"].endswith("_text")
+    assert top["text_config"]["full_attention_interval"] == 4
+    cfg, sd = convert.read_transformers_folder(folder)
+    assert sd.keys() == convert.folder_state_dict(src).keys()
+    # back to a GGUF through the converter: every tensor equals the original's bytes, except
+    # 1 + w and -exp(A_log) where the random fixture's value has no float32 preimage (one ulp off)
+    back = GGUFModel(convert.hf_to_gguf(cfg, sd, tmp_path / "back.gguf", "back"))
+    assert sorted(back.tensor_names) == sorted(src.tensor_names)
+    shifted = 0
+    for name in src.tensor_names:
+        a = np.asarray(src.tensor(name, dtype=np.float32)).reshape(-1)
+        b = np.asarray(back.tensor(name, dtype=np.float32)).reshape(-1)
+        if convert._match(convert._GGUF_INDEX, name)[0].transform in (convert.NORM_SHIFT, convert.A_LOG):
+            shifted += 1
+            assert np.allclose(a, b, rtol=2.5e-7, atol=0), name
+        else:
+            assert np.array_equal(a, b), name
+    assert shifted >= 2 * src.hparams.n_layer
+    # and the folder of that GGUF is the first folder, bit for bit (the converter's values have preimages)
+    _, sd2 = convert.read_transformers_folder(convert.write_transformers_folder(back, tmp_path / "hf2"))
+    assert sd2.keys() == sd.keys() and all(np.array_equal(sd[k], sd2[k]) for k in sd)
+    assert back.hparams.recurrent == src.hparams.recurrent
+
+
+def test_folder_writer_does_not_import_torch(tiny_path, tmp_path):
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from harness.fixtures import convert; from harness.model.gguf_model import GGUFModel\n"
+            f"convert.write_transformers_folder(GGUFModel({str(tiny_path)!r}), {str(tmp_path / 'hf')!r})\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_interval_of_layer_types_reproduces_regular_schedules_and_flags_irregular_ones():
+    regular = convert.schedule_from_interval(8, 4)
+    assert regular[3] == regular[7] == "full_attention" and regular.count("full_attention") == 2
+    assert convert.interval_of_layer_types(regular) == 4
+    irregular = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    k = convert.interval_of_layer_types(irregular)
+    assert k == 2 and convert.schedule_from_interval(6, k) != irregular
+
+
+# -- the engine ------------------------------------------------------------------------------
+from harness.engines import mlx_engine  # noqa: E402  (imports no mlx itself)
+pytest.importorskip("mlx_lm", reason="the mlx extra is not installed: pip install -e .[mlx]")
+
+TOKENS = [int(t) for t in np.random.default_rng(7).integers(3, 200, size=40)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_path, tiny_moe_path):
+    from harness.engines.registry import resolve_engine
+
+    return {p: (resolve_engine("mlx", p), resolve_engine("oracle", p)) for p in (tiny_path, tiny_moe_path)}
+
+
+@pytest.mark.parametrize("which", ["tiny_path", "tiny_moe_path"])
+def test_mlx_f32_logits_match_the_oracle_and_chunks_match_whole(which, request, engines):
+    mlx, oracle = engines[request.getfixturevalue(which)]
+    whole = gather(mlx.logits(TOKENS), len(TOKENS))
+    ref = gather(oracle.logits(TOKENS), len(TOKENS))
+    assert whole.shape == ref.shape == (len(TOKENS), mlx.n_vocab)
+    assert 1 - _cos(whole, ref).min() < 1e-6
+    pieces = gather(mlx.logits(TOKENS, chunks=[7, 1, 1, 31]), len(TOKENS))
+    assert 1 - _cos(pieces, whole).min() < 1e-6
+    assert mlx.info.compute_class == "f32" and {"chunks", "generate", "prefix_reuse"} <= set(mlx.info.capabilities)
+
+
+def test_mlx_generate_is_the_argmax_of_its_own_teacher_forced_logits(engines, tiny_path):
+    mlx, _ = engines[tiny_path]
+    out = mlx.generate(TOKENS[:10], 6)
+    assert len(out) == 6
+    forced = gather(mlx.logits(TOKENS[:10] + out[:-1]), 15)
+    assert [int(np.argmax(r)) for r in forced[9:]] == out
+
+
+def test_mlx_session_fork_and_continue_equal_fresh_runs(engines, tiny_path):
+    mlx, _ = engines[tiny_path]
+    A, B, C = TOKENS[:20], TOKENS[20:30], TOKENS[30:]
+    ab = gather(mlx.session_logits(A + B, session="s", checkpoints=[20]), 30)
+    forked = gather(mlx.session_logits(C, session="f", parent="s", after=20), len(C))
+    cont = gather(mlx.session_logits(C, session="s", parent="s", after=30), len(C))
+    fresh_ac = gather(mlx.logits(A + C), 20 + len(C))[20:]
+    fresh_abc = gather(mlx.logits(A + B + C), len(TOKENS))
+    assert 1 - _cos(ab, fresh_abc[:30]).min() < 1e-6
+    assert 1 - _cos(forked, fresh_ac).min() < 1e-6
+    assert 1 - _cos(cont, fresh_abc[30:]).min() < 1e-6
+    # the fork saw A only: it differs from C after A+B
+    assert 1 - _cos(forked, cont).min() > 1e-4
+    with pytest.raises(EngineError, match="no state after 5 tokens"):
+        list(mlx.session_logits(C, session="g", parent="s", after=5))
+    mlx.drop_sessions()
+
+
+def test_mlx_bf16_is_close_but_not_f32(tiny_path, engines):
+    mlx32, _ = engines[tiny_path]
+    bf = mlx_engine.load_mlx(tiny_path, dtype="bfloat16")
+    assert bf.info.compute_class == "bf16"
+    a, b = gather(bf.logits(TOKENS), len(TOKENS)), gather(mlx32.logits(TOKENS), len(TOKENS))
+    assert 0.9 < _cos(a, b).min() < 1 - 1e-7
+    with pytest.raises(InvalidInput, match="float64"):
+        mlx_engine.load_mlx(tiny_path, dtype="float64")
+
+
+# -- the pitfalls it names -------------------------------------------------------------------
+def _user_folder(src_path, tmp_path, edit):
+    from safetensors.numpy import load_file, save_file
+
+    folder = convert.write_transformers_folder(GGUFModel(src_path), tmp_path / "user")
+    sd = load_file(str(folder / "model.safetensors"))
+    edit(sd, folder)
+    save_file(sd, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_folder_whose_norms_hold_one_plus_w_is_named_shifted_twice(tiny_path, tmp_path):
+    def shift(sd, folder):
+        for k in list(sd):
+            if k.endswith(("layernorm.weight", "model.norm.weight", "q_norm.weight", "k_norm.weight")):
+                sd[k] = sd[k] + np.float32(1)
+
+    folder = _user_folder(tiny_path, tmp_path, shift)
+    with pytest.raises(EngineError, match="shifted twice.*remedy"):
+        mlx_engine.load_mlx(tiny_path, folder=folder).model
+
+
+def test_a_folder_with_mlx_conv_layout_and_unshifted_norms_is_named_shift_missing(tiny_path, tmp_path):
+    def mlx_layout(sd, folder):
+        for k in list(sd):
+            if k.endswith("conv1d.weight"):
+                sd[k] = np.ascontiguousarray(np.moveaxis(sd[k], 2, 1))
+
+    folder = _user_folder(tiny_path, tmp_path, mlx_layout)
+    with pytest.raises(EngineError, match="shift is missing.*remedy"):
+        mlx_engine.load_mlx(tiny_path, folder=folder).model
+
+
+def test_a_schedule_mlx_cannot_build_is_named_before_loading(tiny_path, tmp_path):
+    def interval_8(sd, folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["text_config"]["full_attention_interval"] = 8
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+    folder = _user_folder(tiny_path, tmp_path, interval_8)
+    with pytest.raises(EngineError, match=r"full attention at layers \[7\].*at \[3, 7\].*ignores layer_types"):
+        mlx_engine.load_mlx(tiny_path, folder=folder).model
+    assert mlx_engine.schedule_mismatch([True, False, True, True, False, True], 2) is not None
+    assert mlx_engine.schedule_mismatch([True, True, True, False] * 2, 4) is None
+
+
+def test_cli_mlx_options_apply_to_mlx_only():
+    from harness.cli import _dtype_settings
+
+    assert _dtype_settings("bfloat16", "mlx", "/x") == {"dtype": "bfloat16", "folder": "/x"}
+    with pytest.raises(InvalidInput, match="--mlx-folder applies to the mlx engine"):
+        _dtype_settings(None, "oracle", "/x")
