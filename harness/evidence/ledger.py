@@ -649,10 +649,10 @@ def _table_line(r: Mapping[str, Any], superseded: Mapping[Any, Any], speed: bool
     )
 
 
-PAGE_ROWS = 500
+PAGE_ROWS = 100
 """Rows per LEDGER.md page: page ``c`` holds seqs ``(c-1)*PAGE_ROWS+1 .. c*PAGE_ROWS``. LEDGER.md
 shows the newest page (the head's); older pages are files in ``<stem>-pages/`` beside it
-(``page_path``), newest first inside each, so an append rewrites one page of at most 500 rows."""
+(``page_path``), newest first inside each, so an append rewrites one page of at most 100 rows."""
 
 _TABLE_HEADER = ("| seq | date | kind | model | quant | candidate | reference | positions | min cos | verdict | argmax agr | "
                  "near-tie / hard flips | KLD mean | basis | receipt | candidate tok/s (wall s) |")
