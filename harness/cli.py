@@ -794,21 +794,83 @@ def _default_ledger() -> str:
 @click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger ([tool.harness] ledger, else <evidence>/parity/ledger.jsonl).")
 @click.option("--receipts", default=None, type=click.Path(), help="Receipts dir (default: receipts/ beside the ledger).")
 @click.option("--markdown", default=None, type=click.Path(), help="Rendered ledger (default: LEDGER.md of the repo).")
-def ledger_verify(ledger_path, receipts, markdown) -> None:
-    """Check the hash chain, every row against its receipt, and the rendered head (exit 1 on any problem)."""
-    # deferred: startup (pandas)
-    from harness.evidence.ledger import read_rows, verify_ledger
+@click.option("--incremental", is_flag=True, help="Check only the rows after the checkpoint (its prefix re-hashed as bytes) and LEDGER.md.")
+@click.option("--deep", is_flag=True, help="Load every receipt and match it to its row, ignoring the checkpoint (milliseconds a receipt).")
+@click.option("--checkpoint", "checkpoint_path", default=None, type=click.Path(),
+              help="Checkpoint file (default: outside the evidence, in $HARNESS_VERIFY_STATE or ~/.local/state/harness/verify/).")
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
+def ledger_verify(ledger_path, receipts, markdown, incremental, deep, checkpoint_path, quiet) -> None:
+    """Check the hash chain, every row against its receipt, and the rendered pages (exit 1 on any
+    problem), streaming the ledger with progress and a rows/s figure. Full (default): every row
+    and every receipt re-hashed; receipts of rows after the checkpoint also loaded and matched to
+    their rows. --incremental: only rows after the checkpoint. A verified run saves the checkpoint."""
+    # deferred: startup
+    from harness.evidence.ledger import Checkpoint, VerifyStats, default_checkpoint_path, verify_ledger
 
     lp = Path(ledger_path or _default_ledger())
     if not lp.exists():
         raise InvalidInput(f"{lp}: no such ledger")
-    problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown)
+    cp_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint_path(lp)
+    cp = None if deep else Checkpoint.load(cp_path)
+    if cp is not None and cp.ledger != str(lp.resolve()):
+        raise InvalidInput(f"{cp_path}: is the checkpoint of {_p(cp.ledger)}, not of {lp.resolve()}")
+    err = _console(stderr=True)
+
+    def progress(rows: int, done: int, total: int) -> None:
+        if not quiet:
+            err.print(Text(f"verify: {rows} rows, {done / max(total, 1):.0%} of {total / 1e6:.1f} MB"))
+
+    st = VerifyStats()
+    problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown, deep=True, checkpoint=cp,
+                             incremental=incremental and cp is not None, progress=progress, stats=st)
+    rate = f"{st.rows} rows in {st.seconds:.2f} s ({st.rows_per_s:,.0f} rows/s; {st.receipts} receipts hashed, {st.deep} loaded and matched"
+    rate += f"; {st.skipped} rows vouched for by the checkpoint)" if st.skipped else ")"
     if problems:
         for p in problems:
             click.echo(_p(p))
-        click.echo(_p(f"ledger {lp}: {len(problems)} problem(s)"))
+        click.echo(_p(f"ledger {lp}: {len(problems)} problem(s); {rate}"))
         sys.exit(1)
-    click.echo(_p(f"ledger {lp}: OK ({len(read_rows(lp))} rows, chain and receipts verified)"))
+    if st.prefix_sha256:
+        Checkpoint(str(lp.resolve()), st.seq, st.row_hash, st.offset, st.prefix_sha256).save(cp_path)
+    mode = "incremental" if incremental and cp is not None else "full"
+    click.echo(_p(f"ledger {lp}: OK ({st.seq} rows, chain and receipts verified, {mode}); {rate}"))
+    click.echo(_p(f"checkpoint: seq {st.seq} row_hash {st.row_hash} prefix_sha256 {st.prefix_sha256} ({st.offset} bytes) -> {cp_path}"))
+
+
+@ledger.command("render")
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
+def ledger_render(ledger_path) -> None:
+    """Rewrite every page of LEDGER.md and of the reports index from the ledger (after a
+    migration, or to repair a rendering); appends re-render only the pages they change."""
+    # deferred: startup
+    from filelock import FileLock
+
+    from harness.evidence.index import refresh_index
+    from harness.evidence.ledger import markdown_path_for, render_pages
+
+    lp = Path(ledger_path or _default_ledger())
+    if not lp.exists():
+        raise InvalidInput(f"{lp}: no such ledger")
+    md = markdown_path_for(lp)
+    with FileLock(str(lp) + ".lock", timeout=120):
+        written = render_pages(lp, md, full=True)
+    index_md, _ = refresh_index(lp, full=True)
+    click.echo(_p(f"rendered {len(written)} page(s): {md}; index {index_md}"))
+
+
+@ledger.command("migrate-receipts")
+@click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
+def ledger_migrate_receipts(ledger_path) -> None:
+    """Move receipts of the flat layout (receipts/ID.json) into their shards (receipts/ID[:2]/);
+    the flat layout is still read, so this is optional. Rows stay valid (they hash bytes, not paths)."""
+    # deferred: startup
+    from harness.evidence.receipts import migrate_receipts
+
+    lp = Path(ledger_path or _default_ledger())
+    if not lp.exists():
+        raise InvalidInput(f"{lp}: no such ledger")
+    moved, kept = migrate_receipts(lp.parent / "receipts")
+    click.echo(_p(f"receipts: {moved} moved into shards" + (f", {kept} left in place (a different file of that name is in the shard)" if kept else "")))
 
 
 @ledger.command("index")

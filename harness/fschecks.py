@@ -21,6 +21,28 @@ from pathlib import Path
 from harness.errors import InvalidInput
 
 
+def process_umask() -> int:
+    """The process's umask, read from ``/proc/self/status`` where it is shown (Linux), else by
+    setting and restoring it (``os.umask`` has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the process's umask (0o666 & ~umask: 0o644
+    under the usual 022). Files made through ``tempfile.mkstemp`` (always 0600) are set to it, so
+    receipts and thresholds.yaml are readable by whoever the umask lets read them."""
+    return 0o666 & ~process_umask()
+
+
 def _may_write(path: Path, st: os.stat_result) -> bool:
     return bool(st.st_mode & 0o222) and os.access(path, os.W_OK)
 

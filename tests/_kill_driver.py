@@ -127,7 +127,7 @@ def fork_run(i: int, hook: str | None = None, kill_after: float | None = None) -
 
 def inspect() -> dict:
     partial = []
-    for p in sorted(RECEIPTS.glob("*.json")) if RECEIPTS.exists() else []:
+    for p in sorted(RECEIPTS.glob("*/*.json")) if RECEIPTS.exists() else []:
         try:
             load_receipt(p)
         except InvalidInput as e:

@@ -487,7 +487,7 @@ def test_llama_cpp_abort_in_multi_model_run(aborting_model, gates, tmp_path):
     assert len(bad) == 1 and bad[0].startswith(f"harness: ENGINE-ERROR: {aborting_model}: llama.cpp died with SIGABRT"), r.err
     assert "GGML_ASSERT" in bad[0]  # llama.cpp's own reason, not a debugger's backtrace
     assert f"2 models: {aborting_model}=ENGINE-ERROR, fixture:tiny-qwen35=PASS -> ENGINE-ERROR" in r.out
-    receipts = sorted((ledger.parent / "receipts").glob("*.json"))
+    receipts = sorted((ledger.parent / "receipts").glob("*/*.json"))
     assert len(receipts) == 1
     rec = json.loads(receipts[0].read_text())
     assert rec["model"]["name"] == "fixture:tiny-qwen35" and rec["gated"]["verdict"] == "PASS"

@@ -255,7 +255,7 @@ def test_cells_record_evidence_and_fail_naming_prompt_and_position(tmp_path):
     ledger = tmp_path / "evidence" / "parity" / "ledger.jsonl"
     rows = read_rows(ledger)
     assert [(row["candidate"].split()[0], row["verdict"]) for row in rows] == [("oracle", "PASS"), ("mutant:qk-norm-skipped", "FAIL")]
-    receipt = json.loads(next((ledger.parent / "receipts").glob(f"{rows[0]['receipt_id']}.json")).read_text())
+    receipt = json.loads(next((ledger.parent / "receipts").glob(f"*/{rows[0]['receipt_id']}.json")).read_text())
     assert sorted(receipt["harness"]["suite"]["contracts"]) == SHIPPED and receipt["harness"]["suite"]["source"] == "checkout"
     assert receipt["command"][:2] == ["pytest", "tests/test_qwen35_parity.py::test_parity[oracle@fixture:tiny-qwen35]"]
     assert main(["ledger", "verify", "--ledger", str(ledger)]) == 0

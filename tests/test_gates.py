@@ -225,7 +225,7 @@ def test_no_row_the_tier_is_measured_on_the_subject_or_unmeasured_with_the_comma
     rows = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert [x["kind"] for x in rows] == ["parity", "parity", "calibration", "parity"]
     assert rows[2]["receipt_id"] == cal_id and rows[2]["compute_class"] == "f64"
-    cal = json.loads((ledger.parent / "receipts" / f"{cal_id}.json").read_text())
+    cal = json.loads((ledger.parent / "receipts" / cal_id[:2] / f"{cal_id}.json").read_text())
     assert cal["schema"] == "harness-calibration-receipt/v1" and cal["model"]["weights"] == "F32+Q8_0"
 
     # a second run reuses the recorded row: no new calibration

@@ -268,7 +268,7 @@ def test_concurrent_writers_never_lose_or_replace_evidence(tmp_path, repeat):
         by_id.setdefault(r["receipt_id"], set()).add(r["receipt_sha256"])
     assert len(by_id) == ROUNDS and all(len(h) == 1 for h in by_id.values())  # 4 rows per shared receipt, one set of bytes
     assert len({r["receipt_id"] for r in rows}) == ROUNDS + (WRITERS // 2) * ROUNDS
-    assert not [p for p in (ledger.parent / "receipts").iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in (ledger.parent / "receipts").rglob("*.tmp")]
 
 
 def _shared_ids(rows: list[dict]) -> set[str]:

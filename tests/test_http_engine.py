@@ -88,7 +88,7 @@ def _parity(tmp_path: Path, url: str, *extra: str) -> tuple[int, dict[str, Any]]
         rc = cli_main(["parity", "--candidate", "http:local", "--ledger", str(tmp_path / "ledger.jsonl"), "--no-localize", *extra])
     finally:
         del os.environ["HARNESS_LOCAL_URL"]
-    receipts = sorted((tmp_path / "receipts").glob("*.json"))
+    receipts = sorted((tmp_path / "receipts").glob("*/*.json"))
     return rc, json.loads(receipts[-1].read_text()) if receipts else {}
 
 

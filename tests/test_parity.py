@@ -176,8 +176,8 @@ def test_cli_parity_writes_receipt_and_ledger_and_verify_detects_edit(tmp_path):
     r = run_cli("parity", "--model", "fixture:tiny-qwen35", "--ledger", str(ledger))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
-    receipts = list((tmp_path / "ev" / "receipts").glob("*.json"))
-    assert len(receipts) == 1 and len(list((tmp_path / "ev" / "receipts").glob("*.npz"))) == 1
+    receipts = list((tmp_path / "ev" / "receipts").glob("*/*.json"))
+    assert len(receipts) == 1 and len(list((tmp_path / "ev" / "receipts").glob("*/*.npz"))) == 1
     rec = json.loads(receipts[0].read_text())
     assert rec["gated"]["verdict"] == "PASS" and rec["kind"] == "parity"
     assert rec["thresholds"]["release"]["min_cosine"]["value"] == 0.98 and rec["gated"]["release"]["status"] == "ok"

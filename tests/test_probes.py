@@ -160,7 +160,7 @@ def test_cli_probe_failure_is_a_reproducer(tmp_path):
     causes = [f"{MUTANTS[n].bug_class} (as mutant:{n})" for n in MUTANTS if PROBES["split"].obligation in MUTANTS[n].breaks]
     assert "conv state dropped between chunks (as mutant:conv-state-dropped)" in causes
     assert f"likely cause: {' or '.join(causes)}; reproduce: harness probe --candidate mutant:conv-state-dropped --model fixture:tiny-qwen35 --only split" in line
-    receipt = json.loads(next((ledger.parent / "receipts").glob("*.json")).read_text())
+    receipt = json.loads(next((ledger.parent / "receipts").glob("*/*.json")).read_text())
     assert receipt["probes"][0]["reproducer"] == line
 
 

@@ -202,11 +202,11 @@ def test_sigkill_of_the_coordinator_mid_sweep_then_rerun_completes(tmp_path, mon
     env = {**os.environ, "COLUMNS": "200"}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 600
-    while not list(receipts.glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+    while not list(receipts.glob("*/*.json")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    before = {p.stem for p in receipts.glob("*.json")}
+    before = {p.stem for p in receipts.glob("*/*.json")}
     assert len(before) == 1, "the kill must land mid-sweep"
     rerun = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -255,7 +255,7 @@ def test_two_evidence_folders_merge_and_merging_twice_adds_nothing(tmp_path, mon
     # host d holds a's receipt id with other bytes (another creation time): refused, naming it, nothing written
     d = tmp_path / "host-d" / "evidence" / "parity"
     (d / "receipts").mkdir(parents=True)
-    first = next((a / "parity" / "receipts").glob("*.json"))
+    first = next((a / "parity" / "receipts").glob("*/*.json"))
     rec = json.loads(first.read_text())
     rec["created"] = "2000-01-01T00:00:00Z"
     (d / "receipts" / first.name).write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
@@ -289,7 +289,7 @@ def test_ledger_verify_checks_the_receipts_a_signoff_relies_on(tmp_path, monkeyp
     codes = [(p.code, p.seq) for p in verify_ledger(ledger, receipts)]
     assert codes == [("RECEIPT-MISSING", 3), ("SIGNOFF-ORDER", 3)]
     # and a receipt it relied on that was replaced
-    path = receipts / f"{relied[0]['id']}.json"
+    path = receipts / relied[0]["id"][:2] / f"{relied[0]['id']}.json"
     path.write_bytes(path.read_bytes() + b" ")
     assert {p.code for p in verify_ledger(ledger, receipts)} >= {"RECEIPT-HASH"}
     assert harness(root, "ledger", "verify", monkeypatch=monkeypatch) == 1
@@ -374,7 +374,7 @@ def _comparable(root: Path, ledger: Path) -> tuple[list[dict], list[dict]]:
     rows = read_rows(ledger)
     receipts = []
     for r in rows:
-        rec = json.loads((ledger.parent / "receipts" / f"{r['receipt_id']}.json").read_text())
+        rec = json.loads((ledger.parent / "receipts" / r["receipt_id"][:2] / f"{r['receipt_id']}.json").read_text())
         receipts.append({k: v for k, v in rec.items() if k not in ("created", "timings", "host")})
     drop = {"time", "receipt_sha256", "prev_hash", "row_hash", *TIMING_FIELDS}
     return receipts, [{k: v for k, v in r.items() if k not in drop} for r in rows]

@@ -6,6 +6,15 @@ row's verdict page and receipt. It is regenerated after every append (``record_e
 after every report written to the default folder (``write_report``), under the ledger's file
 lock so concurrent runs leave the newest view. It is a rendering for people: the hash-chained
 ``ledger.jsonl`` stays the record (``harness ledger verify``), and the index links to it.
+
+It is paged as LEDGER.md is (``ledger.PAGE_ROWS`` rows a page, ``ledger.page_of``):
+``index.md``/``index.html`` show the newest page and the standing counts, older pages are
+``index-pages/page-NNNNNN.md`` and ``.html``. A refresh rewrites only the pages that changed
+since the seq it last rendered (kept in the query cache, ``LedgerCache``): the newest page, the
+page of a row a new supersede row withdraws, and the page of a receipt whose report was just
+written. Each receipt is read once: its summary (the candidate engine's name and a mutant's
+bug class) is kept in the cache. Concatenated, the pages' tables are the table of the full
+index (``build_index``).
 """
 
 from __future__ import annotations
@@ -20,11 +29,16 @@ from filelock import FileLock, Timeout
 
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
-from harness.evidence.ledger import default_markdown_path, read_rows
+from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, page_of, page_seqs, read_rows
+from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.page import Badge, Code, Inline, Link, Page, untrusted
+from harness.evidence.receipts import receipt_file
 from harness.evidence.report import REPORT_HTML, REPORT_MD
 
 INDEX_MD, INDEX_HTML = "index.md", "index.html"
+INDEX_PAGES = "index-pages"
+_COLUMNS = ["#", "time", "verdict", "kind", "candidate", "model", "class", "key numbers", "report", "receipt"]
+_ALIGN = "rnnlnllnll"
 
 
 def reports_dir(ledger_path: str | Path) -> Path:
@@ -32,11 +46,24 @@ def reports_dir(ledger_path: str | Path) -> Path:
     return Path(ledger_path).parent / "reports"
 
 
-def _receipt(receipts: Path, rid: str) -> dict[str, Any] | None:
+def _summary(receipts: Path, rid: str) -> tuple[str | None, str | None]:
+    """``(candidate engine name, bug class)`` from receipt ``rid`` (None, None when unreadable)."""
     try:
-        return json.loads((receipts / f"{rid}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+        rec = json.loads(receipt_file(receipts, rid).read_text(encoding="utf-8"))
+        cand = rec.get("engines", {}).get("candidate", {})
+        return cand.get("name"), (cand.get("build") or {}).get("bug_class")
+    except (OSError, ValueError, AttributeError):
+        return None, None
+
+
+def _summaries(cache: LedgerCache | None, receipts: Path, rows: list[dict[str, Any]]) -> dict[str, tuple[str | None, str | None]]:
+    """The summaries of the rows' receipts: from the cache, reading (and storing) only the new ones."""
+    ids = [r["receipt_id"] for r in rows if r.get("receipt_id") and r.get("kind") not in ("supersede", "signoff")]
+    known = cache.summaries(ids) if cache is not None else {}
+    new = {rid: _summary(receipts, rid) for rid in ids if rid not in known}
+    if cache is not None:
+        cache.add_summaries({k: v for k, v in new.items() if v != (None, None)})
+    return {**known, **new}
 
 
 def _key_numbers(row: dict[str, Any]) -> str:
@@ -61,15 +88,14 @@ def _rel(target: Path, base: Path) -> str | None:
         return None
 
 
-def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path, out: Path) -> list[Inline]:
+def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path, out: Path,
+               summary: tuple[str | None, str | None] = (None, None)) -> list[Inline]:
     rid = row.get("receipt_id")
-    rec = _receipt(ledger_dir / "receipts", rid) if rid else None
     verdict: Inline = Badge(row.get("verdict") or fmt.NA)
     if row.get("seq") in superseded:
         verdict = [verdict, f" (withdrawn by #{superseded[row['seq']]})"]
-    cand_name = (rec or {}).get("engines", {}).get("candidate", {}).get("name") or str(row.get("candidate") or fmt.NA).split(" ")[0]
-    build = (rec or {}).get("engines", {}).get("candidate", {}).get("build") or {}
-    klass = f"known-bad: {build['bug_class']}" if build.get("bug_class") else ("self-check" if row.get("kind") == "self-consistency" else "—")
+    cand_name = summary[0] or str(row.get("candidate") or fmt.NA).split(" ")[0]
+    klass = f"known-bad: {summary[1]}" if summary[1] else ("self-check" if row.get("kind") == "self-consistency" else "—")
     model = f"{row.get('model') or fmt.NA}" + (f" ({row['quant']})" if row.get("quant") else "")
     if row.get("kind") == "supersede":
         return [str(row.get("seq")), fmt.when(row.get("time")), "", "supersede", "", f"withdraws #{row.get('supersedes')}: {row.get('reason', '')}",
@@ -85,25 +111,14 @@ def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path
         report = Link("verdict page", f"{rid[:16]}/{REPORT_MD}", f"{rid[:16]}/{html}")
     receipt: Inline = fmt.NA
     if rid:
-        target = ledger_dir / "receipts" / f"{rid}.json"
+        target = receipt_file(ledger_dir / "receipts", rid)
         href = _rel(target, out) if target.is_file() else None
         receipt = Link(Code(rid[:12]), href) if href else [Code(rid[:12]), " (missing)"]
     return [str(row.get("seq")), fmt.when(row.get("time")), verdict, str(row.get("kind") or ""), Code(cand_name), model, klass,
             _key_numbers(row), report, receipt]
 
 
-def build_index(ledger_path: str | Path) -> Page:
-    """The index page for a ledger (rows newest first). Raises ``InvalidInput`` on a malformed
-    ledger line."""
-    ledger_path = Path(ledger_path)
-    out = reports_dir(ledger_path)
-    rows = read_rows(ledger_path)
-    superseded = {r.get("supersedes"): r.get("seq") for r in rows if r.get("kind") == "supersede"}
-    counts: dict[str, int] = {}
-    for r in rows:
-        if r.get("kind") != "supersede" and r.get("seq") not in superseded:
-            counts[r.get("verdict") or "n/a"] = counts.get(r.get("verdict") or "n/a", 0) + 1
-    page = Page("Evidence index").h(1, "Evidence index")
+def _intro(page: Page, ledger_path: Path, out: Path, n_rows: int, counts: dict[str, int]) -> None:
     links: list[Inline] = []
     href = _rel(ledger_path, out)
     if href:
@@ -114,36 +129,110 @@ def build_index(ledger_path: str | Path) -> Page:
     page.p("Every receipt of the ledger ", *links, ", newest first. The hash-chained ledger is the record and ",
            Code("harness ledger verify"), " checks it; this page is regenerated from it after every append and every report.")
     standing = ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none"
-    page.p(f"{len(rows)} rows; standing results: {standing}.")
-    cells = [_row_cells(r, superseded, ledger_path.parent, out) for r in sorted(rows, key=lambda r: -(r.get("seq") or 0))]
-    page.table(["#", "time", "verdict", "kind", "candidate", "model", "class", "key numbers", "report", "receipt"], cells, "rnnlnllnll")
+    page.p(f"{n_rows} rows; standing results: {standing}.")
+
+
+def _table(page: Page, cells: list[list[Inline]]) -> None:
+    page.table(_COLUMNS, cells, _ALIGN)
     if any(c[8] == "not rendered" for c in cells):
         page.note("A row without a verdict page: render it with ", Code("harness report RECEIPT"), ".")
+
+
+def build_index(ledger_path: str | Path) -> Page:
+    """The whole index in one page (rows newest first): what the paged index (``index_page``)
+    shows, cut into pages. Reads every receipt; for tests and one-off renders. Raises
+    ``InvalidInput`` on a malformed ledger line."""
+    ledger_path = Path(ledger_path)
+    out = reports_dir(ledger_path)
+    rows = read_rows(ledger_path)
+    superseded = {r.get("supersedes"): r.get("seq") for r in rows if r.get("kind") == "supersede"}
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r.get("kind") != "supersede" and r.get("seq") not in superseded:
+            counts[r.get("verdict") or "n/a"] = counts.get(r.get("verdict") or "n/a", 0) + 1
+    page = Page("Evidence index").h(1, "Evidence index")
+    _intro(page, ledger_path, out, len(rows), counts)
+    summaries = _summaries(None, ledger_path.parent / "receipts", rows)
+    _table(page, [_row_cells(r, superseded, ledger_path.parent, out, summaries.get(r.get("receipt_id"), (None, None)))
+                  for r in sorted(rows, key=lambda r: -(r.get("seq") or 0))])
     return page
 
 
-def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0) -> tuple[Path, Path]:
-    """Regenerate ``reports/index.md`` and ``index.html`` beside ``ledger_path`` under the ledger's
-    lock; return their paths. Raises ``InvalidInput`` (malformed ledger, unwritable folder, lock
-    not obtained within ``lock_timeout`` seconds)."""
+def index_page(ledger_path: Path, cache: LedgerCache, page_no: int) -> Page:
+    """Page ``page_no`` of the index from the query cache: the newest page (the head's) is
+    ``index.md`` with the intro, the standing counts and links to the older pages; an older page
+    (``index-pages/page-NNNNNN``) has its rows and a link back."""
+    out = reports_dir(ledger_path)
+    last = cache.last_seq()
+    top = page_of(last) if last else 1
+    lo, hi = page_seqs(page_no)
+    rows = cache.rows(lo, hi)
+    superseded = cache.superseded(lo, hi)
+    summaries = _summaries(cache, ledger_path.parent / "receipts", rows)
+    cells = [_row_cells(r, superseded, ledger_path.parent, out, summaries.get(r.get("receipt_id"), (None, None)))
+             for r in sorted(rows, key=lambda r: -(r.get("seq") or 0))]
+    if page_no == top:
+        page = Page("Evidence index").h(1, "Evidence index")
+        _intro(page, ledger_path, out, cache.count(), cache.standing_counts())
+        if top > 1:
+            links: list[Inline] = ["Older rows, newest first: "]
+            for n in range(top - 1, 0, -1):
+                links += [Link(str(n), f"{INDEX_PAGES}/page-{n:06d}.md", f"{INDEX_PAGES}/page-{n:06d}.html"), " "]
+            page.p(*links)
+    else:
+        page = Page(f"Evidence index: rows {lo}–{hi}").h(1, f"Evidence index: rows {lo}–{hi}")
+        page.p(f"Page {page_no}; the newest rows and the standing counts are in ",
+               Link(Code(INDEX_MD), f"../{INDEX_MD}", f"../{INDEX_HTML}"), ".")
+    _table(page, cells)
+    return page
+
+
+def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receipt_id: str | None = None,
+                  full: bool = False) -> tuple[Path, Path]:
+    """Regenerate the pages of the index that changed (module docstring) under the ledger's
+    lock: the newest, pages completed since the last refresh, the pages of rows new supersede
+    rows withdraw and, given ``receipt_id``, the pages of the rows naming it; every page when
+    ``full`` or when the index was never rendered. Return the paths of ``index.md`` and
+    ``index.html``. Raises ``InvalidInput`` (malformed ledger, unwritable folder, lock not
+    obtained within ``lock_timeout`` seconds)."""
     ledger_path = Path(ledger_path)
     out = reports_dir(ledger_path)
     try:
         with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
-            page = build_index(ledger_path)
-            md, html = page.write(out / INDEX_MD, out / INDEX_HTML)
+            with LedgerCache.open(ledger_path, CACHE_COLUMNS) as cache:
+                if cache.bad_line is not None:
+                    read_rows(ledger_path)  # names the malformed line (InvalidInput)
+                last = cache.last_seq()
+                top = page_of(last) if last else 1
+                done = cache.meta("index_seq")
+                if full or done is None or not (out / INDEX_MD).is_file() or int(done) > last:
+                    todo = set(range(1, top + 1))
+                else:
+                    shown = int(done)
+                    todo = set(range(page_of(max(shown, 1)), top + 1))
+                    todo |= {page_of(t) for t in cache.supersede_targets(shown + 1, last) if 1 <= t <= last}
+                if receipt_id:
+                    todo |= {page_of(s) for s in cache.seqs_of_receipt(receipt_id)}
+                md = html = None
+                for n in sorted(todo):
+                    page = index_page(ledger_path, cache, n)
+                    if n == top:
+                        md, html = page.write(out / INDEX_MD, out / INDEX_HTML)
+                    else:
+                        page.write(out / INDEX_PAGES / f"page-{n:06d}.md", out / INDEX_PAGES / f"page-{n:06d}.html")
+                cache.set_meta("index_seq", last)
     except Timeout as e:
         raise InvalidInput(f"{ledger_path}: could not take the ledger lock within {lock_timeout:g} s to render the index") from e
     except OSError as e:
         raise InvalidInput(f"{out}: cannot write the index: {e.strerror or e}") from e
-    return md, html
+    return md or out / INDEX_MD, html or out / INDEX_HTML
 
 
-def refresh_index_quietly(ledger_path: str | Path) -> bool:
+def refresh_index_quietly(ledger_path: str | Path, receipt_id: str | None = None) -> bool:
     """``refresh_index``; on failure one warning line on stderr and False (the evidence is already
     written and the index is only a rendering of it)."""
     try:
-        refresh_index(ledger_path)
+        refresh_index(ledger_path, receipt_id=receipt_id)
     except HarnessError as e:
         sys.stderr.write(f"harness: warning: evidence index not regenerated: {untrusted(e)}\n")
         return False

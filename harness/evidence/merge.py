@@ -28,7 +28,7 @@ from typing import Any
 
 from harness.errors import InvalidInput
 from harness.evidence.ledger import TIMING_FIELDS, append_row, default_markdown_path, read_rows, row_from_receipt, verify_ledger
-from harness.evidence.receipts import write_new, load_receipt
+from harness.evidence.receipts import load_receipt, receipt_file, shard_dir, write_new
 from harness.evidence.record import preflight_evidence
 
 RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration", "tokenizer")
@@ -67,7 +67,7 @@ def _checked_source(ledger: Path) -> list[tuple[dict[str, Any], Path]]:
     for row in read_rows(ledger):
         if row.get("kind") not in RECEIPT_KINDS or not row.get("receipt_id"):
             continue
-        out.append((row, receipts / f"{row['receipt_id']}.json"))  # verify_ledger has hashed and loaded it
+        out.append((row, receipt_file(receipts, row["receipt_id"])))  # verify_ledger has hashed and loaded it
     return out
 
 
@@ -91,7 +91,7 @@ def merge_ledgers(target: str | Path | None, folders: list[str | Path]) -> Merge
             incoming.setdefault(rid, (row, path))
     new = []
     for rid, (row, path) in incoming.items():
-        mine = paths.receipts / path.name
+        mine = receipt_file(paths.receipts, rid)
         if mine.exists() and mine.read_bytes() != path.read_bytes():
             raise InvalidInput(f"{path}: refused, receipt {rid[:12]} exists here ({mine}) with other bytes")
         if rid in here_rows:
@@ -101,11 +101,13 @@ def merge_ledgers(target: str | Path | None, folders: list[str | Path]) -> Merge
     new.sort(key=lambda rp: (str(rp[0].get("time")), rp[0]["receipt_id"]))
     paths.receipts.mkdir(parents=True, exist_ok=True)
     for row, path in new:
+        dest = shard_dir(paths.receipts, row["receipt_id"])
+        dest.mkdir(parents=True, exist_ok=True)
         for src in (path.with_suffix(".npz"), path):  # the sidecar first: a visible receipt always has its arrays
             if src.exists():
                 data = src.read_bytes()
-                write_new(paths.receipts, src.name, lambda f, data=data: f.write(data))
-        receipt = load_receipt(paths.receipts / path.name).receipt
+                write_new(dest, src.name, lambda f, data=data: f.write(data))
+        receipt = load_receipt(dest / path.name).receipt
         fields = {**row_from_receipt(receipt), "time": row.get("time"), **{k: row[k] for k in TIMING_FIELDS if k in row}}
-        result.appended.append(append_row(paths.ledger, fields, paths.receipts / path.name, paths.markdown))
+        result.appended.append(append_row(paths.ledger, fields, dest / path.name, paths.markdown))
     return result

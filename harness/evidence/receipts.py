@@ -1,7 +1,11 @@
 """Parity receipts: schema ``harness-parity-receipt/v1``, content-hash ids, atomic writes.
 
 A receipt is one JSON document (``<id>.json``) plus a sidecar ``<id>.npz`` of per-position
-arrays, both in one directory (``evidence/parity/receipts/``). Its fields are in
+arrays, both in one shard folder named by the id's first two hex digits
+(``evidence/parity/receipts/<id[:2]>/``: 256 folders, so a year of CI's 100,000 receipts is
+about 400 per folder, not one flat folder of 200,000 files). Receipts of the earlier flat
+layout (``receipts/<id>.json``) are still read (``receipt_file``) and ``migrate_receipts``
+(``harness ledger migrate-receipts``) moves them into their shards. Its fields are in
 ``harness/schemas/receipt.schema.json`` and docs/design.md, "Evidence formats".
 
 - ``id`` is the sha256 of the canonical JSON (``canonical_json``) of the receipt without ``id``,
@@ -13,6 +17,9 @@ arrays, both in one directory (``evidence/parity/receipts/``). Its fields are in
 - Writes are atomic and exclusive: each file goes to a temporary file in the same directory, is
   fsynced and hard-linked into place, the npz first, so a visible ``.json`` always has its
   ``.npz``; a ``.json`` that exists is never replaced (a ledger row hashed its bytes).
+- Files get the mode the process's umask gives a new file (0644 under the usual 022), as the
+  committed ones have, so a reviewer's account or a web server can read them
+  (``harness.fschecks.new_file_mode``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from harness.errors import InvalidInput
+from harness.fschecks import new_file_mode
 from harness.paths import IS_CHECKOUT, SCHEMA_DIR, SOURCE_ROOT
 from harness.provenance import git_state, numbers_sha256, sha256_bytes, suite_pins
 from harness.rundir import pid_alive
@@ -222,6 +230,85 @@ def per_prompt_rows(receipt: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{OLD_PER_PROMPT_NAMES.get(k, k): v for k, v in p.items()} for p in receipt.get("per_prompt", [])]
 
 
+# ------------------------------------------------------------------------------ layout
+
+SHARD_CHARS = 2
+"""Hex digits of the id that name a receipt's shard folder (``receipts/<id[:2]>/``)."""
+_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHARD_RE = re.compile(r"^[0-9a-f]{%d}$" % SHARD_CHARS)
+
+
+def shard_dir(receipts_dir: str | Path, rid: str) -> Path:
+    """The folder receipt ``rid`` (64 hex digits) is written to: ``receipts_dir/<rid[:2]>``."""
+    return Path(receipts_dir) / rid[:SHARD_CHARS]
+
+
+def receipt_file(receipts_dir: str | Path, rid: str, suffix: str = ".json") -> Path:
+    """Where receipt ``rid``'s ``.json`` (or ``suffix``, e.g. ``.npz``) is: in its shard
+    (``receipts_dir/<rid[:2]>/<rid>.json``), else in the earlier flat layout
+    (``receipts_dir/<rid>.json``) when only that exists; the shard path when neither does (where
+    it would be written). Two ``stat`` calls at most; nothing is read."""
+    sharded = shard_dir(receipts_dir, rid) / f"{rid}{suffix}"
+    if sharded.exists():
+        return sharded
+    flat = Path(receipts_dir) / f"{rid}{suffix}"
+    return flat if flat.exists() else sharded
+
+
+def receipts_root(json_path: str | Path) -> Path:
+    """The receipts folder a receipt file lies in: its folder's parent for a sharded receipt
+    (``receipts/ab/ab….json``), its folder for a flat one. Reports and the ledger are found beside
+    this folder."""
+    p = Path(json_path)
+    if _SHARD_RE.match(p.parent.name) and p.name.startswith(p.parent.name) and _ID_RE.match(p.stem):
+        return p.parent.parent
+    return p.parent
+
+
+def iter_receipt_files(receipts_dir: str | Path) -> list[Path]:
+    """Every receipt ``.json`` under ``receipts_dir``, both layouts (shards and flat), sorted by
+    path; temporary files (``.*.tmp``) and other names are left out. Empty when the folder does
+    not exist."""
+    d = Path(receipts_dir)
+    if not d.is_dir():
+        return []
+    out = [p for p in d.glob("*.json") if _ID_RE.match(p.stem)]
+    for sub in d.iterdir():
+        if sub.is_dir() and _SHARD_RE.match(sub.name):
+            out += [p for p in sub.glob("*.json") if _ID_RE.match(p.stem) and p.name.startswith(sub.name)]
+    return sorted(out)
+
+
+def migrate_receipts(receipts_dir: str | Path) -> tuple[int, int]:
+    """Move flat-layout receipts (``receipts_dir/<id>.json`` and ``.npz``) into their shards;
+    return ``(moved, kept)``: receipts moved, and flat receipts left where they are because the
+    shard already holds a file of that name with other bytes (``harness ledger verify`` tells
+    which is the evidence). Each file is hard-linked into the shard, then its flat name removed,
+    the sidecar first, so at every moment each receipt can be found by ``receipt_file``. The
+    ledger hashes receipt bytes, not paths, so rows stay valid. Raises ``InvalidInput`` when a
+    file cannot be moved."""
+    d = Path(receipts_dir)
+    moved = kept = 0
+    for jp in sorted(p for p in d.glob("*.json") if _ID_RE.match(p.stem)) if d.is_dir() else []:
+        dest = shard_dir(d, jp.stem)
+        pairs = [(src, dest / src.name) for src in (jp.with_suffix(".npz"), jp) if src.exists()]
+        if any(dst.exists() and dst.read_bytes() != src.read_bytes() for src, dst in pairs):
+            kept += 1
+            continue
+        try:
+            dest.mkdir(exist_ok=True)
+            for src, dst in pairs:
+                if not dst.exists():
+                    os.link(src, dst)
+                src.unlink()
+            _fsync_dir(dest)
+        except OSError as e:
+            raise InvalidInput(f"{jp}: cannot move into {dest}: {e.strerror or e}") from e
+        moved += 1
+    _fsync_dir(d)
+    return moved, kept
+
+
 # ------------------------------------------------------------------------------ write / load
 
 
@@ -231,6 +318,7 @@ def _synced_temp(directory: Path, name: str, write) -> str:
     Raises ``OSError`` after removing the temporary file."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.{os.getpid()}.", suffix=".tmp")
     try:
+        os.fchmod(fd, new_file_mode())  # mkstemp makes 0600; evidence follows the umask
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -346,7 +434,9 @@ def _sidecar_holds(npz_path: Path, sha: str) -> bool:
 
 
 def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path) -> tuple[Path, Path]:
-    """Write ``<id>.npz`` then ``<id>.json`` into ``directory``; return their paths.
+    """Write ``<id>.npz`` then ``<id>.json`` into the shard of the receipts folder ``directory``
+    (``directory/<id[:2]>/``); return their paths. A receipt already there in the flat layout
+    (``directory/<id>.json``) counts as existing and its paths are returned.
 
     The caller's ``receipt`` is not modified; what is written is ``prepare_receipt``'s result.
     Arrays must be numeric NumPy arrays (e.g. ``metrics.position_metrics`` output plus
@@ -367,13 +457,21 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     r = prepare_receipt(receipt, arrays)
     rid = r["id"]
-    directory = Path(directory)
+    flat = Path(directory) / f"{rid}.json"
+    if flat.exists():  # the earlier flat layout: that receipt is the evidence
+        try:
+            loaded = load_receipt(flat)
+        except InvalidInput as e:
+            raise InvalidInput(f"{flat} already exists and is damaged ({e}); it is evidence and is not replaced: "
+                               "run `harness ledger verify`, then move it aside") from None
+        return loaded.json_path, loaded.npz_path
+    directory = shard_dir(directory, rid)
     json_path, npz_path = directory / f"{rid}.json", directory / f"{rid}.npz"
     try:
         text = json.dumps(r, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
         directory.mkdir(parents=True, exist_ok=True)
         sweep_temp_files(directory)
-        save = lambda f: np.savez(f, **arrays)  # noqa: E731
+        save = lambda f: np.savez_compressed(f, **arrays)  # noqa: E731  (deflated: a 1,479-position cell 126 -> 43 KB)
         if not write_new(directory, npz_path.name, save) and not _sidecar_holds(npz_path, r["arrays"]["sha256"]):
             _replace_file(directory, npz_path.name, save)
         created = write_new(directory, json_path.name, lambda f: f.write(text.encode("utf-8")))

@@ -36,7 +36,7 @@ import numpy as np
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
 from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
-from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt, per_prompt_rows
+from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt, per_prompt_rows, receipts_root
 from harness.paths import DEFAULT_PROMPTS
 from harness.provenance import sha256_file
 
@@ -858,7 +858,7 @@ def _ledger_opt(receipt_json: Path) -> list[str]:
     """``--ledger PATH`` for the ledger beside the receipts, unless it is the default one."""
     from harness.config import load_config
 
-    ledger = receipt_json.parent.parent / "ledger.jsonl"
+    ledger = receipts_root(receipt_json).parent / "ledger.jsonl"
     try:
         default = Path(load_config().ledger)
     except HarnessError:
@@ -869,8 +869,8 @@ def _ledger_opt(receipt_json: Path) -> list[str]:
 
 
 def default_report_dir(receipt_json: Path, receipt_id: str) -> Path:
-    """``reports/<id[:16]>/`` beside the receipts folder."""
-    return receipt_json.parent.parent / "reports" / receipt_id[:16]
+    """``reports/<id[:16]>/`` beside the receipts folder (either layout: ``receipts_root``)."""
+    return receipts_root(receipt_json).parent / "reports" / receipt_id[:16]
 
 
 def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, localization: dict[str, Any] | None = None, *,

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from harness.errors import InvalidInput
 from harness.evidence.ledger import read_rows
-from harness.evidence.receipts import load_receipt
+from harness.evidence.receipts import load_receipt, receipt_file
 from harness.evidence.record import default_ledger
 from harness.judge.thresholds import ResolvedThresholds
 from harness.judge.tiers import Row, calibrate_command
@@ -41,7 +41,7 @@ def find_recorded(ledger: str | Path | None, model_sha256: str, compute_class: s
         if row.get("kind") != "calibration" or row.get("model_sha256") != model_sha256 or row.get("compute_class") != compute_class:
             continue
         try:
-            rec = load_receipt(ledger_path.parent / "receipts" / f"{row['receipt_id']}.json").receipt
+            rec = load_receipt(receipt_file(ledger_path.parent / "receipts", row["receipt_id"])).receipt
         except InvalidInput:
             continue
         return row_from_calibration_receipt(rec, rec["id"]), rec["id"]

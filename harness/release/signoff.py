@@ -41,6 +41,7 @@ from harness.contracts.loader import Contract, Obligation, load_contract
 from harness.engines.registry import resolve_engine
 from harness.errors import HarnessError, Verdict
 from harness.evidence.ledger import append_row, read_rows
+from harness.evidence.receipts import receipt_file
 from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence
 from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
@@ -233,7 +234,7 @@ def ledger_receipts(paths: EvidencePaths) -> list[_Found]:
     for r in rows:
         if r.get("kind") not in ("parity", "self-consistency", "probe") or r.get("seq") in superseded or not r.get("receipt_id"):
             continue
-        p = paths.receipts / f"{r['receipt_id']}.json"
+        p = receipt_file(paths.receipts, r["receipt_id"])
         try:
             out.append(_Found(r, json.loads(p.read_text(encoding="utf-8")), p))
         except (OSError, ValueError):

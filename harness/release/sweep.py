@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from harness.errors import HarnessError, InvalidInput, Verdict
 from harness.evidence.ledger import append_row, read_rows, row_from_receipt
-from harness.evidence.receipts import load_receipt
+from harness.evidence.receipts import iter_receipt_files, load_receipt
 from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
 from harness.release.cells import PlanContext, Run, input_key, plan_context, plan_runs, receipt_inputs, run_command
 from harness.release.manifest import Manifest
@@ -191,7 +191,7 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
     a sweep made it, under its planned ``cell.key``; the later of two receipts for a key wins."""
     rows = {r["receipt_id"]: r for r in read_rows(paths.ledger) if r.get("receipt_id")}
     by_key: dict[str, tuple[str, Path]] = {}
-    for p in sorted(paths.receipts.glob("*.json")) if paths.receipts.is_dir() else []:
+    for p in iter_receipt_files(paths.receipts):
         try:
             rec = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence.index import refresh_index_quietly
 from harness.evidence.page import untrusted
-from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt
+from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt, receipts_root
 from harness.evidence.report import (
     Explanation,
     has_activations,
@@ -145,7 +145,7 @@ def write_explained_report(receipt_path: str | Path, out_dir: str | Path | None 
     folder beside a ledger regenerates that ledger's reports index (a failure there is a warning).
     Raises as they do."""
     md = write_report(receipt_path, out_dir, explanation=explain_receipt(receipt_path, localize, log))
-    ledger = Path(receipt_path).parent.parent / "ledger.jsonl"
+    ledger = receipts_root(Path(receipt_path).with_suffix(".json")).parent / "ledger.jsonl"
     if out_dir is None and ledger.exists():
-        refresh_index_quietly(ledger)
+        refresh_index_quietly(ledger, receipt_id=Path(receipt_path).stem)
     return md

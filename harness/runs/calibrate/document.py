@@ -137,6 +137,7 @@ def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any
     """thresholds.yaml at ``path`` with every calibrated row's ``probes`` section of a class in
     ``probes`` replaced (known-bad sides kept from the file) and, with ``ex``,
     ``probes.moe_excursions``; every other number kept; written by ``write_thresholds``."""
+    from harness.fschecks import new_file_mode
     from harness.judge.thresholds import load_thresholds
 
     commit_txt = f" harness commit {commit}." if commit else ""
@@ -210,11 +211,13 @@ def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
     import os
     import tempfile
 
+    from harness.fschecks import new_file_mode
     from harness.judge.thresholds import load_thresholds
 
     path = Path(path)
     text = HEADER + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".thresholds.", suffix=".tmp")
+    os.fchmod(fd, new_file_mode())  # mkstemp makes 0600; thresholds.yaml follows the umask (0644 under 022)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     try:
@@ -257,6 +260,7 @@ def _topk_row(k: int, cls: str, gs: list[PairStats], bads: list[PairStats], comm
 def merge_topk_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """thresholds.yaml at ``path`` with ``rows`` replacing the top-k rows of the same weights ×
     class × k (every other number kept as it is), written by ``write_thresholds``."""
+    from harness.fschecks import new_file_mode
     from harness.judge.thresholds import load_thresholds
 
     doc = dict(load_thresholds(path).data)

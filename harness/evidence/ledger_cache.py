@@ -1,0 +1,274 @@
+"""The ledger's query cache: an SQLite file beside ``ledger.jsonl`` that holds every row as columns.
+
+``ledger.jsonl`` stays the record; this cache is derived from it and can be deleted at any time
+(the next reader rebuilds it). It exists so that the things that grow with the ledger cost what
+they read, not the ledger's size:
+
+- an append reads only the rows it renders (one LEDGER.md page, one index page), by seq;
+- ``harness ledger show`` and the trends read columns with ``pandas.read_sql_query`` instead of
+  parsing 100,000 JSON lines;
+- the reports index keeps each receipt's summary (``summaries``: the candidate engine's name and a
+  mutant's bug class), so no receipt is read twice.
+
+File: ``<ledger>.cache.sqlite`` (``ledger.jsonl.cache.sqlite``; git ignores ``*.cache.sqlite``).
+Tables: ``rows`` (``seq`` primary key, the byte ``offset`` and ``length`` of its line, the raw
+``line``, and one column per row field; lists and objects as JSON text), ``summaries``
+(``receipt_id`` → ``candidate_name``, ``bug_class``) and ``meta`` (``size``: the ledger bytes the
+cache covers; ``last_line``: the last line it read; ``index_seq``: the seq the reports index was
+last rendered to).
+
+Staying in step (``sync``): the cache is current for a ledger whose first ``size`` bytes end in
+``last_line``; new bytes after it are parsed and inserted (normally the one line just appended).
+A ledger shorter than ``size``, or whose line at that place differs, is read again from the start.
+An edit in the middle of the ledger that keeps its size and its last line is not seen here;
+``harness ledger verify`` reads the JSONL itself and finds it. Reading stops before a line that is
+not a JSON object (``bad_line`` says where), so the views show the rows up to it. When the cache
+cannot be written (a read-only checkout), an in-memory copy is built for the process.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+CACHE_SUFFIX = ".cache.sqlite"
+_VERSION = "1"
+
+
+def cache_path(ledger_path: str | Path) -> Path:
+    """``<ledger>.cache.sqlite`` beside the ledger."""
+    p = Path(ledger_path)
+    return p.with_name(p.name + CACHE_SUFFIX)
+
+
+def _sql_value(v: Any) -> Any:
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if isinstance(v, bool):
+        return int(v)
+    return v
+
+
+class LedgerCache:
+    """An open cache for one ledger (``open``); ``columns`` are the row fields kept as columns.
+
+    Use as a context manager or call ``close``. Every method reads or writes SQLite only; ``sync``
+    reads the ledger's new bytes."""
+
+    def __init__(self, ledger_path: Path, con: sqlite3.Connection, columns: Sequence[str], persistent: bool):
+        self.ledger_path = ledger_path
+        self.con = con
+        self.columns = list(columns)
+        self.persistent = persistent
+        self.bad_line: tuple[int, str] | None = None
+        """``(seq it would have, error)`` of the first line ``sync`` could not read, else None."""
+
+    # ------------------------------------------------------------------ open / close
+
+    @classmethod
+    def open(cls, ledger_path: str | Path, columns: Sequence[str]) -> "LedgerCache":
+        """Open (creating if needed) the cache of ``ledger_path`` and ``sync`` it. Falls back to an
+        in-memory cache when the file cannot be created or is damaged. Raises ``OSError`` only when
+        the ledger itself cannot be read."""
+        ledger_path = Path(ledger_path)
+        path = cache_path(ledger_path)
+        con, persistent = None, True
+        try:
+            con = sqlite3.connect(path, timeout=60.0, isolation_level=None)
+            cls._schema(con, columns)
+        except sqlite3.Error:
+            if con is not None:
+                con.close()
+            try:  # a damaged or foreign file: start again (it is derived data)
+                if path.is_file():
+                    path.unlink()
+                con = sqlite3.connect(path, timeout=60.0, isolation_level=None)
+                cls._schema(con, columns)
+            except (sqlite3.Error, OSError):
+                con = sqlite3.connect(":memory:", isolation_level=None)
+                cls._schema(con, columns)
+                persistent = False
+        self = cls(ledger_path, con, columns, persistent)
+        self.sync()
+        return self
+
+    @staticmethod
+    def _schema(con: sqlite3.Connection, columns: Sequence[str]) -> None:
+        cols = ", ".join(f'"{c}"' for c in columns if c != "seq")
+        con.execute("PRAGMA journal_mode=DELETE")
+        con.execute("PRAGMA synchronous=NORMAL")
+        con.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+        row = con.execute("SELECT value FROM meta WHERE key='columns'").fetchone()
+        want = json.dumps([_VERSION, list(columns)])
+        if row is not None and row[0] != want:  # written by another version: rebuild
+            con.execute("DROP TABLE IF EXISTS rows")
+            con.execute("DROP TABLE IF EXISTS summaries")
+            con.execute("DELETE FROM meta")
+        con.execute(f"CREATE TABLE IF NOT EXISTS rows (seq INTEGER PRIMARY KEY, offset INTEGER, length INTEGER, line TEXT, {cols})")
+        con.execute("CREATE INDEX IF NOT EXISTS rows_receipt ON rows (receipt_id)")
+        con.execute("CREATE INDEX IF NOT EXISTS rows_supersedes ON rows (supersedes)")
+        con.execute("CREATE TABLE IF NOT EXISTS summaries (receipt_id TEXT PRIMARY KEY, candidate_name TEXT, bug_class TEXT)")
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('columns', ?)", (want,))
+
+    def close(self) -> None:
+        """Close the SQLite connection."""
+        self.con.close()
+
+    def __enter__(self) -> "LedgerCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ meta
+
+    def meta(self, key: str) -> str | None:
+        """A ``meta`` value, or None."""
+        row = self.con.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """Set a ``meta`` value (stored as text)."""
+        self.con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
+
+    # ------------------------------------------------------------------ sync
+
+    def _covers(self, f) -> int:
+        """The byte count the cache covers and that still ends in its ``last_line``; 0 when the
+        cache must be rebuilt."""
+        size = int(self.meta("size") or 0)
+        last = self.meta("last_line")
+        if size == 0 or last is None:
+            return 0
+        raw = last.encode("utf-8") + b"\n"
+        if size < len(raw):
+            return 0
+        f.seek(size - len(raw))
+        return size if f.read(len(raw)) == raw else 0
+
+    def sync(self) -> int:
+        """Bring the cache up to the ledger's bytes (module docstring); return the rows added."""
+        try:
+            f = open(self.ledger_path, "rb")
+        except FileNotFoundError:
+            self.con.execute("BEGIN IMMEDIATE")
+            self.con.execute("DELETE FROM rows")
+            self.set_meta("size", 0)
+            self.con.execute("DELETE FROM meta WHERE key='last_line'")
+            self.con.execute("COMMIT")
+            return 0
+        added = 0
+        with f:
+            self.con.execute("BEGIN IMMEDIATE")
+            try:
+                start = self._covers(f)
+                if start == 0:
+                    self.con.execute("DELETE FROM rows")
+                    self.con.execute("DELETE FROM meta WHERE key IN ('size', 'last_line', 'index_seq')")
+                f.seek(start)
+                offset, last_line, batch = start, None, []
+                for raw in f:
+                    if not raw.endswith(b"\n"):
+                        break  # a partial last line: not a row yet
+                    text = raw[:-1].decode("utf-8", errors="replace")
+                    try:
+                        row = json.loads(text)
+                    except ValueError as e:
+                        row, err = None, f"not a JSON row: {e}"
+                    else:
+                        err = None if isinstance(row, dict) and isinstance(row.get("seq"), int) else "not a JSON object with a seq"
+                    if err:
+                        self.bad_line = (offset, err)
+                        break
+                    batch.append(self._values(row, offset, len(raw), text))
+                    offset += len(raw)
+                    last_line = text
+                    if len(batch) >= 5000:
+                        added += self._insert(batch)
+                if batch:
+                    added += self._insert(batch)
+                if last_line is not None:
+                    self.set_meta("size", offset)
+                    self.set_meta("last_line", last_line)
+                self.con.execute("COMMIT")
+            except BaseException:
+                self.con.execute("ROLLBACK")
+                raise
+        return added
+
+    def _values(self, row: dict[str, Any], offset: int, length: int, text: str) -> tuple:
+        return (row["seq"], offset, length, text, *(_sql_value(row.get(c)) for c in self.columns if c != "seq"))
+
+    def _insert(self, batch: list[tuple]) -> int:
+        cols = ", ".join(["seq", "offset", "length", "line"] + [f'"{c}"' for c in self.columns if c != "seq"])
+        marks = ", ".join("?" * len(batch[0]))
+        self.con.executemany(f"INSERT OR REPLACE INTO rows ({cols}) VALUES ({marks})", batch)
+        n = len(batch)
+        batch.clear()
+        return n
+
+    # ------------------------------------------------------------------ reading
+
+    def count(self) -> int:
+        """Rows in the cache."""
+        return int(self.con.execute("SELECT count(*) FROM rows").fetchone()[0])
+
+    def last_seq(self) -> int:
+        """The highest seq in the cache (0 when empty)."""
+        return int(self.con.execute("SELECT coalesce(max(seq), 0) FROM rows").fetchone()[0])
+
+    def rows(self, lo: int, hi: int) -> list[dict[str, Any]]:
+        """The rows with ``lo <= seq <= hi`` (parsed from their lines), in seq order."""
+        cur = self.con.execute("SELECT line FROM rows WHERE seq BETWEEN ? AND ? ORDER BY seq", (lo, hi))
+        return [json.loads(line) for (line,) in cur]
+
+    def all_rows(self) -> list[dict[str, Any]]:
+        """Every row in seq order (O(rows): for full renders and tests)."""
+        return self.rows(1, 2**62)
+
+    def superseded(self, lo: int = 1, hi: int = 2**62) -> dict[int, int]:
+        """``{superseded seq: superseding seq}`` for targets in ``lo..hi``; when two supersede
+        rows name one target, the later wins (as in a full render, whose map is built oldest
+        first)."""
+        cur = self.con.execute("SELECT supersedes, seq FROM rows WHERE kind='supersede' AND supersedes BETWEEN ? AND ? ORDER BY seq",
+                               (lo, hi))
+        return {int(t): int(s) for t, s in cur}
+
+    def supersede_targets(self, lo: int, hi: int) -> list[int]:
+        """Targets of the supersede rows with ``lo <= seq <= hi``."""
+        cur = self.con.execute("SELECT supersedes FROM rows WHERE kind='supersede' AND seq BETWEEN ? AND ?", (lo, hi))
+        return [int(t) for (t,) in cur]
+
+    def seqs_of_receipt(self, receipt_id: str) -> list[int]:
+        """Seqs of the rows naming ``receipt_id``."""
+        return [int(s) for (s,) in self.con.execute("SELECT seq FROM rows WHERE receipt_id=?", (receipt_id,))]
+
+    def standing_counts(self) -> dict[str, int]:
+        """``{verdict or "n/a": rows}`` over the rows that stand (not supersede rows, not superseded)."""
+        cur = self.con.execute(
+            "SELECT coalesce(verdict, 'n/a'), count(*) FROM rows WHERE kind != 'supersede' "
+            "AND seq NOT IN (SELECT supersedes FROM rows WHERE kind='supersede') GROUP BY 1")
+        return {v: int(n) for v, n in cur}
+
+    def frame_query(self, columns: Iterable[str]) -> str:
+        """The SELECT that gives ``columns`` of every row in seq order (for ``pandas.read_sql_query``)."""
+        return "SELECT " + ", ".join(f'"{c}"' for c in columns) + " FROM rows ORDER BY seq"
+
+    # ------------------------------------------------------------------ summaries
+
+    def summaries(self, receipt_ids: Iterable[str]) -> dict[str, tuple[str | None, str | None]]:
+        """``{receipt_id: (candidate_name, bug_class)}`` for the ids already summarized."""
+        ids = list(dict.fromkeys(receipt_ids))
+        out: dict[str, tuple[str | None, str | None]] = {}
+        for i in range(0, len(ids), 500):
+            part = ids[i:i + 500]
+            cur = self.con.execute(f"SELECT receipt_id, candidate_name, bug_class FROM summaries WHERE receipt_id IN ({','.join('?' * len(part))})", part)
+            out.update({r: (c, b) for r, c, b in cur})
+        return out
+
+    def add_summaries(self, items: dict[str, tuple[str | None, str | None]]) -> None:
+        """Store receipt summaries (``summaries``)."""
+        if items:
+            self.con.executemany("INSERT OR REPLACE INTO summaries VALUES (?, ?, ?)", [(k, c, b) for k, (c, b) in items.items()])

@@ -1,0 +1,301 @@
+"""Evidence at scale: paged renderings equal to a full render, streaming and incremental verify,
+the sharded receipt layout (and the flat one still read), file modes, 16 concurrent writers, and a
+kill -9 during an append."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_receipts import make_receipt
+
+from harness.evidence import index as I
+from harness.evidence import ledger as L
+from harness.evidence.receipts import iter_receipt_files, load_receipt, migrate_receipts, receipt_file, write_receipt
+from harness.evidence.report import default_report_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _grow_ledger import grow  # noqa: E402
+
+
+@pytest.fixture
+def paths(tmp_path):
+    root = tmp_path / "repo"
+    return root / "evidence" / "parity" / "ledger.jsonl", root / "evidence" / "parity" / "receipts", root / "LEDGER.md"
+
+
+@pytest.fixture
+def small_pages(monkeypatch):
+    monkeypatch.setattr(L, "PAGE_ROWS", 4)
+
+
+def append_measured(ledger_path: Path, receipts_dir: Path, seed: int) -> dict:
+    receipt, arrays = make_receipt(seed=seed)
+    jp, _ = write_receipt(receipt, arrays, receipts_dir)
+    return L.append_row(ledger_path, L.row_from_receipt(json.loads(jp.read_text())), receipt_path=jp)
+
+
+def _template(receipts_dir: Path) -> tuple[dict, Path]:
+    receipt, arrays = make_receipt(seed=99)
+    jp, npz = write_receipt(receipt, arrays, receipts_dir / "_template")
+    return json.loads(jp.read_text()), npz
+
+
+def _pages_text(md: Path, top: int) -> list[str]:
+    return [L.page_path(md, p).read_text() for p in range(top - 1, 0, -1)]
+
+
+def test_incremental_pages_equal_a_full_render_with_a_supersede_of_an_old_page(paths, small_pages):
+    ledger_path, receipts_dir, md = paths
+    for seed in range(9):  # pages of 4: 1-4, 5-8, 9
+        append_measured(ledger_path, receipts_dir, seed)
+    before = L.page_path(md, 1).read_text()
+    L.append_row(ledger_path, L.supersede_row(2, "wrong build"))  # seq 10 withdraws a row of page 1
+    after = L.page_path(md, 1).read_text()
+    assert before != after and "~~PASS~~ (superseded by #10)" in after  # the old page was re-rendered
+    for seed in range(9, 12):
+        append_measured(ledger_path, receipts_dir, seed)  # seq 11-13: page 3 fills, page 4 begins
+    rows = L.read_rows(ledger_path)
+    full = L.render_markdown(rows, ledger_path, md)
+    assert L.join_pages(md.read_text(), _pages_text(md, L.page_of(13))) == full
+    assert sorted(p.name for p in L.pages_dir(md).iterdir()) == ["page-000001.md", "page-000002.md", "page-000003.md"]
+    assert len([ln for ln in md.read_text().splitlines() if ln.startswith("| 1")]) == 1  # LEDGER.md: seq 13 only
+    # a full re-render writes the same bytes the appends left
+    texts = {p: p.read_text() for p in [md, *L.pages_dir(md).iterdir()]}
+    L.render_pages(ledger_path, md, full=True)
+    assert {p: p.read_text() for p in texts} == texts
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+
+    # the index: its pages' tables, concatenated, are the full index's table
+    I.refresh_index(ledger_path)
+    out = I.reports_dir(ledger_path)
+    def table(text):
+        return [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith(("| # |", "| \\# |"))]
+    pages = [(out / I.INDEX_MD).read_text()] + [(out / I.INDEX_PAGES / f"page-{n:06d}.md").read_text() for n in (3, 2, 1)]
+    assert sum((table(t) for t in pages), []) == table(I.build_index(ledger_path).to_markdown())
+    assert "withdrawn by \\#10" in (out / I.INDEX_PAGES / "page-000001.md").read_text()
+
+
+def test_the_index_reads_no_receipt_twice(paths, monkeypatch):
+    ledger_path, receipts_dir, _ = paths
+    for seed in range(3):
+        append_measured(ledger_path, receipts_dir, seed)
+    I.refresh_index(ledger_path, full=True)
+    read = []
+    real = I._summary
+    monkeypatch.setattr(I, "_summary", lambda d, rid: read.append(rid) or real(d, rid))
+    append_measured(ledger_path, receipts_dir, 3)
+    I.refresh_index(ledger_path)
+    row = L.read_rows(ledger_path)[-1]
+    assert read == [row["receipt_id"]]  # only the new row's receipt
+
+
+def _edit_row(ledger_path: Path, index: int, old: bytes, new: bytes) -> None:
+    lines = ledger_path.read_bytes().splitlines(keepends=True)
+    assert old in lines[index]
+    lines[index] = lines[index].replace(old, new)
+    ledger_path.write_bytes(b"".join(lines))
+
+
+@pytest.mark.parametrize("where", ["old", "newest"])
+def test_full_mode_finds_tampering_in_an_old_row_and_in_the_newest(paths, small_pages, where):
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 30, template, npz)
+    st = L.VerifyStats()
+    assert L.verify_ledger(ledger_path, receipts_dir, deep=True, stats=st) == []
+    assert (st.rows, st.receipts, st.deep) == (30, 30, 30)
+    cp = L.Checkpoint(str(ledger_path), st.seq, st.row_hash, st.offset, st.prefix_sha256)
+    i = 2 if where == "old" else 29
+    _edit_row(ledger_path, i, b'"positions":64', b'"positions":65')
+    found = L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp)
+    assert ("EDITED", i + 1, i + 1) in {(p.code, p.seq, p.line) for p in found}
+    assert any(p.code == "CHECKPOINT" for p in found)  # the checkpoint no longer vouches for anything
+
+
+def test_full_mode_finds_an_edited_receipt_the_checkpoint_vouched_for(paths):
+    ledger_path, receipts_dir, _ = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 5, template, npz)
+    st = L.VerifyStats()
+    assert L.verify_ledger(ledger_path, receipts_dir, stats=st) == []
+    cp = L.Checkpoint(str(ledger_path), st.seq, st.row_hash, st.offset, st.prefix_sha256)
+    rid = L.read_rows(ledger_path)[1]["receipt_id"]
+    rp = receipt_file(receipts_dir, rid)
+    rp.write_text(rp.read_text() + " ")
+    st2 = L.VerifyStats()
+    found = L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st2)
+    assert [(p.code, p.seq) for p in found] == [("RECEIPT-HASH", 2)] and st2.deep == 0  # hashed, not re-loaded
+
+
+def test_incremental_checks_the_new_rows_and_refuses_an_edited_prefix_or_checkpoint(paths, small_pages):
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 10, template, npz)
+    st = L.VerifyStats()
+    assert L.verify_ledger(ledger_path, receipts_dir, stats=st) == []
+    cp = L.Checkpoint(str(ledger_path), st.seq, st.row_hash, st.offset, st.prefix_sha256)
+    append_measured(ledger_path, receipts_dir, 1)
+    st2 = L.VerifyStats()
+    assert L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, incremental=True, stats=st2) == []
+    assert (st2.rows, st2.skipped, st2.deep, st2.seq) == (1, 10, 1, 11)
+
+    # a tampered checkpoint (it names another row hash, or more bytes) is refused, never OK
+    for bad in (L.Checkpoint(cp.ledger, cp.seq, "0" * 64, cp.offset, cp.prefix_sha256),
+                L.Checkpoint(cp.ledger, cp.seq, cp.row_hash, cp.offset, "f" * 64),
+                L.Checkpoint(cp.ledger, cp.seq + 5, cp.row_hash, cp.offset + 10_000, cp.prefix_sha256)):
+        found = L.verify_ledger(ledger_path, receipts_dir, checkpoint=bad, incremental=True)
+        assert [p.code for p in found] == ["CHECKPOINT"], bad
+
+    # an edit of the checked prefix, even with every hash recomputed, is refused
+    rows = L.read_rows(ledger_path)
+    rows[3]["min_cosine"] = 0.5
+    prev = rows[2]["row_hash"]
+    for r in rows[3:]:
+        r["prev_hash"] = prev
+        r["row_hash"] = L.row_hash(r)
+        prev = r["row_hash"]
+    ledger_path.write_bytes(b"".join(L.canonical_json(r) + b"\n" for r in rows))
+    L.render_pages(ledger_path, md, full=True)
+    found = L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, incremental=True)
+    assert [p.code for p in found] == ["CHECKPOINT"]
+
+
+def test_incremental_verify_from_the_command_line_keeps_its_checkpoint_outside_the_evidence(paths, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from harness.cli import cli
+
+    ledger_path, receipts_dir, _ = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 4, template, npz)
+    state = tmp_path / "state"
+    monkeypatch.setenv("HARNESS_VERIFY_STATE", str(state))
+    r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "OK (4 rows" in r.output and "4 receipts hashed, 4 loaded and matched" in r.output and "rows/s" in r.output
+    cp = next(state.iterdir())
+    assert not str(cp).startswith(str(ledger_path.parent.parent))
+    append_measured(ledger_path, receipts_dir, 7)
+    r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--incremental", "--quiet"])
+    assert r.exit_code == 0 and "incremental" in r.output and "1 rows in" in r.output, r.output
+    doc = json.loads(cp.read_text())
+    doc["row_hash"] = "1" * 64
+    cp.write_text(json.dumps(doc))
+    r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--incremental", "--quiet"])
+    assert r.exit_code == 1 and "CHECKPOINT" in r.output
+
+
+def test_the_flat_receipt_layout_is_still_read_and_can_be_migrated(paths):
+    ledger_path, receipts_dir, md = paths
+    rows = [append_measured(ledger_path, receipts_dir, seed) for seed in range(3)]
+    for jp in iter_receipt_files(receipts_dir):  # put them back as the earlier layout had them
+        for p in (jp.with_suffix(".npz"), jp):
+            p.rename(receipts_dir / p.name)
+        jp.parent.rmdir()
+    flat = receipts_dir / f"{rows[0]['receipt_id']}.json"
+    assert flat.is_file() and receipt_file(receipts_dir, rows[0]["receipt_id"]) == flat
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    assert default_report_dir(flat, rows[0]["receipt_id"]) == ledger_path.parent / "reports" / rows[0]["receipt_id"][:16]
+    # writing the same receipt again finds the flat one instead of making a second copy
+    receipt, arrays = make_receipt(seed=0)
+    jp, _ = write_receipt(receipt, arrays, receipts_dir)
+    assert jp == flat
+    assert migrate_receipts(receipts_dir) == (3, 0)
+    moved = receipt_file(receipts_dir, rows[0]["receipt_id"])
+    assert moved.parent.name == rows[0]["receipt_id"][:2] and not flat.exists()
+    assert load_receipt(moved).receipt["id"] == rows[0]["receipt_id"]
+    assert default_report_dir(moved, rows[0]["receipt_id"]) == ledger_path.parent / "reports" / rows[0]["receipt_id"][:16]
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+
+
+def test_evidence_files_follow_the_umask(paths, tmp_path):
+    import yaml
+
+    from harness.paths import SUITE_ROOT
+    from harness.runs.calibrate.document import write_thresholds
+
+    ledger_path, receipts_dir, md = paths
+    old = os.umask(0o022)
+    try:
+        append_measured(ledger_path, receipts_dir, 0)
+        jp = iter_receipt_files(receipts_dir)[0]
+        modes = {p.name.rsplit(".", 1)[-1]: stat.S_IMODE(p.stat().st_mode) for p in (jp, jp.with_suffix(".npz"), ledger_path, md)}
+        assert modes == {"json": 0o644, "npz": 0o644, "jsonl": 0o644, "md": 0o644}
+        doc = yaml.safe_load((SUITE_ROOT / "thresholds.yaml").read_text())
+        out = write_thresholds(doc, tmp_path / "thresholds.yaml")
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644
+        os.umask(0o077)
+        append_measured(ledger_path, receipts_dir, 1)
+        newest = receipt_file(receipts_dir, L.read_rows(ledger_path)[-1]["receipt_id"])
+        assert stat.S_IMODE(newest.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+def _writer(ledger_path: str, receipts_dir: str, seed: int, barrier) -> None:
+    barrier.wait()
+    append_measured(Path(ledger_path), Path(receipts_dir), seed)
+
+
+def test_sixteen_concurrent_writers_on_a_large_ledger(paths):
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 600, template, npz)  # more than a page: the writers render page 2 and the first fills
+    st = L.VerifyStats()
+    assert L.verify_ledger(ledger_path, receipts_dir, deep=False, stats=st) == []
+    cp = L.Checkpoint(str(ledger_path), st.seq, st.row_hash, st.offset, st.prefix_sha256)
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(16)
+    procs = [ctx.Process(target=_writer, args=(str(ledger_path), str(receipts_dir), 1000 + s, barrier)) for s in range(16)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 16
+    rows = L.read_rows(ledger_path)
+    assert [r["seq"] for r in rows] == list(range(1, 617))
+    assert len({r["receipt_id"] for r in rows[600:]}) == 16
+    st = L.VerifyStats()  # every row re-hashed; the 16 new receipts loaded and matched to their rows
+    assert L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st) == [] and (st.rows, st.deep) == (616, 16)
+    assert f"Head: seq 616 · row_hash `{rows[-1]['row_hash']}`" in md.read_text()
+
+
+def _append_forever(ledger_path: str, receipts_dir: str) -> None:
+    seed = 0
+    while True:
+        append_measured(Path(ledger_path), Path(receipts_dir), 5000 + seed)
+        seed += 1
+
+
+def test_kill_9_during_appends_leaves_a_ledger_the_next_append_extends_or_verify_names(paths):
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 200, template, npz)
+    ctx = multiprocessing.get_context("fork")
+    outcomes = []
+    for k in range(4):
+        p = ctx.Process(target=_append_forever, args=(str(ledger_path), str(receipts_dir)))
+        p.start()
+        time.sleep(0.4 + 0.3 * k)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        before = len(L.read_rows(ledger_path)) if ledger_path.read_bytes().endswith(b"\n") else None
+        try:
+            row = append_measured(ledger_path, receipts_dir, 9000 + k)
+        except Exception as e:  # refused: verify must name the problem
+            problems = L.verify_ledger(ledger_path, receipts_dir, deep=False)
+            assert problems and all(p.line or p.seq for p in problems if p.code == "MALFORMED"), (e, problems)
+            outcomes.append("named")
+            break
+        assert before is not None and row["seq"] == before + 1
+        assert L.verify_ledger(ledger_path, receipts_dir, deep=False) == []
+        outcomes.append("extended")
+    assert outcomes
