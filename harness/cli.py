@@ -387,7 +387,8 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
 def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, no_calibrate) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
-    decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
+    decode and determinism were measured, or with --only every named probe passes; 1: a probe
+    failed; 5: a required or named probe unmeasured)."""
     # deferred: startup
     from harness.runs.probes import ProbeRequest, run_probes
 
