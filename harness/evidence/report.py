@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.config import reproduce_env
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
 from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
@@ -457,7 +458,7 @@ def localize_command(rec: dict[str, Any], plan: dict[str, Any] | None, receipt_s
         argv += ["--chunks", ",".join(str(c) for c in plan["chunks"])]
     for ov in rec["model"].get("overrides") or []:
         argv += ["--override-kv", ov]
-    return _cmd(*argv)
+    return " ".join([*reproduce_env(rec["engines"]["candidate"].get("config")), _cmd(*argv)])
 
 
 def _localize_cell(rec: dict[str, Any], loc_cmd: str) -> Inline:
@@ -700,6 +701,8 @@ def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt:
     else:
         run = _cmd("harness", "parity", "--model", _model_spec(rec), "--candidate", eng["candidate"]["name"], "--reference", eng["reference"]["name"],
                    *_opts(rec), *ledger_opt)
+    env = reproduce_env((eng.get("candidate") or {}).get("config"), (eng.get("reference") or {}).get("config"))
+    run = " ".join([*env, run])
     cmds = {"reproduce the run": run, "localize the first divergence": loc_cmd}
     if not has_activations(rec) or (rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None):
         del cmds["localize the first divergence"]
