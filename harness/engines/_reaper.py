@@ -14,16 +14,18 @@ directory and environment, with the engine's stdin, stdout and stderr. It:
    ``err ERRNO`` to STATUS_FD once the exec succeeded or failed;
 3. waits until the engine exits, LIFELINE_FD reaches end of file (the harness closed its end,
    or died), or it gets SIGTERM, SIGINT or SIGHUP;
-4. kills every descendant (SIGKILL, the tree walked with psutil), reaps them, and repeats until
-   it has no child left: as a subreaper, no child left means no descendant left;
+4. kills every descendant (SIGKILL) and reaps them, round after round, until it has no child
+   left: as a subreaper, no child left means no descendant left, and killing its children is
+   enough (their children come to it next);
 5. exits as the engine did: the same exit code, or killed by the same signal (killed by
    SIGKILL when the harness ended the engine first).
 
-Where there is no subreaper (not Linux), step 4 still kills every descendant whose parent is
-alive; a double-forked process re-parented to init is out of reach there.
+Where there is no subreaper (not Linux), step 4 walks the process tree with psutil first and
+kills every descendant whose parent is alive; a double-forked process re-parented to init is out
+of reach there.
 
 This file imports nothing from the harness (it starts in milliseconds); psutil is imported only
-when it is time to kill.
+where there is no subreaper.
 """
 
 from __future__ import annotations
@@ -63,24 +65,41 @@ def _reap() -> tuple[list[tuple[int, int]], bool]:
         out.append((pid, status))
 
 
-def kill_descendants() -> None:
-    """SIGKILL every descendant and reap, until no child is left (see module docstring)."""
+def _direct_children() -> list[int] | None:
+    """This process's children (Linux ``/proc/self/task/TID/children``; this process has one
+    thread), or None where that file cannot be read."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None
+
+
+def _tree() -> list[int]:
+    """Every descendant of this process (psutil walks the process table)."""
     import psutil
 
-    me = psutil.Process()
+    try:
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def kill_descendants(subreaper: bool) -> None:
+    """SIGKILL every descendant and reap, until no child is left (see module docstring). As a
+    subreaper, killing the children is enough: theirs are re-parented here and killed in the
+    next round (no walk of the process table, and nothing at all to do when no child is left);
+    otherwise the whole tree is walked first (psutil), before its parents die."""
     while True:
-        try:
-            tree = me.children(recursive=True)
-        except psutil.Error:
-            tree = []
-        for p in tree:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         if not _reap()[1]:
             return
-        time.sleep(0.002)
+        kids = _direct_children() if subreaper else None
+        for pid in kids if kids is not None else _tree():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.001)
 
 
 def _exec_child(argv: list[str], errw: int, close: tuple[int, ...]) -> None:
@@ -103,7 +122,7 @@ def _exec_child(argv: list[str], errw: int, close: tuple[int, ...]) -> None:
 def main(args: list[str]) -> int:
     """Run the engine (module docstring); returns the exit code when the engine exited."""
     status_fd, life_fd, argv = int(args[0]), int(args[1]), args[2:]
-    _become_subreaper()
+    subreaper = _become_subreaper()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -148,7 +167,7 @@ def main(args: list[str]) -> int:
             break
         if wake_r in ready:
             os.read(wake_r, 4096)
-    kill_descendants()
+    kill_descendants(subreaper)
     if status is None:
         status = 0x09  # killed before it ended: as SIGKILL
     if os.WIFSIGNALED(status):

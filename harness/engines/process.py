@@ -41,6 +41,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """A timeout longer than a week is taken as a mistake (``check_timeout``)."""
 REAPER = Path(__file__).with_name("_reaper.py")
 """The supervisor every engine process runs under (``start_engine``)."""
+REAPER_FLAGS = ("-I", "-S") if sys.platform.startswith("linux") else ("-I",)
+"""Python flags of the supervisor: isolated, and on Linux without ``site`` (its start is then
+the interpreter's alone; it needs only the standard library there, psutil elsewhere)."""
 REAPER_WAIT_S = 10.0
 """How long ``kill_group`` waits for the supervisor to kill and reap the engine's descendants
 before it SIGKILLs the process group itself."""
@@ -108,7 +111,7 @@ def start_engine(argv: Sequence[str], *, stdin: Any, stdout: Any, stderr: Any, c
     status_r, status_w = os.pipe()
     life_r, life_w = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-I", str(REAPER), str(status_w), str(life_r), *argv], stdin=stdin, stdout=stdout,
+        proc = subprocess.Popen([sys.executable, *REAPER_FLAGS, str(REAPER), str(status_w), str(life_r), *argv], stdin=stdin, stdout=stdout,
                                 stderr=stderr, cwd=cwd, env=dict(env) if env is not None else None, start_new_session=True,
                                 pass_fds=(status_w, life_r))
     except BaseException:
