@@ -62,15 +62,52 @@ def _echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-def _render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None) -> None:
+TABLE_MIN_COLUMN = 12
+"""A table whose names (``_render_table`` ``keys``) leave less than this many characters to each
+other column is printed as a list instead."""
+
+
+def _table_width() -> int:
+    """Characters a table may use: ``$COLUMNS`` when set, else the terminal's width on a
+    terminal, else 120 (output captured by a program)."""
+    try:
+        cols = int(os.environ.get("COLUMNS", "0") or 0)
+    except ValueError:
+        cols = 0
+    if cols > 0:
+        return cols
+    return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 120
+
+
+def _render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None,
+                  keys: int = 1) -> None:
     """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green);
-    every other cell and the title shown literally (``display.markup``)."""
+    every other cell and the title shown literally (``display.markup``). The first ``keys``
+    columns hold names and ids people copy: never wrapped (``no_wrap``, as wide as their longest
+    value); when that leaves the other columns less than ``TABLE_MIN_COLUMN`` characters each at
+    ``_table_width``, the rows are printed as a list instead (each row's names on one line, then
+    ``column: value`` lines)."""
+    rows = [[str(v) for v in r] for r in rows]
+    width = _table_width()
+    key_w = [max([len(_p(c)), *(len(_p(r[i])) for r in rows)]) for i, c in enumerate(columns[:keys])]
+    rest = len(columns) - keys
+    borders = 3 * len(columns) + 1
+    if rest and width - sum(key_w) - borders < TABLE_MIN_COLUMN * rest:
+        click.echo(_p(title))
+        for r in rows:
+            click.echo("  ".join(_p(v) for v in r[:keys]))
+            for col, v in zip(columns[keys:], r[keys:]):
+                click.echo(f"    {_p(col)}: {_p(v)}")
+        return
     t = Table(title=_m(title))
-    for col in columns:
-        t.add_column(col, overflow="fold")
+    for i, col in enumerate(columns):
+        if i < keys:
+            t.add_column(col, no_wrap=True, min_width=key_w[i])
+        else:
+            t.add_column(col, overflow="fold")
     for r in rows:
         t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else _m(v) for v in r])
-    Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0)), emoji=False).print(t)
+    Console(width=width, emoji=False).print(t)
 
 
 def _short(msg: str, n: int = 140) -> str:
@@ -453,7 +490,8 @@ def _with_progress(fn, quiet: bool = False):
 def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, mlx_folder,
           no_calibrate) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
-    decode and determinism were measured; 1: a probe failed; 5: a required probe unmeasured)."""
+    decode and determinism were measured, or with --only every named probe passes; 1: a probe
+    failed; 5: a required or named probe unmeasured)."""
     # deferred: startup
     from harness.runs.probes import ProbeRequest, run_probes
 

@@ -13,11 +13,19 @@ docs/engine-protocol.md "HTTP engines"); ``evidence`` (the evidence folder, defa
 probe cells, as ``pytest --harness``); ``probes`` (which probes the probe cell runs);
 ``contracts`` (shipped contract ids ``harness status`` must see). Relative paths resolve
 against the config file's folder, the project root.
+
+Reproducers: a receipt records, for each engine its config defines (``command:NAME``,
+``http:NAME``), the file and its sha256 (``config_record``), and a reproduce line carries both
+(``HARNESS_CONFIG=FILE HARNESS_CONFIG_SHA256=HEX harness ...``: ``reproduce_env``). With
+``$HARNESS_CONFIG_SHA256`` set, ``load_config`` refuses (INVALID) a config whose sha256 is
+another: its engine tables may not be the ones the receipt was made with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +42,15 @@ FIXTURE_PREFIX = "fixture:"
 
 @dataclass
 class HarnessConfig:
-    """The harness table and the file it came from (None: no config found); ``start`` is the
-    folder the lookup started from (the project root when no file was found)."""
+    """The harness table and the file it came from (None: no config found) with that file's
+    sha256; ``start`` is the folder the lookup started from (the project root when no file was
+    found)."""
 
     table: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
     start: Path | None = None
+    sha256: str | None = None
+    """The sha256 (hex) of the file the table came from (None: no file)."""
 
     @property
     def base_dir(self) -> Path:
@@ -100,9 +111,11 @@ class HarnessConfig:
         return value
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
+    """The TOML document at ``path`` and the sha256 (hex) of its bytes."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        return tomllib.loads(raw.decode("utf-8")), hashlib.sha256(raw).hexdigest()
     except OSError as e:
         raise InvalidInput(f"{path}: cannot read config ({e.strerror})") from None
     except UnicodeDecodeError as e:
@@ -152,25 +165,79 @@ def _checked(table: dict[str, Any], source: Path) -> dict[str, Any]:
     return table
 
 
-def _harness_table(path: Path) -> dict[str, Any]:
-    table = _read_toml(path).get("tool", {}).get("harness", {})
+def _harness_table(path: Path) -> tuple[dict[str, Any], str]:
+    doc, sha = _read_toml(path)
+    table = doc.get("tool", {}).get("harness", {})
     if not isinstance(table, dict):
         raise InvalidInput(f"{path}: [tool.harness] must be a table")
-    return _checked(table, path)
+    return _checked(table, path), sha
+
+
+EXPECTED_SHA256_ENV = "HARNESS_CONFIG_SHA256"
+"""Set by a reproduce line: the sha256 the config file must have (``load_config``)."""
 
 
 def load_config(start: Path | None = None) -> HarnessConfig:
     """Find and read the harness configuration (see module docstring).
 
-    Raises ``InvalidInput`` for an unreadable or invalid file, or a known key of the wrong kind.
+    Raises ``InvalidInput`` for an unreadable or invalid file, a known key of the wrong kind, or
+    a file whose sha256 is not ``$HARNESS_CONFIG_SHA256`` when that is set (a reproducer run
+    with another config than the one its receipt recorded).
     """
     env = os.environ.get("HARNESS_CONFIG")
     if env:
         p = Path(env).resolve()
-        return HarnessConfig(_harness_table(p) if p.name == "pyproject.toml" else _checked(_read_toml(p), p), p, p.parent)
-    d = (start or Path.cwd()).resolve()
-    for parent in [d, *d.parents]:
-        pp = parent / "pyproject.toml"
-        if pp.is_file():
-            return HarnessConfig(_harness_table(pp), pp, parent)
-    return HarnessConfig(start=d)
+        if p.name == "pyproject.toml":
+            table, sha = _harness_table(p)
+        else:
+            doc, sha = _read_toml(p)
+            table = _checked(doc, p)
+        cfg = HarnessConfig(table, p, p.parent, sha)
+    else:
+        d = (start or Path.cwd()).resolve()
+        cfg = HarnessConfig(start=d)
+        for parent in [d, *d.parents]:
+            pp = parent / "pyproject.toml"
+            if pp.is_file():
+                table, sha = _harness_table(pp)
+                cfg = HarnessConfig(table, pp, parent, sha)
+                break
+    _check_expected(cfg)
+    return cfg
+
+
+def _check_expected(cfg: HarnessConfig) -> None:
+    """``InvalidInput`` when ``$HARNESS_CONFIG_SHA256`` is set and ``cfg``'s file has another
+    sha256 (or there is no file)."""
+    want = os.environ.get(EXPECTED_SHA256_ENV, "").strip().lower()
+    if not want or want == cfg.sha256:
+        return
+    got = f"has sha256 {cfg.sha256[:12]}" if cfg.sha256 else "was not found"
+    raise InvalidInput(f"config {cfg.source or '(none)'} {got}, but ${EXPECTED_SHA256_ENV} asks for {want[:12]} (the config the receipt "
+                       f"was made with): its engine tables may differ; restore that file, or unset ${EXPECTED_SHA256_ENV} to run anyway")
+
+
+CONFIGURED_PREFIXES = ("command:", "http:")
+"""Engine names whose definition is a table of the config (``[engines.NAME]``, ``[http.NAME]``)."""
+
+
+def config_record(engine: str, cfg: HarnessConfig | None = None) -> dict[str, str] | None:
+    """Where the table of ``engine`` came from, for a receipt: ``{"path": absolute path of the
+    config file, "sha256": hex}``, or None for an engine no config defines (or no file found).
+    Raises as ``load_config`` when ``cfg`` is None and the config cannot be read."""
+    if not engine.startswith(CONFIGURED_PREFIXES):
+        return None
+    cfg = cfg or load_config()
+    if cfg.source is None or cfg.sha256 is None:
+        return None
+    return {"path": str(cfg.source.resolve()), "sha256": cfg.sha256}
+
+
+def reproduce_env(*records: dict[str, Any] | None) -> list[str]:
+    """The ``HARNESS_CONFIG=FILE HARNESS_CONFIG_SHA256=HEX`` assignments (shell-quoted) that put a
+    reproduce line in front of the config of the first of ``records`` (``config_record``) that
+    is not None; empty when none is."""
+    rec = next((r for r in records if r), None)
+    if rec is None:
+        return []
+    return [f"HARNESS_CONFIG={shlex.quote(str(rec['path']))}", f"{EXPECTED_SHA256_ENV}={shlex.quote(str(rec['sha256']))}"]

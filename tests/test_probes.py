@@ -117,20 +117,61 @@ def test_overall_verdict_rules():
     assert overall_verdict([ok("split"), ok("decode"), ok("determinism"), un("ubatch")])[0] is Verdict.PASS
     assert overall_verdict([ok("split"), un("decode"), ok("determinism")])[0] is Verdict.UNMEASURED
     assert overall_verdict([ok("split"), ProbeResult("decode", Verdict.FAIL), ok("determinism")])[0] is Verdict.FAIL
+    # --only judges what it names: each named probe required, the others not
+    assert overall_verdict([ok("decode")], ["decode"])[0] is Verdict.PASS
+    assert overall_verdict([ok("decode")])[0] is Verdict.UNMEASURED  # without --only: split, determinism missing
+    v, msg = overall_verdict([ok("decode"), un("ubatch")], ["decode", "ubatch"])
+    assert v is Verdict.UNMEASURED and msg == "named probes not measured: ubatch"
+    assert overall_verdict([ProbeResult("decode", Verdict.FAIL)], ["decode"])[0] is Verdict.FAIL
+
+
+def test_a_subset_receipt_passes_but_never_signs_off():
+    """``covers_required`` names the required probes a receipt did not measure; the sign-off
+    reads a PASS on a subset as UNMEASURED."""
+    from harness.release import signoff
+    from harness.runs.probes import covers_required
+
+    sub = {"verdict": "PASS", "only": ["decode"], "message": "x", "probes": [{"name": "decode", "verdict": "PASS"}]}
+    assert covers_required(sub) == ["split", "determinism"]
+    full = {"verdict": "PASS", "only": [], "message": "x",
+            "probes": [{"name": n, "verdict": "PASS"} for n in ("split", "decode", "determinism")] + [{"name": "ubatch", "verdict": "UNMEASURED"}]}
+    assert covers_required(full) == []
+
+    class R:
+        kind = "probe"
+
+    status, why = signoff._receipt_status(R(), sub)
+    assert status == signoff.UNMEASURED and "needs split, determinism" in why
+    assert signoff._receipt_status(R(), full)[0] == signoff.OK
 
 
 def test_cli_probe_oracle_exits_0_and_writes_probe_receipt(tmp_path):
     ledger = tmp_path / "ledger.jsonl"
     r = subprocess.run([sys.executable, "-m", "harness", "probe", "--candidate", "oracle", "--model", "fixture:tiny-qwen35",
-                        "--ledger", str(ledger), "--only", "split", "--only", "decode", "--only", "determinism", "--only", "ubatch"],
+                        "--ledger", str(ledger), "--only", "split", "--only", "decode", "--only", "determinism", "--decode-tokens", "64"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "unmeasured: ubatch" in r.stdout
+    assert "PASS: all 3 named probes pass (--only split decode determinism)" in r.stdout
     rows = [json.loads(l) for l in ledger.read_text().splitlines()]
     assert rows[-1]["kind"] == "probe" and rows[-1]["verdict"] == "PASS"
     assert rows[-1]["candidate_tokens_per_s"] > 0 and rows[-1]["candidate_wall_s"] > 0  # the probe run's speed
     v = subprocess.run([sys.executable, "-m", "harness", "ledger", "verify", "--ledger", str(ledger)], capture_output=True, text=True)
     assert v.returncode == 0, v.stdout
+
+
+def test_cli_probe_only_judges_what_it_names(tmp_path):
+    """``--only decode`` on the oracle exits 0 and its receipt records the subset; ``--only
+    ubatch`` on an engine without ``n_ubatch`` (the oracle) stays UNMEASURED, exit 5."""
+    ledger = tmp_path / "ledger.jsonl"
+    base = [sys.executable, "-m", "harness", "probe", "--candidate", "oracle", "--model", "fixture:tiny-qwen35", "--ledger", str(ledger)]
+    r = subprocess.run([*base, "--only", "decode", "--decode-tokens", "64"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS: all 1 named probes pass (--only decode); a sign-off also needs split, determinism" in r.stdout
+    receipt = json.loads(next((ledger.parent / "receipts").glob("*.json")).read_text())
+    assert receipt["only"] == ["decode"] and [p["name"] for p in receipt["probes"]] == ["decode"] and receipt["verdict"] == "PASS"
+    r = subprocess.run([*base, "--only", "ubatch"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 5, r.stdout + r.stderr
+    assert "UNMEASURED: named probes not measured: ubatch" in r.stdout
 
 
 def test_cli_probe_failure_is_a_reproducer(tmp_path):

@@ -5,6 +5,7 @@ token texts come from the vocabulary read one token at a time (no parse of the w
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from harness.evidence import report
 from harness.evidence.receipts import load_receipt, write_receipt
@@ -63,3 +64,31 @@ def test_token_texts_read_one_token_at_a_time_match_the_full_parse():
     assert v.raw(248_320) is None and v.raw(-1) is None
     assert v.raw(1000) == Vocab(full, "gpt2").raw(1000)
 
+
+
+def test_cosine_panel_is_one_minus_cosine_on_a_log_axis_with_the_gate_and_failures():
+    """The positions plot's cosine panel (issue 32): ``1 − cosine`` on a log axis, so a passing
+    engine's spread (here 1e-9 .. 1e-6) spans decades instead of a flat line on the gate; exact
+    zeros sit at the floor; the gate is drawn at 1 − min_cosine; failing positions (one below the
+    gate, one NaN) are marked; the KLD panel beside it stays log-scaled."""
+    rec, arrays = make_receipt(seed=5, n=400, v=97)
+    gate = rec["gated"]["min_cosine"]
+    cos = 1.0 - np.geomspace(1e-9, 1e-6, 400)
+    cos[[3, 7]] = 1.0  # identical rows: 1 − cosine is exactly 0
+    cos[100] = gate - 0.01  # below the gate
+    cos[200] = np.nan  # non-finite: failing, drawn at the gate
+    arrays["cosine"] = cos
+    fig = report.positions_figure(rec, arrays)
+    ax, ax2 = fig.axes[0], fig.axes[1]
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "1 − cosine"
+    assert ax2.get_yscale() == "log" and ax2.get_ylabel() == "KLD (nats)"
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    y = np.asarray(lines["1 − cosine"].get_ydata(), float)
+    assert np.nanmin(y) == report.COSINE_FLOOR  # the zeros, on the floor
+    assert np.nanmax(y[np.arange(400) != 100]) == pytest.approx(1e-6)
+    gate_line = next(ln for name, ln in lines.items() if name.startswith("gate"))
+    assert np.allclose(gate_line.get_ydata(), 1.0 - gate)
+    fx_, fy = lines["failing"].get_data()
+    assert list(fx_) == [100, 200] and fy[0] == pytest.approx(1.0 - (gate - 0.01)) and fy[1] == pytest.approx(1.0 - gate)
+    lo, hi = ax.get_ylim()
+    assert lo < report.COSINE_FLOOR and hi > 1.0 - (gate - 0.01)  # every point and the gate are inside the axis

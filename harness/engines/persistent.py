@@ -9,9 +9,10 @@ resource stays bounded, as for protocol 1 (``harness.engines.process``):
   covers the model load); past it the process group is killed and the request is ``EngineError``.
 - Memory: a reply line longer than ``REPLY_MAX_BYTES`` is refused; stderr goes to a file of
   which only the tail is read back.
-- Leftovers: the engine runs in its own session; its process group is killed when the harness
-  exits (``atexit``, and the CLI turns SIGTERM/SIGHUP into an exit), when it misbehaves, and by
-  ``close_all``.
+- Leftovers: the engine runs under the supervisor of ``harness.engines.process.start_engine``
+  in its own session; it and every process it started (``setsid()`` or double-forked ones too)
+  are killed when the harness exits (``atexit``, and the CLI turns SIGTERM/SIGHUP into an exit),
+  when it misbehaves, and by ``close_all``.
 
 A process that died or was killed is started afresh on the next request; ``STARTS`` counts starts
 per key, so a test can check that a whole run started the engine once.
@@ -29,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from harness.engines.process import exit_status, kill_group, read_tail, start_error, tail_lines
+from harness.engines.process import exit_status, kill_group, read_tail, start_engine, start_error, tail_lines
 from harness.errors import EngineError
 from harness.rundir import scratch_dir
 
@@ -60,8 +61,7 @@ class PersistentProcess:
         self._dir = self._scratch.__enter__()
         self._err = open(self._dir / "stderr.txt", "w+b")
         try:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, cwd=self.cwd,
-                                         env=self.env, start_new_session=True)
+            self.proc = start_engine(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, cwd=self.cwd, env=self.env)
         except OSError as e:
             self.close()
             raise start_error(self.who, self.argv[0], e) from None

@@ -2,10 +2,15 @@
 
 - Time: ``check_timeout`` accepts only finite, positive timeouts; ``run_process`` waits at most
   that long.
-- Leftovers: ``run_process`` starts the engine in a new session and kills its whole process
-  group (SIGKILL) on every exit path — success, failure, timeout, an exception or Ctrl-C in the
-  harness — so a child the engine left running dies with it. Engines work in a
-  ``harness.rundir.scratch_dir`` (one per-run temporary directory, removed at exit).
+- Leftovers: nothing an engine starts outlives it. ``start_engine`` runs the engine under a
+  small supervisor (``harness/engines/_reaper.py``) in a new session: a child subreaper
+  (``prctl(PR_SET_CHILD_SUBREAPER)``) that, once the engine has exited or the harness ends it,
+  SIGKILLs and reaps every descendant, including those that called ``setsid()`` and those that
+  double-forked, and only then exits. ``kill_group`` ends an engine on every exit path —
+  success, failure, timeout, an exception or Ctrl-C in the harness — by closing the
+  supervisor's lifeline pipe (end of file: kill everything), waiting for it, then SIGKILLing the
+  process group as well. A harness that is itself SIGKILLed closes the lifeline too. Engines
+  work in a ``harness.rundir.scratch_dir`` (one per-run temporary directory, removed at exit).
 - Memory: an engine's stderr goes to a file the harness opened; only its last
   ``STDERR_TAIL_BYTES`` are ever read back (``read_tail``), whatever the engine wrote.
 - Hangs: ``regular_file`` refuses an output that is not a regular file (a FIFO would block the
@@ -15,11 +20,13 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
 import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -32,6 +39,14 @@ TAIL_LINES = 8
 TAIL_LINE_CHARS = 400
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """A timeout longer than a week is taken as a mistake (``check_timeout``)."""
+REAPER = Path(__file__).with_name("_reaper.py")
+"""The supervisor every engine process runs under (``start_engine``)."""
+REAPER_FLAGS = ("-I", "-S") if sys.platform.startswith("linux") else ("-I",)
+"""Python flags of the supervisor: isolated, and on Linux without ``site`` (its start is then
+the interpreter's alone; it needs only the standard library there, psutil elsewhere)."""
+REAPER_WAIT_S = 10.0
+"""How long ``kill_group`` waits for the supervisor to kill and reap the engine's descendants
+before it SIGKILLs the process group itself."""
 
 
 
@@ -83,8 +98,51 @@ def start_error(who: str, program: str, e: OSError) -> EngineError:
     return EngineError(f"{who}: program {program!r} cannot be started ({e.strerror or e})")
 
 
+def start_engine(argv: Sequence[str], *, stdin: Any, stdout: Any, stderr: Any, cwd: str | os.PathLike | None = None,
+                 env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``argv`` (no shell) under the supervisor ``_reaper.py`` in a new session, with the
+    given stdin/stdout/stderr (``subprocess.Popen`` values), working directory and environment;
+    returns the supervisor's ``Popen`` once the engine program has been exec'd. End it with
+    ``kill_group``; its ``returncode`` is the engine's (exit code, or minus the signal).
+
+    Raises ``FileNotFoundError`` / ``PermissionError`` (or another ``OSError``) when the program
+    cannot be started, as ``Popen`` would (the caller names the engine).
+    """
+    status_r, status_w = os.pipe()
+    life_r, life_w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, *REAPER_FLAGS, str(REAPER), str(status_w), str(life_r), *argv], stdin=stdin, stdout=stdout,
+                                stderr=stderr, cwd=cwd, env=dict(env) if env is not None else None, start_new_session=True,
+                                pass_fds=(status_w, life_r))
+    except BaseException:
+        for fd in (status_r, status_w, life_r, life_w):
+            os.close(fd)
+        raise
+    os.close(status_w)
+    os.close(life_r)
+    proc._harness_lifeline = life_w  # type: ignore[attr-defined]
+    with os.fdopen(status_r, "rb") as f:
+        status = f.readline().strip()
+    if status != b"ok":
+        kill_group(proc)
+        code = int(status[4:]) if status.startswith(b"err ") and status[4:].isdigit() else errno.ECHILD
+        raise OSError(code, os.strerror(code), argv[0])
+    return proc
+
+
 def kill_group(proc: subprocess.Popen) -> None:
-    """Kill ``proc``'s process group (it was started in a new session) and reap ``proc``."""
+    """End the engine ``proc`` and everything it started (``start_engine``): close the
+    supervisor's lifeline, wait up to ``REAPER_WAIT_S`` for it to kill and reap the
+    descendants, then SIGKILL ``proc``'s process group (it was started in a new session) and
+    reap ``proc``. Safe to call twice."""
+    life = getattr(proc, "_harness_lifeline", None)
+    if life is not None:
+        proc._harness_lifeline = None  # type: ignore[attr-defined]
+        os.close(life)
+        try:
+            proc.wait(timeout=REAPER_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -122,14 +180,14 @@ def tail_lines(text: str, n: int = TAIL_LINES) -> str:
 def run_process(argv: Sequence[str], *, timeout_s: float, workdir: Path, cwd: str | os.PathLike | None = None,
                 env: Mapping[str, str] | None = None) -> ProcessResult:
     """Run ``argv`` (no shell) with stdin closed and stdout+stderr into ``workdir/stderr.txt``,
-    in a new session; wait at most ``timeout_s``; kill its process group on every exit path.
+    under the supervisor (``start_engine``); wait at most ``timeout_s``; end it and everything
+    it started on every exit path (``kill_group``).
 
     Raises ``FileNotFoundError`` / ``PermissionError`` when the program cannot be started (the
-    caller names the engine); never leaves a process of the group running.
+    caller names the engine); never leaves a process the engine started running.
     """
     with open(workdir / "stderr.txt", "w+b") as err:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=cwd,
-                                env=dict(env) if env is not None else None, start_new_session=True)
+        proc = start_engine(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=cwd, env=env)
         rc: int | None
         try:
             rc = proc.wait(timeout=timeout_s)

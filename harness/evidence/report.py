@@ -16,7 +16,7 @@ localizes the first divergence against the oracle on the receipt's own token ids
 otherwise it says which capability would allow it.
 
 Numbers are rounded by ``harness.evidence.fmt``; every untrusted string is escaped by
-``harness.evidence.page``. Plots (matplotlib's object API on Agg, fixed layout: see ``_figure``): per-position cosine with its gate and KLD
+``harness.evidence.page``. Plots (matplotlib's object API on Agg, fixed layout: see ``_figure``): per-position 1 − cosine (log axis) with its gate and KLD
 with the KLD gates; the reference's top-1/top-2 margin against argmax flips; the per-layer error
 profile of a localization.
 """
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.config import reproduce_env
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
 from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
@@ -125,10 +126,20 @@ def _envelope(x: np.ndarray, y: np.ndarray, columns: int = _ENVELOPE_COLUMNS) ->
 
 
 # ----------------------------------------------------------------------------- plots
-def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
-    """Per-position cosine (gate line dashed, failing points red) and KLD on a log scale with the
-    KLD gates (mean: dashed, p99: dotted), one panel pair per prompt; writes ``positions.png``.
-    Lines longer than a panel's width are drawn as their min/max envelope (``_envelope``)."""
+COSINE_FLOOR = 1e-16
+"""Where the positions plot draws 1 − cosine of exactly 0 (identical rows) or below (float64
+rounding can give a cosine a hair above 1): the log axis has no zero; float64's epsilon is 2.2e-16."""
+KLD_FLOOR = 1e-16
+"""Where the positions plot draws a KLD of exactly 0."""
+
+
+def positions_figure(receipt: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
+    """The matplotlib Figure of ``plot_positions``: one row of two panels per prompt. Left:
+    ``1 − cosine`` per position on a log axis (exact zeros at ``COSINE_FLOOR``), the gate drawn
+    at ``1 − min_cosine`` (dashed), failing positions (below the gate, or non-finite, drawn at
+    the gate) as red points above it. Right: the KLD per position on a log axis (zeros at
+    ``KLD_FLOOR``) with the KLD gates (mean: dashed, p99: dotted). Lines longer than a panel's
+    width are drawn as their min/max envelope (``_envelope``)."""
     prompts = receipt["prompts"]["items"]
     gate = receipt["gated"]["min_cosine"]  # the cosine threshold that judged the cell
     gates = {d["name"]: {"value": d["threshold"]} for d in receipt["gated"].get("distribution_gates") or []}
@@ -136,23 +147,27 @@ def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: 
     height = 2.2 * n + 0.8
     fig, axes = _figure(12, height, n, 2, top=0.75, bottom=0.5, left=0.85, wspace=0.9)
     pidx, pos = arrays["prompt_index"], arrays["position"]
+    gate_err = max(1.0 - gate, COSINE_FLOOR)
     for i, p in enumerate(prompts):
         sel = pidx == i
         x, cos, kld = pos[sel], arrays["cosine"][sel], arrays["kld"][sel]
+        err = np.where(np.isfinite(cos), np.maximum(1.0 - cos.astype(np.float64), COSINE_FLOOR), np.nan)
         ax = axes[i, 0]
-        ax.plot(*_envelope(x, cos), lw=0.8, color="tab:blue", label="cosine")
-        ax.axhline(gate, ls="--", color="tab:red", lw=1, label=f"gate {gate:g}")
+        ax.semilogy(*_envelope(x, err), lw=0.8, color="tab:blue", label="1 − cosine")
+        ax.axhline(gate_err, ls="--", color="tab:red", lw=1, label=f"gate 1 − {gate:g} = {gate_err:.2g}")
         bad = ~np.isfinite(cos) | (cos < gate)
         if bad.any():
-            ax.plot(x[bad], np.where(np.isfinite(cos[bad]), cos[bad], gate), ls="", marker="o", ms=3.5, color="tab:red", zorder=3,
+            ax.plot(x[bad], np.where(np.isfinite(err[bad]), err[bad], gate_err), ls="", marker="o", ms=3.5, color="tab:red", zorder=3,
                     label="failing")
-        ax.set_ylabel("cosine")
-        ax.set_title(plot_text(f"{p['id']}: per-position logit cosine"), fontsize=9, y=1.0)
-        lo = np.nanmin(np.concatenate([cos[np.isfinite(cos)], [gate]])) if np.isfinite(cos).any() else gate
-        ax.set_ylim(min(lo, gate) - 0.002, 1.0005)
-        ax.legend(fontsize=7, loc="lower left")
+        _plain_log(ax)
+        seen = np.concatenate([err[np.isfinite(err)], [gate_err]])
+        low = float(seen.min())  # down to the floor only when a row was exact
+        ax.set_ylim(COSINE_FLOOR / 3 if low <= COSINE_FLOOR else low / 10, min(float(seen.max()) * 10, 3.0))
+        ax.set_ylabel("1 − cosine")
+        ax.set_title(plot_text(f"{p['id']}: per-position 1 − logit cosine (log; exact at {COSINE_FLOOR:g})"), fontsize=9, y=1.0)
+        ax.legend(fontsize=7, loc="upper left")
         ax2 = axes[i, 1]
-        ax2.semilogy(*_envelope(x, np.maximum(kld, 1e-16)), lw=0.8, color="tab:green", label="KLD")
+        ax2.semilogy(*_envelope(x, np.maximum(kld, KLD_FLOOR)), lw=0.8, color="tab:green", label="KLD")
         _plain_log(ax2)
         for name, style in (("max_kld_mean", "--"), ("max_kld_p99", ":")):
             if name in gates:
@@ -165,7 +180,13 @@ def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: 
         ax.set_xlabel("position (tokens)")
     eng = receipt["engines"]
     fig.suptitle(plot_text(f"{eng['candidate']['name']} vs {eng['reference']['name']} on {_model_name(receipt)} — {receipt['gated']['verdict']}"))
-    return _save(fig, out / "positions.png")
+    return fig
+
+
+def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
+    """Write ``positions.png`` (``positions_figure``: 1 − cosine and KLD per position, both on
+    log axes with their gates, failing positions marked) into ``out``; returns its path."""
+    return _save(positions_figure(receipt, arrays), out / "positions.png")
 
 
 def plot_margins(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:
@@ -457,7 +478,7 @@ def localize_command(rec: dict[str, Any], plan: dict[str, Any] | None, receipt_s
         argv += ["--chunks", ",".join(str(c) for c in plan["chunks"])]
     for ov in rec["model"].get("overrides") or []:
         argv += ["--override-kv", ov]
-    return _cmd(*argv)
+    return " ".join([*reproduce_env(rec["engines"]["candidate"].get("config")), _cmd(*argv)])
 
 
 def _localize_cell(rec: dict[str, Any], loc_cmd: str) -> Inline:
@@ -700,6 +721,8 @@ def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt:
     else:
         run = _cmd("harness", "parity", "--model", _model_spec(rec), "--candidate", eng["candidate"]["name"], "--reference", eng["reference"]["name"],
                    *_opts(rec), *ledger_opt)
+    env = reproduce_env((eng.get("candidate") or {}).get("config"), (eng.get("reference") or {}).get("config"))
+    run = " ".join([*env, run])
     cmds = {"reproduce the run": run, "localize the first divergence": loc_cmd}
     if not has_activations(rec) or (rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None):
         del cmds["localize the first divergence"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from harness import display
+from harness.config import reproduce_env
 from harness.engines.mutants import MUTANTS, SHOWS_FIRST_AT
 
 MAX_CAUSES = 4
@@ -101,7 +102,10 @@ class Reproducer:
     digest; ``overrides`` the ``--override-kv`` flags (``KEY=TYPE:VALUE``) the run applied;
     ``prompt`` a prompt id (or a description when the case spans prompts); ``n_tokens`` the number
     of token ids fed; ``chunks`` the piece lengths (None: fed whole); ``prompts_file`` and
-    ``thresholds_file`` the files the run read when not the ones found by default (None).
+    ``thresholds_file`` the files the run read when not the ones found by default (None);
+    ``config`` the config file that defines the engine (``{"path", "sha256"}``:
+    ``harness.config.config_record``; None for an engine no config defines), which the
+    command carries as ``HARNESS_CONFIG=... HARNESS_CONFIG_SHA256=...``.
     """
 
     candidate: str
@@ -113,6 +117,7 @@ class Reproducer:
     overrides: Sequence[str] = ()
     prompts_file: str | None = None
     thresholds_file: str | None = None
+    config: dict[str, str] | None = None
 
     def where(self) -> str:
         """``candidate C, model M sha256 0123456789ab[ with --override-kv ...][, prompt 'id',
@@ -127,12 +132,14 @@ class Reproducer:
         return ", ".join(parts)
 
     def harness(self, subcommand: str, *args: object) -> str:
-        """The shell-safe ``harness SUBCOMMAND --candidate C --model M [--override-kv ...]
-        [--prompts FILE] [--thresholds FILE] ARGS`` command line of this case (``command``)."""
+        """The shell-safe ``[HARNESS_CONFIG=FILE HARNESS_CONFIG_SHA256=HEX] harness SUBCOMMAND
+        --candidate C --model M [--override-kv ...] [--prompts FILE] [--thresholds FILE] ARGS``
+        command line of this case (``command``; the config assignments when ``config`` is set)."""
         flags = [x for o in self.overrides for x in ("--override-kv", o)]
         flags += ["--prompts", self.prompts_file] if self.prompts_file else []
         flags += ["--thresholds", self.thresholds_file] if self.thresholds_file else []
-        return command("harness", subcommand, "--candidate", self.candidate, "--model", self.model, *flags, *args)
+        env = [printable(a) for a in reproduce_env(self.config)]
+        return " ".join([*env, command("harness", subcommand, "--candidate", self.candidate, "--model", self.model, *flags, *args)])
 
 
 def failure_message(numbers: str, case: Reproducer, causes: Sequence[str], fallback: str, command: str | None = None) -> str:

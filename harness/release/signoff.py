@@ -47,6 +47,7 @@ from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
 from harness.release.cells import PlanContext, Run, differences, input_key, plan_context, plan_runs, receipt_inputs, run_command
 from harness.release.manifest import Manifest
+from harness.runs.probes import covers_required
 
 OK, MISSING, UNMEASURED, STALE, FAILED, NA = "ok", "missing", "unmeasured", "stale", "failed", "n/a"
 BLOCKING_EXIT = {FAILED: 1, STALE: 1, MISSING: 5, UNMEASURED: 5}
@@ -288,6 +289,9 @@ def _receipt_status(run: Run, receipt: dict[str, Any]) -> tuple[str, str]:
     """ok / failed / unmeasured of a current receipt, and why."""
     if run.kind == "probe":
         v = receipt.get("verdict")
+        lacking = covers_required(receipt)
+        if v == "PASS" and lacking:  # a receipt of `harness probe --only` judged a subset
+            return UNMEASURED, f"probes PASS on a subset only (--only {' '.join(receipt.get('only') or [])}); a sign-off needs {', '.join(lacking)} measured too"
         return ({"PASS": OK, "UNMEASURED": UNMEASURED}.get(v, FAILED), f"probes {v}: {receipt.get('message', '')}")
     g = receipt.get("gated") or {}
     v, cal = g.get("verdict"), (g.get("calibrated") or {}).get("status")

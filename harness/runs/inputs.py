@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from harness import display
-from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE
+from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, config_record
 from harness.engines.base import ASSUMED_CLASS, Engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import engine_build_id, resolve_engine
@@ -93,14 +93,18 @@ class RunInputs:
         ``tokenizer(reference)``. Raises ``NotComparable`` for a text with no tokens."""
         return tokenize_prompts(prompt_set or self.prompt_set, self.tokenizer(reference))
 
-    def reproducer(self, candidate: str) -> Reproducer:
+    def reproducer(self, candidate: str, *others: str) -> Reproducer:
         """The start of every failure message of this run (``harness.judge.reproducer``):
-        ``candidate`` and the model as the user named them, its sha256, the overrides, and the
-        prompt and thresholds files when they are not the ones found by default."""
+        ``candidate`` and the model as the user named them, its sha256, the overrides, the
+        prompt and thresholds files when they are not the ones found by default, and the
+        config file (path and sha256) that defines ``candidate`` or one of the ``others`` (the
+        reference) when one does (``harness.config.config_record``)."""
         th = self.thresholds.path
+        cfg = next((r for r in map(config_record, (candidate, *others)) if r), None)
         return Reproducer(candidate, self.model_spec, self.model.sha256, overrides=[o.to_flag() for o in self.overrides],
                           prompts_file=None if self.prompt_set.path == DEFAULT_PROMPTS else str(self.prompt_set.path),
-                          thresholds_file=None if Path(th).resolve() == resolve_thresholds_path(None).resolve() else str(th))
+                          thresholds_file=None if Path(th).resolve() == resolve_thresholds_path(None).resolve() else str(th),
+                          config=cfg)
     def thresholds_for(self, candidate_info: Mapping[str, Any] | None = None) -> ResolvedThresholds:
         """The thresholds for this model judged with a candidate of ``candidate_info`` (its
         ``compute_class``; the assumed class when None or undeclared): the release gate, the
@@ -149,8 +153,12 @@ class RunRequest(InputsRequest):
 def engine_record(info: Mapping[str, Any], name: str) -> dict[str, Any]:
     """A receipt's record of an engine: its ``info`` (``EngineInfo.to_dict()``) with ``build.id``, the
     build id of the engine ``name`` it was made as (``harness.engines.registry.engine_build_id``), so
-    a receipt says which build of the engine's code produced it."""
-    return {**info, "build": {**(info.get("build") or {}), "id": engine_build_id(name)}}
+    a receipt says which build of the engine's code produced it, and, for an engine a config file
+    defines (``command:NAME``, ``http:NAME``), ``config``: that file's absolute path and sha256
+    (``harness.config.config_record``), which the reproduce lines carry."""
+    rec = {**info, "build": {**(info.get("build") or {}), "id": engine_build_id(name)}}
+    cfg = config_record(name)
+    return rec | ({"config": cfg} if cfg else {})
 
 
 def subject_of(model: GGUFModel, candidate_info: Mapping[str, Any] | None) -> Subject:
@@ -165,7 +173,9 @@ def subject_of(model: GGUFModel, candidate_info: Mapping[str, Any] | None) -> Su
 
 def resolve_inputs(model: str, *, thresholds: str | Path | None = None, overrides: list[str] | None = None,
                    prompts: str | Path | None = None) -> RunInputs:
-    """Resolve a run's inputs in the order that makes failures cheap (module docstring).
+    """Resolve a run's inputs in the order that makes failures cheap (module docstring); the
+    model, thresholds and prompt files are kept as absolute paths (receipts and reproducers record
+    them).
 
     Raises ``InvalidInput`` (bad override, thresholds without basis, unreadable or unsupported
     model, bad prompt file, a name that is not UTF-8 text) before any engine runs.
@@ -176,8 +186,9 @@ def resolve_inputs(model: str, *, thresholds: str | Path | None = None, override
         except UnicodeEncodeError:  # a file name of non-UTF-8 bytes: no receipt could record it
             raise InvalidInput(f"{what} name {display.plain(name)} is not UTF-8 text; receipts record it as text") from None
     ov = parse_overrides(overrides or [])
-    th = load_thresholds(resolve_thresholds_path(thresholds))
-    path = resolve_model(model)
+    # absolute, so receipts and reproduce lines name the same files run from another directory
+    th = load_thresholds(resolve_thresholds_path(thresholds).absolute())
+    path = resolve_model(model).absolute()
     gm = GGUFModel(path, ov)
     gm.hparams  # validates arch and required keys (InvalidInput) before any engine runs
-    return RunInputs(model, path, ov, gm, th, load_prompt_set(prompts))
+    return RunInputs(model, path, ov, gm, th, load_prompt_set(Path(prompts).absolute() if prompts else None))

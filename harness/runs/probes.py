@@ -38,7 +38,7 @@ does not declare it gets UNMEASURED for that probe, never a PASS by construction
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -395,18 +395,35 @@ class ProbeRun:
     ledger_row: dict[str, Any] | None = None
 
 
-def overall_verdict(results: Sequence[ProbeResult]) -> tuple[Verdict, str]:
-    """FAIL if any measured probe failed; UNMEASURED if a required probe (split, decode,
-    determinism) was not measured; else PASS."""
+def overall_verdict(results: Sequence[ProbeResult], only: Sequence[str] = ()) -> tuple[Verdict, str]:
+    """FAIL if any measured probe failed; UNMEASURED if a required probe was not measured; else
+    PASS. Required: the probes named in ``only`` (``harness probe --only``: it judges what it
+    names, each of them), or, when ``only`` is empty, ``REQUIRED_PROBES`` (split, decode,
+    determinism; the others may stay UNMEASURED). A subset's PASS says so: ``harness signoff``
+    still needs every required probe (``covers_required``)."""
     failed = [r.name for r in results if r.verdict is Verdict.FAIL]
     unmeasured = [r.name for r in results if r.verdict is Verdict.UNMEASURED]
     measured = {r.name for r in results if r.verdict is not Verdict.UNMEASURED}
     if failed:
         return Verdict.FAIL, f"failed: {', '.join(failed)}" + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else "")
-    missing = [n for n in REQUIRED_PROBES if n not in measured]
+    required = list(dict.fromkeys(only)) or list(REQUIRED_PROBES)
+    missing = [n for n in required if n not in measured]
     if missing:
-        return Verdict.UNMEASURED, f"required probes not measured: {', '.join(missing)}"
+        what = "named probes" if only else "required probes"
+        return Verdict.UNMEASURED, f"{what} not measured: {', '.join(missing)}"
+    if only:
+        rest = [n for n in REQUIRED_PROBES if n not in measured]
+        return Verdict.PASS, (f"all {len(measured)} named probes pass (--only {' '.join(required)})"
+                              + (f"; a sign-off also needs {', '.join(rest)}" if rest else ""))
     return Verdict.PASS, f"all {len(measured)} measured probes pass" + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else "")
+
+
+def covers_required(receipt: Mapping[str, Any]) -> list[str]:
+    """The ``REQUIRED_PROBES`` a probe receipt did not measure (empty: it covers them all): what
+    a receipt of ``harness probe --only`` lacks for ``harness signoff``. A probe counts when the
+    receipt lists it with a verdict other than UNMEASURED."""
+    measured = {p.get("name") for p in receipt.get("probes") or [] if p.get("verdict") not in (None, Verdict.UNMEASURED.value)}
+    return [n for n in REQUIRED_PROBES if n not in measured]
 
 
 TOLERANCED = ("split", "decode", "ubatch", "multiseq", "prefix")
@@ -525,7 +542,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
     ``reference`` (None when the long probe did not run) are ``TimedEngine``s whose timings it
     records; ``tier`` says where the tolerances came from (``source``, ``self_calibration``) or
     why there were none (``unmeasured_reason``, ``command``)."""
-    verdict, message = overall_verdict(results)
+    verdict, message = overall_verdict(results, req.only)
     decode_tokens = req.decode_tokens
     ref_info = reference.info.to_dict() if reference is not None else None
     cosines = [c.min_cosine for r in results for c in r.comparisons if c.min_cosine is not None]
@@ -545,6 +562,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "tier": {k: v for k, v in tier.items() if k != "self_calibration"},
         "compute_class": resolved.subject.compute_class,
         "probes": [r.to_dict() for r in results],
+        "only": list(dict.fromkeys(req.only)),
         "verdict": verdict.value,
         "message": message,
         "positions": sum(c.positions for r in results for c in r.comparisons),
@@ -592,7 +610,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         if results[-1].verdict is Verdict.FAIL:
             case = replace(inputs.reproducer(req.candidate), prompt=plan[n].prompt, n_tokens=plan[n].n_tokens)
             results[-1].reproducer = probe_failure(results[-1], case, req.reference)
-    verdict, message = overall_verdict(results)
+    verdict, message = overall_verdict(results, req.only)
     if "long" in names:
         reference()
     receipt = _probe_receipt(req, inputs, resolved, tier, engine, made[0] if made else None, results,
