@@ -3,7 +3,8 @@
 Protocol 2 (``protocol = 2`` in the engine's table) keeps one process per model and exchanges
 JSON lines (``harness.engines.persistent``); the request objects (schema
 ``harness-engine-request/v2``) are protocol 1's plus ``op``, ``id``, ``out_dir``, ``settings``,
-``sequences``, ``session`` and ``n_tokens``, and the outputs are read by the same bounded readers.
+``sequences``, ``session`` and ``n_tokens``, and the outputs are read by the same bounded readers
+(op ``draft`` adds ``draft_logits.npy`` and ``hidden.npy``, read by ``load_matrix``).
 Protocol 1, below, runs one process per request.
 
 The harness writes a request JSON (schema ``harness-engine-request/v1``: model path, token ids,
@@ -313,7 +314,8 @@ class CommandEngine:
     (``protocol = 1``) or one persistent process per model spoken to in JSON lines
     (``protocol = 2``, ``harness.engines.persistent``), which adds several sequences per request
     (``logits_multi``), settings (``with_settings(n_ubatch=...)``), greedy generation
-    (``generate``) and sessions (``session_logits``), each only with its capability declared.
+    (``generate``), sessions (``session_logits``) and the MTP head's draft logits (``draft``,
+    ``draft_multi``: op ``draft``), each only with its capability declared.
     """
 
     def __init__(self, spec: CommandSpec, model_path: str | os.PathLike, overrides: Sequence[Override] = (), block_size: int = 256,
