@@ -11,7 +11,9 @@ from the harness. Two ways to run it:
   files it wrote into the request's ``out_dir``: ``logits`` (one sequence in chunks, or several
   ``sequences`` decoded side by side, one sequence id each), ``generate`` (greedy ids), ``tokenize``
   (llama.cpp's own tokenizer of the GGUF: ``tokens.json``), sessions
-  (``session``: keep the state, checkpoint it, fork from a checkpoint), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
+  (``session``: keep the state, checkpoint it, fork from a checkpoint), ``draft`` (the MTP head's
+  draft logits through llama.cpp's own MTP context, llama.cpp's row convention; refused on a
+  model without an MTP block), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
 
 Each request gets a fresh llama.cpp context on the loaded model (recurrent memory cannot be
 trimmed); a session's state between requests is kept as llama.cpp's own sequence state bytes
@@ -20,11 +22,13 @@ trimmed); a session's state between requests is kept as llama.cpp's own sequence
 
 import ctypes
 import json
+import logging
 import sys
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from llama_cpp import llama_cpp_ext  # llama.cpp's nextn (MTP) staging API: experimental bindings
 
 N_THREADS = 2
 
@@ -35,34 +39,89 @@ def parse_override(text):
     return key, {"int": int, "float": float, "str": str, "bool": lambda s: s == "true"}[typ](raw)
 
 
-def load(model_path, overrides):
-    overrides = dict(parse_override(o) for o in overrides)
-    return llama_cpp.Llama(model_path, n_ctx=512, n_threads=N_THREADS, logits_all=False, verbose=False, kv_overrides=overrides or None)
+def kv_override_array(overrides):
+    """``--override-kv KEY=TYPE:VALUE`` strings as llama.cpp's NUL-terminated
+    ``llama_model_kv_override`` array (None when there are none); kept alive with the model."""
+    if not overrides:
+        return None
+    arr = (llama_cpp.llama_model_kv_override * (len(overrides) + 1))()
+    for i, (key, value) in enumerate(parse_override(o) for o in overrides):
+        arr[i].key = key.encode()
+        if isinstance(value, bool):
+            arr[i].tag, arr[i].value.val_bool = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL, value
+        elif isinstance(value, int):
+            arr[i].tag, arr[i].value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, value
+        elif isinstance(value, float):
+            arr[i].tag, arr[i].value.val_f64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_FLOAT, value
+        else:
+            arr[i].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
+            at = ctypes.addressof(arr[i].value) + llama_cpp.llama_model_kv_override_value.val_str.offset
+            ctypes.memmove(at, value.encode()[:127].ljust(128, b"\0"), 128)
+    arr[len(overrides)].key = b"\0"
+    return arr
+
+
+class Model:
+    """The GGUF loaded once through llama.cpp's C API, with its MTP (nextn) tensors: llama.cpp
+    skips them unless ``load_mtp`` is set, and the trunk's logits are the same bytes either way.
+    ``n_nextn`` is the number of MTP blocks (``llama_model_n_layer_nextn``; 0: no draft head)."""
+
+    def __init__(self, model_path, overrides):
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's log lines: errors only
+        llama_cpp.llama_backend_init()
+        p = llama_cpp.llama_model_default_params()
+        p.load_mtp = True
+        self._kv = kv_override_array(overrides)
+        if self._kv is not None:
+            p.kv_overrides = self._kv
+        self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), p)
+        if not self.model:
+            raise RuntimeError(f"llama_model_load_from_file failed for {model_path}")
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model)))
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        self.n_nextn = int(llama_cpp.llama_model_n_layer_nextn(self.model))
 
 
 class Context:
-    """One llama.cpp context on the loaded model: ``n_seq`` sequences, ``n_ubatch`` tokens per graph."""
+    """One llama.cpp context on the loaded model: ``n_seq`` sequences, ``n_ubatch`` tokens per graph.
+    ``other``: the trunk context this one is the MTP context of (``LLAMA_CONTEXT_TYPE_MTP``: its own
+    KV cache, holding the nextn block only; its batches carry a token and an embedding per row)."""
 
-    def __init__(self, llm, n_ctx, n_seq=1, n_ubatch=512):
+    def __init__(self, model, n_ctx, n_seq=1, n_ubatch=512, other=None):
         p = llama_cpp.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, min(n_ubatch, 512), n_seq
         p.n_threads = p.n_threads_batch = N_THREADS
         p.kv_unified = True
-        self.ctx = llama_cpp.llama_init_from_model(llm.model, p)
+        if other is not None:
+            p.ctx_type, p.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, other.ctx
+        self.ctx = llama_cpp.llama_init_from_model(model.model, p)
         if not self.ctx:
             raise RuntimeError("llama_init_from_model failed")
-        self.n_vocab = llm.n_vocab()
-        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        self.n_vocab, self.n_embd = model.n_vocab, model.n_embd
+        if other is None:
+            self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+            self.tokens = None
+        else:  # with embd allocated, llama_batch_init leaves token NULL: give it an array of ours
+            self.batch = llama_cpp.llama_batch_init(512, model.n_embd, 1)
+            self.tokens = (llama_cpp.llama_token * 512)()
+            self.batch.token = ctypes.cast(self.tokens, type(self.batch.token))
 
-    def decode(self, items):
-        """items: [(token, pos, seq)], at most 512; returns their logits float32 [n, V]."""
+    def run(self, items, embd=None):
+        """One ``llama_decode`` of items = [(token, pos, seq)], at most 512, logits on every row;
+        ``embd`` float32 [n, n_embd]: the rows' embeddings (MTP context only)."""
         b = self.batch
         for i, (tok, pos, seq) in enumerate(items):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1
             b.seq_id[i][0] = seq
+        if embd is not None:
+            np.ctypeslib.as_array(b.embd, shape=(512, self.n_embd))[: len(items)] = embd
         b.n_tokens = len(items)
         if llama_cpp.llama_decode(self.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
+
+    def decode(self, items, embd=None):
+        """``run``, then the rows' logits float32 [n, V]."""
+        self.run(items, embd)
         ptr = llama_cpp.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(len(items), self.n_vocab)).copy()
 
@@ -89,6 +148,8 @@ class Context:
             raise RuntimeError("llama_state_seq_set_data failed")
 
     def close(self):
+        if self.tokens is not None:
+            self.batch.token = None  # ours: llama_batch_free would free() it
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
 
@@ -97,18 +158,35 @@ def n_ctx_for(n):
     return max(512, -(-n // 256) * 256)
 
 
+def batches(seqs, chunks=None):
+    """The trunk's llama_decode batches, [(token, pos, seq)] each: one sequence in its ``chunks``
+    (each piece in batches of 512), or several side by side (512 // n tokens of each per batch)."""
+    if len(seqs) == 1:
+        pos = 0
+        for c in chunks or [len(seqs[0])]:
+            end = pos + c
+            while pos < end:
+                k = min(512, end - pos)
+                yield [(seqs[0][pos + i], pos + i, 0) for i in range(k)]
+                pos += k
+        return
+    per = max(1, 512 // len(seqs))
+    for start in range(0, max(map(len, seqs)), per):
+        yield [(q[p], p, i) for i, q in enumerate(seqs) for p in range(start, min(start + per, len(q)))]
+
+
 class Engine:
     """The loaded model and the sessions kept between requests: {id: {position: state bytes}}."""
 
     def __init__(self, model_path, overrides):
         self.model_path, self.overrides = model_path, list(overrides)
-        self.llm = load(model_path, overrides)
+        self.llm = Model(model_path, overrides)
         self.sessions = {}
 
     def info(self, req):
         return {"name": "example-llamacpp", "version": llama_cpp.__version__, "compute_class": "f32",
                 "settings": {"n_batch": 512, "n_ubatch": int((req.get("settings") or {}).get("n_ubatch", 512)),
-                             "n_threads": N_THREADS, "backend": "cpu", "overrides": self.overrides}}
+                             "n_threads": N_THREADS, "backend": "cpu", "overrides": self.overrides, "mtp_convention": "llama.cpp"}}
 
     def logits(self, req):
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
@@ -174,6 +252,47 @@ class Engine:
         finally:
             ctx.close()
 
+    def draft(self, req):
+        """Op ``draft``: the MTP head's teacher-forced draft logits through llama.cpp's MTP context,
+        in llama.cpp's position convention. Returns (draft logits float32 [Σ(T_i − 1), V], hidden
+        float32 [Σ T_i, n_embd]), the sequences' rows concatenated in order.
+
+        The trunk context decodes the tokens as ``logits`` does (one sequence in its ``chunks``, or
+        ``sequences`` side by side) with its nextn embeddings on: after each batch they hold the
+        batch's h_t, the trunk state after ``output_norm``. Each batch's positions p then go to the
+        MTP context as rows (h_{p−1}, x_p) at position p, h_{−1} = 0: row 0 is a sentinel, decoded
+        (it is a key the head attends to) but not a draft; row p ≥ 1 drafts tokens[p + 1], draft row
+        p − 1. So a chunked prefill fills the head's KV cache piece by piece, as llama.cpp's server
+        does. Raises ``ValueError`` on a model without an MTP block (the harness reports the refusal)."""
+        m = self.llm
+        if m.n_nextn < 1:
+            raise ValueError("this model has no MTP (nextn) block (llama_model_n_layer_nextn is 0): no draft head to run")
+        seqs = [q["tokens"] for q in req["sequences"]] if req.get("sequences") else [req["tokens"]]
+        if any(len(q) < 2 for q in seqs):
+            raise ValueError("draft logits need at least 2 tokens per sequence")
+        n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
+        n_ctx = n_ctx_for(sum(map(len, seqs)))
+        trunk = Context(m, n_ctx, n_seq=len(seqs), n_ubatch=n_ubatch)
+        llama_cpp_ext.llama_set_embeddings_nextn(trunk.ctx, True, False)
+        head = Context(m, n_ctx, n_seq=len(seqs), n_ubatch=n_ubatch, other=trunk)
+        hidden = [np.zeros((len(q), m.n_embd), np.float32) for q in seqs]
+        drafts = [np.zeros((len(q) - 1, m.n_vocab), np.float32) for q in seqs]
+        try:
+            for items in batches(seqs, req.get("chunks") if len(seqs) == 1 else None):
+                trunk.run(items)
+                h = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(trunk.ctx), shape=(len(items), m.n_embd))
+                for (_, pos, seq), row in zip(items, h):
+                    hidden[seq][pos] = row
+                embd = np.stack([hidden[seq][pos - 1] if pos else np.zeros(m.n_embd, np.float32) for _, pos, seq in items])
+                out = head.decode(items, embd)
+                for (_, pos, seq), row in zip(items, out):
+                    if pos >= 1:
+                        drafts[seq][pos - 1] = row
+        finally:
+            head.close()
+            trunk.close()
+        return np.concatenate(drafts), np.concatenate(hidden)
+
     def handle(self, req):
         """One request; returns the reply (without ``id``)."""
         op, out = req.get("op", "logits"), Path(req.get("out_dir", "."))
@@ -191,6 +310,11 @@ class Engine:
         if op == "generate":
             (out / "tokens.json").write_text(json.dumps(self.generate(req)))
             return {"ok": True, "files": ["tokens.json", "info.json"]}
+        if op == "draft":
+            logits, hidden = self.draft(req)
+            np.save(out / "draft_logits.npy", logits)
+            np.save(out / "hidden.npy", hidden)
+            return {"ok": True, "files": ["draft_logits.npy", "hidden.npy", "info.json"]}
         np.save(out / "logits.npy", self.logits(req).astype(np.float32))
         return {"ok": True, "files": ["logits.npy", "info.json"]}
 

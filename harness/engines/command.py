@@ -3,7 +3,8 @@
 Protocol 2 (``protocol = 2`` in the engine's table) keeps one process per model and exchanges
 JSON lines (``harness.engines.persistent``); the request objects (schema
 ``harness-engine-request/v2``) are protocol 1's plus ``op``, ``id``, ``out_dir``, ``settings``,
-``sequences``, ``session`` and ``n_tokens``, and the outputs are read by the same bounded readers.
+``sequences``, ``session`` and ``n_tokens``, and the outputs are read by the same bounded readers
+(op ``draft`` adds ``draft_logits.npy`` and ``hidden.npy``, read by ``load_matrix``).
 Protocol 1, below, runs one process per request.
 
 The harness writes a request JSON (schema ``harness-engine-request/v1``: model path, token ids,
@@ -42,6 +43,8 @@ import numpy as np
 from harness.config import HarnessConfig, configured_engine, engine_table, load_config
 from harness.engines.base import (
     COMPUTE_CLASSES,
+    MTP_CONVENTIONS,
+    Drafts,
     EngineInfo,
     LogitBlock,
     checked_token_ids,
@@ -64,11 +67,12 @@ from harness.rundir import scratch_dir
 REQUEST_SCHEMA = "harness-engine-request/v1"
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "mtp")
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
-V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json")
-"""The files a protocol-2 reply may name (each in the request's ``out_dir``)."""
+V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy")
+"""The files a protocol-2 reply may name (each in the request's ``out_dir``): ``draft_logits.npy``
+and ``hidden.npy`` answer op ``draft`` (capability ``mtp``)."""
 SETTINGS = ("n_ubatch",)
 """Settings a request may carry (``with_settings``), sent as ``settings`` in protocol 2."""
 INFO_MAX_BYTES = 1 << 20
@@ -229,26 +233,55 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+def load_matrix(out_dir: Path, name: str, who: str, n_rows: int, n_cols: int, stderr_tail: str = "", *,
+                what: str | None = None, cols: str = "V", vocab: bool = True) -> np.ndarray:
+    """``out_dir/name`` memory-mapped, a float32 ``[n_rows, n_cols]`` array (``np.save`` format,
+    read with ``allow_pickle=False``; a header claiming more rows than the file holds is refused
+    by ``np.load`` before anything is read). ``what`` names the array in messages (default: the
+    file name), ``cols`` its column count's symbol (``V``, ``n_embd``).
+
+    Raises ``EngineError`` (missing, not a regular file, unreadable, pickled, not one array, wrong
+    dtype, not 2-D, wrong row count; with ``vocab`` False also a wrong column count) and, with
+    ``vocab`` True, ``NotComparable`` for a column count other than ``n_cols`` (the model's vocab).
+    """
+    what = what or name
+    path = _required_output(out_dir, name, who, stderr_tail)
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise EngineError(f"{who} wrote an unreadable {name} ({_first_line(e)})", stderr_tail) from None
+    if not isinstance(arr, np.ndarray):
+        raise EngineError(f"{who} wrote a {name} that is not one array", stderr_tail)
+    if arr.dtype != np.float32:
+        raise EngineError(f"{who} wrote {what} of dtype {arr.dtype}; the protocol requires float32", stderr_tail)
+    if arr.ndim != 2 or arr.shape[0] != n_rows or (not vocab and arr.shape[1] != n_cols):
+        expect = f"[{n_rows}, {cols}]" if vocab else f"[{n_rows}, {n_cols}] ([rows, {cols}])"
+        raise EngineError(f"{who} wrote {what} of shape {arr.shape}; expected {expect}", stderr_tail)
+    if arr.shape[1] != n_cols:
+        raise NotComparable(f"{who} {what} have {arr.shape[1]} columns but the model's vocab has {n_cols}")
+    return arr
+
+
 def load_logits(out_dir: Path, who: str, n_tokens: int, n_vocab: int, stderr_tail: str = "") -> np.ndarray:
-    """``out_dir/logits.npy`` memory-mapped (float32 ``[n_tokens, n_vocab]``).
+    """``out_dir/logits.npy`` memory-mapped (float32 ``[n_tokens, n_vocab]``; ``load_matrix``).
 
     Raises ``EngineError`` (missing, not a regular file, unreadable, pickled, wrong dtype or
     shape) and ``NotComparable`` (a column count other than ``n_vocab``).
     """
-    path = _required_output(out_dir, "logits.npy", who, stderr_tail)
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise EngineError(f"{who} wrote an unreadable logits.npy ({_first_line(e)})", stderr_tail) from None
-    if not isinstance(arr, np.ndarray):
-        raise EngineError(f"{who} wrote a logits.npy that is not one array", stderr_tail)
-    if arr.dtype != np.float32:
-        raise EngineError(f"{who} wrote logits of dtype {arr.dtype}; the protocol requires float32", stderr_tail)
-    if arr.ndim != 2 or arr.shape[0] != n_tokens:
-        raise EngineError(f"{who} wrote logits of shape {arr.shape}; expected [{n_tokens}, V]", stderr_tail)
-    if arr.shape[1] != n_vocab:
-        raise NotComparable(f"{who} logits have {arr.shape[1]} columns but the model's vocab has {n_vocab}")
-    return arr
+    return load_matrix(out_dir, "logits.npy", who, n_tokens, n_vocab, stderr_tail, what="logits")
+
+
+def mtp_convention_of(info: dict[str, Any], who: str) -> str:
+    """The ``settings.mtp_convention`` an engine's ``info.json`` states (one of
+    ``harness.engines.base.MTP_CONVENTIONS``: ``llama.cpp`` or ``vllm``). Raises ``EngineError``
+    naming the two legal values when it is missing or anything else."""
+    settings = info.get("settings") if isinstance(info.get("settings"), dict) else {}
+    conv = settings.get("mtp_convention")
+    if conv not in MTP_CONVENTIONS:
+        legal = " or ".join(repr(c) for c in MTP_CONVENTIONS)
+        said = "states no settings.mtp_convention" if conv is None else f"states settings.mtp_convention {str(conv)[:40]!r}"
+        raise EngineError(f"{who}'s info.json {said}; a draft reply must state {legal} (docs/engine-protocol.md, op draft)")
+    return str(conv)
 
 
 def load_info(out_dir: Path, who: str, stderr_tail: str = "") -> dict[str, Any]:
@@ -282,7 +315,8 @@ class CommandEngine:
     (``protocol = 1``) or one persistent process per model spoken to in JSON lines
     (``protocol = 2``, ``harness.engines.persistent``), which adds several sequences per request
     (``logits_multi``), settings (``with_settings(n_ubatch=...)``), greedy generation
-    (``generate``) and sessions (``session_logits``), each only with its capability declared.
+    (``generate``), sessions (``session_logits``) and the MTP head's draft logits (``draft``,
+    ``draft_multi``: op ``draft``), each only with its capability declared.
     """
 
     def __init__(self, spec: CommandSpec, model_path: str | os.PathLike, overrides: Sequence[Override] = (), block_size: int = 256,
@@ -293,6 +327,7 @@ class CommandEngine:
         self.block_size = block_size
         self.settings = dict(settings or {})
         self._last_info: dict[str, Any] = {}
+        self._reply_files: list[str] = []  # the files the latest protocol-2 reply named
 
     @property
     def who(self) -> str:
@@ -313,6 +348,9 @@ class CommandEngine:
                     "overrides": [o.to_flag() for o in self.overrides]}
         if self.spec.protocol == 2:
             settings.update(protocol=2, **self.settings)
+        conv = (reported.get("settings") or {}).get("mtp_convention")
+        if "mtp" in self.spec.capabilities and conv in MTP_CONVENTIONS:
+            settings["mtp_convention"] = conv  # where the head's rows sit (base.MTP_CONVENTIONS), as the engine stated it
         return EngineInfo(
             name=self.who,
             version=str(reported.get("version", "unknown")),
@@ -376,6 +414,7 @@ class CommandEngine:
             bad = [f for f in reply.get("files", []) if f not in V2_FILES]
             if bad:
                 raise EngineError(f"{self.who} named {bad[0][:60]!r} among its files; the protocol's files are {', '.join(V2_FILES)}")
+            self._reply_files = list(reply.get("files", []))
             tail = server.tail()
             info = load_info(out_dir, self.who, tail)
             if info:
@@ -432,6 +471,62 @@ class CommandEngine:
             raise EngineError(f"{self.who}: {len(per)} chunk lists for {len(seqs)} sequences")
         items = [{"tokens": q, "chunks": validate_chunks(len(q), c) if c is not None else None} for q, c in zip(seqs, per)]
         yield from self._v2_logits({"op": "logits", "sequences": items, "want": ["logits"]}, sum(len(q) for q in seqs))
+
+    def draft(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Drafts:
+        """The engine's MTP (nextn) head, teacher forced through its own prefill (op ``draft``,
+        capability ``mtp``, protocol 2; docs/engine-protocol.md): ``tokens`` fed in ``chunks``
+        (capability ``chunks`` too) → ``Drafts`` with ``logits`` float32 [T−1, V] (row t: the head's
+        logits for tokens[t+2]) from ``draft_logits.npy``, and ``hidden`` float32 [T, n_embd] (the
+        h_t the head was fed) from ``hidden.npy`` when the engine wrote it, else None. The rows sit
+        where ``info.settings["mtp_convention"]`` says (``llama.cpp`` or ``vllm``), which the reply's
+        ``info.json`` must state. Raises ``EngineError`` (capability not declared, fewer than 2
+        tokens, a refusal, a missing or malformed file, a missing or unknown convention) and
+        ``NotComparable`` (draft logits as wide as something other than the vocab)."""
+        self._need("mtp")
+        tokens = [int(t) for t in tokens]
+        pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
+        if pieces is not None:
+            self._need("chunks")
+        return self._v2_drafts({"op": "draft", "tokens": tokens, "chunks": pieces, "want": ["draft_logits", "hidden"]}, [tokens])[0]
+
+    def draft_multi(self, sequences: Sequence[Sequence[int]]) -> list[Drafts]:
+        """``draft`` of several sequences decoded together, one sequence id (state slot) each
+        (capabilities ``mtp`` and ``multi_seq``): one ``Drafts`` per sequence, in order, cut from
+        ``draft_logits.npy`` [Σ(T_i − 1), V] and ``hidden.npy`` [Σ T_i, n_embd] (the sequences'
+        rows concatenated). Raises as ``draft`` does, and ``EngineError`` for no sequences."""
+        self._need("mtp")
+        self._need("multi_seq")
+        seqs = [[int(t) for t in q] for q in sequences]
+        if not seqs:
+            raise EngineError(f"{self.who}: draft_multi needs at least one sequence")
+        items = [{"tokens": q, "chunks": None} for q in seqs]
+        return self._v2_drafts({"op": "draft", "sequences": items, "want": ["draft_logits", "hidden"]}, seqs)
+
+    def _v2_drafts(self, body: dict[str, Any], seqs: list[list[int]]) -> list[Drafts]:
+        """One op-``draft`` exchange for ``seqs``; its files read, checked and cut per sequence."""
+        if any(len(q) < 2 for q in seqs):
+            raise EngineError(f"{self.who}: draft logits need at least 2 tokens per sequence (row t predicts tokens[t+2])")
+        n_rows, n_tok, n_embd = sum(len(q) - 1 for q in seqs), sum(len(q) for q in seqs), self._hparams.n_embd
+        with self._exchange(body) as (out_dir, tail):
+            mtp_convention_of(self._server().last_info, self.who)
+            logits = load_matrix(out_dir, "draft_logits.npy", self.who, n_rows, self.n_vocab, tail, what="draft logits")
+            logits = npy_rows(logits, 0, n_rows)
+            hidden = None
+            try:
+                has_hidden = regular_file(out_dir / "hidden.npy", self.who) is not None
+            except EngineError as e:
+                raise EngineError(str(e), tail) from None
+            if "hidden.npy" in self._reply_files and not has_hidden:
+                raise EngineError(f"{self.who} named hidden.npy among its files but wrote none", tail)
+            if has_hidden:
+                mapped = load_matrix(out_dir, "hidden.npy", self.who, n_tok, n_embd, tail, what="hidden states", cols="n_embd", vocab=False)
+                hidden = npy_rows(mapped, 0, n_tok)
+                del mapped
+        out, r, t = [], 0, 0
+        for q in seqs:
+            out.append(Drafts(logits[r : r + len(q) - 1], None if hidden is None else hidden[t : t + len(q)]))
+            r, t = r + len(q) - 1, t + len(q)
+        return out
 
     def with_settings(self, **changes: Any) -> "CommandEngine":
         """The same engine and process with settings changed (capability ``n_ubatch``:
