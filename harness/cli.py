@@ -207,6 +207,19 @@ def fixtures_train(arch, name, steps, seed, out_dir) -> None:
     click.echo(result if isinstance(result, str) else json.dumps(result, indent=2, default=str))
 
 
+@fixtures.command("train-mtp")
+@click.argument("name", type=click.Choice(["trained-qwen35-mtp-head", "trained-qwen35moe-mtp-head"]))
+@click.option("--steps", type=int, default=None, help="Training steps (default: the recipe's).")
+@click.option("--out-dir", type=click.Path(), default=None, help="Where to write NAME.gguf and NAME.recipe.json (default: harness/data/fixtures/mtp).")
+def fixtures_train_mtp(name, steps, out_dir) -> None:
+    """Train an MTP (nextn) draft head on its frozen trained trunk with torch (the hf extra) and
+    write it as an MTP-only GGUF with its recipe; fixture:trained-*-mtp joins it to the trunk."""
+    # deferred: startup (torch is imported by the training itself)
+    from harness.fixtures import mtp_training
+
+    click.echo(json.dumps(mtp_training.train(name, steps=steps, out_dir=out_dir), indent=2, default=str))
+
+
 # -- lint ------------------------------------------------------------------------------------
 @cli.command()
 @click.argument("model")

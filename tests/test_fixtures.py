@@ -94,6 +94,64 @@ def test_mtp_fixtures_share_the_trunk():
         np.testing.assert_array_equal(base.tensor(name), mtp.tensor(name))
 
 
+MTP_FIXTURES = {"tiny-qwen35-mtp": "tiny-qwen35", "tiny-qwen35moe-mtp": "tiny-qwen35moe", "tiny-qwen35-mtp-own-head": "tiny-qwen35"}
+OWN_HEAD = ("blk.8.nextn.embed_tokens.weight", "blk.8.nextn.shared_head_head.weight")
+
+
+@pytest.mark.parametrize("name", sorted(MTP_FIXTURES))
+def test_mtp_fixture_is_its_twin_plus_a_nextn_block_like_a_real_file(name):
+    """Every trunk tensor is bit-identical to the trunk-only twin's; the only extra tensors are
+    blk.8's; the head norm is there, stored shifted like the other norms (mean ≈ 1, not ≈ 0)."""
+    twin, mtp = GGUFModel(fx.build(MTP_FIXTURES[name])), GGUFModel(fx.build(name))
+    extra = set(mtp.tensor_names) - set(twin.tensor_names)
+    assert set(twin.tensor_names) <= set(mtp.tensor_names) and extra and all(n.startswith("blk.8.") for n in extra)
+    for n in twin.tensor_names:
+        np.testing.assert_array_equal(twin.tensor(n), mtp.tensor(n), err_msg=n)
+    norm = mtp.tensor("blk.8.nextn.shared_head_norm.weight")
+    assert norm.shape == (mtp.hparams.n_embd,) and 0.9 < float(norm.mean()) < 1.1
+    assert mtp.metadata(f"{mtp.arch}.nextn_predict_layers") == 1 and mtp.hparams.n_layer_all == 9
+    own = name.endswith("own-head")
+    assert all(mtp.has_tensor(n) == own for n in OWN_HEAD)
+    if mtp.hparams.is_moe:
+        assert mtp.tensor_info("blk.8.ffn_gate_exps.weight").ne == (64, 64, 4)
+        assert mtp.has_tensor("blk.8.ffn_gate_inp_shexp.weight")
+
+
+def test_own_head_variant_differs_from_tiny_qwen35_mtp_only_by_its_head():
+    """The own-head variant draws the same stream: its required nextn tensors equal
+    tiny-qwen35-mtp's, and its own E and W are new matrices of the vocab's shape."""
+    a, b = GGUFModel(fx.build("tiny-qwen35-mtp")), GGUFModel(fx.build("tiny-qwen35-mtp-own-head"))
+    assert set(b.tensor_names) - set(a.tensor_names) == set(OWN_HEAD)
+    for n in a.tensor_names:
+        np.testing.assert_array_equal(a.tensor(n), b.tensor(n), err_msg=n)
+    for n, shared in zip(OWN_HEAD, ("token_embd.weight", "output.weight")):
+        assert b.tensor_info(n).ne == b.tensor_info(shared).ne
+        assert not np.allclose(b.tensor(n), b.tensor(shared))
+
+
+_LOAD_MTP = """
+import sys, llama_cpp
+llama_cpp.llama_backend_init()
+p = llama_cpp.llama_model_default_params()
+p.load_mtp = True
+m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p)
+if not m:
+    sys.exit(10)
+print("n_layer_nextn", llama_cpp.llama_model_n_layer_nextn(m), "n_layer", llama_cpp.llama_model_n_layer(m))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(MTP_FIXTURES))
+def test_mtp_fixture_loads_in_llamacpp_with_load_mtp(name):
+    """llama.cpp (``load_mtp = True``) loads the nextn block: n_layer_nextn 1 (in a worker: ggml may abort)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _LOAD_MTP, str(fx.build(name))], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[:2] == ["n_layer_nextn", "1"], proc.stdout
+
+
 def test_v248k_fixture_has_the_real_vocab():
     m = GGUFModel(fx.build("tiny-qwen35-v248k"))
     assert m.hparams.n_vocab == 248_320

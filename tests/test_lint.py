@@ -12,7 +12,7 @@ from harness.fixtures.defects import DEFECTS, build_defect
 from harness.fixtures.resolve import resolve_model
 from harness.model.lint import CODES, SEVERITY, lint_path
 
-GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp"]
+GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp", "tiny-qwen35moe-mtp", "tiny-qwen35-mtp-own-head"]
 REMEDY = ["qwen35.block_count=int:8", "qwen35.nextn_predict_layers=int:0"]
 
 
@@ -128,3 +128,59 @@ def test_unsupported_arch_and_bad_override_raise(tmp_path):
         lint_path(str(path), [])
     with pytest.raises(InvalidInput, match="KEY=TYPE:VALUE"):
         lint_path(resolve_model("fixture:tiny-qwen35"), ["qwen35.block_count"])
+
+
+def _shape_line(report) -> str:
+    return next(s for s in report.info if s.startswith("file shape:"))
+
+
+def test_unshifted_shared_head_norm_is_flagged_with_the_remedy(defect):
+    """The +1 shift rule covers the head norm (HF mtp.norm) as it covers enorm and hnorm."""
+    (f,) = lint_path(defect("shared-head-norm-unshifted"), []).findings
+    assert (f.code, f.severity, f.where["tensor"], f.where["layer"]) == ("QL402", "error", "blk.8.nextn.shared_head_norm.weight", 8)
+    assert abs(f.where["found"]) < 0.1  # the unshifted weight's mean is ≈ 0
+    assert f.remedy.startswith("add 1 to the weight (HF mtp.norm)")
+    (f,) = lint_path(defect("nextn-enorm-double-shift"), []).findings
+    assert f.code == "QL403" and "HF mtp.pre_fc_norm_embedding" in f.remedy and f.where["found"] > 1.5
+
+
+def test_nextn_shapes_and_types_are_checked(defect):
+    (f,) = lint_path(defect("nextn-eh-proj-wrong-shape"), []).findings
+    assert f.code == "QL302" and f.where["expected"] == [128, 64] and f.where["found"] == [64, 64]  # eh_proj maps 2·n_embd → n_embd
+    (f,) = lint_path(defect("nextn-hnorm-f16"), []).findings
+    assert f.code == "QL405" and (f.where["tensor"], f.where["found"]) == ("blk.8.nextn.hnorm.weight", "F16")
+    (f,) = lint_path(defect("nextn-embed-tokens-vocab-rows"), []).findings
+    assert f.code == "QL303" and f.where["tensor"] == "blk.8.nextn.embed_tokens.weight" and f.where["found"] == f.where["expected"] - 1
+    (f,) = lint_path(defect("nextn-eh-proj-missing"), []).findings
+    assert f.code == "QL301" and f.where["tensor"] == "blk.8.nextn.eh_proj.weight"
+
+
+def test_info_lines_name_the_legal_file_shapes(defect):
+    legal = "(legal shapes: trunk only, trunk + MTP, MTP only)"
+    assert _shape_line(lint_path(resolve_model("fixture:tiny-qwen35"), [])) == f"file shape: trunk only {legal}"
+    line = _shape_line(lint_path(resolve_model("fixture:tiny-qwen35-mtp"), []))
+    assert line.startswith(f"file shape: trunk + MTP {legal}; blk.8 is the nextn block (draft head, load_mtp)")
+    assert line.endswith("E = token_embd.weight (fallback), W = output.weight (fallback), head norm = blk.8.nextn.shared_head_norm.weight")
+    line = _shape_line(lint_path(resolve_model("fixture:tiny-qwen35-mtp-own-head"), []))
+    assert line.endswith("E = blk.8.nextn.embed_tokens.weight, W = blk.8.nextn.shared_head_head.weight, "
+                         "head norm = blk.8.nextn.shared_head_norm.weight")
+    only = lint_path(defect("mtp-only"), [])
+    assert [(f.code, f.severity) for f in only.findings] == [("QL202", "info")] and only.exit_code == 0 and not only.warnings
+    assert _shape_line(only).startswith(f"file shape: MTP only {legal}; blk.8 is the nextn block (draft model for -md)")
+    absent = lint_path(resolve_model("fixture:mtp-declared-absent"), [])
+    assert _shape_line(absent).startswith("file shape: not one of the legal ones") and "QL201" in _shape_line(absent)
+    # with the two --override-kv remedies it is a legal trunk-only file
+    assert _shape_line(lint_path(resolve_model("fixture:mtp-declared-absent"), REMEDY)).startswith("file shape: trunk only")
+
+
+def test_head_without_shared_head_norm_is_legal_and_named_as_the_fallback(tmp_path):
+    """llama.cpp's graph_mtp falls back to output_norm when nextn.shared_head_norm is absent:
+    legal, and the info line says which norm the head uses."""
+    from dataclasses import replace
+
+    from harness.fixtures.synthetic import SPECS, build_fixture
+
+    path = build_fixture(replace(SPECS["tiny-qwen35-mtp"], nextn_optional=()), tmp_path / "no-head-norm.gguf")
+    report = lint_path(str(path), [])
+    assert report.findings == [], report.render()
+    assert _shape_line(report).endswith("head norm = output_norm.weight (fallback)")

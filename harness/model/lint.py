@@ -27,7 +27,7 @@ QL109  error    2 × sum(rope.dimension_sections) != rope.dimension_count
 QL110  error    expert_used_count is 0 or exceeds expert_count
 QL111  error    a float hyperparameter (rms epsilon, rope base) is NaN, infinite or not positive
 QL201  error    MTP declared but absent (block_count counts nextn blocks that have no tensors)
-QL202  warning  MTP-only file (nextn blocks present, no trunk)
+QL202  info     MTP-only file: a legal shape (a draft model for llama.cpp ``-md``), not a model to compare
 QL203  error    tensors for blocks beyond block_count (undeclared MTP or stray blocks)
 QL204  error    layer schedule mismatch: a layer holds the other kind's tensor set
 QL301  error    required tensor missing
@@ -83,7 +83,7 @@ _CODE_TABLE: list[tuple[str, str, str]] = [
     ("QL110", "error", "expert_used_count out of range"),
     ("QL111", "error", "float hyperparameter not finite and positive"),
     ("QL201", "error", "MTP declared but absent"),
-    ("QL202", "warning", "MTP-only file"),
+    ("QL202", "info", "MTP-only file (a draft model)"),
     ("QL203", "error", "tensors beyond block_count"),
     ("QL204", "error", "layer schedule mismatch"),
     ("QL301", "error", "required tensor missing"),
@@ -333,7 +333,9 @@ class TensorRule:
     llama.cpp creates with TENSOR_NOT_REQUIRED; ``alt`` a fused tensor whose presence satisfies
     this one. Checks: ``vocab`` (dim 1 is n_vocab: a mismatch there is QL303), ``f32`` (QL405),
     ``norm`` "shifted" (QL402/403) or "unshifted" (QL404), ``negative`` (QL401), ``finite``
-    (QL406; norm and negative rows are always checked for it too).
+    (QL406; norm and negative rows are always checked for it too). ``hf`` names the HF
+    checkpoint tensor a row is converted from where the remedy should say it (the nextn norms,
+    which HF calls ``mtp.*``).
     """
 
     tensor: MODEL_TENSOR
@@ -347,6 +349,7 @@ class TensorRule:
     norm: str | None = None
     negative: bool = False
     finite: bool = False
+    hf: str | None = None
 
     @property
     def template(self) -> str:
@@ -403,11 +406,12 @@ _COMMON: list[TensorRule] = [
 ]
 _MTP: list[TensorRule] = [  # MTP (nextn) block extras
     TensorRule(T.NEXTN_EH_PROJ, W, lambda h: (2 * h.n_embd, h.n_embd), M),
-    TensorRule(T.NEXTN_ENORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted"),
-    TensorRule(T.NEXTN_HNORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted"),
+    TensorRule(T.NEXTN_ENORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted", hf="mtp.pre_fc_norm_embedding"),
+    TensorRule(T.NEXTN_HNORM, W, lambda h: (h.n_embd,), M, f32=True, norm="shifted", hf="mtp.pre_fc_norm_hidden"),
     TensorRule(T.NEXTN_EMBED_TOKENS, W, lambda h: (h.n_embd, h.n_vocab), M, required=False, vocab=True, finite=True),
     TensorRule(T.NEXTN_SHARED_HEAD_HEAD, W, lambda h: (h.n_embd, h.n_vocab), M, required=False, vocab=True, finite=True),
-    TensorRule(T.NEXTN_SHARED_HEAD_NORM, W, lambda h: (h.n_embd,), M, required=False, f32=True),
+    # the head norm (HF mtp.norm); absent, llama.cpp's graph_mtp falls back to output_norm
+    TensorRule(T.NEXTN_SHARED_HEAD_NORM, W, lambda h: (h.n_embd,), M, required=False, f32=True, norm="shifted", hf="mtp.norm"),
 ]
 _DENSE_FFN: list[TensorRule] = [
     TensorRule(T.FFN_GATE, W, lambda h: (h.n_embd, h.n_ff), ALL),
@@ -494,8 +498,9 @@ def check_inventory(model: GGUFModel, h: Qwen35HParams) -> tuple[list[Finding], 
     elif not trunk_present:
         kind = "MTP-only"
         skip |= set(range(n_trunk))
-        out.append(_finding("QL202", f"MTP-only file: blocks {mtp_present} hold nextn tensors but the {n_trunk} trunk layers are absent; "
-                            "it is a draft head, not a model whose logits can be compared", layer=mtp_present[0]))
+        out.append(_finding("QL202", f"MTP-only file: blocks {mtp_present} hold nextn tensors and the {n_trunk} trunk layers are absent; "
+                            "a legal draft model (llama.cpp -md, loaded with load_mtp), not a model whose logits can be compared",
+                            layer=mtp_present[0]))
     else:
         kind = "trunk+MTP"
     beyond = sorted(i for i in blocks if i >= n_all)
@@ -514,6 +519,43 @@ def check_inventory(model: GGUFModel, h: Qwen35HParams) -> tuple[list[Finding], 
         ))
         skip |= set(beyond)
     return out, kind, skip
+
+
+SHAPES: dict[str, str] = {
+    "trunk-only": "trunk only",
+    "trunk+MTP": "trunk + MTP",
+    "MTP-only": "MTP only",
+}
+"""The legal file shapes (``check_inventory``'s classification → its name): llama.cpp loads a
+trunk-only file as a model; a trunk + MTP file as a model whose nextn block is a draft head
+(loaded with ``load_mtp``, llama.cpp ``--spec-type draft-mtp``); an MTP-only file (the
+converter's ``--mtp-only``: ``token_embd``, ``output_norm``, ``output`` and the nextn block) as
+a draft model (``-md``), its trunk tensors not required (``load_arch_tensors``: ``mtp_only``)."""
+
+
+def shape_line(model: GGUFModel, h: Qwen35HParams, kind: str) -> str:
+    """The info line naming the file's shape among the legal ones (``SHAPES``) and, for a file
+    with an MTP block, which tensors its head uses: E (``nextn.embed_tokens`` or ``token_embd``),
+    W (``nextn.shared_head_head`` or ``output``) and the head norm (``nextn.shared_head_norm`` or
+    llama.cpp's fallback ``output_norm``), as ``graph_mtp`` in llama.cpp's ``qwen35.cpp`` picks them."""
+    legal = ", ".join(SHAPES.values())
+    if kind not in SHAPES:
+        return f"file shape: not one of the legal ones ({legal}): MTP counted in block_count but not emitted (QL201)"
+    line = f"file shape: {SHAPES[kind]} (legal shapes: {legal})"
+    if kind == "trunk-only":
+        return line
+    il = h.n_layer
+    t = model.has_tensor
+
+    def pick(own: MODEL_TENSOR, fallback: str) -> str:
+        name = TENSOR_NAMES[own].format(bid=il) + ".weight"
+        return name if t(name) else f"{fallback} (fallback)"
+
+    output = "output.weight" if t("output.weight") else "token_embd.weight (tied)"
+    use = "draft model for -md" if kind == "MTP-only" else "draft head, load_mtp"
+    return (f"{line}; blk.{il} is the nextn block ({use}): E = {pick(MODEL_TENSOR.NEXTN_EMBED_TOKENS, 'token_embd.weight')}, "
+            f"W = {pick(MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD, output)}, head norm = "
+            f"{pick(MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM, 'output_norm.weight')}")
 
 
 def _schedule_mismatches(model: GGUFModel, h: Qwen35HParams, skip: set[int]) -> tuple[list[Finding], set[int]]:
@@ -638,12 +680,13 @@ def _range_findings(rule: TensorRule, il: int | None, name: str, w: np.ndarray) 
     if not rule.norm:
         return out
     mean = float(np.mean(w))
+    src = f" (HF {rule.hf})" if rule.hf else ""
     if rule.norm == "shifted" and mean < SHIFT_LOW:
         out.append(_finding("QL402", f"{name} has mean {mean:.3f}; the converter stores 1 + w (mean ≈ 1): the +1 shift is missing",
-                            "add 1 to the weight when converting (Qwen3.5 RMSNorm applies x̂·(1+w))", layer=il, tensor=name, found=mean))
+                            f"add 1 to the weight{src} when converting (Qwen3.5 RMSNorm applies x̂·(1+w))", layer=il, tensor=name, found=mean))
     elif rule.norm == "shifted" and mean > SHIFT_HIGH:
         out.append(_finding("QL403", f"{name} has mean {mean:.3f}; expected ≈ 1: the +1 shift was applied twice",
-                            "apply the +1 shift once", layer=il, tensor=name, found=mean))
+                            f"apply the +1 shift{src} once", layer=il, tensor=name, found=mean))
     elif rule.norm == "unshifted" and mean > SHIFT_HIGH:
         out.append(_finding("QL404", f"{name} has mean {mean:.3f}; ssm_norm is not shifted by the converter (expected ≈ 1)",
                             "store the gated-norm weight as is, without +1", layer=il, tensor=name, found=mean))
@@ -699,6 +742,7 @@ def lint_model(model: GGUFModel) -> LintReport:
     rec = [il for il in range(h.n_layer) if h.is_recurrent(il)]
     att = [il for il in range(h.n_layer) if not h.is_recurrent(il)]
     report.info.append(f"mtp: {kind} ({h.n_layer} trunk layers, {h.n_layer_nextn} nextn declared)")
+    report.info.append(shape_line(model, h, kind))
     report.info.append(f"schedule: Gated DeltaNet {rec}; full attention {att}")
     mem = memory_estimate(h)
     report.memory = mem
