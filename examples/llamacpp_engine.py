@@ -81,6 +81,18 @@ class Model:
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
         self.n_nextn = int(llama_cpp.llama_model_n_layer_nextn(self.model))
 
+    def tokenize(self, text: bytes, add_bos: bool = False, special: bool = False) -> list:
+        """llama.cpp's own tokenization of ``text`` (``llama_tokenize``): BOS/EOS only with
+        ``add_bos`` and where the vocabulary asks for them, special-token strings parsed only
+        with ``special``."""
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        n_max = len(text) + 16
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(vocab, text, len(text), buf, n_max, add_bos, special)
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize needs {-n} slots")
+        return [int(buf[i]) for i in range(n)]
+
 
 class Context:
     """One llama.cpp context on the loaded model: ``n_seq`` sequences, ``n_ubatch`` tokens per graph.
