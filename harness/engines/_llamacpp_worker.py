@@ -490,16 +490,36 @@ def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path)
     and an embedding per row, in ``mtp_convention``: ``llama.cpp`` (row (h_{p−1}, x_p) at position
     p, h_{−1} = 0: the sentinel row 0 is decoded, as llama.cpp's speculative driver does, and not
     written) or ``vllm`` (row (h_t, x_{t+1}) at position t). So a chunked prefill fills the head's
-    KV piece by piece, as llama.cpp's server does."""
+    KV piece by piece, as llama.cpp's server does. ``items`` (a list of ``{tokens, chunks}`` or
+    ``{sequences}``) runs several such requests one after another in fresh contexts, in one worker
+    (one model load); their rows are written one after another."""
     from llama_cpp import llama_cpp_ext as ext
 
-    s = req["settings"]
-    sequences = req.get("sequences") or [req["tokens"]]
     conv = req.get("mtp_convention", "llama.cpp")
-    shift = 1 if conv == "vllm" else 0
     if int(llama_cpp.llama_model_n_layer_nextn(model)) < 1:
         sys.stderr.write("harness-worker: the model has no MTP (nextn) layer (llama_model_n_layer_nextn is 0)\n")
         sys.exit(26)
+    items = req.get("items") or [{"tokens": req.get("tokens"), "chunks": req.get("chunks"), "sequences": req.get("sequences")}]
+    drafts, hidden, decode_s = [], [], 0.0
+    t1 = time.time()
+    for it in items:
+        d, h, dt = _draft_one(llama_cpp, ext, model, req["settings"], it.get("sequences") or [it["tokens"]], it.get("chunks"), conv, n_vocab)
+        drafts += d
+        hidden += h
+        decode_s += dt
+    np.save(out_dir / "draft_logits.npy", np.concatenate(drafts))
+    np.save(out_dir / "hidden.npy", np.concatenate(hidden))
+    info["decode_s"] = round(decode_s, 4)
+    info["decode_wall_s"] = round(time.time() - t1, 4)
+    info["n_tokens"] = sum(len(h) for h in hidden)
+    info["mtp_convention"] = conv
+
+
+def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: str, n_vocab: int):
+    """One ``draft`` request on fresh trunk and MTP contexts (``_draft``): returns the draft rows
+    and hidden states per sequence and the seconds inside ``llama_decode``."""
+    shift = 1 if conv == "vllm" else 0
+
     n_embd = int(llama_cpp.llama_model_n_embd(model))
     n_batch = int(s["n_batch"])
     ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences))
@@ -553,10 +573,9 @@ def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path)
             if 0 <= d < len(drafts[seq]):
                 drafts[seq][d] = out[i]
 
-    t1 = time.time()
     if len(sequences) == 1:
         q, pos = sequences[0], 0
-        for c in req.get("chunks") or [len(q)]:
+        for c in chunks or [len(q)]:
             end = pos + c
             while pos < end:
                 k = min(n_batch, end - pos)
@@ -568,17 +587,12 @@ def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path)
             items = [(q[p], p, sid) for sid, q in enumerate(sequences) for p in range(start, min(start + per, len(q)))]
             if items:
                 step(items)
-    np.save(out_dir / "draft_logits.npy", np.concatenate(drafts))
-    np.save(out_dir / "hidden.npy", np.concatenate(hidden))
-    info["decode_s"] = round(decode_s, 4)
-    info["decode_wall_s"] = round(time.time() - t1, 4)
-    info["n_tokens"] = sum(len(q) for q in sequences)
-    info["mtp_convention"] = conv
     llama_cpp.llama_batch_free(batch)
     mbatch.token = None  # ours (mtokens): llama_batch_free would free() it
     llama_cpp.llama_batch_free(mbatch)
     llama_cpp.llama_free(mctx)
     llama_cpp.llama_free(ctx)
+    return drafts, hidden, decode_s
 
 
 def _peak_rss_mb() -> float:

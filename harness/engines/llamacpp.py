@@ -334,6 +334,12 @@ class LlamaCppEngine:
         seqs = [[int(t) for t in q] for q in sequences]
         return self._draft({"sequences": seqs}, seqs, convention)
 
+    def draft_many(self, items: Sequence[tuple[Sequence[int], Sequence[int] | None]], convention: str = "llama.cpp") -> list[Drafts]:
+        """``draft`` of several prompts ``(tokens, chunks)``, each on fresh contexts, in one worker
+        run (one model load): the same rows as one ``draft`` call each."""
+        reqs = [{"tokens": [int(t) for t in toks], "chunks": validate_chunks(len(toks), chunks)} for toks, chunks in items]
+        return self._draft({"items": reqs}, [r["tokens"] for r in reqs], convention)
+
     def _draft(self, fields: dict[str, Any], seqs: list[list[int]], convention: str) -> list[Drafts]:
         if convention not in MTP_CONVENTIONS:
             raise EngineError(f"unknown MTP convention {convention!r} (one of {', '.join(MTP_CONVENTIONS)})")

@@ -183,6 +183,22 @@ class ReferenceDrafts:
 
     draft: Callable[..., Drafts]
     draft_multi: Callable[..., list[Drafts]]
+    draft_many: Callable[..., list[Drafts]] | None = None
+    """Several ``(tokens, chunks)`` in one call (llama.cpp: one worker run, one model load)."""
+    cache: dict[tuple, Drafts] = field(default_factory=dict)
+
+    def prefetch(self, items: Sequence[tuple[Sequence[int], Sequence[int] | None]]) -> None:
+        """Compute the drafts of ``items`` at once where the reference can (``draft_many``);
+        ``get`` then answers from them."""
+        if self.draft_many is None or not items:
+            return
+        for (toks, chunks), d in zip(items, self.draft_many(items)):
+            self.cache[(tuple(toks), tuple(chunks) if chunks else None)] = d
+
+    def get(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Drafts:
+        """The drafts of ``tokens`` fed in ``chunks`` (prefetched, else computed now)."""
+        key = (tuple(tokens), tuple(chunks) if chunks else None)
+        return self.cache[key] if key in self.cache else self.draft(tokens, chunks)
 
 
 def reference_drafts(engine: Any, convention: str) -> ReferenceDrafts:
@@ -196,7 +212,8 @@ def reference_drafts(engine: Any, convention: str) -> ReferenceDrafts:
     if isinstance(engine, Qwen35Oracle):
         engine.mtp_convention = convention
         return ReferenceDrafts(lambda t, c=None: engine.draft(t, c), engine.draft_multi)
-    return ReferenceDrafts(lambda t, c=None: engine.draft(t, c, convention), lambda qs: engine.draft_multi(qs, convention))
+    return ReferenceDrafts(lambda t, c=None: engine.draft(t, c, convention), lambda qs: engine.draft_multi(qs, convention),
+                           (lambda items: engine.draft_many(items, convention)) if hasattr(engine, "draft_many") else None)
 
 
 def _can_multi(engine: Any) -> bool:
@@ -281,7 +298,9 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
             raise NotComparable(f"vocab sizes differ: reference {reference.n_vocab}, candidate {candidate.n_vocab}")
         n_vocab = int(reference.n_vocab)
         drive = reference_drafts(reference.engine, conv)
-        ref_draft = lambda toks, chunks=None: _checked(drive.draft(toks, chunks), len(toks), n_vocab, "reference")
+        chunked = "chunks" in candidate.info.capabilities
+        drive.prefetch([(p.tokens, None) for p in prompts] + ([(p.tokens, _chunks(len(p.tokens))) for p in prompts] if chunked else []))
+        ref_draft = lambda toks, chunks=None: _checked(drive.get(toks, chunks), len(toks), n_vocab, "reference")
         whole, cand_whole = [], {}
         acc = {"candidate": [0, 0], "reference": [0, 0]}
         for p in prompts:
@@ -297,7 +316,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
                 acc[side][1] += n
         checks.append(judge_check("whole", whole, release, True))
         report["acceptance"] = {side: {"accepted": a, "rows": n, "rate": (a / n) if n else None} for side, (a, n) in acc.items()}
-        if "chunks" in candidate.info.capabilities:
+        if chunked:
             pairs = []
             for p in prompts:
                 if progress:
