@@ -517,7 +517,8 @@ def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path)
 
 def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: str, n_vocab: int):
     """One ``draft`` request on fresh trunk and MTP contexts (``_draft``): returns the draft rows
-    and hidden states per sequence and the seconds inside ``llama_decode``."""
+    and hidden states per sequence and the seconds inside ``llama_decode``. Long because the two
+    contexts' batches are filled by hand, in one place, as llama.cpp's own MTP driver fills them."""
     shift = 1 if conv == "vllm" else 0
 
     n_embd = int(llama_cpp.llama_model_n_embd(model))

@@ -293,20 +293,27 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
         why = f"{candidate.info.name} does not declare the 'mtp' capability (no draft op)"
         checks = [_unmeasured(n, why) for n in CHECKS]
     else:
-        conv = convention_of(candidate.engine)
         if int(candidate.n_vocab) != int(reference.n_vocab):
             raise NotComparable(f"vocab sizes differ: reference {reference.n_vocab}, candidate {candidate.n_vocab}")
         n_vocab = int(reference.n_vocab)
+        if not prompts:
+            raise NotComparable("no prompt has the 3 tokens a draft row with a known target needs")
+        if progress:
+            progress(f"whole {prompts[0].id}")
+        first = _checked(candidate.draft(prompts[0].tokens), len(prompts[0].tokens), n_vocab, "candidate")
+        conv = convention_of(candidate.engine)  # a protocol-2 engine states it in its replies: read after the first
+        cinfo = candidate.info.to_dict()
+        resolved = inputs.thresholds_for(cinfo)  # so does its compute class
         drive = reference_drafts(reference.engine, conv)
         chunked = "chunks" in candidate.info.capabilities
         drive.prefetch([(p.tokens, None) for p in prompts] + ([(p.tokens, _chunks(len(p.tokens))) for p in prompts] if chunked else []))
         ref_draft = lambda toks, chunks=None: _checked(drive.get(toks, chunks), len(toks), n_vocab, "reference")
         whole, cand_whole = [], {}
         acc = {"candidate": [0, 0], "reference": [0, 0]}
-        for p in prompts:
-            if progress:
+        for i, p in enumerate(prompts):
+            if progress and i:
                 progress(f"whole {p.id}")
-            c = _checked(candidate.draft(p.tokens), len(p.tokens), n_vocab, "candidate")
+            c = first if i == 0 else _checked(candidate.draft(p.tokens), len(p.tokens), n_vocab, "candidate")
             r = ref_draft(p.tokens)
             cand_whole[p.id] = c
             whole.append((p.id, r.logits, c.logits))
