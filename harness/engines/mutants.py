@@ -754,11 +754,11 @@ class SpecPrefixSpoiled(_SpecFault):
 
 _SPEC = [
     Mutant("spec-rejected-kept-ssm", "rejected drafts kept in the recurrent state", SpecRejectedKeptSsm.__doc__,
-           ("QMTP-SPEC-005", "QMTP-ROLL-006"), SpecRejectedKeptSsm),
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecRejectedKeptSsm),
     Mutant("spec-conv-not-rolled-back", "conv state not rolled back after rejected drafts", SpecConvNotRolledBack.__doc__,
-           ("QMTP-SPEC-005", "QMTP-ROLL-006"), SpecConvNotRolledBack),
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecConvNotRolledBack),
     Mutant("spec-draftless-first-draft", "a draft-less step reading the first draft's state column", SpecDraftlessFirstDraft.__doc__,
-           ("QMTP-SPEC-005",), SpecDraftlessFirstDraft),
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecDraftlessFirstDraft),
     Mutant("spec-prompt-as-decode", "a 1+k-token prompt run as a decode, state writes skipped", SpecPromptAsDecode.__doc__,
            ("QMTP-PROMPT-007",), SpecPromptAsDecode),
     Mutant("spec-prefix-spoiled", "prefix reuse restoring the state after rejected drafts", SpecPrefixSpoiled.__doc__,
