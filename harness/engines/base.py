@@ -127,6 +127,8 @@ class Speculation:
 
     def step_of(self, index: int) -> int | None:
         """The verification step that produced generated token ``index`` (None: the prefill's)."""
+        if index == 0:
+            return None
         done = 1
         for i, a in enumerate(self.accepted):
             done += a + 1
