@@ -53,7 +53,7 @@ class EngineInfo:
     KV cache types, flash attention, backend, overrides); ``capabilities`` lists optional protocol
     features the engine supports (``"chunks"``, ``"activations"``, ``"n_ubatch"``, ``"multi_seq"``,
     ``"topk"``: top-k logprobs instead of logits, ``"generate"``: greedy generation,
-    ``"prefix_reuse"``; see ``Engine``);
+    ``"prefix_reuse"``, ``"mtp"``, ``"speculative"``; see ``Engine``);
     ``compute_class`` is one of ``COMPUTE_CLASSES``, or None when the engine declares none.
     """
 
@@ -99,6 +99,44 @@ class Drafts:
     activations: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+SPEC_DRAFTS = ("mtp",)
+"""Draft sources a speculative request may name (``{"draft": "mtp", "draft_max": k}``): the
+model's own MTP (nextn) head."""
+
+
+@dataclass
+class Speculation:
+    """One sequence's speculative greedy continuation (capability ``speculative``;
+    docs/engine-protocol.md, ``speculative.json``): ``tokens`` the generated ids (int, at most
+    ``n_tokens``); ``accepted[i]`` and ``rejected[i]`` the drafts the i-th verification step
+    accepted and rejected (``accepted + rejected`` ≤ draft_max; 0 and 0 for a draft-less step).
+    The prompt's prefill chooses the first token and is not a step; step i gives
+    ``accepted[i] + 1`` tokens (the accepted drafts and the target's own choice after them)."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
+
+    @property
+    def proposed(self) -> int:
+        return int(sum(self.accepted) + sum(self.rejected))
+
+    def acceptance(self) -> float | None:
+        """accepted / proposed over every step (None when nothing was proposed)."""
+        return sum(self.accepted) / self.proposed if self.proposed else None
+
+    def step_of(self, index: int) -> int | None:
+        """The verification step that produced generated token ``index`` (None: the prefill's)."""
+        if index == 0:
+            return None
+        done = 1
+        for i, a in enumerate(self.accepted):
+            done += a + 1
+            if index < done:
+                return i
+        return None if index == 0 else len(self.accepted)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A candidate or reference engine bound to one model file.
@@ -138,6 +176,17 @@ class Engine(Protocol):
       ``chunks`` when given); with ``"multi_seq"`` too, ``draft_multi(sequences) -> list[Drafts]``
       for sequences decoded together. ``info.settings["mtp_convention"]`` says where the head's
       rows sit: ``"llama.cpp"`` or ``"vllm"`` (docs/engine-protocol.md, op ``draft``).
+    - ``"speculative"``: ``speculative(tokens, n_tokens, *, draft_max, chunks=None, session=None)
+      -> Speculation``: greedy continuation through the engine's speculative path with drafts from
+      its MTP head (``{"draft": "mtp", "draft_max": k}``, k ≥ 1): each step drafts up to k tokens,
+      verifies them in one batch, keeps the accepted ones and rolls its state (KV, conv, recurrent)
+      back to the last accepted token. It must equal ``generate`` token for token (the
+      ``speculative`` probe, excused only at a near-tie of the plain path's margin). ``chunks``:
+      the prompt's prefill pieces; ``session``: ``{"id", "parent", "after"}`` as for
+      ``prefix_reuse`` (the state after the prompt and every generated token but the last, which
+      is not fed, is kept under ``id``; ``parent``/``after`` continue from such a state, ``after``
+      its length). ``speculative_multi(sequences, n_tokens, *, draft_max) -> list[Speculation]``
+      generates several sequences together. ``drop_sessions()`` frees sessions.
     - ``"tokenize"``: ``tokenize_text(text: str, add_special: bool = False) -> list[int]``: the
       engine's *own* tokenization of ``text`` (the tokenizer its users get, not the harness's),
       special-token strings in the text not parsed, BOS/EOS added only with ``add_special`` and

@@ -92,7 +92,7 @@ class _MutantBase:
     @property
     def info(self) -> EngineInfo:
         base = super().info  # type: ignore[misc]
-        m = MUTANTS.get(self.mutant_name) or MTP_MUTANTS[self.mutant_name]
+        m = MUTANTS.get(self.mutant_name) or MTP_MUTANTS.get(self.mutant_name) or SPEC_MUTANTS[self.mutant_name]
         return EngineInfo(
             name=f"mutant:{m.name}",
             version=base.version,
@@ -641,11 +641,150 @@ MTP_CAUGHT_BY: dict[str, str] = {
 """MTP mutant → the MTP cell's check that fails on it (``harness.runs.mtp.CHECKS``)."""
 
 
+# ---------------------------------------------------------------------------------------------
+# Speculative-decoding faults (harness.engines.oracle.speculative): the trunk's logits, the MTP
+# head's teacher-forced drafts and plain greedy generation are untouched, so every other check
+# passes them; only the speculative probe (speculative greedy vs plain greedy) sees them. Kept
+# apart from MUTANTS (trunk calibration) and MTP_MUTANTS (the MTP cell).
+# ---------------------------------------------------------------------------------------------
+
+
+def _recurrent(states: list[dict[str, Any]]) -> list[int]:
+    return [i for i, st in enumerate(states) if "ssm" in st]
+
+
+def _spec_decoder(name: str, body: dict[str, Any]) -> type:
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    return type(name, (SpecDecoder,), body)
+
+
+def _rollback_keep(key: str) -> Callable:
+    def rollback(self, before, after, n_past, keep):
+        super(type(self), self).rollback(before, after, n_past, keep)
+        for i in _recurrent(after):
+            self.session.states[i][key] = after[i][key].copy()
+    return rollback
+
+
+def _draftless_first_draft(self) -> None:
+    last = self.last_step
+    if last is None or len(last.batch) < 2 or last.accepted == 1:
+        return
+    probe = self.session.fork()
+    probe.states = [dict(st) for st in copy_states(last.before)]
+    probe.n_past = self.session.n_past  # positions are unused by the recurrent layers
+    probe.feed_hidden(last.batch[:2])  # the state column of the first draft
+    for i in _recurrent(probe.states):
+        self.session.states[i]["conv"] = probe.states[i]["conv"].copy()
+        self.session.states[i]["ssm"] = probe.states[i]["ssm"].copy()
+
+
+def copy_states(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import copy
+
+    return copy.deepcopy(states)
+
+
+def _prompt_as_decode(self, n_prompt: int, draft_max: int) -> None:
+    if n_prompt != 1 + draft_max:
+        return
+    fresh = [self.oracle.init_state(il, w) for il, w in enumerate(self.session.weights)]
+    for i in _recurrent(self.session.states):
+        self.session.states[i] = fresh[i]
+
+
+def _session_spoiled(self) -> list[dict[str, Any]]:
+    states = copy_states(self.session.states)
+    if self.spoiled is not None:
+        for i in _recurrent(states):
+            states[i] = copy_states([self.spoiled[i]])[0]
+    return states
+
+
+class _SpecFault(_MutantBase):
+    """A speculative-decoding fault: the decoder class the oracle's ``speculative`` uses."""
+
+    spec_body: dict[str, Any] = {}
+
+    @property
+    def spec_decoder(self) -> type:  # type: ignore[override]
+        cls = type(self)
+        if "_spec_cls" not in cls.__dict__:
+            cls._spec_cls = _spec_decoder(f"{cls.__name__}Decoder", dict(self.spec_body))
+        return cls._spec_cls
+
+
+class SpecRejectedKeptSsm(_SpecFault):
+    """Rejected drafts left in the recurrent state: the rollback cuts the KV cache and rewinds
+    the conv state but keeps the Gated DeltaNet state S the whole verification batch left
+    (ik_llama #1639: any speculative mode corrupts Qwen3.5-27B)."""
+
+    spec_body = {"rollback": _rollback_keep("ssm")}
+
+
+class SpecConvNotRolledBack(_SpecFault):
+    """The conv state (the last conv_kernel − 1 inputs) not rolled back after rejected drafts:
+    it keeps the rejected drafts' inputs while S and the KV cache are rewound."""
+
+    spec_body = {"rollback": _rollback_keep("conv")}
+
+
+class SpecDraftlessFirstDraft(_SpecFault):
+    """A draft-less step after a verification step reads the state column of the first draft
+    (the state after [t, d_1]) instead of the last accepted token's (vLLM #39273)."""
+
+    spec_body = {"draftless_state": _draftless_first_draft}
+
+
+class SpecPromptAsDecode(_SpecFault):
+    """A prompt of 1 + draft_max tokens is taken for a verification batch (a decode) and its
+    conv and recurrent state writes are skipped: generation continues from a fresh state
+    (vLLM #53051)."""
+
+    spec_body = {"after_prompt": _prompt_as_decode}
+
+
+class SpecPrefixSpoiled(_SpecFault):
+    """A reused prefix (a session) restores the recurrent and conv state the last batch with
+    rejected drafts left, not the rolled-back one (vLLM #43559, #53912: prefix caching with MTP)."""
+
+    spec_body = {"session_state": _session_spoiled}
+
+
+_SPEC = [
+    Mutant("spec-rejected-kept-ssm", "rejected drafts kept in the recurrent state", SpecRejectedKeptSsm.__doc__,
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecRejectedKeptSsm),
+    Mutant("spec-conv-not-rolled-back", "conv state not rolled back after rejected drafts", SpecConvNotRolledBack.__doc__,
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecConvNotRolledBack),
+    Mutant("spec-draftless-first-draft", "a draft-less step reading the first draft's state column", SpecDraftlessFirstDraft.__doc__,
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecDraftlessFirstDraft),
+    Mutant("spec-prompt-as-decode", "a 1+k-token prompt run as a decode, state writes skipped", SpecPromptAsDecode.__doc__,
+           ("QMTP-PROMPT-007",), SpecPromptAsDecode),
+    Mutant("spec-prefix-spoiled", "prefix reuse restoring the state after rejected drafts", SpecPrefixSpoiled.__doc__,
+           ("QMTP-PREFIX-008",), SpecPrefixSpoiled),
+]
+SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in _SPEC}
+"""Speculative-decoding mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the
+``speculative`` probe (``harness.runs.probes.probe_speculative``) and nothing else; kept apart
+from ``MUTANTS`` and ``MTP_MUTANTS``, like them."""
+del _SPEC
+
+SPEC_CAUGHT_BY: dict[str, str] = {
+    "spec-rejected-kept-ssm": "chunked prompt",
+    "spec-conv-not-rolled-back": "chunked prompt",
+    "spec-draftless-first-draft": "chunked prompt",
+    "spec-prompt-as-decode": "3-token prompt",
+    "spec-prefix-spoiled": "reused prefix",
+}
+"""Speculative mutant → the first case of the speculative probe that fails on it (``SPEC_CASES``)."""
+
+
 def _clean_doc(doc: str | None) -> str:
     return " ".join((doc or "").replace("``", "").split())
 
 
-for _m in (*MUTANTS.values(), *MTP_MUTANTS.values()):
+for _m in (*MUTANTS.values(), *MTP_MUTANTS.values(), *SPEC_MUTANTS.values()):
     object.__setattr__(_m, "description", _clean_doc(_m.description))
 del _m
 
@@ -657,9 +796,9 @@ def mutant_class(name: str, arch: str) -> type:
 
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
-    table = MUTANTS if name in MUTANTS else MTP_MUTANTS
+    table = MUTANTS if name in MUTANTS else MTP_MUTANTS if name in MTP_MUTANTS else SPEC_MUTANTS
     if name not in table:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join([*MUTANTS, *MTP_MUTANTS])}")
+        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join([*MUTANTS, *MTP_MUTANTS, *SPEC_MUTANTS])}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)

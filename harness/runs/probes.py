@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from harness.engines.base import Engine, gather
+from harness.engines.base import Engine, gather, last_row
 from harness.engines.timing import timed
 from harness.errors import EngineError, InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
@@ -88,6 +88,8 @@ PROBES = {
     "prefix": ProbeKind(None, "a prompt-cache checkpoint restores another position's or sequence's recurrent/conv state or KV cache"),
     "determinism": ProbeKind("QE2E-DET-002", "thread-count or atomic-order dependent reductions, uninitialised buffers, or state left from the previous call"),
     "long": ProbeKind("QE2E-PAR-001", "the first op that leaves the oracle, which harness localize with this candidate and model names"),
+    "speculative": ProbeKind("QMTP-SPEC-005", "the state after a verification batch is not rolled back to the last accepted token "
+                             "(recurrent S, conv state or KV kept from rejected drafts), or a step reads another draft's state"),
 }
 """Probe name → ``ProbeKind``, in the order ``harness probe`` runs them."""
 PROBE_NAMES = tuple(PROBES)
@@ -149,6 +151,7 @@ class ProbeResult:
     reason: str = ""
     reproducer: str = ""
     bounds: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def first_failure(self) -> Comparison | None:
@@ -173,6 +176,7 @@ class ProbeResult:
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
              "comparisons": [c.to_dict() for c in self.comparisons]}
+        d = {**d, "details": self.details} if self.details else d
         return {**d, "reproducer": self.reproducer} if self.reproducer else d
 
 
@@ -351,6 +355,154 @@ def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], 
     return _verdict("long", [compare(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)
 
 
+SPEC_NEAR_TIE = {
+    "value": 1e-3,
+    "basis": {"kind": "declared", "who": "harness maintainers (speculative vs plain greedy; harness/runs/probes.py)",
+              "why": "A divergence of an engine's speculative greedy continuation from its own plain one is excused only "
+                     "where the plain path's top-1/top-2 logit margin at that step is below this: a verification batch of "
+                     "1 + k tokens runs other kernels (other summation orders) than a one-token decode (llama.cpp #23335), "
+                     "which moves a float32 logit by about 1e-5 relative on the MTP fixtures, so only a near-exact tie can "
+                     "flip; a state fault moves logits by whole units. Far below the report-only greedy near_tie_margin "
+                     "(0.25), so a fault cannot hide behind it.",
+              "date": "2026-12-02"},
+}
+"""The speculative probe's declared near-tie δ (logits) and its basis (recorded in the probe's details)."""
+SPEC_TOKENS = 16
+"""Tokens each speculative case generates."""
+SPEC_DRAFT_MAX = (1, 2, 3, 4)
+SPEC_CASES = ("chunked prompt", "two sequences", "reused prefix", "3-token prompt")
+"""The speculative probe's cases, in the order it runs them (``probe_speculative``)."""
+
+
+def has_speculative(engine: Engine) -> bool:
+    return ("speculative" in engine.info.capabilities and callable(getattr(engine, "speculative", None))
+            and "generate" in engine.info.capabilities)
+
+
+def _spec_checked(out: Any, n_tokens: int, draft_max: int, n_vocab: int, who: str) -> Any:
+    """``out`` (a ``Speculation``) checked: at most n_tokens ids in the vocab, counts per step
+    non-negative with accepted + rejected ≤ draft_max. Raises ``EngineError``."""
+    toks = list(getattr(out, "tokens", None) or [])
+    acc, rej = list(getattr(out, "accepted", []) or []), list(getattr(out, "rejected", []) or [])
+    if len(toks) > n_tokens or not all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in toks):
+        raise EngineError(f"{who} generated {str(toks)[:80]!r} speculatively: expected at most {n_tokens} token ids in [0, {n_vocab})")
+    if len(acc) != len(rej) or any(not isinstance(x, (int, np.integer)) or x < 0 for x in acc + rej) or any(a + r > draft_max for a, r in zip(acc, rej)):
+        raise EngineError(f"{who}: speculative.json counts are not per-step non-negative accepted/rejected pairs within draft_max {draft_max}")
+    return out
+
+
+def compare_speculative(label: str, plain: Sequence[int], spec: Any, margin_at: Callable[[int], float], delta: float) -> tuple[Comparison, dict[str, Any]]:
+    """One case: the speculative continuation ``spec`` (``Speculation``) against the plain greedy
+    ``plain`` token by token. At the first differing token i the plain path's margin
+    ``margin_at(i)`` (top-1 minus top-2 logit after the prompt and plain[:i]) decides: below
+    ``delta`` a near-tie (excused: the comparison ends there, PASS), else FAIL at token i, with
+    the verification step that produced it. Returns the ``Comparison`` and the case's row."""
+    toks = [int(t) for t in spec.tokens]
+    n = min(len(plain), len(toks)) if len(toks) < len(plain) else len(plain)
+    row: dict[str, Any] = {"case": label, "tokens": len(plain), "accepted": int(sum(spec.accepted)), "proposed": int(spec.proposed),
+                           "acceptance": spec.acceptance(), "steps": len(spec.accepted)}
+    for i in range(len(plain)):
+        c = toks[i] if i < len(toks) else None
+        if c != plain[i]:
+            m = float(margin_at(i))
+            row.update(first_differing_token=i, plain_token=int(plain[i]), speculative_token=c, step=spec.step_of(i), margin=m)
+            if np.isfinite(m) and m < delta:
+                row["near_tie"] = True
+                return Comparison(label, i, True, None, None, None, None), row
+            row["near_tie"] = False
+            return Comparison(label + f" (step {spec.step_of(i)}, token {i}: plain {plain[i]}, speculative {c}, margin {m:.4g})",
+                              i, False, None, None, None, i), row
+    del n
+    return Comparison(label, len(plain), True, None, None, None, None), row
+
+
+def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequence[int]], reference: Engine | None = None,
+                      n_tokens: int = SPEC_TOKENS, draft_maxes: Sequence[int] = SPEC_DRAFT_MAX, delta: float | None = None) -> ProbeResult:
+    """Speculative greedy (``Engine.speculative``, drafts from the MTP head) equals the engine's
+    own plain greedy (``generate``), step by step, in ``SPEC_CASES``: ``long`` fed in chunks
+    [64, 1, rest] with each draft_max in ``draft_maxes``; ``long[:48]`` and ``others[0][:48]`` generated
+    together (``speculative_multi``, draft_max 2); a prefix reused from a session (``long[:40]``
+    generated with session ``spec-a``, then its last token and ``others[0][:8]`` continued from it,
+    draft_max 3) against plain greedy of the whole history fed fresh; a 3-token prompt with draft_max
+    2 (a prompt of 1 + k tokens). A divergence is excused only at a near-tie of the plain path's
+    margin (< ``delta``, default ``SPEC_NEAR_TIE``). Acceptance (accepted / proposed) is
+    report-only, beside the reference's teacher-forced one (``reference.draft`` on the plain
+    continuation: the share of its first drafts that equal the next token). UNMEASURED without the
+    ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for malformed output."""
+    if not has_speculative(engine):
+        return ProbeResult("speculative", Verdict.UNMEASURED,
+                           reason=f"{engine.info.name} does not declare speculative generation (capabilities 'speculative' and 'generate')")
+    delta = SPEC_NEAR_TIE["value"] if delta is None else float(delta)
+    long, other = [int(t) for t in long], [int(t) for t in (others[0] if others else long[::-1])]
+    if len(long) < 66:
+        return ProbeResult("speculative", Verdict.UNMEASURED, reason=f"only {len(long)} tokens; the speculative probe needs >= 66")
+    nv, who = int(engine.n_vocab), engine.info.name
+
+    def plain(prompt: Sequence[int], n: int = n_tokens) -> list[int]:
+        out = engine.generate(list(prompt), n)  # type: ignore[attr-defined]
+        return [int(t) for t in out]
+
+    def margin(prompt: Sequence[int], cont: Sequence[int]) -> Callable[[int], float]:
+        def at(i: int) -> float:
+            seq = list(prompt) + list(cont[:i])
+            return float(metrics.reference_margin(last_row(engine.logits(seq), len(seq)))[0])
+        return at
+
+    comps, rows = [], []
+
+    def add(label: str, prompt: Sequence[int], ref: list[int], spec: Any, k: int) -> None:
+        c, r = compare_speculative(label, ref, _spec_checked(spec, n_tokens, k, nv, who), margin(prompt, ref), delta)
+        r["draft_max"] = k
+        comps.append(c)
+        rows.append(r)
+
+    chunks = [64, 1, len(long) - 65]
+    base = plain(long)
+    for k in draft_maxes:
+        add(f"chunked prompt {chunks}, sequence 0, draft_max {k}", long, base, engine.speculative(long, n_tokens, draft_max=k, chunks=chunks), k)  # type: ignore[attr-defined]
+    pair = [long[:48], other[:48]]
+    multi = getattr(engine, "speculative_multi", None)
+    if callable(multi):
+        outs = multi(pair, n_tokens, draft_max=2)
+        if not isinstance(outs, list) or len(outs) != 2:
+            raise EngineError(f"{who} answered {type(outs).__name__} for two sequences generated together")
+        for i, q in enumerate(pair):
+            add(f"two sequences together, sequence {i}, draft_max 2", q, plain(q), outs[i], 2)
+    a = long[:40]
+    first = _spec_checked(engine.speculative(a, 8, draft_max=3, session={"id": "spec-a"}), 8, 3, nv, who)  # type: ignore[attr-defined]
+    hist = a + [int(t) for t in first.tokens[:-1]]
+    tail = [int(first.tokens[-1])] + other[:8]
+    cont = engine.speculative(tail, n_tokens, draft_max=3, session={"id": "spec-b", "parent": "spec-a", "after": len(hist)})  # type: ignore[attr-defined]
+    add(f"reused prefix ({len(hist)} tokens from session spec-a), sequence 0, draft_max 3", hist + tail, plain(hist + tail), cont, 3)
+    three = long[:3]
+    add("3-token prompt (1 + k tokens), sequence 0, draft_max 2", three, plain(three), engine.speculative(three, n_tokens, draft_max=2), 2)  # type: ignore[attr-defined]
+    drop = getattr(engine, "drop_sessions", None)
+    if callable(drop):
+        drop()
+    acc = sum(r["accepted"] for r in rows)
+    prop = sum(r["proposed"] for r in rows)
+    details = {"near_tie": {"delta": delta, **({"basis": SPEC_NEAR_TIE["basis"]} if delta == SPEC_NEAR_TIE["value"] else {})},
+               "cases": rows, "accepted": acc, "proposed": prop, "acceptance": acc / prop if prop else None,
+               "reference_acceptance": _reference_acceptance(reference, long, base), "report_only": ["acceptance", "reference_acceptance"]}
+    res = ProbeResult("speculative", Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps,
+                      bounds=f"speculative greedy = plain greedy; a divergence excused only at a plain-path margin < {delta:g}", details=details)
+    return res
+
+
+def _reference_acceptance(reference: Engine | None, prompt: Sequence[int], cont: Sequence[int]) -> dict[str, Any]:
+    """The reference's teacher-forced acceptance along ``cont``: the share of its MTP head's first
+    drafts (``Engine.draft`` on prompt + cont) that equal the next token (what draft_max 1 would
+    accept); ``{"unmeasured": why}`` when the reference has no MTP head."""
+    if reference is None or "mtp" not in reference.info.capabilities or not callable(getattr(reference, "draft", None)):
+        return {"unmeasured": "no reference with an MTP head (capability 'mtp')"}
+    seq = list(prompt) + list(cont)
+    d = reference.draft(seq)  # type: ignore[attr-defined]
+    n0 = len(prompt)
+    pred = np.asarray(d.logits).argmax(axis=1)  # row t predicts seq[t + 2]
+    hits = [int(pred[n0 + j - 2] == seq[n0 + j]) for j in range(1, len(cont))]
+    return {"engine": reference.info.name, "accepted": int(sum(hits)), "proposed": len(hits), "acceptance": sum(hits) / len(hits) if hits else None}
+
+
 def decode_prompt(prompts: Sequence[Sequence[int]], n: int = DECODE_TOKENS) -> list[int]:
     """The ``n`` tokens the decode probe feeds: the longest prompt's first ``n``, or every prompt
     cycled (``long_tokens``) when the longest is shorter. Calibration measures the decode floor on
@@ -481,6 +633,9 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "prefix": ProbeCase(lambda: probe_prefix(engine, main, tol), first.id, len(main)),
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
+        "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
+                                                           reference() if has_speculative(engine) else None),
+                                 first.id, len(main)),
     }
     if tol is None:
         _unmeasured(cases, TOLERANCED, f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})")

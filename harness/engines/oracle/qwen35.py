@@ -469,7 +469,7 @@ class Qwen35Oracle:
                 "model_sha256": self.model.sha256,
                 **({"mtp_convention": self.mtp_convention} if self.has_mtp() else {}),
             },
-            capabilities=["chunks", "activations", "generate"] + (["mtp"] if self.has_mtp() else []),
+            capabilities=["chunks", "activations", "generate"] + (["mtp", "speculative"] if self.has_mtp() else []),
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
             compute_class="f64",
         )
@@ -844,6 +844,50 @@ class Qwen35Oracle:
         """``draft`` of several sequences decoded together (capabilities ``mtp`` and
         ``multi_seq``): the oracle keeps one state per sequence, so each equals its solo run."""
         return [self.draft(q) for q in sequences]
+
+    # -- speculative decoding (harness.engines.oracle.speculative) ----------------------------
+    spec_decoder: Any = None  # the SpecDecoder class; None: the correct one (mutants plant theirs)
+
+    def _spec_class(self) -> type:
+        from harness.engines.oracle.speculative import SpecDecoder
+
+        return self.spec_decoder or SpecDecoder
+
+    def speculative(self, tokens: Sequence[int], n_tokens: int, *, draft_max: int, chunks: Sequence[int] | None = None,
+                    session: dict[str, Any] | None = None) -> Any:
+        """Speculative greedy continuation with drafts from the MTP head (capability
+        ``speculative``, ``harness.engines.base.Engine``): returns a ``Speculation`` (the ids and
+        the accepted/rejected drafts per step). ``session``: ``{"id", "parent", "after"}``: the
+        decoder's state after the prompt and every generated token but the last is kept under
+        ``id``; with ``parent`` it starts from that session's state, ``after`` its length.
+        Raises ``EngineError`` (no MTP block, draft_max < 1, an unknown session or length)."""
+        from harness.engines.oracle.speculative import fork_decoder, new_decoder, speculate
+
+        toks = [int(t) for t in tokens]
+        self._spec_sessions: dict[str, Any] = getattr(self, "_spec_sessions", {})
+        parent = (session or {}).get("parent")
+        if parent is not None:
+            if parent not in self._spec_sessions:
+                raise EngineError(f"oracle: no session {parent!r}")
+            dec = fork_decoder(self._spec_sessions[parent])
+            after = int((session or {}).get("after", len(dec.history)))
+            if after != len(dec.history):
+                raise EngineError(f"oracle: session {parent!r} keeps its state after {len(dec.history)} tokens, not {after}")
+        else:
+            dec = new_decoder(self, self._spec_class())
+        out = speculate(dec, toks, int(n_tokens), int(draft_max), chunks)
+        if session and session.get("id"):
+            self._spec_sessions[str(session["id"])] = dec
+        return out
+
+    def speculative_multi(self, sequences: Sequence[Sequence[int]], n_tokens: int, *, draft_max: int) -> list[Any]:
+        """``speculative`` of several sequences generated together: the oracle keeps one decoder
+        per sequence, so each equals its solo run."""
+        return [self.speculative(q, n_tokens, draft_max=draft_max) for q in sequences]
+
+    def drop_sessions(self) -> None:
+        """Free the speculative sessions kept (``speculative(..., session=...)``)."""
+        self._spec_sessions = {}
 
     # -- weights and state --------------------------------------------------------------------
     def read_tensor(self, name: str, rows: np.ndarray | slice | None = None, dtype: Any = np.float64) -> np.ndarray:

@@ -47,6 +47,13 @@ class OracleSession:
         ``last_only`` only the last row ``[1, V]`` (the output projection of the others skipped:
         generation needs only the next token's distribution).
         Raises ``EngineError`` (empty input, token ids outside the vocab, non-finite values)."""
+        h, _ = self.feed_hidden(tokens)
+        return self.oracle.lm_head(h[-1:] if last_only else h, np.float32)
+
+    def feed_hidden(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Feed ``tokens`` as one piece (as ``feed``) and return ``(result_norm, l_out)`` float64
+        ``[T, n_embd]`` each: the trunk's state after ``output_norm`` (what the LM head scores and
+        the MTP head is fed) and the last layer's output before it. Raises as ``feed``."""
         o = self.oracle
         toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
         emit = o.recorder()
@@ -58,9 +65,10 @@ class OracleSession:
                     h[:] = o.block(il, w, h, state, pos, emit)
                 except FloatingPointError as err:
                     raise EngineError(f"oracle: floating-point {err} in layer {il} after op {emit.last!r}") from None
+            pre = h.copy()
             h = o.result_norm(h, emit)
         self.n_past += len(toks)
-        return o.lm_head(h[-1:] if last_only else h, np.float32)
+        return h, pre
 
 
 def greedy_continue(session: OracleSession, tokens: Sequence[int], n_tokens: int) -> list[int]:

@@ -1,0 +1,87 @@
+"""Bound tests of contracts/qwen35-mtp-v1.yaml's speculative obligations (QMTP-SPEC-005 …
+QMTP-PREFIX-008): the candidate's speculative greedy generation with MTP drafts
+(``Engine.speculative``) equals its own plain greedy generation (``Engine.generate``) token for
+token, a divergence excused only at a near-tie of the plain path's margin below
+``harness.runs.probes.SPEC_NEAR_TIE`` (the comparison of ``harness.runs.probes.compare_speculative``,
+the ``speculative`` probe's). Subjects: ``candidate_engine`` on ``harness_model_path`` (a file with
+a nextn block). A failure names the case, the sequence, the verification step and the first
+differing token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from contract_helpers import PROBE_SEED
+
+from harness.runs.probes import SPEC_NEAR_TIE, SPEC_TOKENS, _spec_checked, compare_speculative, has_speculative
+from harness.engines.base import last_row
+from harness.measure import metrics
+
+pytestmark = pytest.mark.contract
+
+
+@pytest.fixture(scope="module")
+def prompts(harness_model_path) -> tuple[list[int], list[int]]:
+    from harness.model.gguf_model import GGUFModel
+
+    n_vocab = int(GGUFModel(harness_model_path).tensor_info("token_embd.weight").ne[1])
+    rng = np.random.default_rng(PROBE_SEED + 28)
+    return rng.integers(0, n_vocab, 160).tolist(), rng.integers(0, n_vocab, 60).tolist()
+
+
+@pytest.fixture(scope="module")
+def spec(candidate_engine):
+    if not has_speculative(candidate_engine):
+        pytest.skip(f"{candidate_engine.info.name} does not declare 'speculative' and 'generate': the obligation is unmeasured for it")
+    return candidate_engine
+
+
+def _check(engine, label: str, prompt: list[int], out, k: int, where: str) -> None:
+    plain = [int(t) for t in engine.generate(list(prompt), SPEC_TOKENS)]
+
+    def margin(i: int) -> float:
+        seq = list(prompt) + plain[:i]
+        return float(metrics.reference_margin(last_row(engine.logits(seq), len(seq)))[0])
+
+    out = _spec_checked(out, SPEC_TOKENS, k, int(engine.n_vocab), engine.info.name)
+    comp, row = compare_speculative(label, plain, out, margin, SPEC_NEAR_TIE["value"])
+    assert comp.ok, f"speculative != plain greedy: {comp.label} ({where})"
+    assert len(out.tokens) == len(plain) or row.get("near_tie"), f"{label}: {len(out.tokens)} tokens generated, plain gave {len(plain)} ({where})"
+
+
+def test_speculative_equals_plain_greedy_chunked(spec, prompts, where):
+    """QMTP-SPEC-005: the 160-token prompt fed as [64, 1, 95], draft_max 1 … 4."""
+    long = prompts[0]
+    for k in (1, 2, 3, 4):
+        out = spec.speculative(long, SPEC_TOKENS, draft_max=k, chunks=[64, 1, len(long) - 65])
+        _check(spec, f"chunked prompt, sequence 0, draft_max {k}", long, out, k, where)
+
+
+def test_sequences_generated_together_equal_plain(spec, prompts, where):
+    """QMTP-ROLL-006: two sequences generated together, draft_max 2."""
+    if not callable(getattr(spec, "speculative_multi", None)):
+        pytest.skip("the candidate has no speculative_multi")
+    pair = [prompts[0][:48], prompts[1][:48]]
+    outs = spec.speculative_multi(pair, SPEC_TOKENS, draft_max=2)
+    assert len(outs) == 2, f"{len(outs)} continuations for 2 sequences ({where})"
+    for i, q in enumerate(pair):
+        _check(spec, f"two sequences together, sequence {i}, draft_max 2", q, outs[i], 2, where)
+
+
+def test_three_token_prompt(spec, prompts, where):
+    """QMTP-PROMPT-007: a 3-token prompt (1 + k tokens) with draft_max 2."""
+    three = prompts[0][:3]
+    _check(spec, "3-token prompt, sequence 0, draft_max 2", three, spec.speculative(three, SPEC_TOKENS, draft_max=2), 2, where)
+
+
+def test_reused_prefix_equals_fresh(spec, prompts, where):
+    """QMTP-PREFIX-008: generation continued from a session equals the whole history fed fresh."""
+    a = prompts[0][:40]
+    first = spec.speculative(a, 8, draft_max=3, session={"id": "bound-a"})
+    hist = a + [int(t) for t in first.tokens[:-1]]
+    tail = [int(first.tokens[-1])] + prompts[1][:8]
+    out = spec.speculative(tail, SPEC_TOKENS, draft_max=3, session={"id": "bound-b", "parent": "bound-a", "after": len(hist)})
+    _check(spec, f"reused prefix ({len(hist)} tokens), sequence 0, draft_max 3", hist + tail, out, 3, where)
+    if callable(getattr(spec, "drop_sessions", None)):
+        spec.drop_sessions()
