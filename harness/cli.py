@@ -398,12 +398,12 @@ def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrid
             _echo_json(run.receipt)
             continue
         table = Table(title=Text(f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)"))
-        for col in ("check", "verdict", "rows", "min cosine", "max KLD", "first failing"):
+        for col in ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"):
             table.add_column(col, no_wrap=True)
         for c in run.checks:
             ff = c.first_failing
             table.add_row(c.name, c.verdict.value, str(c.positions), "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
-                          "—" if c.max_kld is None else f"{c.max_kld:.3g}",
+                          "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
                           Text("—" if not ff else f"{ff['prompt']} row {ff['row']}"))
         _console().print(table)
         acc = run.receipt["report_only"].get("acceptance")
@@ -672,13 +672,20 @@ def report(receipt, out_dir, localize_) -> None:
 @click.option("--probes", "probes_only", is_flag=True,
               help="Measure only the probe tolerances (each class's own split/decode floor on --base-model, the MoE excursion "
                    "allowance on --moe-model) for --classes (default: all) and merge them into --out, keeping every other number.")
+@click.option("--mtp", "mtp_only", is_flag=True,
+              help="Measure only the MTP rows (the calibrated tier of `harness parity --mtp`) for --classes (default f64, f32) "
+                   "on the MTP fixtures, every MTP mutant as known-bad, and merge them into --out, keeping every other number.")
+@click.option("--mtp-model", "mtp_models", multiple=True, metavar="SPEC", help="With --mtp: the models (default: the MTP fixtures).")
 def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
-              dry_run, as_json, topk_k, probes_only) -> None:
+              dry_run, as_json, topk_k, probes_only, mtp_only, mtp_models) -> None:
     """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
     compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
     every gate); with --model, measure one row on that model and record it as evidence; with
     --topk K, measure only the top-k rows and merge them into thresholds.yaml; with --probes, only
-    the probe tolerances."""
+    the probe tolerances; with --mtp, only the MTP draft head's rows."""
+    if mtp_only:
+        _calibrate_mtp(tuple(mtp_models) or None, tuple(classes) or None, tuple(mutants) or None, max_tokens, out, dry_run, as_json)
+        return
     if probes_only:
         _calibrate_probes(tuple(classes) or None, base_model, moe_model, out, dry_run, as_json)
         return
@@ -718,9 +725,10 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
     if not dry_run:
         command = "harness " + " ".join(sys.argv[1:])
         doc = thresholds_document(res, command, harness_info().get("git_commit"))
-        doc["topk"] = _kept_topk_rows(out)  # measured by `harness calibrate --topk K`, each with its own basis
-        if not doc["topk"]:
-            del doc["topk"]
+        for section in ("topk", "mtp"):  # measured by `harness calibrate --topk K` / `--mtp`, each with its own basis
+            doc[section] = _kept_rows(out, section)
+            if not doc[section]:
+                del doc[section]
         write_thresholds(doc, out)
         click.echo(f"wrote {out}")
         from pathlib import Path
@@ -729,9 +737,10 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         click.echo(f"wrote {matrix_out}")
 
 
-def _kept_topk_rows(path) -> list:
-    """The top-k rows of the thresholds file a full calibration replaces (none when it is absent
-    or unreadable): they are measured separately (``--topk K``) and kept."""
+def _kept_rows(path, section: str) -> list:
+    """The ``section`` rows (``topk``, ``mtp``) of the thresholds file a full calibration replaces
+    (none when it is absent or unreadable): they are measured separately (``--topk K``, ``--mtp``)
+    and kept."""
     # deferred: startup
     from pathlib import Path
 
@@ -739,7 +748,7 @@ def _kept_topk_rows(path) -> list:
     from harness.judge.thresholds import load_thresholds
 
     try:
-        return list(load_thresholds(path).data.get("topk", [])) if Path(path).is_file() else []
+        return list(load_thresholds(path).data.get(section, [])) if Path(path).is_file() else []
     except HarnessError:
         return []
 
@@ -761,6 +770,31 @@ def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_js
     if not dry_run:
         merge_topk_rows(out, rows)
         click.echo(f"wrote {len(rows)} top-k row(s) to {out}")
+
+
+def _calibrate_mtp(models, classes, mutants, max_tokens, out, dry_run, as_json) -> None:
+    """``harness calibrate --mtp``: the ``mtp:`` rows only (``harness.runs.calibrate.mtp.calibrate_mtp``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate.mtp import MTP_KNOWN_GOOD, MTP_MAX_TOKENS, MTP_MODELS, calibrate_mtp, merge_mtp_rows, refuse
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --mtp"
+    res = calibrate_mtp(models or MTP_MODELS, classes or tuple(MTP_KNOWN_GOOD), mutants, max_tokens or MTP_MAX_TOKENS, command,
+                        harness_info().get("git_commit"), log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads], "rows": res.rows,
+                    "caught": res.caught, "problems": res.problems})
+    else:
+        for label, c in res.caught.items():
+            by = [g for g, hit in c.items() if hit]
+            click.echo(_p(f"{label}: " + (f"caught by {', '.join(by)}" if by else "NOT caught")))
+    refuse(res)
+    if not dry_run:
+        merge_mtp_rows(out, res.rows)
+        click.echo(f"wrote {len(res.rows)} MTP row(s) to {out}")
 
 
 def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> None:

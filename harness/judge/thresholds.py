@@ -17,13 +17,17 @@ Schema ``harness-thresholds/v2`` (``harness/schemas/thresholds.schema.json``), t
     topk:                                         # top-k rows (http:NAME servers), keyed by weights × class × k
       - {weights: F32, class: f32, k: 20, file_type: ALL_F32, basis_models: [...],
          gates: {max_topk_kld_mean: {value, basis}, max_topk_kld_p99: ...}}
+    mtp:                                          # MTP draft-head rows (harness parity --mtp), keyed by weights × class × arch
+      - {weights: F32, class: f64, file_type: ALL_F32, max_tokens: 256,
+         basis_models: [{name: fixture:tiny-qwen35-mtp, arch: qwen35, n_layer: 4, n_embd: 64}],
+         gates: {min_cosine: {value, basis}, max_kld_mean: ..., max_kld_p99: ...}}
 
 A basis is ``kind: measured`` (command, n, model, date, known_good_floor, known_bad) or
 ``kind: declared`` (who, why). A gate without one is ``InvalidInput`` (exit 2) naming the key and
 its line; so are YAML syntax errors, duplicate keys, non-finite values, two rows for one
 weights × class key, and a row looser than the release floor (its ``min_cosine`` below
-``release.min_cosine``). ``Thresholds.resolve`` picks the row that fits a subject
-(``tiers.find_row``) — never one of another key.
+``release.min_cosine``); the same for ``mtp`` rows. ``Thresholds.resolve`` picks the row that fits
+a subject (``tiers.find_row``) — never one of another key; ``Thresholds.resolve_mtp`` the MTP row.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ SCHEMA_ID = "harness-thresholds/v2"
 SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
 SECTIONS = ("release", "probes")
 ROW_SECTIONS = ("gates", "probes")
-ROW_LISTS = ("calibrated", "topk")
+ROW_LISTS = ("calibrated", "topk", "mtp")
 DEFAULT_NEAR_TIE_MARGIN = 0.25
 
 
@@ -195,6 +199,21 @@ class Thresholds:
             for i, r in enumerate(self.data.get("topk", []))
         ]
 
+    @property
+    def mtp_rows(self) -> list[Row]:
+        """The MTP draft-head rows (``mtp:``, absent: none), in file order, each with the
+        ``max_tokens`` per prompt it was measured over."""
+        return [
+            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], {}, f"{self.path} mtp[{i}]", r["file_type"],
+                max_tokens=r.get("max_tokens"))
+            for i, r in enumerate(self.data.get("mtp", []))
+        ]
+
+    def resolve_mtp(self, subject: Subject) -> tuple[Row | None, str]:
+        """The MTP row that fits ``subject`` (``tiers.find_row``: same weights key, class and
+        architecture, within ``MAX_SCALE`` of its basis models), or None and why none does."""
+        return find_row(self.mtp_rows, subject, what="MTP row")
+
     def resolve_topk(self, subject: Subject, k: int) -> tuple[Row | None, str]:
         """The top-k row that fits ``subject`` with ``k`` logprobs per position (``tiers.find_topk_row``)."""
         return find_topk_row(self.topk_rows, subject, k)
@@ -331,6 +350,17 @@ def _check_rows(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> 
         if key in seen:
             raise InvalidInput(f"{where} repeats the key of calibrated[{seen[key]}]; one row per weights × class × architecture")
         seen[key] = i
+        cos = float(row["gates"]["min_cosine"]["value"])
+        if cos < floor:
+            raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")
+    seen_mtp: dict[tuple[str, str, tuple[str, ...]], int] = {}
+    for i, row in enumerate(data.get("mtp", [])):
+        archs = tuple(sorted({str(m.get("arch")) for m in row.get("basis_models", [])}))
+        key = (row["weights"], row["class"], archs)
+        where = f"{path}:{line_of(root, ['mtp', i])}: mtp[{i}] (weights {key[0]}, class {key[1]}, {'+'.join(archs)})"
+        if key in seen_mtp:
+            raise InvalidInput(f"{where} repeats the key of mtp[{seen_mtp[key]}]; one MTP row per weights × class × architecture")
+        seen_mtp[key] = i
         cos = float(row["gates"]["min_cosine"]["value"])
         if cos < floor:
             raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")

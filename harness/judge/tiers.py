@@ -120,8 +120,9 @@ class Row:
         return d
 
 
-def find_row(rows: list[Row], subject: Subject) -> tuple[Row | None, str]:
-    """The row that fits ``subject``, or None and why none does (one line)."""
+def find_row(rows: list[Row], subject: Subject, what: str = "calibrated row") -> tuple[Row | None, str]:
+    """The row that fits ``subject``, or None and why none does (one line; ``what`` names the
+    kind of row in it: ``calibrated row``, ``MTP row``)."""
     same_key = [r for r in rows if r.weights == subject.weights and r.compute_class == subject.compute_class]
     for r in same_key:
         if r.misfit(subject) is None:
@@ -129,9 +130,9 @@ def find_row(rows: list[Row], subject: Subject) -> tuple[Row | None, str]:
     if same_key:
         same_arch = [r for r in same_key if not subject.arch or r.archs is None or subject.arch in r.archs]
         if not same_arch:
-            return None, f"no calibrated row for {subject.key_text()} measured on {subject.arch} models"
-        return None, f"the row for {subject.key_text()} was {same_arch[0].misfit(subject)}"
-    return None, f"no calibrated row for {subject.key_text()}"
+            return None, f"no {what} for {subject.key_text()} measured on {subject.arch} models"
+        return None, f"the {what.split()[0] + ' ' if what != 'calibrated row' else ''}row for {subject.key_text()} was {same_arch[0].misfit(subject)}"
+    return None, f"no {what} for {subject.key_text()}"
 
 
 def find_topk_row(rows: list[Row], subject: Subject, k: int) -> tuple[Row | None, str]:

@@ -10,7 +10,13 @@ the reference for the same rows, driven in the candidate's own row convention
 tokens[t+2]; the llama.cpp convention's sentinel row (h = 0 at position 0) is not a draft and is
 never compared.
 
-Checks, each judged by the release gate (per-row cosine ≥ 0.98) over the rows it compared:
+Checks, each judged by both tiers over the rows it compared: the release gate (per-row cosine
+≥ 0.98) and the calibrated tier, the ``mtp:`` row of thresholds.yaml that fits the model's weights
+key, the candidate's compute class and the architecture (``Thresholds.resolve_mtp``; cosine, KLD
+mean, KLD p99 over each prompt's first ``max_tokens`` rows, as ``harness calibrate --mtp`` measured
+it). Rows exist for classes ``MTP_CLASSES`` (f64, f32); another class's calibrated tier is
+UNMEASURED, with the reason, until an emulation of it runs the head, and the release gate is its
+verdict:
 
 - ``whole``: every prompt fed whole;
 - ``chunked``: every prompt fed in two pieces (capability ``chunks``), so the head's KV must be
@@ -24,8 +30,8 @@ Checks, each judged by the release gate (per-row cosine ≥ 0.98) over the rows 
 
 A check the candidate cannot be asked for is UNMEASURED with the reason, never PASS; the cell's
 verdict is FAIL when any check fails, else UNMEASURED when fewer than the release gate's
-positions were compared in ``whole``, else PASS. The calibrated tier's MTP rows are not measured
-yet: the receipt says UNMEASURED for it, with the reason.
+positions were compared in ``whole``, else PASS. A check fails when either tier fails. The receipt
+records the MTP row used (``thresholds.calibrated``), or ``unmeasured`` with the reason.
 
 Report-only: the implied acceptance, mean[argmax D_t = tokens[t+2]] over the rows whose target is
 known, for the candidate beside the reference's; and for sequences side by side, each sequence
@@ -53,10 +59,15 @@ from harness.evidence.receipts import harness_info, host_info, prepare_receipt
 from harness.evidence.record import preflight_evidence, record_evidence
 from harness.judge import verdicts
 from harness.judge.reproducer import failure_message, printable
+from harness.judge.tiers import Row, Subject
 from harness.measure import metrics
 from harness.runs.inputs import RunInputs, RunRequest, engine_record
 
 CHECKS = ("whole", "chunked", "sequences", "hidden")
+MTP_CLASSES = ("f64", "f32")
+"""Compute classes with MTP rows (``harness calibrate --mtp``: the oracle, llama.cpp at other
+settings): no engine of another class runs the head yet, so its calibrated tier is UNMEASURED."""
+MTP_CALIBRATE_COMMAND = "harness calibrate --mtp"
 MTP_OBLIGATION = "QMTP-DRAFT-001"
 """The MTP contract's draft-logits obligation: its mutants are an MTP FAIL's likely causes."""
 
@@ -83,11 +94,45 @@ class MtpCheck:
     line: str = ""
     reason: str | None = None
     reproducer: str | None = None
+    calibrated: dict[str, Any] | None = None
+    """The calibrated tier's judgement of this check (``TierResult.to_dict``), None when the check
+    compared nothing."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "verdict": self.verdict.value, "positions": self.positions, "min_cosine": self.min_cosine,
                 "max_kld": self.max_kld, "first_failing": self.first_failing, "line": self.line, "reason": self.reason,
-                "reproducer": self.reproducer}
+                "reproducer": self.reproducer, "calibrated": self.calibrated}
+
+
+@dataclass(frozen=True)
+class MtpTier:
+    """The calibrated tier of one cell: the MTP row that fits (``row``), or None with ``reason``
+    and the ``command`` that would measure it (None: no command can, for this class)."""
+
+    subject: Subject
+    row: Row | None
+    reason: str = ""
+    command: str | None = None
+
+    def to_receipt(self) -> dict[str, Any]:
+        """The receipt's ``thresholds.calibrated``: ``{"status": "row", ...the row}`` or
+        ``{"status": "unmeasured", "reason", "command"}``."""
+        if self.row is None:
+            return {"status": "unmeasured", "reason": self.reason, "command": self.command}
+        return {"status": "row", **self.row.to_receipt()}
+
+
+def mtp_tier(thresholds: Any, subject: Subject) -> MtpTier:
+    """The MTP row of ``thresholds`` (``harness.judge.thresholds.Thresholds``) for ``subject``,
+    or why none fits: a class outside ``MTP_CLASSES`` has none by construction (no engine of it
+    runs the head); f64/f32 without a fitting row names ``harness calibrate --mtp``."""
+    row, misfit = thresholds.resolve_mtp(subject)
+    if row is not None:
+        return MtpTier(subject, row)
+    if subject.compute_class not in MTP_CLASSES:
+        return MtpTier(subject, None, f"MTP rows exist for classes {', '.join(MTP_CLASSES)} only: no {subject.compute_class} "
+                                      "engine or emulation runs the MTP head yet, so the release gate is this cell's verdict")
+    return MtpTier(subject, None, misfit, MTP_CALIBRATE_COMMAND)
 
 
 @dataclass(kw_only=True)
@@ -152,28 +197,33 @@ def _metrics(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> dict[str, np.nd
 
 
 def judge_check(name: str, pairs: list[tuple[str, np.ndarray, np.ndarray]], release: dict[str, dict[str, Any]],
-                need_positions: bool) -> MtpCheck:
-    """One check judged by the release gate over its rows; ``need_positions``: fewer rows than the
-    gate's ``min_positions`` make it UNMEASURED (the ``whole`` check); the others are judged on
-    what they compared."""
+                need_positions: bool, tier: MtpTier | None = None) -> MtpCheck:
+    """One check judged by the release gate over its rows (``pairs``: (prompt id, reference
+    [R, V], candidate [R, V]) each) and, with ``tier``, by the calibrated tier
+    (``verdicts.judge_calibrated`` with the MTP row, or UNMEASURED with its reason); a failure of
+    either fails the check. ``need_positions``: fewer rows than the gate's ``min_positions`` make
+    it UNMEASURED (the ``whole`` check); the others are judged on what they compared."""
     pm = _metrics(pairs)
     rel = verdicts.judge_release(pm, release)
+    cal = None
+    if tier is not None and pm["cosine"].size:
+        cal = verdicts.judge_calibrated(pm, metrics.summarize(pm), tier.row, tier.subject, tier.reason, tier.command)
     n = int(pm["cosine"].size)
     cos = pm["cosine"][np.isfinite(pm["cosine"])]
     kld = pm["kld"][np.isfinite(pm["kld"])] if "kld" in pm else np.array([])
     first = None
-    if rel.first_failing is not None:
-        i = rel.first_failing
+    i = rel.first_failing if rel.first_failing is not None else (cal.first_failing if cal is not None else None)
+    if i is not None:
         first = {"prompt": pairs[int(pm["prompt_index"][i])][0], "row": int(pm["position"][i]), "cosine": metrics._f(pm["cosine"][i])}
-    if rel.status == "fail":
+    if rel.status == "fail" or (cal is not None and cal.status == "fail"):
         verdict = Verdict.FAIL
     elif rel.status == "unmeasured" and need_positions:
         verdict = Verdict.UNMEASURED
     else:
         verdict = Verdict.PASS if n else Verdict.UNMEASURED
-    line = f"mtp {name}: {rel.line}"
+    line = f"mtp {name}: {rel.line}" + (f"; {cal.line}" if cal is not None else "")
     return MtpCheck(name, verdict, n, float(cos.min()) if cos.size else None, float(kld.max()) if kld.size else None, first, line,
-                    None if verdict is not Verdict.UNMEASURED else f"{n} rows compared")
+                    None if verdict is not Verdict.UNMEASURED else f"{n} rows compared", calibrated=None if cal is None else cal.to_dict())
 
 
 @dataclass
@@ -284,6 +334,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
     cinfo = candidate.info.to_dict()
     resolved = inputs.thresholds_for(cinfo)
     release = resolved.release_gates
+    tier = mtp_tier(inputs.thresholds, resolved.subject)
     prompts = [p if req.max_tokens is None else replace(p, tokens=list(p.tokens[: req.max_tokens])) for p in inputs.tokens(reference.engine)]
     prompts = [p for p in prompts if len(p.tokens) >= 3]
     checks: list[MtpCheck] = []
@@ -321,7 +372,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
                 a, n = acceptance(d.logits, p.tokens)
                 acc[side][0] += a
                 acc[side][1] += n
-        checks.append(judge_check("whole", whole, release, True))
+        checks.append(judge_check("whole", whole, release, True, tier))
         report["acceptance"] = {side: {"accepted": a, "rows": n, "rate": (a / n) if n else None} for side, (a, n) in acc.items()}
         if chunked:
             pairs = []
@@ -331,7 +382,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
                 ch = _chunks(len(p.tokens))
                 pairs.append((p.id, ref_draft(p.tokens, ch).logits,
                               _checked(candidate.draft(p.tokens, ch), len(p.tokens), n_vocab, "candidate").logits))
-            checks.append(judge_check("chunked", pairs, release, False))
+            checks.append(judge_check("chunked", pairs, release, False, tier))
         else:
             checks.append(_unmeasured("chunked", f"{candidate.info.name} does not declare 'chunks'"))
         if _can_multi(candidate.engine) and len(prompts) >= 2:
@@ -341,7 +392,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
             cm = [_checked(d, len(q), n_vocab, "candidate") for d, q in zip(candidate.engine.draft_multi(seqs), seqs)]
             rm = [_checked(d, len(q), n_vocab, "reference") for d, q in zip(drive.draft_multi(seqs), seqs)]
             pairs = [(f"{prompts[i].id} (sequence {i} of 2)", rm[i].logits, cm[i].logits) for i in range(2)]
-            checks.append(judge_check("sequences", pairs, release, False))
+            checks.append(judge_check("sequences", pairs, release, False, tier))
             solo = [metrics._f(np.nanmin(metrics.cosine(cand_whole[prompts[i].id].logits, cm[i].logits))) for i in range(2)]
             report["sequences_vs_solo"] = [{"prompt": prompts[i].id, "min_cosine": solo[i]} for i in range(2)]
         else:
@@ -359,7 +410,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
                 if h.shape != (len(p.tokens), inputs.model.hparams.n_embd):
                     raise EngineError(f"candidate returned hidden states of shape {tuple(h.shape)} for {len(p.tokens)} tokens")
                 pairs.append((p.id, gather(candidate.logits(p.tokens), len(p.tokens)), (np.asarray(h, np.float64) @ w.T).astype(np.float32)))
-            checks.append(judge_check("hidden", pairs, release, False))
+            checks.append(judge_check("hidden", pairs, release, False, tier))
         else:
             checks.append(_unmeasured("hidden", "the candidate returned no hidden.npy"))
     verdict, message = overall(checks)
@@ -391,8 +442,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
         "mtp_convention": conv,
         "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "max_tokens": req.max_tokens,
                     "items": [{"id": p.id, "tokens": list(p.tokens)} for p in prompts]},
-        "thresholds": {"release": resolved.to_receipt()["release"],
-                       "calibrated": {"status": "unmeasured", "reason": "no calibrated MTP rows in thresholds.yaml yet"}},
+        "thresholds": {"release": resolved.to_receipt()["release"], "calibrated": tier.to_receipt()},
         "compute_class": resolved.subject.compute_class,
         "checks": [c.to_dict() for c in checks],
         "verdict": verdict.value,

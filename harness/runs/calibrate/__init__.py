@@ -31,6 +31,9 @@ the same rule over a bounded number of positions, used where no committed row fi
 
 Calibration refuses (``CalibrationRefused``, exit 1) when a known-good pair spreads past its
 row, or when a mutant passes every gate at f32/f64, naming them.
+
+The MTP draft head's rows (``mtp:``, the calibrated tier of ``harness parity --mtp``) are measured
+on their own by ``harness.runs.calibrate.mtp.calibrate_mtp`` (``harness calibrate --mtp``).
 """
 
 from __future__ import annotations
