@@ -320,24 +320,112 @@ def localize_mtp(inputs: RunInputs, candidate: Engine, tokens: Sequence[int], ch
     return {"tensor": None}
 
 
+@dataclass
+class _Cell:
+    """One MTP cell's engines, prompts and gates while its checks run (``run_mtp``)."""
+
+    inputs: RunInputs
+    candidate: Any
+    prompts: list[Any]
+    n_vocab: int
+    release: dict[str, dict[str, Any]]
+    tier: Any
+    drive: ReferenceDrafts
+    progress: Callable[[str], None] | None
+    cand_whole: dict[str, Drafts] = field(default_factory=dict)
+
+    def say(self, what: str) -> None:
+        if self.progress:
+            self.progress(what)
+
+    def cand(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Drafts:
+        return _checked(self.candidate.draft(tokens, chunks) if chunks else self.candidate.draft(tokens), len(tokens), self.n_vocab,
+                        "candidate")
+
+    def ref(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Drafts:
+        return _checked(self.drive.get(tokens, chunks), len(tokens), self.n_vocab, "reference")
+
+    def whole(self, first: Drafts) -> tuple[MtpCheck, dict[str, Any]]:
+        """The ``whole`` check, and the implied acceptance of both sides over its rows."""
+        pairs, acc = [], {"candidate": [0, 0], "reference": [0, 0]}
+        for i, p in enumerate(self.prompts):
+            if i:
+                self.say(f"whole {p.id}")
+            c = first if i == 0 else self.cand(p.tokens)
+            r = self.ref(p.tokens)
+            self.cand_whole[p.id] = c
+            pairs.append((p.id, r.logits, c.logits))
+            for side, d in (("candidate", c), ("reference", r)):
+                a, n = acceptance(d.logits, p.tokens)
+                acc[side][0] += a
+                acc[side][1] += n
+        rates = {side: {"accepted": a, "rows": n, "rate": (a / n) if n else None} for side, (a, n) in acc.items()}
+        return judge_check("whole", pairs, self.release, True, self.tier), rates
+
+    def chunked(self) -> MtpCheck:
+        if "chunks" not in self.candidate.info.capabilities:
+            return _unmeasured("chunked", f"{self.candidate.info.name} does not declare 'chunks'")
+        pairs = []
+        for p in self.prompts:
+            self.say(f"chunked {p.id}")
+            ch = _chunks(len(p.tokens))
+            pairs.append((p.id, self.ref(p.tokens, ch).logits, self.cand(p.tokens, ch).logits))
+        return judge_check("chunked", pairs, self.release, False, self.tier)
+
+    def sequences(self) -> tuple[MtpCheck, list[dict[str, Any]] | None]:
+        """The ``sequences`` check, and each sequence against the candidate's solo run (report-only)."""
+        if not _can_multi(self.candidate.engine) or len(self.prompts) < 2:
+            return _unmeasured("sequences", f"{self.candidate.info.name} does not declare 'multi_seq' with draft_multi, "
+                                            "or fewer than 2 prompts"), None
+        self.say("sequences")
+        seqs = [self.prompts[0].tokens, self.prompts[1].tokens]
+        cm = [_checked(d, len(q), self.n_vocab, "candidate") for d, q in zip(self.candidate.engine.draft_multi(seqs), seqs)]
+        rm = [_checked(d, len(q), self.n_vocab, "reference") for d, q in zip(self.drive.draft_multi(seqs), seqs)]
+        pairs = [(f"{self.prompts[i].id} (sequence {i} of 2)", rm[i].logits, cm[i].logits) for i in range(2)]
+        solo = [{"prompt": self.prompts[i].id,
+                 "min_cosine": metrics._f(np.nanmin(metrics.cosine(self.cand_whole[self.prompts[i].id].logits, cm[i].logits)))}
+                for i in range(2)]
+        return judge_check("sequences", pairs, self.release, False, self.tier), solo
+
+    def hidden(self) -> MtpCheck:
+        """``output · h_t`` against the candidate's own trunk logits (``hidden.npy`` given)."""
+        given = [p for p in self.prompts if self.cand_whole[p.id].hidden is not None]
+        if not given:
+            return _unmeasured("hidden", "the candidate returned no hidden.npy")
+        model = self.inputs.model
+        w = model.tensor("output.weight" if model.has_tensor("output.weight") else "token_embd.weight", np.float32)
+        pairs = []
+        for p in given:
+            h = self.cand_whole[p.id].hidden
+            if h.shape != (len(p.tokens), model.hparams.n_embd):
+                raise EngineError(f"candidate returned hidden states of shape {tuple(h.shape)} for {len(p.tokens)} tokens")
+            pairs.append((p.id, gather(self.candidate.logits(p.tokens), len(p.tokens)), (np.asarray(h, np.float64) @ w.T).astype(np.float32)))
+        return judge_check("hidden", pairs, self.release, False, self.tier)
+
+
+def _add_reproducers(checks: Sequence[MtpCheck], case: Any) -> None:
+    """Every failed check's one-line reproducer (``harness.judge.reproducer.failure_message``)."""
+    for c in checks:
+        if c.verdict is Verdict.FAIL:
+            where = c.first_failing or {}
+            numbers = f"mtp {c.name} FAIL: {c.line}" + (f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}" if where else "")
+            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], CAUSES[c.name],
+                                           case.harness("parity", "--mtp"))
+
+
 def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> MtpRun:
     """Run one MTP cell end to end and write its evidence (module docstring).
 
     Raises ``InvalidInput`` (inputs), ``EngineError`` (either engine; a reference without MTP
-    support), ``NotComparable`` (vocab sizes differ).
+    support), ``NotComparable`` (vocab sizes differ, no prompt of 3 tokens).
     """
     inputs = req.resolve()
     if req.write_evidence:
         preflight_evidence(req.ledger)
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
-    cinfo = candidate.info.to_dict()
-    resolved = inputs.thresholds_for(cinfo)
-    release = resolved.release_gates
-    tier = mtp_tier(inputs.thresholds, resolved.subject)
     prompts = [p if req.max_tokens is None else replace(p, tokens=list(p.tokens[: req.max_tokens])) for p in inputs.tokens(reference.engine)]
     prompts = [p for p in prompts if len(p.tokens) >= 3]
-    checks: list[MtpCheck] = []
     report: dict[str, Any] = {}
     conv = None
     if "mtp" not in candidate.info.capabilities:
@@ -346,103 +434,60 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
     else:
         if int(candidate.n_vocab) != int(reference.n_vocab):
             raise NotComparable(f"vocab sizes differ: reference {reference.n_vocab}, candidate {candidate.n_vocab}")
-        n_vocab = int(reference.n_vocab)
         if not prompts:
             raise NotComparable("no prompt has the 3 tokens a draft row with a known target needs")
         if progress:
             progress(f"whole {prompts[0].id}")
+        n_vocab = int(reference.n_vocab)
         first = _checked(candidate.draft(prompts[0].tokens), len(prompts[0].tokens), n_vocab, "candidate")
-        conv = convention_of(candidate.engine)  # a protocol-2 engine states it in its replies: read after the first
-        cinfo = candidate.info.to_dict()
-        resolved = inputs.thresholds_for(cinfo)  # so does its compute class
+        conv = convention_of(candidate.engine)  # a protocol-2 engine states it (and its class) in its replies
         drive = reference_drafts(reference.engine, conv)
-        chunked = "chunks" in candidate.info.capabilities
-        drive.prefetch([(p.tokens, None) for p in prompts] + ([(p.tokens, _chunks(len(p.tokens))) for p in prompts] if chunked else []))
-        ref_draft = lambda toks, chunks=None: _checked(drive.get(toks, chunks), len(toks), n_vocab, "reference")
-        whole, cand_whole = [], {}
-        acc = {"candidate": [0, 0], "reference": [0, 0]}
-        for i, p in enumerate(prompts):
-            if progress and i:
-                progress(f"whole {p.id}")
-            c = first if i == 0 else _checked(candidate.draft(p.tokens), len(p.tokens), n_vocab, "candidate")
-            r = ref_draft(p.tokens)
-            cand_whole[p.id] = c
-            whole.append((p.id, r.logits, c.logits))
-            for side, d in (("candidate", c), ("reference", r)):
-                a, n = acceptance(d.logits, p.tokens)
-                acc[side][0] += a
-                acc[side][1] += n
-        checks.append(judge_check("whole", whole, release, True, tier))
-        report["acceptance"] = {side: {"accepted": a, "rows": n, "rate": (a / n) if n else None} for side, (a, n) in acc.items()}
-        if chunked:
-            pairs = []
-            for p in prompts:
-                if progress:
-                    progress(f"chunked {p.id}")
-                ch = _chunks(len(p.tokens))
-                pairs.append((p.id, ref_draft(p.tokens, ch).logits,
-                              _checked(candidate.draft(p.tokens, ch), len(p.tokens), n_vocab, "candidate").logits))
-            checks.append(judge_check("chunked", pairs, release, False, tier))
-        else:
-            checks.append(_unmeasured("chunked", f"{candidate.info.name} does not declare 'chunks'"))
-        if _can_multi(candidate.engine) and len(prompts) >= 2:
-            if progress:
-                progress("sequences")
-            seqs = [prompts[0].tokens, prompts[1].tokens]
-            cm = [_checked(d, len(q), n_vocab, "candidate") for d, q in zip(candidate.engine.draft_multi(seqs), seqs)]
-            rm = [_checked(d, len(q), n_vocab, "reference") for d, q in zip(drive.draft_multi(seqs), seqs)]
-            pairs = [(f"{prompts[i].id} (sequence {i} of 2)", rm[i].logits, cm[i].logits) for i in range(2)]
-            checks.append(judge_check("sequences", pairs, release, False, tier))
-            solo = [metrics._f(np.nanmin(metrics.cosine(cand_whole[prompts[i].id].logits, cm[i].logits))) for i in range(2)]
-            report["sequences_vs_solo"] = [{"prompt": prompts[i].id, "min_cosine": solo[i]} for i in range(2)]
-        else:
-            checks.append(_unmeasured("sequences", f"{candidate.info.name} does not declare 'multi_seq' with draft_multi, "
-                                                   "or fewer than 2 prompts"))
-        hidden = [(p.id, cand_whole[p.id].hidden) for p in prompts if cand_whole[p.id].hidden is not None]
-        if hidden:
-            w_name = "output.weight" if inputs.model.has_tensor("output.weight") else "token_embd.weight"
-            w = inputs.model.tensor(w_name, np.float32)
-            pairs = []
-            for p in prompts:
-                h = cand_whole[p.id].hidden
-                if h is None:
-                    continue
-                if h.shape != (len(p.tokens), inputs.model.hparams.n_embd):
-                    raise EngineError(f"candidate returned hidden states of shape {tuple(h.shape)} for {len(p.tokens)} tokens")
-                pairs.append((p.id, gather(candidate.logits(p.tokens), len(p.tokens)), (np.asarray(h, np.float64) @ w.T).astype(np.float32)))
-            checks.append(judge_check("hidden", pairs, release, False, tier))
-        else:
-            checks.append(_unmeasured("hidden", "the candidate returned no hidden.npy"))
+        drive.prefetch([(p.tokens, None) for p in prompts]
+                       + ([(p.tokens, _chunks(len(p.tokens))) for p in prompts] if "chunks" in candidate.info.capabilities else []))
+        resolved = inputs.thresholds_for(candidate.info.to_dict())
+        cell = _Cell(inputs, candidate, prompts, n_vocab, resolved.release_gates, mtp_tier(inputs.thresholds, resolved.subject), drive,
+                     progress)
+        whole, report["acceptance"] = cell.whole(first)
+        seqs, solo = cell.sequences()
+        if solo is not None:
+            report["sequences_vs_solo"] = solo
+        checks = [whole, cell.chunked(), seqs, cell.hidden()]
+    resolved = inputs.thresholds_for(candidate.info.to_dict())
     verdict, message = overall(checks)
-    case = inputs.reproducer(req.candidate)
-    for c in checks:
-        if c.verdict is Verdict.FAIL:
-            where = c.first_failing or {}
-            numbers = f"mtp {c.name} FAIL: {c.line}" + (f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}" if where else "")
-            fallback = CAUSES[c.name]
-            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], fallback,
-                                           case.harness("parity", "--mtp"))
+    _add_reproducers(checks, inputs.reproducer(req.candidate))
     if verdict is Verdict.FAIL:
         bad = next(c for c in checks if c.verdict is Verdict.FAIL)
         p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
-        if p is not None:
-            loc = localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
-            if loc is not None:
-                report["localization"] = {"prompt": p.id, **loc}
-                if loc.get("tensor"):
-                    message += f"; first divergent MTP tensor: {loc['tensor']}"
-    receipt = {
+        loc = None if p is None else localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
+        if loc is not None:
+            report["localization"] = {"prompt": p.id, **loc}
+            if loc.get("tensor"):
+                message += f"; first divergent MTP tensor: {loc['tensor']}"
+    receipt = mtp_receipt(req, inputs, candidate, reference, resolved, conv, prompts, checks, verdict, message, report)
+    if not req.write_evidence:
+        prepare_receipt(receipt, {})
+        return MtpRun(checks, verdict, message, receipt)
+    rec = record_evidence(receipt, {}, req.ledger)
+    return MtpRun(checks, verdict, message, rec.receipt, rec.receipt_path, rec.row)
+
+
+def mtp_receipt(req: MtpRequest, inputs: RunInputs, candidate: Any, reference: Any, resolved: Any, conv: str | None, prompts: Sequence[Any],
+                checks: Sequence[MtpCheck], verdict: Verdict, message: str, report: dict[str, Any]) -> dict[str, Any]:
+    """The ``harness-mtp-receipt/v1`` document (before id and arrays are added)."""
+    release = resolved.release_gates
+    return {
         "schema": "harness-mtp-receipt/v1",
         "kind": "mtp",
         "host": host_info(),
         "harness": harness_info(),
         "command": list(req.argv) or ["harness", "parity", "--mtp"],
         "model": inputs.model_record(),
-        "engines": {"candidate": engine_record(cinfo, req.candidate), "reference": engine_record(reference.info.to_dict(), req.reference)},
+        "engines": {"candidate": engine_record(candidate.info.to_dict(), req.candidate),
+                    "reference": engine_record(reference.info.to_dict(), req.reference)},
         "mtp_convention": conv,
         "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "max_tokens": req.max_tokens,
                     "items": [{"id": p.id, "tokens": list(p.tokens)} for p in prompts]},
-        "thresholds": {"release": resolved.to_receipt()["release"], "calibrated": tier.to_receipt()},
+        "thresholds": {"release": resolved.to_receipt()["release"], "calibrated": mtp_tier(inputs.thresholds, resolved.subject).to_receipt()},
         "compute_class": resolved.subject.compute_class,
         "checks": [c.to_dict() for c in checks],
         "verdict": verdict.value,
@@ -453,11 +498,6 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
         "report_only": report,
         "timings": {"candidate": candidate.timings(), "reference": reference.timings()},
     }
-    if not req.write_evidence:
-        prepare_receipt(receipt, {})
-        return MtpRun(checks, verdict, message, receipt)
-    rec = record_evidence(receipt, {}, req.ledger)
-    return MtpRun(checks, verdict, message, rec.receipt, rec.receipt_path, rec.row)
 
 
 def overall(checks: Sequence[MtpCheck]) -> tuple[Verdict, str]:
