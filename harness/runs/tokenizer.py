@@ -254,7 +254,7 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         "harness": harness_info(),
         "command": list(req.argv) or argv,
         "model": inputs.model_record(),
-        "engines": {"candidate": engine_record(engine.info.to_dict(), req.candidate), "reference": engine_record(ref_info, "llama.cpp")},
+        "engines": {"candidate": {**engine_record(engine.info.to_dict(), req.candidate), "engine": req.candidate}, "reference": engine_record(ref_info, "llama.cpp")},
         "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "skipped": skipped},
         "add_special": bool(req.add_special),
         "comparisons": [c.to_dict(lambda t: token_text(vocab, t)) for c in comparisons],
