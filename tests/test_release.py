@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.engines.persistent import close_all
 from harness.evidence.ledger import TIMING_FIELDS, append_row, read_rows, verify_ledger
 from harness.fixtures.synthetic import build
 from harness.paths import SOURCE_ROOT
@@ -402,3 +403,48 @@ def test_acceptance_2_models_x_2_candidates_local_and_ray_agree(tmp_path, monkey
     (root / "engine.py").write_text((root / "engine.py").read_text() + "# changed\n")
     rc, changed = signoff_json(root, capsys, monkeypatch, "--ledger", str(local))
     assert rc == 1 and sum(c["status"] == "stale" for c in changed["cells"]) == 2
+
+
+# ------------------------------------------------------------------------------ the tokenizer check
+
+
+def test_signoff_requires_the_tokenizer_check_per_model_and_build(tmp_path, monkeypatch, capsys):
+    """``tokenizer: true``: each model x candidate build needs its newest standing tokenizer row to
+    PASS. No row: missing (naming the command); a PASS: ok and relied on; the engine's program
+    changed: stale (another build's row); the changed program's FAIL: failed, exit 1."""
+    root = make_project(tmp_path / "p", ["oracle"], ["trained-qwen35"])
+    shutil.copy(SOURCE_ROOT / "examples" / "bpe_tokenizer_engine.py", root / "bpe.py")
+    (root / "pyproject.toml").write_text('[tool.harness.engines.bpe]\ncommand = ["{python}", "bpe.py", "--serve"]\n'
+                                         'protocol = 2\ntimeout_s = 60\ncapabilities = ["tokenize"]\n')
+    manifest = root / "release.yaml"
+    manifest.write_text(manifest.read_text().replace('engine: "oracle", compute_class: f64', 'engine: "command:bpe", compute_class: f32'))
+
+    def tokenizer_items(*extra):
+        rc, doc = signoff_json(root, capsys, monkeypatch, *extra)
+        return rc, doc, [i for i in doc["items"] if i["what"] == "tokenizer"]
+
+    rc, doc, items = tokenizer_items()
+    assert items == []  # not asked for: no item
+    manifest.write_text(manifest.read_text() + "tokenizer: true\n")
+    assert load_manifest(manifest).tokenizer is True
+    rc, doc, items = tokenizer_items()
+    assert [(i["status"], i["label"], i["command"]) for i in items] == [
+        ("missing", "command:bpe @ fixture:trained-qwen35", "harness tokenizer --candidate command:bpe --model fixture:trained-qwen35")]
+    assert rc == 5  # the parity/probe cells are missing too; nothing failed
+
+    assert harness(root, "tokenizer", "--candidate", "command:bpe", "--model", "fixture:trained-qwen35", monkeypatch=monkeypatch) == 0
+    passed = [r for r in read_rows(ledger_of(root)) if r["kind"] == "tokenizer"][-1]
+    rc, doc, items = tokenizer_items()
+    assert [(i["status"], i["command"]) for i in items] == [("ok", None)] and passed["receipt_id"][:12] in items[0]["detail"]
+    assert passed["receipt_id"] in {r["id"] for r in [x for x in read_rows(ledger_of(root)) if x["kind"] == "signoff"][-1]["relied_on"]}
+
+    src = (root / "bpe.py").read_text()  # a new build: the merge of rank 0 forgotten whatever the flags say
+    assert 'Tokenizer(req["model"], args.pre, args.drop_merge)' in src
+    (root / "bpe.py").write_text(src.replace('Tokenizer(req["model"], args.pre, args.drop_merge)', 'Tokenizer(req["model"], args.pre, 0)'))
+    close_all()  # the engine process started above still runs the old program (each CLI call starts its own)
+    rc, doc, items = tokenizer_items()
+    assert [i["status"] for i in items] == ["stale"] and f"was made by build {doc['builds']['command:bpe'][:12]}" not in items[0]["detail"]
+    assert rc == 1
+    assert harness(root, "tokenizer", "--candidate", "command:bpe", "--model", "fixture:trained-qwen35", monkeypatch=monkeypatch) == 1
+    rc, doc, items = tokenizer_items()
+    assert [i["status"] for i in items] == ["failed"] and "tokenizer FAIL: prompt " in items[0]["detail"] and rc == 1

@@ -110,7 +110,7 @@ def test_engine_without_the_capability_is_unmeasured(tmp_path, in_repo, capsys):
                    "--ledger", str(tmp_path / "ledger.jsonl")])
     out = capsys.readouterr().out
     assert rc == Verdict.UNMEASURED.exit_code and "UNMEASURED: command:example-v1 does not declare the 'tokenize' capability" in out
-    rec = json.loads(sorted((tmp_path / "receipts").glob("*.json"))[-1].read_text())
+    rec = json.loads(sorted((tmp_path / "receipts").rglob("*.json"))[-1].read_text())
     assert rec["verdict"] == "UNMEASURED" and rec["comparisons"] == [] and rec["positions"] == 0
 
 
@@ -143,3 +143,73 @@ def test_llama_cpp_python_server_passes(tmp_path, in_repo, monkeypatch, referenc
         run = _run("http:local", tmp_path)
     assert run.verdict is Verdict.PASS, run.message
     assert [list(c.candidate) for c in run.comparisons] == ids
+
+
+# ------------------------------------------------------------------------------ the chat template
+CHAT = "fixture:trained-qwen35-chat"
+
+
+def test_reference_rendering_follows_llama_cpps_jinja_path():
+    from harness.errors import InvalidInput
+    from harness.measure.chat_template import Conversation, load_conversations, render
+    from harness.runs.tokenizer import CONVERSATIONS
+
+    tpl = resolve_model(CHAT)
+    from harness.model.gguf_model import GGUFModel
+    template = GGUFModel(tpl).raw_metadata("tokenizer.chat_template")
+    convs = {c.id: c for c in load_conversations(CONVERSATIONS)}
+    assert {"two-system", "tools", "empty-assistant", "no-generation-prompt"} <= set(convs)
+    two = render(template, convs["two-system"])
+    assert two.count("<|im_start|>system\n") == 2 and two.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>assistant\n<|im_end|>\n" in render(template, convs["empty-assistant"])
+    assert "城市" in render(template, convs["tools"])  # tojson keeps non-ASCII, as llama.cpp's does
+    assert not render(template, convs["no-generation-prompt"]).endswith("<|im_start|>assistant\n")
+    with pytest.raises(InvalidInput, match="the chat template raised: unknown role: robot"):
+        render(template, Conversation("bad", [{"role": "robot", "content": "x"}]))
+    with pytest.raises(InvalidInput, match="does not render"):
+        render("{{ messages[0].content.__class__ }}{% for %}", convs["tools"])
+    with pytest.raises(Exception):  # sandboxed: no reaching Python internals
+        render("{{ ''.__class__.__mro__[1].__subclasses__() }}", convs["tools"])
+
+
+def test_chat_template_passes_for_the_formatter_and_fails_on_a_dropped_system_message(tmp_path, in_repo):
+    from harness.measure.chat_template import load_conversations, render
+    from harness.model.gguf_model import GGUFModel
+    from harness.runs.tokenizer import CONVERSATIONS
+
+    ok = run_tokenizer(TokenizerRequest(model=CHAT, candidate="command:chat", ledger=str(tmp_path / "ledger.jsonl")))
+    assert ok.verdict is Verdict.PASS and ok.chat["mode"] == "render", ok.message
+    assert len(ok.chat["conversations"]) == len(load_conversations(CONVERSATIONS)) and all(c["ok"] for c in ok.chat["conversations"])
+    bad = run_tokenizer(TokenizerRequest(model=CHAT, candidate="command:planted-chat-drop-system", ledger=str(tmp_path / "ledger.jsonl")))
+    assert bad.verdict is Verdict.FAIL
+    assert [c["conversation"] for c in bad.chat["conversations"] if not c["ok"]] == ["two-system"]
+    conv = next(c for c in load_conversations(CONVERSATIONS) if c.id == "two-system")
+    ref = render(GGUFModel(resolve_model(CHAT)).raw_metadata("tokenizer.chat_template"), conv)
+    dropped = render(GGUFModel(resolve_model(CHAT)).raw_metadata("tokenizer.chat_template"),
+                     type(conv)(conv.id, [m for i, m in enumerate(conv.messages) if m["role"] != "system" or i == 0]))
+    at = first_difference(ref, dropped)
+    assert f"conversation 'two-system': first difference at character {at}: " in bad.message
+    assert ref[at:].startswith("system\nFrom now on") and dropped[at:].startswith("user\nAnother one.")
+    rows = read_rows(tmp_path / "ledger.jsonl")
+    assert [r["verdict"] for r in rows] == ["PASS", "FAIL"] and verify_ledger(tmp_path / "ledger.jsonl") == []
+
+
+def test_chat_template_unmeasured_without_a_template_or_the_capability(tmp_path, in_repo):
+    run = _run("command:bpe", tmp_path)  # trained-qwen35 has no tokenizer.chat_template
+    assert run.verdict is Verdict.PASS and run.chat["verdict"] == "UNMEASURED"
+    assert "no tokenizer.chat_template" in run.chat["unmeasured"] and "chat template not judged" in run.message
+    only = run_tokenizer(TokenizerRequest(model="fixture:trained-qwen35", candidate="command:chat", write_evidence=False))
+    assert only.verdict is Verdict.UNMEASURED  # neither part measured
+
+
+def test_llama_cpp_python_server_chat_template_passes(tmp_path, in_repo, monkeypatch):
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (pip install -e .[server])")
+    from test_http_engine import llama_cpp_server
+
+    with llama_cpp_server(resolve_model(CHAT)) as url:
+        monkeypatch.setenv("HARNESS_LOCAL_URL", url)
+        run = run_tokenizer(TokenizerRequest(model=CHAT, candidate="http:local", ledger=str(tmp_path / "ledger.jsonl")))
+    assert run.verdict is Verdict.PASS, run.message
+    assert run.chat["mode"] == "prompt_tokens" and run.chat["skipped"] == ["no-generation-prompt"]
+    rows = {c["conversation"]: c for c in run.chat["conversations"]}
+    assert rows["two-system"]["n_candidate_tokens"] == rows["two-system"]["n_reference_tokens"] > rows["system-user"]["n_reference_tokens"]

@@ -25,7 +25,8 @@ Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``generate
 n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
 lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``),
 ``with_info`` (``tokenize``: load the whole model, not its vocabulary alone, and write what
-``info`` writes beside the tokens), ``add_special`` (``tokenize``: llama_tokenize's
+``info`` writes beside the tokens), ``parse_special`` (``tokenize``: llama_tokenize's ``parse_special``, special-token strings in the text
+become their ids; a rendered chat prompt is tokenized so), ``add_special`` (``tokenize``: llama_tokenize's
 ``add_special``, the BOS/EOS the vocabulary asks for; default false), ``rows_from`` (``graph``, the default, or ``output``: a single sequence's rows read from
 llama.cpp's output buffer, as several sequences' are; tests compare the two), ``n_generate``
 (``generate``: greedy ids written to ``generated.json``), ``mtp_convention`` (``draft``: ``llama.cpp`` or
@@ -93,12 +94,12 @@ def _load(llama_cpp, req):
     return model, keep
 
 
-def _tokenize(llama_cpp, model, text: str, add_special: bool = False) -> list[int]:
+def _tokenize(llama_cpp, model, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
     vocab = llama_cpp.llama_model_get_vocab(model)
     data = text.encode("utf-8")
     n_max = len(data) + 16
     buf = (llama_cpp.llama_token * n_max)()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, bool(add_special), False)
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, bool(add_special), bool(parse_special))
     if n < 0:
         sys.stderr.write(f"harness-worker: tokenize needs {-n} slots\n")
         sys.exit(21)
@@ -416,7 +417,7 @@ def main(req_path: str) -> int:
     }
     if req["op"] == "tokenize":
         t1 = time.time()
-        toks = [_tokenize(llama_cpp, model, t, req.get("add_special", False)) for t in req["texts"]]
+        toks = [_tokenize(llama_cpp, model, t, req.get("add_special", False), req.get("parse_special", False)) for t in req["texts"]]
         info["tokenize_s"] = round(time.time() - t1, 4)
         if req.get("with_info"):
             _model_info(llama_cpp, model, info)

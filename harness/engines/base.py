@@ -194,6 +194,13 @@ class Engine(Protocol):
       ``harness tokenizer`` compares it with llama.cpp's ids (``harness.runs.tokenizer``). An
       engine that declares it but has no tokenizer of its own for this model raises
       ``Unmeasured`` with the reason (never answers with the harness's ids).
+    - ``"chat_template"``: the engine renders chat conversations itself, through one of
+      ``render_chat(conversation: dict) -> str`` (the prompt text; protocol 2 op ``render``) or
+      ``chat_prompt_tokens(conversation: dict) -> int`` (a server's token count of its own
+      rendering: llama-cpp-python's ``/v1/chat/completions`` ``usage.prompt_tokens``);
+      ``conversation`` holds ``messages``, ``tools`` and ``add_generation_prompt``. ``harness
+      tokenizer`` compares them with the GGUF's ``tokenizer.chat_template`` rendered by
+      ``harness.measure.chat_template`` (docs/engine-protocol.md, "The chat template").
     """
 
     @property

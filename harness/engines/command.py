@@ -65,14 +65,17 @@ from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
 from harness.rundir import scratch_dir
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
+RENDER_MAX_BYTES = 1 << 20
+"""The largest ``rendered.txt`` (op ``render``) read: a rendered conversation is a prompt, not a corpus."""
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "mtp")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp")
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
-V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy")
+V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "rendered.txt")
 """The files a protocol-2 reply may name (each in the request's ``out_dir``): ``draft_logits.npy``
-and ``hidden.npy`` answer op ``draft`` (capability ``mtp``)."""
+and ``hidden.npy`` answer op ``draft`` (capability ``mtp``), ``rendered.txt`` op ``render``
+(capability ``chat_template``)."""
 SETTINGS = ("n_ubatch",)
 """Settings a request may carry (``with_settings``), sent as ``settings`` in protocol 2."""
 INFO_MAX_BYTES = 1 << 20
@@ -572,6 +575,23 @@ class CommandEngine:
             except (UnicodeDecodeError, ValueError):
                 ids = None
         return checked_token_ids(ids, self.n_vocab, self.who, "tokens.json")
+
+    def render_chat(self, conversation: dict[str, Any]) -> str:
+        """The engine's own rendering of a chat conversation (capability ``chat_template``,
+        protocol 2: op ``render`` with ``messages``, ``tools`` and ``add_generation_prompt``, reply
+        file ``rendered.txt``, the prompt text in UTF-8, at most ``RENDER_MAX_BYTES``). Raises
+        ``EngineError`` for a missing, oversized or non-UTF-8 reply."""
+        self._need("chat_template")
+        body = {"op": "render", "messages": conversation["messages"], "tools": conversation.get("tools"),
+                "add_generation_prompt": bool(conversation.get("add_generation_prompt", True))}
+        with self._exchange(body) as (out_dir, tail):
+            raw = read_small_file(out_dir / "rendered.txt", self.who, RENDER_MAX_BYTES)
+            if raw is None:
+                raise EngineError(f"{self.who} wrote no rendered.txt for a render request", tail)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise EngineError(f"{self.who} wrote a rendered.txt that is not UTF-8") from None
 
     def session_logits(self, tokens: Sequence[int], *, session: str, parent: str | None = None, after: int = 0,
                        checkpoints: Sequence[int] = ()) -> Iterator[LogitBlock]:

@@ -246,7 +246,7 @@ class HttpEngine:
                       "api_key_env": self.spec.api_key_env, "prompt": "token ids" if self.kind.sends_ids else "text",
                       "prompt_logprobs": self.kind.prompt_logprobs, "keys": self.kind.keys,
                       "served_model": self.served_model, "overrides": [o.to_flag() for o in self.overrides]},
-            capabilities=["topk", "generate", "tokenize"],
+            capabilities=["topk", "generate", "tokenize"] + (["chat_template"] if self.kind.name == "llama-cpp-python" else []),
             build={"kind_source": self.kind.source},
             compute_class=self.spec.compute_class,
         )
@@ -458,6 +458,24 @@ class HttpEngine:
         path, body = TOKENIZE[self.kind.name](self.spec.model, str(text), bool(add_special))
         obj = self._post(path, body)
         return checked_token_ids(obj.get("tokens"), self.n_vocab, self.who, f"{path} tokens")
+
+    def chat_prompt_tokens(self, conversation: dict[str, Any]) -> int:
+        """How many tokens the server's own chat template makes of a conversation (capability
+        ``chat_template``, llama-cpp-python only): ``/v1/chat/completions`` with the conversation's
+        ``messages`` and ``tools``, ``max_tokens`` 1 and ``temperature`` 0, answered with
+        ``usage.prompt_tokens``. llama-cpp-python renders the GGUF's ``tokenizer.chat_template``
+        with its ``Jinja2ChatFormatter`` (generation prompt always on) and tokenizes the text with
+        specials parsed and no BOS added (``llama_cpp/llama_chat_format.py``
+        ``chat_formatter_to_chat_completion_handler``); it has no endpoint that returns the text,
+        so the count is what can be compared. Raises ``EngineError`` (transport, no count)."""
+        body: dict[str, Any] = {"model": self.spec.model, "messages": conversation["messages"], "max_tokens": 1, "temperature": 0}
+        if conversation.get("tools"):
+            body["tools"] = conversation["tools"]
+        usage = self._post("/v1/chat/completions", body).get("usage")
+        n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise EngineError(f"{self.who} answered /v1/chat/completions without a usage.prompt_tokens count")
+        return n
 
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         """Not available: a server gives top-k logprobs (``topk``). Raises ``EngineError``."""

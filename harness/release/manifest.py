@@ -4,8 +4,9 @@
 A manifest names the release, the candidate engines (each with the compute class it is pinned to,
 the backends it must be verified on, optionally the build id and the version it must be), the
 models (``fixture:NAME`` or a GGUF path, each pinned by sha256), the thresholds file (pinned by
-sha256), the prompt file, the probes each probe cell runs, the hosts expected to run cells and the
-contracts that must hold. Relative paths resolve against the manifest's folder. Example::
+sha256), the prompt file, the probes each probe cell runs, the hosts expected to run cells, the
+contracts that must hold and whether each model × candidate needs a passing tokenizer check
+(``tokenizer: true``: ``harness tokenizer``, its chat-template part included). Relative paths resolve against the manifest's folder. Example::
 
     schema: harness-release/v1
     release: mine-0.4.0
@@ -82,6 +83,7 @@ class Manifest:
     probes: tuple[str, ...] = PROBE_NAMES
     hosts: tuple[str, ...] = ()
     contracts: tuple[str, ...] = field(default_factory=tuple)
+    tokenizer: bool = False
 
     def contracts_for(self, cand: CandidatePin) -> list[str]:
         """The contracts ``cand`` must hold: the manifest's, then its own, each once."""
@@ -150,7 +152,7 @@ def load_manifest(path: str | Path) -> Manifest:
             raise InvalidInput(f"{p}: {what}: {f} does not exist")
     return Manifest(p, sha256_bytes(raw), data["release"], tuple(cands), models, thresholds, th["sha256"], prompts,
                     data.get("reference", DEFAULT_REFERENCE), tuple(data.get("probes") or PROBE_NAMES), tuple(data.get("hosts") or ()),
-                    tuple(data.get("contracts") or ()))
+                    tuple(data.get("contracts") or ()), bool(data.get("tokenizer", False)))
 
 
 def manifest_dict(m: Manifest) -> dict[str, Any]:
@@ -159,4 +161,4 @@ def manifest_dict(m: Manifest) -> dict[str, Any]:
             "candidates": [vars(c) | {"backends": list(c.backends), "contracts": list(c.contracts)} for c in m.candidates],
             "models": [vars(x) for x in m.models], "thresholds": None if m.thresholds_path is None else str(m.thresholds_path),
             "thresholds_sha256": m.thresholds_sha256, "prompts": None if m.prompts is None else str(m.prompts),
-            "probes": list(m.probes), "hosts": list(m.hosts), "contracts": list(m.contracts)}
+            "probes": list(m.probes), "hosts": list(m.hosts), "contracts": list(m.contracts), "tokenizer": m.tokenizer}

@@ -17,7 +17,11 @@ each as an ``Item`` with a status (``ok``, ``missing``, ``unmeasured``, ``stale`
   standing ledger row of a parity receipt and of a probe receipt made from the planned inputs
   (``harness.release.cells``). Parity must PASS with a measured calibrated tier; the probe run must
   PASS. A receipt of the same cell made from other inputs is stale (naming the fields); a receipt
-  that exists without a ledger row is missing.
+  that exists without a ledger row is missing;
+* with ``tokenizer: true`` in the manifest, every model × candidate: the newest standing
+  ``tokenizer`` row (``harness tokenizer``) of that model's current sha256 whose receipt was made
+  by the candidate's current build. PASS is ok, FAIL failed, UNMEASURED unmeasured; none is
+  missing, or stale when only another build of the candidate was checked.
 
 The verdict is SIGNED (exit 0) when every item is ok or n/a; else BLOCKED: exit 1 when anything
 failed or is stale (even if other things are missing), exit 5 when nothing failed but something is
@@ -320,6 +324,58 @@ def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths,
 
 
 # ---------------------------------------------------------------------------------------------
+# The tokenizer check
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenizer_rows(paths: EvidencePaths) -> list[_Found]:
+    """The standing ``tokenizer`` rows of the ledger with their receipts (oldest first); a row
+    whose receipt cannot be read is left out (``harness ledger verify`` reports it)."""
+    rows = read_rows(paths.ledger)
+    superseded = {r.get("supersedes") for r in rows if r.get("kind") == "supersede"}
+    out = []
+    for r in rows:
+        if r.get("kind") != "tokenizer" or r.get("seq") in superseded or not r.get("receipt_id"):
+            continue
+        p = receipt_file(paths.receipts, r["receipt_id"])
+        try:
+            out.append(_Found(r, json.loads(p.read_text(encoding="utf-8")), p))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _tokenizer(m: Manifest, ctx: PlanContext, paths: EvidencePaths, so: Signoff) -> None:
+    """With ``m.tokenizer``: one item per model × candidate (module docstring)."""
+    if not m.tokenizer:
+        return
+    found = tokenizer_rows(paths)
+    for pin in m.models:
+        sha = ctx.model_sha256.get(pin.spec)
+        for cand in m.candidates:
+            build = ctx.builds[cand.engine]
+            label = f"{cand.engine} @ {pin.spec}"
+            again = f"harness tokenizer --candidate {shlex.quote(cand.engine)} --model {shlex.quote(pin.spec)}"
+            of_model = [f for f in found if f.row.get("model_sha256") == sha]
+            mine = [f for f in of_model if ((f.receipt.get("engines") or {}).get("candidate", {}).get("build") or {}).get("id") == build]
+            if not mine:
+                other = [f for f in of_model if (f.receipt.get("engines") or {}).get("candidate", {}).get("engine") == cand.engine]
+                if other:
+                    got = ((other[-1].receipt["engines"]["candidate"].get("build") or {}).get("id") or "?")[:12]
+                    so.items.append(Item("tokenizer", label, STALE, f"newest tokenizer receipt {other[-1].row['receipt_id'][:12]} "
+                                         f"(row {other[-1].row['seq']}) was made by build {got}, not {build[:12]}", again))
+                else:
+                    so.items.append(Item("tokenizer", label, MISSING, "no tokenizer row for this model and build", again))
+                continue
+            f = mine[-1]
+            so.relied_on.append({"id": f.row["receipt_id"], "sha256": f.row["receipt_sha256"]})
+            v = f.row.get("verdict")
+            status = {"PASS": OK, "UNMEASURED": UNMEASURED}.get(v, FAILED)
+            so.items.append(Item("tokenizer", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): "
+                                 f"tokenizer {v}: {str(f.receipt.get('message', ''))[:300]}", None if status == OK else again))
+
+
+# ---------------------------------------------------------------------------------------------
 # The sign-off
 # ---------------------------------------------------------------------------------------------
 
@@ -337,6 +393,7 @@ def signoff(m: Manifest, ledger: str | Path | None = None, discharge_dir: str | 
     _lint(m, ctx, so)
     _contracts(m, so, Path(discharge_dir) if discharge_dir else None)
     _cells(m, ctx, runs, paths, so)
+    _tokenizer(m, ctx, paths, so)
     seen: set[str] = set()
     so.relied_on = [r for r in so.relied_on if not (r["id"] in seen or seen.add(r["id"]))]
     if record:

@@ -14,6 +14,18 @@ PASS when all are equal; UNMEASURED when the candidate declares no ``tokenize``,
 of its own for the model (it raises ``Unmeasured``: e.g. transformers without ``--tokenizer-dir``)
 or no prompt has text. Every verdict is a ``harness-tokenizer-receipt/v1`` and a ledger row of
 kind ``tokenizer``.
+
+The chat template is judged in the same run (``check_chat_template``) where the GGUF has a
+``tokenizer.chat_template`` and the candidate declares ``chat_template``: each conversation of
+``CONVERSATIONS`` (two system messages, tools and tool results, an empty assistant turn, no
+generation prompt, hostile content) is rendered by the reference (``harness.measure.chat_template``:
+jinja2 as llama.cpp's Jinja path) and by the candidate. A ``render`` op is compared character by
+character (FAIL names the conversation and the first differing character); a server that only
+renders inside its chat endpoint (``chat_prompt_tokens``: llama-cpp-python) is compared by the
+prompt's token count against the reference text tokenized by llama.cpp with specials parsed and
+no BOS added (how that server tokenizes its rendering). Either part that FAILs fails the run; a
+part that could not be measured is recorded with its reason (``chat_template.unmeasured``), and
+the run is UNMEASURED only when neither part measured anything.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ from harness.paths import DATA_DIR
 from harness.runs.inputs import RunRequest, engine_record
 
 TOKENIZER_PROMPTS = DATA_DIR / "prompts" / "tokenizer.jsonl"
+CONVERSATIONS = DATA_DIR / "chat" / "conversations.json"
+"""The conversations the chat template is judged on (module docstring)."""
 """The hostile prompt set (module docstring). Kept apart from the parity set: the fixtures learn
 their BPE merges from the parity prompts, so changing those would change every fixture."""
 
@@ -57,6 +71,96 @@ class TokenizerRun:
     receipt: dict[str, Any]
     receipt_path: Any = None
     ledger_row: dict[str, Any] | None = None
+    chat: dict[str, Any] | None = None
+
+
+def _chat_unmeasured(reason: str, template_sha256: str | None = None) -> dict[str, Any]:
+    return {"verdict": Verdict.UNMEASURED.value, "message": reason, "unmeasured": reason, "mode": None,
+            "template_sha256": template_sha256, "conversations": [], "skipped": []}
+
+
+def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str, reproduce: str) -> dict[str, Any]:
+    """The chat-template part of the run (module docstring) as the receipt's ``chat_template``
+    section: ``verdict`` (PASS, FAIL, UNMEASURED), ``message``, ``unmeasured`` (why, or None),
+    ``mode`` (``render``: text compared by character; ``prompt_tokens``: token counts),
+    ``template_sha256``, ``conversations`` (per conversation: ``TextComparison.to_dict`` or
+    ``{conversation, ok, n_reference_tokens, n_candidate_tokens}``) and ``skipped`` (conversations
+    a mode cannot ask: a server always adds the generation prompt).
+
+    ``model``: the ``GGUFModel``; ``reference``: the llama.cpp engine (tokenizes for
+    ``prompt_tokens``). Raises ``InvalidInput`` when the GGUF's template does not render a
+    conversation, ``EngineError`` when the candidate fails."""
+    import hashlib
+
+    from harness.measure.chat_template import load_conversations, render
+    from harness.measure.tokens import compare_text
+
+    template = model.raw_metadata("tokenizer.chat_template")
+    caps = engine.info.capabilities
+    if not isinstance(template, str):
+        return _chat_unmeasured("the GGUF has no tokenizer.chat_template to judge a rendering against")
+    sha = hashlib.sha256(template.encode("utf-8")).hexdigest()
+    if "chat_template" not in caps or not (hasattr(engine, "render_chat") or hasattr(engine, "chat_prompt_tokens")):
+        return _chat_unmeasured(f"{candidate} does not declare the 'chat_template' capability", sha)
+    tokens = model.tokens
+
+    def special(key: str) -> str:
+        i = model.raw_metadata(key)
+        return tokens[int(i)] if isinstance(i, int) and 0 <= int(i) < len(tokens) else ""
+
+    bos, eos = special("tokenizer.ggml.bos_token_id"), special("tokenizer.ggml.eos_token_id")
+    convs = load_conversations(CONVERSATIONS)
+    refs = {c.id: render(template, c, bos_token=bos, eos_token=eos) for c in convs}
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    bad: list[str] = []
+    if hasattr(engine, "render_chat"):
+        mode = "render"
+        for c in convs:
+            t = compare_text(c.id, refs[c.id], engine.render_chat(c.to_request()))
+            rows.append(t.to_dict())
+            if not t.ok and not bad:
+                bad.append(f"conversation {display.plain(c.id)!r}: first difference at character {t.first_diff}: "
+                           f"reference {display.plain(t.reference_excerpt)!r} | {display.plain(candidate)} {display.plain(t.candidate_excerpt)!r} "
+                           f"({t.n_reference} vs {t.n_candidate} characters)")
+    else:
+        mode = "prompt_tokens"
+        asked = [c for c in convs if c.add_generation_prompt]
+        skipped = [c.id for c in convs if not c.add_generation_prompt]
+        counts = reference.tokenize_many([refs[c.id] for c in asked], add_special=False, parse_special=True)
+        for c, ids in zip(asked, counts):
+            n = engine.chat_prompt_tokens(c.to_request())
+            rows.append({"conversation": c.id, "ok": n == len(ids), "n_reference_tokens": len(ids), "n_candidate_tokens": n})
+            if n != len(ids) and not bad:
+                bad.append(f"conversation {display.plain(c.id)!r}: the server's chat prompt has {n} tokens, the reference "
+                           f"rendering {len(ids)} (token counts compared: the server returns no text)")
+    n_bad = sum(not r["ok"] for r in rows)
+    if bad:
+        more = f" ({n_bad} of {len(rows)} conversations differ)" if n_bad > 1 else ""
+        verdict, message = Verdict.FAIL, f"chat template: {bad[0]}{more}; reproduce: {reproduce}"
+    elif not rows:
+        verdict, message = Verdict.UNMEASURED, "chat template: no conversation could be asked"
+    else:
+        what = "render identically" if mode == "render" else "give the reference rendering's token counts"
+        verdict, message = Verdict.PASS, f"chat template: all {len(rows)} conversations {what}"
+    return {"verdict": verdict.value, "message": message, "unmeasured": message if verdict is Verdict.UNMEASURED else None,
+            "mode": mode, "template_sha256": sha, "conversations": rows, "skipped": skipped}
+
+
+def combine(ids: tuple[Verdict, str], chat: dict[str, Any]) -> tuple[Verdict, str]:
+    """The run's verdict from its two parts (module docstring): FAIL when either FAILs (both
+    messages where both do), UNMEASURED when neither measured, else PASS, with an unmeasured
+    part's reason appended."""
+    (v1, m1), v2, m2 = ids, Verdict(chat["verdict"]), chat["message"]
+    if Verdict.FAIL in (v1, v2):
+        return Verdict.FAIL, "; ".join(m for v, m in ((v1, m1), (v2, m2)) if v is Verdict.FAIL)
+    if v1 is Verdict.UNMEASURED and v2 is Verdict.UNMEASURED:
+        return Verdict.UNMEASURED, f"{m1}; chat template: {m2}" if not m2.startswith("chat template") else f"{m1}; {m2}"
+    if v1 is Verdict.UNMEASURED:
+        return Verdict.PASS, f"{m2} (token ids not judged: {m1})"
+    if v2 is Verdict.UNMEASURED:
+        return Verdict.PASS, f"{m1} (chat template not judged: {m2})"
+    return Verdict.PASS, f"{m1}; {m2}"
 
 
 def token_text(vocab: Vocab, t: int) -> str | None:
@@ -135,9 +239,12 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         except Unmeasured as e:
             comparisons, unmeasured = [], str(e)
     if unmeasured:
-        verdict, message = Verdict.UNMEASURED, unmeasured
+        ids_verdict = Verdict.UNMEASURED, unmeasured
     else:
-        verdict, message = judge(comparisons, vocab, req.candidate, reproduce)
+        ids_verdict = judge(comparisons, vocab, req.candidate, reproduce)
+    chat = check_chat_template(inputs.model, engine, reference, req.candidate, reproduce)
+    verdict, message = combine(ids_verdict, chat)
+    unmeasured = ids_verdict[1] if ids_verdict[0] is Verdict.UNMEASURED else None
     ref_info = {"name": "llama.cpp", "version": _llamacpp_version(), "settings": {"op": "llama_tokenize", "parse_special": False},
                 "capabilities": ["tokenize"], "build": {}, "compute_class": None}
     receipt = {
@@ -147,7 +254,7 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         "harness": harness_info(),
         "command": list(req.argv) or argv,
         "model": inputs.model_record(),
-        "engines": {"candidate": engine_record(engine.info.to_dict(), req.candidate), "reference": engine_record(ref_info, "llama.cpp")},
+        "engines": {"candidate": {**engine_record(engine.info.to_dict(), req.candidate), "engine": req.candidate}, "reference": engine_record(ref_info, "llama.cpp")},
         "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "skipped": skipped},
         "add_special": bool(req.add_special),
         "comparisons": [c.to_dict(lambda t: token_text(vocab, t)) for c in comparisons],
@@ -155,11 +262,12 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         "message": message,
         "positions": sum(len(c.reference) for c in comparisons),
         "unmeasured": unmeasured,
+        "chat_template": chat,
     }
     if not req.write_evidence:
-        return TokenizerRun(comparisons, verdict, message, prepare_receipt(receipt, {}))
+        return TokenizerRun(comparisons, verdict, message, prepare_receipt(receipt, {}), chat=chat)
     rec = record_evidence(receipt, {}, req.ledger)
-    return TokenizerRun(comparisons, verdict, message, rec.receipt, rec.receipt_path, rec.row)
+    return TokenizerRun(comparisons, verdict, message, rec.receipt, rec.receipt_path, rec.row, chat=chat)
 
 
 def _llamacpp_version() -> str:
