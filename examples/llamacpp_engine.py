@@ -194,6 +194,7 @@ class Engine:
         self.model_path, self.overrides = model_path, list(overrides)
         self.llm = Model(model_path, overrides)
         self.sessions = {}
+        self.spec_sessions = {}  # speculative sessions: {id: {"trunk", "head": state bytes, "h": h_last, "n": length}}
 
     def info(self, req):
         return {"name": "example-llamacpp", "version": llama_cpp.__version__, "compute_class": "f32",
@@ -264,6 +265,147 @@ class Engine:
         finally:
             ctx.close()
 
+    def speculative(self, req):
+        """Op ``generate`` with ``speculative`` (``{"draft": "mtp", "draft_max": k}``): greedy
+        speculative decoding with drafts from llama.cpp's MTP context, one sequence (``tokens`` in
+        ``chunks``, optionally from or into a ``session``) or several ``sequences`` side by side,
+        one sequence id each, every phase of a step one ``llama_decode`` for all of them.
+        Returns ([ids per sequence], [{"accepted": [...], "rejected": [...]} per sequence]).
+
+        The trunk context has its nextn embeddings on (h_t after each batch); the MTP context holds
+        the head rows (h_{p-1}, x_p) at position p, as ``draft`` fills them. A step, with P tokens
+        fed and the chosen token t not yet fed, k = min(draft_max, tokens still wanted - 1):
+
+        1. draft: the head decodes (h_{P-1}, t) at P, then (g_i, d_i) at P + i, g_i the head's own
+           nextn embedding of the row before (chained drafts, as llama.cpp's draft-mtp driver);
+           d_i is the argmax; the draft rows are then removed from the head's KV cache
+           (``llama_memory_seq_rm``: the head is attention only, so it can be trimmed);
+        2. verify: the trunk's sequence state is saved (``llama_state_seq_get_data``) and
+           [t, d_1 ... d_k] decoded at P ... P + k in one batch; d_i is accepted while it equals
+           the argmax of the row before; the head gets the accepted rows with the trunk's h;
+        3. roll back: with a rejected draft, llama.cpp's recurrent memory cannot be trimmed, so the
+           saved state is restored (``llama_state_seq_set_data``: KV cells, conv and recurrent
+           state) and [t, d_1 ... d_a] fed again.
+
+        A session keeps the trunk's and the head's sequence state bytes, the last h and the length
+        (the prompt and every generated token but the last, which is never fed)."""
+        spec, n = req["speculative"], int(req["n_tokens"])
+        if spec.get("draft") != "mtp" or int(spec.get("draft_max", 0)) < 1:
+            raise ValueError("speculative needs draft \"mtp\" and draft_max >= 1")
+        if self.llm.n_nextn < 1:
+            raise ValueError("this model has no MTP (nextn) block (llama_model_n_layer_nextn is 0): no draft head to run")
+        k_max, m = int(spec["draft_max"]), self.llm
+        multi = bool(req.get("sequences"))
+        seqs = [q["tokens"] for q in req["sequences"]] if multi else [req["tokens"]]
+        s = None if multi else req.get("session")
+        start = None
+        if s and s.get("parent") is not None:
+            start = self.spec_sessions.get(s["parent"])
+            if start is None or int(s.get("after", -1)) != start["n"]:
+                have = "no such session" if start is None else f"it keeps the state after {start['n']} tokens"
+                raise ValueError(f"session {s['parent']!r} cannot be continued after {s.get('after')} tokens: {have}")
+        p0 = start["n"] if start else 0
+        n_ctx = n_ctx_for(sum(p0 + len(q) + n + k_max + 1 for q in seqs))
+        n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
+        trunk = Context(m, n_ctx, n_seq=len(seqs), n_ubatch=n_ubatch)
+        llama_cpp_ext.llama_set_embeddings_nextn(trunk.ctx, True, False)
+        head = Context(m, n_ctx, n_seq=len(seqs), n_ubatch=n_ubatch, other=trunk)
+        llama_cpp_ext.llama_set_embeddings_nextn(head.ctx, True, False)
+        mem = llama_cpp.llama_get_memory(head.ctx)
+        zero = np.zeros(m.n_embd, np.float32)
+        pos = [p0] * len(seqs)
+        h_last = [start["h"].copy() if start else zero for _ in seqs]
+        outs, acc, rej = [[] for _ in seqs], [[] for _ in seqs], [[] for _ in seqs]
+
+        def trunk_rows(items):
+            """Decode items in the trunk, give the head their rows; (logits, h) per item."""
+            logits = trunk.decode(items)
+            h = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(trunk.ctx), shape=(len(items), m.n_embd)).copy()
+            embd, prev = [], {}
+            for j, (_, _, q) in enumerate(items):
+                embd.append(prev.get(q, h_last[q]))
+                prev[q] = h[j]
+            head.run(items, np.stack(embd))
+            for q, row in prev.items():
+                h_last[q] = row
+            return logits, h
+
+        try:
+            if start:
+                trunk.restore(start["trunk"])
+                head.restore(start["head"])
+            last = [None] * len(seqs)
+            for items in batches(seqs, None if multi else req.get("chunks")):  # the prefill
+                items = [(t, p0 + p, q) for t, p, q in items]
+                logits, _ = trunk_rows(items)
+                for (_, _, q), row in zip(items, logits):
+                    last[q] = row
+            for q in range(len(seqs)):
+                pos[q] += len(seqs[q])
+                if n > 0:
+                    outs[q].append(int(np.argmax(last[q])))
+            while any(len(o) < n for o in outs):
+                live = [q for q in range(len(seqs)) if len(outs[q]) < n]
+                ks = {q: min(k_max, n - len(outs[q]) - 1) for q in live}
+                drafts = self.propose(head, {q: (outs[q][-1], pos[q], h_last[q], ks[q]) for q in live})  # 1. draft
+                for q in live:
+                    if ks[q] > 0:
+                        llama_cpp.llama_memory_seq_rm(mem, q, pos[q], -1)
+                saved = {q: trunk.save(q) for q in live if ks[q] > 0}
+                batch = [(t, pos[q] + i, q) for q in live for i, t in enumerate([outs[q][-1]] + drafts[q])]
+                h_before = {q: h_last[q] for q in live}
+                logits, _ = trunk_rows(batch)  # 2. verify: every sequence's 1 + k tokens in one batch
+                refeed, j = [], 0
+                for q in live:
+                    k = ks[q]
+                    choice = [int(np.argmax(r)) for r in logits[j : j + 1 + k]]
+                    j += 1 + k
+                    a = 0
+                    while a < k and drafts[q][a] == choice[a]:
+                        a += 1
+                    if a < k:  # 3. roll back: the state before the batch, the accepted tokens again
+                        trunk.restore(saved[q], q)
+                        llama_cpp.llama_memory_seq_rm(mem, q, pos[q], -1)
+                        h_last[q] = h_before[q]
+                        refeed += [(t, pos[q] + i, q) for i, t in enumerate([outs[q][-1]] + drafts[q][:a])]
+                    if k > 0:
+                        acc[q].append(a)
+                        rej[q].append(k - a)
+                    else:
+                        acc[q].append(0)
+                        rej[q].append(0)
+                    pos[q] += 1 + a
+                    outs[q] += drafts[q][:a] + [choice[a]]
+                if refeed:
+                    trunk_rows(refeed)
+            if s and s.get("id") is not None:
+                self.spec_sessions[s["id"]] = {"trunk": trunk.save(0), "head": head.save(0), "h": h_last[0].copy(), "n": pos[0]}
+        finally:
+            head.close()
+            trunk.close()
+        return [o[:n] for o in outs], [{"accepted": a, "rejected": r} for a, r in zip(acc, rej)]
+
+    def propose(self, head, wants):
+        """Step 1 of ``speculative``: chained drafts from the MTP context ``head`` for each sequence
+        q in ``wants`` = {q: (t, P, h_{P-1}, k)}: the head decodes (h_{P-1}, t) at P, then
+        (g_i, d_i) at P + i, g_i its own nextn embedding (post-norm) of the row before, d_i the
+        argmax (ties: lowest id), all drafting sequences in one batch per round. Returns
+        {q: [d_1 ... d_k]}; the draft rows stay in the head's KV cache (the caller removes them)."""
+        drafts = {q: [] for q in wants}
+        rows = [(t, p, q) for q, (t, p, _, k) in wants.items() if k > 0]
+        embd = [h for _, _, h, k in wants.values() if k > 0]
+        while rows:
+            logits = head.decode(rows, np.stack(embd))
+            g = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(head.ctx), shape=(len(rows), head.n_embd)).copy()
+            nxt, nemb = [], []
+            for j, (_, p, q) in enumerate(rows):
+                drafts[q].append(int(np.argmax(logits[j])))
+                if len(drafts[q]) < wants[q][3]:
+                    nxt.append((drafts[q][-1], p + 1, q))
+                    nemb.append(g[j])
+            rows, embd = nxt, nemb
+        return drafts
+
     def draft(self, req):
         """Op ``draft``: the MTP head's teacher-forced draft logits through llama.cpp's MTP context,
         in llama.cpp's position convention. Returns (draft logits float32 [Σ(T_i − 1), V], hidden
@@ -311,14 +453,21 @@ class Engine:
         if op == "shutdown":
             return {"ok": True, "files": []}
         if op == "drop":
-            for sid in req.get("sessions") or list(self.sessions):
+            for sid in req.get("sessions") or list(self.sessions) + list(self.spec_sessions):
                 self.sessions.pop(sid, None)
+                self.spec_sessions.pop(sid, None)
             return {"ok": True, "files": []}
         (out / "info.json").write_text(json.dumps(self.info(req)))
         if op == "tokenize":  # llama.cpp's own tokenizer of the GGUF: what this engine's users get
             ids = self.llm.tokenize(req["text"].encode("utf-8"), add_bos=bool(req.get("add_special")), special=False)
             (out / "tokens.json").write_text(json.dumps(ids))
             return {"ok": True, "files": ["tokens.json", "info.json"]}
+        if op == "generate" and req.get("speculative"):
+            ids, counts = self.speculative(req)
+            (out / "tokens.json").write_text(json.dumps(ids if req.get("sequences") else ids[0]))
+            spec = {"draft": "mtp", "draft_max": int(req["speculative"]["draft_max"]), "sequences": counts}
+            (out / "speculative.json").write_text(json.dumps(spec))
+            return {"ok": True, "files": ["tokens.json", "speculative.json", "info.json"]}
         if op == "generate":
             (out / "tokens.json").write_text(json.dumps(self.generate(req)))
             return {"ok": True, "files": ["tokens.json", "info.json"]}

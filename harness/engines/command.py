@@ -4,7 +4,8 @@ Protocol 2 (``protocol = 2`` in the engine's table) keeps one process per model 
 JSON lines (``harness.engines.persistent``); the request objects (schema
 ``harness-engine-request/v2``) are protocol 1's plus ``op``, ``id``, ``out_dir``, ``settings``,
 ``sequences``, ``session`` and ``n_tokens``, and the outputs are read by the same bounded readers
-(op ``draft`` adds ``draft_logits.npy`` and ``hidden.npy``, read by ``load_matrix``).
+(op ``draft`` adds ``draft_logits.npy`` and ``hidden.npy``, read by ``load_matrix``; a
+``generate`` with ``speculative`` adds ``speculative.json``, read by ``parse_speculation``).
 Protocol 1, below, runs one process per request.
 
 The harness writes a request JSON (schema ``harness-engine-request/v1``: model path, token ids,
@@ -46,6 +47,7 @@ from harness.engines.base import (
     MTP_CONVENTIONS,
     Drafts,
     EngineInfo,
+    Speculation,
     LogitBlock,
     checked_token_ids,
     npy_rows,
@@ -69,13 +71,15 @@ RENDER_MAX_BYTES = 1 << 20
 """The largest ``rendered.txt`` (op ``render``) read: a rendered conversation is a prompt, not a corpus."""
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative")
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
-V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "rendered.txt")
+V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "rendered.txt",
+            "speculative.json")
 """The files a protocol-2 reply may name (each in the request's ``out_dir``): ``draft_logits.npy``
 and ``hidden.npy`` answer op ``draft`` (capability ``mtp``), ``rendered.txt`` op ``render``
-(capability ``chat_template``)."""
+(capability ``chat_template``), ``speculative.json`` a speculative ``generate`` (capability
+``speculative``)."""
 SETTINGS = ("n_ubatch",)
 """Settings a request may carry (``with_settings``), sent as ``settings`` in protocol 2."""
 INFO_MAX_BYTES = 1 << 20
@@ -313,13 +317,64 @@ def load_activations(out_dir: Path, who: str, n_tokens: int, max_bytes: int, std
         raise EngineError(f"{who} wrote an unreadable activations.npz ({_first_line(e)})", stderr_tail) from None
 
 
+def parse_speculation(raw_tokens: bytes | None, raw_counts: bytes | None, who: str, n_seqs: int, n_tokens: int, draft_max: int,
+                      n_vocab: int) -> list[Speculation]:
+    """The reply of a speculative ``generate`` (docs/engine-protocol.md, "Op generate with
+    speculative") as one ``Speculation`` per sequence. ``raw_tokens``: ``tokens.json``, a list of
+    at most ``n_tokens`` ids in ``[0, n_vocab)`` (one sequence) or ``n_seqs`` such lists (a
+    ``sequences`` request); ``raw_counts``: ``speculative.json``, ``{"draft": "mtp", "draft_max":
+    k, "sequences": [{"accepted": [...], "rejected": [...]}, ...]}`` with one entry per sequence,
+    per step non-negative ints with accepted + rejected ≤ ``draft_max``, and exactly the steps its
+    tokens need: the prefill gives the first token and step i gives ``accepted[i] + 1``, so with
+    n ≥ 1 tokens 1 + Σ_{i<S−1}(a_i + 1) < n ≤ 1 + Σ_i(a_i + 1) (no step with no token of its own).
+    Raises ``EngineError`` naming ``who`` and the first thing wrong (either file missing, not
+    UTF-8 JSON, another shape, counts that contradict the tokens)."""
+    if raw_tokens is None:
+        raise EngineError(f"{who} wrote no tokens.json for a speculative generate request")
+    if raw_counts is None:
+        raise EngineError(f"{who} wrote no speculative.json for a speculative generate request")
+    try:
+        ids = json.loads(raw_tokens.decode("utf-8"), parse_constant=_refuse_constant)
+        counts = json.loads(raw_counts.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise EngineError(f"{who} wrote a tokens.json or speculative.json that is not UTF-8 JSON") from None
+    per = ids if n_seqs > 1 else [ids]
+    if n_seqs > 1 and (not isinstance(ids, list) or len(ids) != n_seqs):
+        raise EngineError(f"{who} wrote a tokens.json that is not {n_seqs} lists of token ids (one per sequence)")
+    for q in per:
+        if (not isinstance(q, list) or len(q) > n_tokens
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in q)):
+            raise EngineError(f"{who} wrote a tokens.json that is not a list of at most {n_tokens} token ids in [0, {n_vocab})")
+    if not isinstance(counts, dict) or counts.get("draft") != "mtp" or counts.get("draft_max") != draft_max:
+        raise EngineError(f"{who} wrote a speculative.json that is not an object with draft \"mtp\" and draft_max {draft_max}")
+    seqs = counts.get("sequences")
+    if not isinstance(seqs, list) or len(seqs) != n_seqs:
+        raise EngineError(f"{who} wrote a speculative.json whose sequences is not a list of {n_seqs} entries")
+    out = []
+    for i, (q, c) in enumerate(zip(per, seqs)):
+        acc, rej = (c.get(x) if isinstance(c, dict) else None for x in ("accepted", "rejected"))
+        ok = (isinstance(acc, list) and isinstance(rej, list) and len(acc) == len(rej)
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in acc + rej))
+        if not ok or any(a + r > draft_max for a, r in zip(acc, rej)):
+            raise EngineError(f"{who} wrote a speculative.json whose sequence {i} is not per-step non-negative accepted/rejected "
+                              f"counts with accepted + rejected <= draft_max {draft_max}")
+        made = 1 + sum(a + 1 for a in acc)
+        if (not q and acc) or (q and not (made - (acc[-1] + 1 if acc else 1) < len(q) <= made)):
+            raise EngineError(f"{who} wrote a speculative.json whose sequence {i} has {len(acc)} steps giving {made if q else 0} "
+                              f"tokens, but {len(q)} tokens in tokens.json")
+        out.append(Speculation([int(t) for t in q], [int(a) for a in acc], [int(r) for r in rej]))
+    return out
+
+
 class CommandEngine:
     """An engine run as an external command (see module docstring): one process per request
     (``protocol = 1``) or one persistent process per model spoken to in JSON lines
     (``protocol = 2``, ``harness.engines.persistent``), which adds several sequences per request
     (``logits_multi``), settings (``with_settings(n_ubatch=...)``), greedy generation
-    (``generate``), sessions (``session_logits``) and the MTP head's draft logits (``draft``,
-    ``draft_multi``: op ``draft``), each only with its capability declared.
+    (``generate``), sessions (``session_logits``), the MTP head's draft logits (``draft``,
+    ``draft_multi``: op ``draft``) and speculative generation (``speculative``,
+    ``speculative_multi``: op ``generate`` with ``speculative``), each only with its capability
+    declared.
     """
 
     def __init__(self, spec: CommandSpec, model_path: str | os.PathLike, overrides: Sequence[Override] = (), block_size: int = 256,
@@ -561,6 +616,59 @@ class CommandEngine:
             raise EngineError(f"{self.who} wrote a tokens.json that is not a list of at most {n} token ids in [0, {self.n_vocab})")
         return ids
 
+    def speculative(self, tokens: Sequence[int], n_tokens: int, *, draft_max: int, chunks: Sequence[int] | None = None,
+                    session: dict[str, Any] | None = None) -> Speculation:
+        """Greedy speculative continuation with drafts from the engine's MTP head (capability
+        ``speculative``, protocol 2; ``harness.engines.base.Engine``): op ``generate`` with
+        ``"speculative": {"draft": "mtp", "draft_max": k}``, ``tokens`` fed in ``chunks``
+        (capability ``chunks`` too) and, with ``session`` (``{"id", "parent", "after"}``), the state
+        kept or continued from. Returns a ``Speculation`` (at most ``n_tokens`` ids; the accepted and
+        rejected drafts per verification step) read from ``tokens.json`` and ``speculative.json``
+        by ``parse_speculation``. Raises ``EngineError`` (capability not declared, draft_max not an
+        int ≥ 1, an empty prompt, a refusal, a missing or malformed reply file)."""
+        self._need("speculative")
+        tokens = [int(t) for t in tokens]
+        pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
+        if pieces is not None:
+            self._need("chunks")
+        body: dict[str, Any] = {"tokens": tokens, "chunks": pieces}
+        if session:
+            body["session"] = {"id": None if session.get("id") is None else str(session["id"]),
+                               "parent": None if session.get("parent") is None else str(session["parent"]),
+                               "after": int(session.get("after", 0))}
+        return self._v2_speculative(body, 1, n_tokens, draft_max)[0]
+
+    def speculative_multi(self, sequences: Sequence[Sequence[int]], n_tokens: int, *, draft_max: int) -> list[Speculation]:
+        """``speculative`` of several sequences generated together, one sequence id (state slot)
+        each (capabilities ``speculative`` and ``multi_seq``): the request's ``sequences``,
+        ``tokens.json`` one list per sequence, ``speculative.json`` one entry per sequence; one
+        ``Speculation`` per sequence, in order. Raises as ``speculative`` does, and ``EngineError``
+        for no sequences."""
+        self._need("speculative")
+        self._need("multi_seq")
+        seqs = [[int(t) for t in q] for q in sequences]
+        if not seqs:
+            raise EngineError(f"{self.who}: speculative_multi needs at least one sequence")
+        return self._v2_speculative({"sequences": [{"tokens": q, "chunks": None} for q in seqs]}, len(seqs), n_tokens, draft_max)
+
+    def _v2_speculative(self, body: dict[str, Any], n_seqs: int, n_tokens: int, draft_max: int) -> list[Speculation]:
+        """One speculative-``generate`` exchange for ``n_seqs`` sequences; its two files read
+        (bounded) and checked by ``parse_speculation``."""
+        if isinstance(draft_max, bool) or not isinstance(draft_max, (int, np.integer)) or draft_max < 1:
+            raise EngineError(f"{self.who}: draft_max must be an integer >= 1, not {draft_max!r}")
+        seqs = [q["tokens"] for q in body["sequences"]] if "sequences" in body else [body["tokens"]]
+        if any(not q for q in seqs):
+            raise EngineError(f"{self.who}: speculative generation needs at least one prompt token per sequence")
+        n, k = int(n_tokens), int(draft_max)
+        req = {"op": "generate", **body, "n_tokens": n, "speculative": {"draft": "mtp", "draft_max": k}}
+        with self._exchange(req) as (out_dir, tail):
+            try:
+                raw_ids = read_small_file(out_dir / "tokens.json", self.who, n_seqs * (32 * n + 8) + 64)
+                raw_counts = read_small_file(out_dir / "speculative.json", self.who, n_seqs * (48 * n + 64) + 256)
+                return parse_speculation(raw_ids, raw_counts, self.who, n_seqs, n, k, self.n_vocab)
+            except EngineError as e:
+                raise EngineError(str(e), tail) from None
+
     def tokenize_text(self, text: str, add_special: bool = False) -> list[int]:
         """The engine's own token ids for ``text`` (capability ``tokenize``, protocol 2: op
         ``tokenize`` with ``text`` and ``add_special``, reply file ``tokens.json``, a JSON list of
@@ -604,8 +712,10 @@ class CommandEngine:
         yield from self._v2_logits(body, len(tokens))
 
     def drop_sessions(self) -> None:
-        """Ask the engine to free every session it keeps (capability ``prefix_reuse``)."""
-        self._need("prefix_reuse")
+        """Ask the engine to free every session it keeps (capability ``prefix_reuse`` or
+        ``speculative``, whose requests may keep sessions too)."""
+        if "speculative" not in self.spec.capabilities:
+            self._need("prefix_reuse")
         with self._exchange({"op": "drop", "sessions": None}):
             pass
 

@@ -167,11 +167,21 @@ class ProbeResult:
             ex = sum(c.excursions for c in self.comparisons)
             forgiven = f"; {ex} position{'s' if ex != 1 else ''} outside the bounds allowed as MoE router near-ties" if ex else ""
             return (f"{len(self.comparisons)} comparisons; min cosine {worst:.8f}, max KLD {mk:.3g}{forgiven}" if worst is not None
-                    else f"{len(self.comparisons)} comparisons")
+                    else f"{len(self.comparisons)} comparisons{self._acceptance()}")
+        if self.name == "speculative":  # token comparisons: the label names the case, sequence, step and token
+            return f"{f.label}{self._acceptance()}"
         return (
             f"{f.label}: first differing position {f.first_bad_position}, min cosine "
             f"{f.min_cosine if f.min_cosine is None else round(f.min_cosine, 8)}, max KLD {f.max_kld if f.max_kld is None else f'{f.max_kld:.3g}'}"
         )
+
+    def _acceptance(self) -> str:
+        """``; acceptance A/P (report-only)`` when the details hold draft counts (speculative), else ``""``."""
+        if "accepted" not in self.details or "proposed" not in self.details:
+            return ""
+        ref = (self.details.get("reference_acceptance") or {}).get("acceptance")
+        beside = f", reference {ref:.3g}" if isinstance(ref, (int, float)) else ""
+        return f"; acceptance {self.details['accepted']}/{self.details['proposed']} drafts{beside} (report-only)"
 
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
