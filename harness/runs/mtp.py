@@ -428,8 +428,9 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
     prompts = [p for p in prompts if len(p.tokens) >= 3]
     report: dict[str, Any] = {}
     conv = None
-    if "mtp" not in candidate.info.capabilities:
-        why = f"{candidate.info.name} does not declare the 'mtp' capability (no draft op)"
+    if "mtp" not in candidate.info.capabilities or not inputs.model.hparams.n_layer_nextn:
+        why = (f"{candidate.info.name} does not declare the 'mtp' capability (no draft op)" if "mtp" not in candidate.info.capabilities
+               else "the model has no MTP (nextn) block (nextn_predict_layers 0): no draft head to judge")
         checks = [_unmeasured(n, why) for n in CHECKS]
     else:
         if int(candidate.n_vocab) != int(reference.n_vocab):

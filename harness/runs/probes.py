@@ -426,6 +426,18 @@ def compare_speculative(label: str, plain: Sequence[int], spec: Any, margin_at: 
     return Comparison(label, len(plain), True, None, None, None, None), row
 
 
+def _has_head(engine: Any) -> bool:
+    """Whether the engine's model has an MTP (nextn) block: an engine may declare speculative
+    generation for every model it runs, and has nothing to draft with on a trunk-only file."""
+    hp = getattr(engine, "_hparams", None) or getattr(engine, "hp", None)
+    inner = getattr(engine, "engine", None)
+    if hp is None and inner is not None:
+        return _has_head(inner)
+    if callable(hp):
+        hp = hp()
+    return hp is None or int(getattr(hp, "n_layer_nextn", 0) or 0) > 0
+
+
 def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequence[int]], reference: Engine | None = None,
                       n_tokens: int = SPEC_TOKENS, draft_maxes: Sequence[int] = SPEC_DRAFT_MAX, delta: float | None = None) -> ProbeResult:
     """Speculative greedy (``Engine.speculative``, drafts from the MTP head) equals the engine's
@@ -442,6 +454,9 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     if not has_speculative(engine):
         return ProbeResult("speculative", Verdict.UNMEASURED,
                            reason=f"{engine.info.name} does not declare speculative generation (capabilities 'speculative' and 'generate')")
+    if not _has_head(engine):
+        return ProbeResult("speculative", Verdict.UNMEASURED,
+                           reason="the model has no MTP (nextn) block to draft with")
     delta = SPEC_NEAR_TIE["value"] if delta is None else float(delta)
     long, other = [int(t) for t in long], [int(t) for t in (others[0] if others else long[::-1])]
     if len(long) < 66:
