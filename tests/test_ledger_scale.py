@@ -180,12 +180,16 @@ def test_incremental_verify_from_the_command_line_keeps_its_checkpoint_outside_t
     monkeypatch.setenv("HARNESS_VERIFY_STATE", str(state))
     r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--quiet"])
     assert r.exit_code == 0, r.output
-    assert "OK (4 rows" in r.output and "4 receipts hashed, 4 loaded and matched" in r.output and "rows/s" in r.output
+    # full mode hashes every receipt file and parses none (the row's receipt_sha256 binds its bytes)
+    assert "OK (4 rows" in r.output and "4 receipts hashed, 0 loaded and matched" in r.output and "rows/s" in r.output
+    r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--quiet", "--deep"])
+    assert r.exit_code == 0 and "4 receipts hashed, 4 loaded and matched" in r.output, r.output
     cp = next(state.iterdir())
     assert not str(cp).startswith(str(ledger_path.parent.parent))
     append_measured(ledger_path, receipts_dir, 7)
     r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--incremental", "--quiet"])
     assert r.exit_code == 0 and "incremental" in r.output and "1 rows in" in r.output, r.output
+    assert "1 receipts hashed, 1 loaded and matched" in r.output  # the new row's receipt is loaded
     doc = json.loads(cp.read_text())
     doc["row_hash"] = "1" * 64
     cp.write_text(json.dumps(doc))
@@ -238,6 +242,87 @@ def test_evidence_files_follow_the_umask(paths, tmp_path):
         assert stat.S_IMODE(newest.stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_full_mode_compares_every_older_page_in_one_pass(paths, small_pages):
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 13, template, npz)  # pages 1-4, 5-8, 9-12 are files; LEDGER.md shows 13
+    L.append_row(ledger_path, L.supersede_row(3, "wrong build"))  # re-renders page 1 after it was written
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    page2 = L.page_path(md, 2)
+    page2.write_text(page2.read_text().replace("| 6 |", "| 66 |"))
+    found = L.verify_ledger(ledger_path, receipts_dir)
+    assert [(p.code, "page-000002.md" in p.message) for p in found] == [("MARKDOWN", True)]
+    page2.write_text(L.render_page(2, L.read_rows(ledger_path)[4:8], {}, {"seq": 14}, ledger_path, md))
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    # page 1 without the strike-through of seq 3 (as rendered before the supersede row) is found
+    page1 = L.page_path(md, 1)
+    page1.write_text(L.render_page(1, L.read_rows(ledger_path)[:4], {}, {"seq": 14}, ledger_path, md))
+    assert [p.code for p in L.verify_ledger(ledger_path, receipts_dir)] == ["MARKDOWN"]
+
+
+def test_a_row_in_another_json_layout_is_judged_by_its_content(paths):
+    ledger_path, receipts_dir, _ = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 3, template, npz)
+    lines = ledger_path.read_bytes().splitlines(keepends=True)
+    row = json.loads(lines[1])
+    lines[1] = (json.dumps(row, indent=None) + "\n").encode()  # same content, spaces after separators
+    ledger_path.write_bytes(b"".join(lines))
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    row["min_cosine"] = 0.5  # an edit in the same layout is still an edit
+    lines[1] = (json.dumps(row, indent=None) + "\n").encode()
+    ledger_path.write_bytes(b"".join(lines))
+    assert ("EDITED", 2) in {(p.code, p.seq) for p in L.verify_ledger(ledger_path, receipts_dir, deep=False)}
+
+
+def test_the_kept_standing_counts_equal_a_count_from_the_rows(paths):
+    from harness.evidence.ledger_cache import LedgerCache, cache_path
+
+    ledger_path, receipts_dir, _ = paths
+    for seed in range(4):
+        append_measured(ledger_path, receipts_dir, seed)
+    L.append_row(ledger_path, L.supersede_row(2, "wrong build"))
+    L.append_row(ledger_path, L.supersede_row(2, "twice"))  # a target withdrawn twice counts once
+    L.append_row(ledger_path, L.supersede_row(5, "a supersede row withdrawn"))  # not a measurement: nothing to take out
+    with LedgerCache.open(ledger_path, L.CACHE_COLUMNS) as cache:
+        kept = cache.standing_counts()
+        assert kept == cache.standing_counts_scan() and sum(kept.values()) == 3 and cache.count() == 7
+    cache_path(ledger_path).unlink()  # rebuilt from scratch: the same counts
+    with LedgerCache.open(ledger_path, L.CACHE_COLUMNS) as cache:
+        assert cache.standing_counts() == kept and cache.count() == 7
+
+
+def test_sweep_reads_each_existing_receipt_once(paths, monkeypatch):
+    from harness.evidence.record import evidence_paths
+    from harness.release import sweep as S
+    from harness.release.cells import input_key, receipt_inputs
+
+    ledger_path, receipts_dir, _ = paths
+    rows = [append_measured(ledger_path, receipts_dir, seed) for seed in range(3)]
+    read = []
+    real = S._receipt_keys
+    monkeypatch.setattr(S, "_receipt_keys", lambda p: read.append(p.stem) or real(p))
+    found, by_id = S.existing_receipts(evidence_paths(ledger_path))
+    assert sorted(read) == sorted(r["receipt_id"] for r in rows)
+    def read_all():  # what reading every receipt gives: the latest receipt of each key
+        best = {}
+        for r in rows_now():
+            rec = load_receipt(receipt_file(receipts_dir, r["receipt_id"])).receipt
+            k = input_key(receipt_inputs(rec))
+            if k not in best or rec["created"] >= best[k][0]:
+                best[k] = (rec["created"], r["receipt_id"])
+        return {k: v[1] for k, v in best.items()}
+    rows_now = lambda: L.read_rows(ledger_path)  # noqa: E731
+    assert {k: p.stem for k, p in found.items()} == read_all() and found
+    seq_of = {r["receipt_id"]: r["seq"] for r in rows}
+    assert {rid: r["seq"] for rid, r in by_id.items()} == {p.stem: seq_of[p.stem] for p in found.values()}
+    read.clear()
+    new = append_measured(ledger_path, receipts_dir, 3)
+    found2, by_id2 = S.existing_receipts(evidence_paths(ledger_path))
+    assert read == [new["receipt_id"]] and by_id2[new["receipt_id"]]["seq"] == 4  # only the new receipt is read
+    assert {k: p.stem for k, p in found2.items()} == read_all()
 
 
 def _writer(ledger_path: str, receipts_dir: str, seed: int, barrier) -> None:

@@ -214,6 +214,7 @@ def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receip
                 if receipt_id:
                     todo |= {page_of(s) for s in cache.seqs_of_receipt(receipt_id)}
                 md = html = None
+                cache.con.execute("BEGIN IMMEDIATE")  # the summaries and index_seq in one write transaction
                 for n in sorted(todo):
                     page = index_page(ledger_path, cache, n)
                     if n == top:
@@ -221,6 +222,7 @@ def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receip
                     else:
                         page.write(out / INDEX_PAGES / f"page-{n:06d}.md", out / INDEX_PAGES / f"page-{n:06d}.html")
                 cache.set_meta("index_seq", last)
+                cache.con.execute("COMMIT")
     except Timeout as e:
         raise InvalidInput(f"{ledger_path}: could not take the ledger lock within {lock_timeout:g} s to render the index") from e
     except OSError as e:
