@@ -83,6 +83,24 @@ def test_incremental_pages_equal_a_full_render_with_a_supersede_of_an_old_page(p
     assert "withdrawn by \\#10" in (out / I.INDEX_PAGES / "page-000001.md").read_text()
 
 
+def test_the_head_page_links_a_bounded_number_of_older_pages(paths, small_pages, monkeypatch):
+    monkeypatch.setattr(L, "PAGE_LINKS", 3)
+    assert L.linked_pages(2) == [1] and L.linked_pages(5) == [4, 3, 2, 1] and L.linked_pages(9) == [8, 7, 6, None, 1]
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 33, template, npz)  # 9 pages of 4
+    links = next(ln for ln in md.read_text().splitlines() if ln.startswith("Older rows"))
+    assert links == ("Older rows, newest first: [8](LEDGER-pages/page-000008.md), [7](LEDGER-pages/page-000007.md), "
+                     "[6](LEDGER-pages/page-000006.md), …, [1](LEDGER-pages/page-000001.md).")
+    assert "The rows before these: [page 4](page-000004.md)." in L.page_path(md, 5).read_text()
+    assert "The rows before these" not in L.page_path(md, 1).read_text()
+    full = L.render_markdown(L.read_rows(ledger_path), ledger_path, md)
+    assert L.join_pages(md.read_text(), _pages_text(md, 9)) == full
+    assert L.verify_ledger(ledger_path, receipts_dir, deep=False) == []
+    index = (I.reports_dir(ledger_path) / I.INDEX_MD).read_text()
+    assert "page-000005" not in index and "page-000006" in index and "page-000001" in index
+
+
 def test_the_index_reads_no_receipt_twice(paths, monkeypatch):
     ledger_path, receipts_dir, _ = paths
     for seed in range(3):
@@ -330,27 +348,31 @@ def _writer(ledger_path: str, receipts_dir: str, seed: int, barrier) -> None:
     append_measured(Path(ledger_path), Path(receipts_dir), seed)
 
 
-def test_sixteen_concurrent_writers_on_a_large_ledger(paths):
+@pytest.mark.parametrize("writers, grown", [
+    (4, 120),  # the default suite: a few seconds
+    pytest.param(16, 600, marks=pytest.mark.slow),  # the figure (about 30 s on 2 loaded cores): pytest -m slow tests/test_ledger_scale.py
+])
+def test_concurrent_writers_on_a_large_ledger(paths, small_pages, writers, grown):
     ledger_path, receipts_dir, md = paths
     template, npz = _template(receipts_dir)
-    grow(ledger_path, 600, template, npz)  # more than a page: the writers render page 2 and the first fills
+    grow(ledger_path, grown, template, npz)  # many pages: the writers render pages, and fill some
     st = L.VerifyStats()
     assert L.verify_ledger(ledger_path, receipts_dir, deep=False, stats=st) == []
     cp = L.Checkpoint(str(ledger_path), st.seq, st.row_hash, st.offset, st.prefix_sha256)
     ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(16)
-    procs = [ctx.Process(target=_writer, args=(str(ledger_path), str(receipts_dir), 1000 + s, barrier)) for s in range(16)]
+    barrier = ctx.Barrier(writers)
+    procs = [ctx.Process(target=_writer, args=(str(ledger_path), str(receipts_dir), 1000 + s, barrier)) for s in range(writers)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
-    assert [p.exitcode for p in procs] == [0] * 16
+    assert [p.exitcode for p in procs] == [0] * writers
     rows = L.read_rows(ledger_path)
-    assert [r["seq"] for r in rows] == list(range(1, 617))
-    assert len({r["receipt_id"] for r in rows[600:]}) == 16
-    st = L.VerifyStats()  # every row re-hashed; the 16 new receipts loaded and matched to their rows
-    assert L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st) == [] and (st.rows, st.deep) == (616, 16)
-    assert f"Head: seq 616 · row_hash `{rows[-1]['row_hash']}`" in md.read_text()
+    assert [r["seq"] for r in rows] == list(range(1, grown + writers + 1))
+    assert len({r["receipt_id"] for r in rows[grown:]}) == writers
+    st = L.VerifyStats()  # every row re-hashed; the new receipts loaded and matched to their rows
+    assert L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st) == [] and (st.rows, st.deep) == (grown + writers, writers)
+    assert f"Head: seq {grown + writers} · row_hash `{rows[-1]['row_hash']}`" in md.read_text()
 
 
 def _append_forever(ledger_path: str, receipts_dir: str) -> None:

@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
-from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, page_of, page_seqs, read_rows
+from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, linked_pages, page_of, page_seqs, read_rows
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.page import Badge, Code, Inline, Link, Page, untrusted
 from harness.evidence.receipts import receipt_file
@@ -176,13 +176,15 @@ def index_page(ledger_path: Path, cache: LedgerCache, page_no: int) -> Page:
         _intro(page, ledger_path, out, cache.count(), cache.standing_counts())
         if top > 1:
             links: list[Inline] = ["Older rows, newest first: "]
-            for n in range(top - 1, 0, -1):
-                links += [Link(str(n), f"{INDEX_PAGES}/page-{n:06d}.md", f"{INDEX_PAGES}/page-{n:06d}.html"), " "]
+            for n in linked_pages(top):  # bounded: the newest pages and the first; each page links the one before
+                links += ["… " if n is None else [Link(str(n), f"{INDEX_PAGES}/page-{n:06d}.md", f"{INDEX_PAGES}/page-{n:06d}.html"), " "]]
             page.p(*links)
     else:
         page = Page(f"Evidence index: rows {lo}–{hi}").h(1, f"Evidence index: rows {lo}–{hi}")
+        before: list[Inline] = [" The rows before these: ", Link(f"page {page_no - 1}", f"page-{page_no - 1:06d}.md",
+                                                                 f"page-{page_no - 1:06d}.html"), "."] if page_no > 1 else []
         page.p(f"Page {page_no}; the newest rows and the standing counts are in ",
-               Link(Code(INDEX_MD), f"../{INDEX_MD}", f"../{INDEX_HTML}"), ".")
+               Link(Code(INDEX_MD), f"../{INDEX_MD}", f"../{INDEX_HTML}"), ".", *before)
     _table(page, cells)
     return page
 

@@ -680,6 +680,21 @@ _SIGNOFF_HEAD = ["", "## Sign-offs", "",
 _PAGES_LINE = "Older rows, newest first: "
 
 
+PAGE_LINKS = 10
+"""How many of the newest older pages LEDGER.md (and the index) link by number; the first page is
+linked too, and every older page links the one before it, so the line stays the same length at
+any ledger size."""
+
+
+def linked_pages(top: int) -> list[int | None]:
+    """The older pages the head's page ``top`` links, newest first: the ``PAGE_LINKS`` newest, then
+    (None: a gap, shown as an ellipsis) page 1 when it is not among them."""
+    newest = list(range(top - 1, max(top - 1 - PAGE_LINKS, 0), -1))
+    if newest and newest[-1] > 1:
+        newest += ([None] if newest[-1] > 2 else []) + [1]
+    return newest
+
+
 def page_of(seq: int) -> int:
     """The page (1-based) holding row ``seq``."""
     return (int(seq) - 1) // PAGE_ROWS + 1
@@ -753,12 +768,14 @@ def render_page(page: int, rows: list[Mapping[str, Any]], superseded: Mapping[An
     if page == last:
         top = _preamble(shown, head)
         if last > 1:
-            links = ", ".join(f"[{n}]({pages_dir(md).name}/{page_path(md, n).name})" for n in range(last - 1, 0, -1))
+            folder = pages_dir(md).name
+            links = ", ".join("…" if n is None else f"[{n}]({folder}/page-{n:06d}.md)" for n in linked_pages(last))
             top += [f"{_PAGES_LINE}{links}.", ""]
         return _assemble(top, table, signoffs)
     lo, hi = page_seqs(page)
+    before = f" The rows before these: [page {page - 1}](page-{page - 1:06d}.md)." if page > 1 else ""
     top = [f"{RENDER_TITLE}: rows {lo}–{hi}", "", f"Rendered from `{shown}`; page {page}. "
-           f"The head and the newest rows are in [{md.name}](../{md.name}). Do not edit by hand.", ""]
+           f"The head and the newest rows are in [{md.name}](../{md.name}).{before} Do not edit by hand.", ""]
     return _assemble(top, table, signoffs)
 
 
