@@ -160,8 +160,9 @@ def build_index(ledger_path: str | Path) -> Page:
 
 def index_page(ledger_path: Path, cache: LedgerCache, page_no: int) -> Page:
     """Page ``page_no`` of the index from the query cache: the newest page (the head's) is
-    ``index.md`` with the intro, the standing counts and links to the older pages; an older page
-    (``index-pages/page-NNNNNN``) has its rows and a link back."""
+    ``index.md`` with the intro, the standing counts (kept in the cache: ``standing_counts``) and
+    links to the newest older pages and the first (``ledger.linked_pages``); an older page
+    (``index-pages/page-NNNNNN``) has its rows, a link back and one to the page before it."""
     out = reports_dir(ledger_path)
     last = cache.last_seq()
     top = page_of(last) if last else 1

@@ -758,8 +758,8 @@ def render_page(page: int, rows: list[Mapping[str, Any]], superseded: Mapping[An
     """One page of the rendering: ``rows`` are the rows of ``page`` (``page_seqs``) that exist,
     ``superseded`` maps each of them that a later row withdraws to that row's seq. The head's
     page (``page == page_of(head seq)``) is LEDGER.md itself: the full rendering's header and
-    head, a line linking the older pages, and its rows; an older page has a title naming its
-    seqs and a line linking back. Both have the same table and sign-off section as the full
+    head, a line linking the newest older pages and the first (``linked_pages``), and its rows;
+    an older page has a title naming its seqs and a line linking back and to the page before it. Both have the same table and sign-off section as the full
     rendering, restricted to their rows."""
     md = Path(markdown_path)
     shown = _shown_ledger(Path(ledger_path), md)
