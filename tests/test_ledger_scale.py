@@ -350,7 +350,7 @@ def _writer(ledger_path: str, receipts_dir: str, seed: int, barrier) -> None:
 
 @pytest.mark.parametrize("writers, grown", [
     (4, 120),  # the default suite: a few seconds
-    pytest.param(16, 600, marks=pytest.mark.slow),  # the figure (about 30 s on 2 loaded cores): pytest -m slow tests/test_ledger_scale.py
+    pytest.param(16, 600, marks=pytest.mark.slow),  # the figure (8–30 s on 2 loaded cores): pytest -m slow tests/test_ledger_scale.py
 ])
 def test_concurrent_writers_on_a_large_ledger(paths, small_pages, writers, grown):
     ledger_path, receipts_dir, md = paths
