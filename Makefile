@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-slow test-release-slow parity-tests bench fuzz clean
+.PHONY: setup run test test-slow test-release-slow parity-tests bench bench-evidence fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ parity-tests: setup
 ## the benchmark suite (heavy: tens of minutes, several GB; not CI): writes docs/benchmarks.md
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+## section 7 of the benchmarks alone (evidence at scale: ledgers of 10, 10,000 and 100,000 rows;
+## minutes, about 5 GB of temporary files): rewrites only that section of docs/benchmarks.md
+bench-evidence: setup
+	$(PY) benchmarks/run_all.py --only evidence
 
 ## a longer, randomly seeded fuzzing campaign (the default suite runs a few fixed-seed examples per
 ## target): GGUF reader + lint, thresholds and contract loaders, the engine-output reader, the prompt

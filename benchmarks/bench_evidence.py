@@ -1,107 +1,185 @@
 #!/usr/bin/env python3
 """Evidence at scale: the cost of the evidence step, of verify and of the views against ledger size.
 
-    .venv/bin/python benchmarks/bench_evidence.py [--sizes 10,10000,100000] [--out FILE.json]
+    .venv/bin/python benchmarks/bench_evidence.py [--sizes 10,10000,100000] [--receipt R.json] [--out FILE.json]
+    make bench-evidence      # the same section through run_all.py, written into docs/benchmarks.md
 
-For each size a ledger is grown (``_grow_ledger.grow``) with thin receipts: every row's receipt
-is a copy of one parity receipt (``fixture:tiny-qwen35``-sized when ``--receipt`` names one, else
-the 64-position receipt of tests/test_receipts.py) made distinct by its host name, all sharing
-one hard-linked array sidecar. Then, at that size, side by side:
+For each size a ledger is grown (``_grow_ledger.grow``) with *thin* receipts: every row's receipt
+is its own JSON file, a copy of one parity receipt (default: the committed parity receipt with
+the most positions, the 1,479-position cell of evidence/parity/receipts; else the 64-position
+receipt of tests/test_receipts.py) made distinct by its host name, and all of them share one
+hard-linked array sidecar. Then, at that size, side by side:
 
 - the evidence step of one parity run (``record_evidence``: receipt, row, LEDGER.md page, index
-  page), median of 5, and its ratio to the smallest size (target ≤ 1.2);
-- ``verify_ledger`` full (every row and receipt re-hashed; rows behind the checkpoint not
-  re-loaded) in rows/s (target ≥ 5,000) and incremental after one append in s (target < 1);
-- ``ledger show`` (``LedgerView.load`` + trends) in s (target ≤ 5);
-- bytes per cell: receipt JSON, its sidecar (deflated), and the report folder when one is written.
+  page; the verdict page is a per-receipt constant and not included), median of 7, and its ratio
+  to the smallest size (target ≤ 1.2);
+- ``harness ledger verify`` full mode as the command runs it (every row and every receipt file
+  re-hashed, every page compared; no receipt parsed) in rows/s, wall and per CPU second
+  (target ≥ 5,000 rows/s), then ``--incremental`` after one append (target < 1 s);
+- ``harness ledger show`` (target ≤ 5 s);
+- the verify and show operations are timed in this process, and each command once more in a
+  fresh process (``*_cli_s``), beside the start of a bare ``harness --help``
+  (``cli_start_s``: interpreter start and imports, which every command pays);
+- bytes per cell: the newest receipt's JSON and its deflated sidecar, and the disk the receipts
+  take.
 
-Prints one JSON document (and writes it to ``--out``).
+Returns (and prints) one JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(REPO / "tests"))
 
 from _grow_ledger import grow  # noqa: E402
 
 from harness.evidence import ledger as L  # noqa: E402
+from rich.console import Console  # noqa: E402
+
 from harness.evidence.ledger_view import LedgerView  # noqa: E402
-from harness.evidence.receipts import write_receipt  # noqa: E402
+from harness.evidence.receipts import iter_receipt_files, load_receipt, receipt_file, write_receipt  # noqa: E402
 from harness.evidence.record import record_evidence  # noqa: E402
 
+HARNESS = str(Path(sys.executable).with_name("harness"))
 
-def _template(receipt_path: str | None, work: Path):
+
+def default_receipt() -> Path | None:
+    """The committed parity receipt with the most positions, or None."""
+    best = None
+    for p in iter_receipt_files(REPO / "evidence" / "parity" / "receipts"):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        n = (rec.get("gated") or {}).get("positions") if rec.get("schema") == "harness-parity-receipt/v1" else None
+        if n and (best is None or n > best[0]):
+            best = (n, p)
+    return best[1] if best else None
+
+
+def template(receipt_path: str | Path | None, work: Path):
+    """``(template receipt as written, its sidecar, receipt, arrays, positions)``."""
     if receipt_path:
-        from harness.evidence.receipts import load_receipt
-        rec, arrays = load_receipt(receipt_path)[:2]
+        loaded = load_receipt(receipt_path)
+        rec, arrays = loaded.receipt, loaded.arrays
     else:
         from test_receipts import make_receipt
         rec, arrays = make_receipt(seed=99)
     jp, npz = write_receipt(rec, arrays, work / "template")
-    return json.loads(jp.read_text()), npz, rec, arrays
+    t = json.loads(jp.read_text())
+    return t, npz, rec, arrays, t["gated"]["positions"]
 
 
-def measure(size: int, template, npz, rec, arrays, work: Path) -> dict:
+def _cli(args: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    t = time.perf_counter()
+    p = subprocess.run([HARNESS, *args], capture_output=True, text=True, env=env)
+    return time.perf_counter() - t, p
+
+
+def _disk_bytes(folder: Path) -> int:
+    """Bytes the folder's files take on disk, each inode once (hard links count once)."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
+def measure(size: int, tpl, npz, rec, arrays, work: Path) -> dict:
+    """The figures at one ledger size (module docstring)."""
     d = work / f"n{size}"
     lp = d / "evidence" / "parity" / "ledger.jsonl"
     t0 = time.perf_counter()
-    grow(lp, size, template, npz)
+    grow(lp, size, tpl, npz)
     out = {"rows": size, "grow_s": time.perf_counter() - t0}
     steps = []
-    for i in range(5):
-        r = dict(rec, host={**rec["host"], "hostname": f"bench-{i}"})
+    for i in range(7):
+        r = dict(rec, host={**rec["host"], "hostname": f"bench-{size}-{i}"})
         t = time.perf_counter()
         record_evidence(r, arrays, lp)
         steps.append(time.perf_counter() - t)
     out["evidence_step_s"] = statistics.median(steps)
+    out["evidence_steps_s"] = steps
+    state = d / "verify-state"
+    env = {**os.environ, "HARNESS_VERIFY_STATE": str(state)}
+    c = time.process_time()
     st = L.VerifyStats()
-    L.verify_ledger(lp, lp.parent / "receipts", deep=False, stats=st)
-    out["verify_full_rows_per_s"] = st.rows_per_s
-    cp = L.Checkpoint(str(lp), st.seq, st.row_hash, st.offset, st.prefix_sha256)
-    record_evidence(dict(rec, host={**rec["host"], "hostname": "bench-last"}), arrays, lp)
-    t = time.perf_counter()
-    problems = L.verify_ledger(lp, lp.parent / "receipts", checkpoint=cp, incremental=True)
-    out["verify_incremental_s"] = time.perf_counter() - t
-    out["verify_incremental_ok"] = problems == []
-    t = time.perf_counter()
+    problems = L.verify_ledger(lp, lp.parent / "receipts", deep=False, stats=st)
+    cpu = time.process_time() - c
+    out.update(verify_rows=st.rows, verify_receipts=st.receipts, verify_full_s=st.seconds, verify_full_rows_per_s=st.rows_per_s,
+               verify_full_rows_per_cpu_s=st.rows / cpu if cpu > 0 else 0.0, verify_full_ok=problems == [])
+    wall, p = _cli(["ledger", "verify", "--ledger", str(lp), "--quiet"], env)  # the command, saving its checkpoint
+    out.update(verify_cli_full_s=wall, verify_cli_ok=p.returncode == 0, verify_cli_line=p.stdout.strip().splitlines()[0][-160:])
+    record_evidence(dict(rec, host={**rec["host"], "hostname": f"bench-{size}-last"}), arrays, lp)
+    old, os.environ["HARNESS_VERIFY_STATE"] = os.environ.get("HARNESS_VERIFY_STATE"), str(state)
+    try:
+        cp = L.Checkpoint.load(L.default_checkpoint_path(lp.resolve()))
+    finally:
+        if old is None:
+            del os.environ["HARNESS_VERIFY_STATE"]
+        else:
+            os.environ["HARNESS_VERIFY_STATE"] = old
+    t = time.perf_counter()  # what --incremental does, in this process: the prefix re-hashed, the new row checked deeply
+    inc = L.verify_ledger(lp, lp.parent / "receipts", deep=True, checkpoint=cp, incremental=True)
+    out.update(verify_incremental_s=time.perf_counter() - t, verify_incremental_ok=cp is not None and inc == [])
+    wall, p = _cli(["ledger", "verify", "--ledger", str(lp), "--quiet", "--incremental"], env)
+    out.update(verify_cli_incremental_s=wall, verify_cli_incremental_ok=p.returncode == 0 and "incremental" in p.stdout)
+    t = time.perf_counter()  # what `ledger show` does, in this process: the cache read into pandas, trends, the tables
     view = LedgerView.load(lp)
-    out["show_s"] = time.perf_counter() - t
-    out["show_groups"] = len(view.trends)
-    newest = L.read_rows(lp)[-1]["receipt_id"] if size <= 10 else None
-    if newest:
-        from harness.evidence.receipts import receipt_file
-        jp = receipt_file(lp.parent / "receipts", newest)
-        out["bytes_json"], out["bytes_npz"] = jp.stat().st_size, jp.with_suffix(".npz").stat().st_size
-    du = sum(p.stat().st_size for p in (lp.parent / "receipts").rglob("*") if p.is_file())
-    out["receipts_bytes_apparent"] = du
+    view.print(Console(file=io.StringIO(), width=200), rows=False)
+    out.update(show_s=time.perf_counter() - t, show_groups=len(view.trends))
+    wall, p = _cli(["ledger", "show", "--ledger", str(lp)], env)
+    out.update(show_cli_s=wall, show_ok=p.returncode == 0)
+    out["cli_start_s"] = _cli(["--help"], env)[0]  # interpreter start and the CLI's imports: in every command's wall time
+    newest = receipt_file(lp.parent / "receipts", L.check_ledger_head(lp)["receipt_id"])
+    out["bytes_json"], out["bytes_npz"] = newest.stat().st_size, newest.with_suffix(".npz").stat().st_size
+    out["receipts_disk_bytes"] = _disk_bytes(lp.parent / "receipts")
+    out["ledger_bytes"] = lp.stat().st_size
     return out
+
+
+def run(sizes: list[int], receipt: str | Path | None = None) -> dict:
+    """Measure every size in one temporary folder; the document ``run_all.py`` renders."""
+    receipt = receipt or default_receipt()
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="harness-bench-evidence-") as tmp:
+        work = Path(tmp)
+        tpl, npz, rec, arrays, positions = template(receipt, work)
+        res = []
+        for n in sizes:
+            print(f"   evidence at scale: {n:,} rows ...", flush=True)
+            res.append(measure(n, tpl, npz, rec, arrays, work))
+            res[-1]["load_after"] = os.getloadavg()
+    base = res[0]["evidence_step_s"]
+    for r in res:
+        r["evidence_step_ratio"] = r["evidence_step_s"] / base
+    return {"template": str(Path(receipt).relative_to(REPO)) if receipt and Path(receipt).is_relative_to(REPO) else str(receipt or "test receipt"),
+            "positions": positions, "load_start": load_start, "cpus": os.cpu_count(), "results": res}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10,10000,100000")
-    ap.add_argument("--receipt", default=None, help="a receipt .json to copy (default: a 64-position test receipt)")
+    ap.add_argument("--receipt", default=None, help="a receipt .json to copy (default: the committed parity receipt with most positions)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        template, npz, rec, arrays = _template(a.receipt, work)
-        res = [measure(int(n), template, npz, rec, arrays, work) for n in a.sizes.split(",")]
-    base = res[0]["evidence_step_s"]
-    for r in res:
-        r["evidence_step_ratio"] = r["evidence_step_s"] / base
-    doc = {"load_avg": os.getloadavg(), "cpus": os.cpu_count(), "results": res}
+    doc = run([int(n) for n in a.sizes.split(",")], a.receipt)
     text = json.dumps(doc, indent=1)
     print(text)
     if a.out:

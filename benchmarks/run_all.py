@@ -19,6 +19,11 @@ of things measured side by side in this run, and the page records the machine an
    oracle / llama.cpp wall time (target ≤ 4×) and both engines' peak RSS.
 5. The same at a 2B-class shape (d_model 2048, FFN 6144, 28 layers; ~2.1 B parameters; ~1.5 GB
    kept, ~8.5 GB F32 and ~11 GB of RAM while building; ``--skip-large`` leaves it out).
+7. Evidence at scale (bench_evidence.py): ledgers grown to 10, 10,000 and 100,000 rows with thin
+   receipts; the evidence step's time against ledger size (target ≤ 1.2× at 100,000 rows),
+   ``ledger verify`` full (≥ 5,000 rows/s) and incremental (< 1 s), ``ledger show`` (≤ 5 s) and
+   the bytes of a cell (≤ 150 KB without the report). ``--only evidence`` (``make
+   bench-evidence``) runs this section alone and rewrites only its part of the page.
 6. Self-calibration's cost at the 0.8B shapes: ``harness calibrate --model M --class C`` (the
    calibrated tier measured on the subject itself, issue 12) wall time and peak RSS, for the
    classes in ``--calibrate-classes`` (default ``f32``: llama.cpp's own variants; ``f64`` runs
@@ -49,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import bench_evidence  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
 
@@ -278,11 +284,20 @@ def main() -> None:
     ap.add_argument("--skip-large", action="store_true", help="leave out section 5 (the 2B-class shape)")
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
+    ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
+    ap.add_argument("--only", choices=["evidence"], default=None,
+                    help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
     os.environ.setdefault("MPLBACKEND", "Agg")
     r: dict = {"machine": machine(), "load": {"start": load()}}
     print(f"machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, load {r['load']['start']}", flush=True)
+    if a.only == "evidence":
+        print("7. evidence at scale ...", flush=True)
+        ev = {**bench_evidence.run([int(n) for n in a.evidence_sizes.split(",")]), "machine": r["machine"]}
+        splice_evidence(Path(a.out), ev)
+        print(f"wrote the evidence-at-scale section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
 
     print("1. metrics vs plain pass at V=248,320 ...", flush=True)
     r["metrics"] = bench_metrics.measure(positions=256, block=64, repeat=5)
@@ -328,6 +343,10 @@ def main() -> None:
                 r["calibrate"] = {"max_tokens": a.calibrate_max_tokens, "runs": [
                     calibrate_run(real_scale_fixture(), c, a.calibrate_max_tokens, work / f"ev-cal-{c}") for c in classes]}
                 r["load"]["calibrate"] = load()
+    if a.evidence_sizes:
+        print("7. evidence at scale ...", flush=True)
+        r["evidence"] = {**bench_evidence.run([int(n) for n in a.evidence_sizes.split(",")]), "machine": r["machine"]}
+        r["load"]["evidence"] = load()
     r["load"]["end"] = load()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -465,8 +484,92 @@ def render(r: dict) -> str:
                   "| class | wall s | harness process peak RSS MB | llama.cpp worker peak RSS MB | exit |", "|---|---:|---:|---:|---:|"]
         for c in cal["runs"]:
             lines.append(f"| {c['class']} | {c['main_s']:.1f} | {c['maxrss_mb']:,.0f} | {c['worker_peak_rss_mb']:,.0f} | {c['exit']} |")
+    if "evidence" in r:
+        lines += ["", *evidence_section(r["evidence"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
+
+
+EVIDENCE_HEADING = "## 7. Evidence at scale"
+
+
+def evidence_section(ev: dict) -> list[str]:
+    """Section 7 of the page from ``bench_evidence.run``'s document."""
+    ok = lambda cond: "met" if cond else "**not met**"  # noqa: E731
+    res = ev["results"]
+    big, small = res[-1], res[0]
+    m = ev.get("machine") or {}
+    per_cell = small["bytes_json"] + small["bytes_npz"]
+    lines = [
+        EVIDENCE_HEADING, "",
+        f"`benchmarks/bench_evidence.py` (`make bench-evidence` runs this section alone: `benchmarks/run_all.py --only evidence`). "
+        f"Ledgers grown to {', '.join(format(r['rows'], ',') for r in res)} rows by `benchmarks/_grow_ledger.py`, with **thin receipts**: "
+        f"each row has its own receipt JSON, a copy of `{ev['template']}` ({ev['positions']:,} positions) made distinct by its host "
+        "name with its own content id, and all copies share one hard-linked array sidecar (JSON per receipt, arrays shared). "
+        "The rows and receipts are what `record_evidence` writes; `harness ledger verify` passes on every ledger. At each size: "
+        "the evidence step of one parity run (`record_evidence`: receipt, row, LEDGER.md page, index page; median of 7; the verdict "
+        "page is a per-receipt constant and not included), `harness ledger verify` as the command runs it (full: every row and "
+        "every receipt file re-hashed, every page compared, no receipt parsed; then `--incremental` after one append, its "
+        "new row's receipt loaded and matched), `harness ledger show` (the cache into pandas, the trends, the tables printed). "
+        "Each operation is timed in the bench's process, and each command once more in a fresh process (columns 'command'): "
+        "those include the interpreter's start and the command's imports, shown alone as `harness --help`.",
+        "",
+        f"Machine: {m.get('cpu', '?')}, {ev['cpus']} cores; load average {'/'.join(f'{x:.1f}' for x in ev['load_start'])} at the start, "
+        f"{'/'.join(f'{x:.1f}' for x in big['load_after'])} at the end. A load above the core count means other work shared the "
+        "CPUs: wall times are then several times an idle machine's, which is why verify is also given per CPU second "
+        "(rows over the process's own CPU time, threads included).",
+        "",
+        "| rows | grow s | evidence step s (min–max of 7) | ratio to the smallest | verify full rows/s (wall) | rows per CPU s | "
+        "incremental after one append s | `ledger show` s | command s: verify / --incremental / show / --help | receipts on disk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res:
+        lines.append(f"| {r['rows']:,} | {r['grow_s']:.0f} | {r['evidence_step_s']:.3f} ({min(r['evidence_steps_s']):.3f}–"
+                     f"{max(r['evidence_steps_s']):.3f}) | {r['evidence_step_ratio']:.2f} | "
+                     f"{r['verify_full_rows_per_s']:,.0f} | {r['verify_full_rows_per_cpu_s']:,.0f} | {r['verify_incremental_s']:.2f} | "
+                     f"{r['show_s']:.2f} | {r['verify_cli_full_s']:.1f} / {r['verify_cli_incremental_s']:.1f} / {r['show_cli_s']:.1f} / "
+                     f"{r['cli_start_s']:.1f} | {r['receipts_disk_bytes'] / 2**20:,.0f} MiB |")
+    oks = all(r["verify_full_ok"] and r["verify_cli_ok"] and r["verify_incremental_ok"] and r["verify_cli_incremental_ok"]
+              and r["show_ok"] for r in res)
+    lines += [
+        "",
+        f"Targets at {big['rows']:,} rows: evidence step **{big['evidence_step_ratio']:.2f}×** its time at {small['rows']:,} rows "
+        f"(≤ 1.2×: {ok(big['evidence_step_ratio'] <= 1.2)}); verify full **{big['verify_full_rows_per_s']:,.0f} rows/s** wall, "
+        f"{big['verify_full_rows_per_cpu_s']:,.0f} per CPU second (≥ 5,000: wall {ok(big['verify_full_rows_per_s'] >= 5000)}, "
+        f"CPU {ok(big['verify_full_rows_per_cpu_s'] >= 5000)}); incremental **{big['verify_incremental_s']:.2f} s** "
+        f"(< 1 s: {ok(big['verify_incremental_s'] < 1)}); `ledger show` **{big['show_s']:.2f} s** (≤ 5 s: {ok(big['show_s'] <= 5)}). "
+        f"Every verification {'said OK' if oks else '**did not say OK**'}. On a shared machine each size's figures are "
+        "taken minutes apart, under whatever load there was then: read the evidence step's spread (min–max) beside its "
+        "median, and the verify figures per CPU second beside the wall ones. The operations timed in the bench's process "
+        "run right after 4 GB of receipts were written, so their reads may miss the page cache; the commands run after them.",
+        "",
+        f"Bytes per {ev['positions']:,}-position cell: receipt JSON {small['bytes_json']:,} B + deflated array sidecar "
+        f"{small['bytes_npz']:,} B = **{per_cell / 1000:,.0f} KB** without the report (budget 150 KB: {ok(per_cell <= 150_000)}); "
+        f"a year of CI at 100,000 such cells: about {per_cell * 100_000 / 1e9:,.1f} GB of receipts, plus the ledger "
+        f"({big['ledger_bytes'] / big['rows']:,.0f} B a row: {big['ledger_bytes'] / big['rows'] * 100_000 / 1e6:,.0f} MB). "
+        "Verdict pages (`reports/<id>/`, about 450 KB each, mostly the PNG plots) are regenerated from receipts by "
+        "`harness report` and can stay out of git; so can the query cache (`*.cache.sqlite`, derived).",
+    ]
+    return lines
+
+
+def splice_evidence(out: Path, ev: dict) -> None:
+    """Replace (or append) section 7 of ``out`` with ``evidence_section(ev)``, leaving the rest of
+    the page as the last full run wrote it; the same for the ``evidence`` key of its .json."""
+    text = out.read_text() if out.exists() else "# Benchmarks\n"
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("## ") and "Evidence at scale" in ln), None)
+    new = evidence_section(ev)
+    if start is None:
+        lines += ["", *new]
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = new + ([""] if end < len(lines) else [])
+    out.write_text("\n".join(lines) + "\n")
+    js = out.with_suffix(".json")
+    doc = json.loads(js.read_text()) if js.exists() else {}
+    doc["evidence"] = ev
+    js.write_text(json.dumps(doc, indent=1, default=str))
 
 
 def _shape_section(title: str, rl: dict, what: str, target: float | None) -> list[str]:

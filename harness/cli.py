@@ -880,15 +880,17 @@ def _default_ledger() -> str:
 @click.option("--receipts", default=None, type=click.Path(), help="Receipts dir (default: receipts/ beside the ledger).")
 @click.option("--markdown", default=None, type=click.Path(), help="Rendered ledger (default: LEDGER.md of the repo).")
 @click.option("--incremental", is_flag=True, help="Check only the rows after the checkpoint (its prefix re-hashed as bytes) and LEDGER.md.")
-@click.option("--deep", is_flag=True, help="Load every receipt and match it to its row, ignoring the checkpoint (milliseconds a receipt).")
+@click.option("--deep", is_flag=True, help="Also load every receipt (schema, content id, arrays) and match it to its row, ignoring the checkpoint (milliseconds a receipt).")
 @click.option("--checkpoint", "checkpoint_path", default=None, type=click.Path(),
               help="Checkpoint file (default: outside the evidence, in $HARNESS_VERIFY_STATE or ~/.local/state/harness/verify/).")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 def ledger_verify(ledger_path, receipts, markdown, incremental, deep, checkpoint_path, quiet) -> None:
     """Check the hash chain, every row against its receipt, and the rendered pages (exit 1 on any
     problem), streaming the ledger with progress and a rows/s figure. Full (default): every row
-    and every receipt re-hashed; receipts of rows after the checkpoint also loaded and matched to
-    their rows. --incremental: only rows after the checkpoint. A verified run saves the checkpoint."""
+    and every receipt file re-hashed (bytes; the row's receipt_sha256 binds them), every page
+    compared. --incremental: only the rows after the checkpoint, their receipts also loaded and
+    matched to their rows. --deep: every receipt loaded and matched. A verified run saves the
+    checkpoint."""
     # deferred: startup
     from harness.evidence.ledger import Checkpoint, VerifyStats, default_checkpoint_path, verify_ledger
 
@@ -906,8 +908,9 @@ def ledger_verify(ledger_path, receipts, markdown, incremental, deep, checkpoint
             err.print(Text(f"verify: {rows} rows, {done / max(total, 1):.0%} of {total / 1e6:.1f} MB"))
 
     st = VerifyStats()
-    problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown, deep=True, checkpoint=cp,
-                             incremental=incremental and cp is not None, progress=progress, stats=st)
+    inc = incremental and cp is not None
+    problems = verify_ledger(lp, Path(receipts) if receipts else lp.parent / "receipts", markdown, deep=deep or inc, checkpoint=cp,
+                             incremental=inc, progress=progress, stats=st)
     rate = f"{st.rows} rows in {st.seconds:.2f} s ({st.rows_per_s:,.0f} rows/s; {st.receipts} receipts hashed, {st.deep} loaded and matched"
     rate += f"; {st.skipped} rows vouched for by the checkpoint)" if st.skipped else ")"
     if problems:

@@ -83,6 +83,24 @@ def test_incremental_pages_equal_a_full_render_with_a_supersede_of_an_old_page(p
     assert "withdrawn by \\#10" in (out / I.INDEX_PAGES / "page-000001.md").read_text()
 
 
+def test_the_head_page_links_a_bounded_number_of_older_pages(paths, small_pages, monkeypatch):
+    monkeypatch.setattr(L, "PAGE_LINKS", 3)
+    assert L.linked_pages(2) == [1] and L.linked_pages(5) == [4, 3, 2, 1] and L.linked_pages(9) == [8, 7, 6, None, 1]
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 33, template, npz)  # 9 pages of 4
+    links = next(ln for ln in md.read_text().splitlines() if ln.startswith("Older rows"))
+    assert links == ("Older rows, newest first: [8](LEDGER-pages/page-000008.md), [7](LEDGER-pages/page-000007.md), "
+                     "[6](LEDGER-pages/page-000006.md), …, [1](LEDGER-pages/page-000001.md).")
+    assert "The rows before these: [page 4](page-000004.md)." in L.page_path(md, 5).read_text()
+    assert "The rows before these" not in L.page_path(md, 1).read_text()
+    full = L.render_markdown(L.read_rows(ledger_path), ledger_path, md)
+    assert L.join_pages(md.read_text(), _pages_text(md, 9)) == full
+    assert L.verify_ledger(ledger_path, receipts_dir, deep=False) == []
+    index = (I.reports_dir(ledger_path) / I.INDEX_MD).read_text()
+    assert "page-000005" not in index and "page-000006" in index and "page-000001" in index
+
+
 def test_the_index_reads_no_receipt_twice(paths, monkeypatch):
     ledger_path, receipts_dir, _ = paths
     for seed in range(3):
@@ -180,12 +198,16 @@ def test_incremental_verify_from_the_command_line_keeps_its_checkpoint_outside_t
     monkeypatch.setenv("HARNESS_VERIFY_STATE", str(state))
     r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--quiet"])
     assert r.exit_code == 0, r.output
-    assert "OK (4 rows" in r.output and "4 receipts hashed, 4 loaded and matched" in r.output and "rows/s" in r.output
+    # full mode hashes every receipt file and parses none (the row's receipt_sha256 binds its bytes)
+    assert "OK (4 rows" in r.output and "4 receipts hashed, 0 loaded and matched" in r.output and "rows/s" in r.output
+    r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--quiet", "--deep"])
+    assert r.exit_code == 0 and "4 receipts hashed, 4 loaded and matched" in r.output, r.output
     cp = next(state.iterdir())
     assert not str(cp).startswith(str(ledger_path.parent.parent))
     append_measured(ledger_path, receipts_dir, 7)
     r = CliRunner().invoke(cli, ["ledger", "verify", "--ledger", str(ledger_path), "--incremental", "--quiet"])
     assert r.exit_code == 0 and "incremental" in r.output and "1 rows in" in r.output, r.output
+    assert "1 receipts hashed, 1 loaded and matched" in r.output  # the new row's receipt is loaded
     doc = json.loads(cp.read_text())
     doc["row_hash"] = "1" * 64
     cp.write_text(json.dumps(doc))
@@ -240,32 +262,117 @@ def test_evidence_files_follow_the_umask(paths, tmp_path):
         os.umask(old)
 
 
+def test_full_mode_compares_every_older_page_in_one_pass(paths, small_pages):
+    ledger_path, receipts_dir, md = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 13, template, npz)  # pages 1-4, 5-8, 9-12 are files; LEDGER.md shows 13
+    L.append_row(ledger_path, L.supersede_row(3, "wrong build"))  # re-renders page 1 after it was written
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    page2 = L.page_path(md, 2)
+    page2.write_text(page2.read_text().replace("| 6 |", "| 66 |"))
+    found = L.verify_ledger(ledger_path, receipts_dir)
+    assert [(p.code, "page-000002.md" in p.message) for p in found] == [("MARKDOWN", True)]
+    page2.write_text(L.render_page(2, L.read_rows(ledger_path)[4:8], {}, {"seq": 14}, ledger_path, md))
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    # page 1 without the strike-through of seq 3 (as rendered before the supersede row) is found
+    page1 = L.page_path(md, 1)
+    page1.write_text(L.render_page(1, L.read_rows(ledger_path)[:4], {}, {"seq": 14}, ledger_path, md))
+    assert [p.code for p in L.verify_ledger(ledger_path, receipts_dir)] == ["MARKDOWN"]
+
+
+def test_a_row_in_another_json_layout_is_judged_by_its_content(paths):
+    ledger_path, receipts_dir, _ = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 3, template, npz)
+    lines = ledger_path.read_bytes().splitlines(keepends=True)
+    row = json.loads(lines[1])
+    lines[1] = (json.dumps(row, indent=None) + "\n").encode()  # same content, spaces after separators
+    ledger_path.write_bytes(b"".join(lines))
+    assert L.verify_ledger(ledger_path, receipts_dir) == []
+    row["min_cosine"] = 0.5  # an edit in the same layout is still an edit
+    lines[1] = (json.dumps(row, indent=None) + "\n").encode()
+    ledger_path.write_bytes(b"".join(lines))
+    assert ("EDITED", 2) in {(p.code, p.seq) for p in L.verify_ledger(ledger_path, receipts_dir, deep=False)}
+
+
+def test_the_kept_standing_counts_equal_a_count_from_the_rows(paths):
+    from harness.evidence.ledger_cache import LedgerCache, cache_path
+
+    ledger_path, receipts_dir, _ = paths
+    for seed in range(4):
+        append_measured(ledger_path, receipts_dir, seed)
+    L.append_row(ledger_path, L.supersede_row(2, "wrong build"))
+    L.append_row(ledger_path, L.supersede_row(2, "twice"))  # a target withdrawn twice counts once
+    L.append_row(ledger_path, L.supersede_row(5, "a supersede row withdrawn"))  # not a measurement: nothing to take out
+    with LedgerCache.open(ledger_path, L.CACHE_COLUMNS) as cache:
+        kept = cache.standing_counts()
+        assert kept == cache.standing_counts_scan() and sum(kept.values()) == 3 and cache.count() == 7
+    cache_path(ledger_path).unlink()  # rebuilt from scratch: the same counts
+    with LedgerCache.open(ledger_path, L.CACHE_COLUMNS) as cache:
+        assert cache.standing_counts() == kept and cache.count() == 7
+
+
+def test_sweep_reads_each_existing_receipt_once(paths, monkeypatch):
+    from harness.evidence.record import evidence_paths
+    from harness.release import sweep as S
+    from harness.release.cells import input_key, receipt_inputs
+
+    ledger_path, receipts_dir, _ = paths
+    rows = [append_measured(ledger_path, receipts_dir, seed) for seed in range(3)]
+    read = []
+    real = S._receipt_keys
+    monkeypatch.setattr(S, "_receipt_keys", lambda p: read.append(p.stem) or real(p))
+    found, by_id = S.existing_receipts(evidence_paths(ledger_path))
+    assert sorted(read) == sorted(r["receipt_id"] for r in rows)
+    def read_all():  # what reading every receipt gives: the latest receipt of each key
+        best = {}
+        for r in rows_now():
+            rec = load_receipt(receipt_file(receipts_dir, r["receipt_id"])).receipt
+            k = input_key(receipt_inputs(rec))
+            if k not in best or rec["created"] >= best[k][0]:
+                best[k] = (rec["created"], r["receipt_id"])
+        return {k: v[1] for k, v in best.items()}
+    rows_now = lambda: L.read_rows(ledger_path)  # noqa: E731
+    assert {k: p.stem for k, p in found.items()} == read_all() and found
+    seq_of = {r["receipt_id"]: r["seq"] for r in rows}
+    assert {rid: r["seq"] for rid, r in by_id.items()} == {p.stem: seq_of[p.stem] for p in found.values()}
+    read.clear()
+    new = append_measured(ledger_path, receipts_dir, 3)
+    found2, by_id2 = S.existing_receipts(evidence_paths(ledger_path))
+    assert read == [new["receipt_id"]] and by_id2[new["receipt_id"]]["seq"] == 4  # only the new receipt is read
+    assert {k: p.stem for k, p in found2.items()} == read_all()
+
+
 def _writer(ledger_path: str, receipts_dir: str, seed: int, barrier) -> None:
     barrier.wait()
     append_measured(Path(ledger_path), Path(receipts_dir), seed)
 
 
-def test_sixteen_concurrent_writers_on_a_large_ledger(paths):
+@pytest.mark.parametrize("writers, grown", [
+    (4, 120),  # the default suite: a few seconds
+    pytest.param(16, 600, marks=pytest.mark.slow),  # the figure (8–30 s on 2 loaded cores): pytest -m slow tests/test_ledger_scale.py
+])
+def test_concurrent_writers_on_a_large_ledger(paths, small_pages, writers, grown):
     ledger_path, receipts_dir, md = paths
     template, npz = _template(receipts_dir)
-    grow(ledger_path, 600, template, npz)  # more than a page: the writers render page 2 and the first fills
+    grow(ledger_path, grown, template, npz)  # many pages: the writers render pages, and fill some
     st = L.VerifyStats()
     assert L.verify_ledger(ledger_path, receipts_dir, deep=False, stats=st) == []
     cp = L.Checkpoint(str(ledger_path), st.seq, st.row_hash, st.offset, st.prefix_sha256)
     ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(16)
-    procs = [ctx.Process(target=_writer, args=(str(ledger_path), str(receipts_dir), 1000 + s, barrier)) for s in range(16)]
+    barrier = ctx.Barrier(writers)
+    procs = [ctx.Process(target=_writer, args=(str(ledger_path), str(receipts_dir), 1000 + s, barrier)) for s in range(writers)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
-    assert [p.exitcode for p in procs] == [0] * 16
+    assert [p.exitcode for p in procs] == [0] * writers
     rows = L.read_rows(ledger_path)
-    assert [r["seq"] for r in rows] == list(range(1, 617))
-    assert len({r["receipt_id"] for r in rows[600:]}) == 16
-    st = L.VerifyStats()  # every row re-hashed; the 16 new receipts loaded and matched to their rows
-    assert L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st) == [] and (st.rows, st.deep) == (616, 16)
-    assert f"Head: seq 616 · row_hash `{rows[-1]['row_hash']}`" in md.read_text()
+    assert [r["seq"] for r in rows] == list(range(1, grown + writers + 1))
+    assert len({r["receipt_id"] for r in rows[grown:]}) == writers
+    st = L.VerifyStats()  # every row re-hashed; the new receipts loaded and matched to their rows
+    assert L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st) == [] and (st.rows, st.deep) == (grown + writers, writers)
+    assert f"Head: seq {grown + writers} · row_hash `{rows[-1]['row_hash']}`" in md.read_text()
 
 
 def _append_forever(ledger_path: str, receipts_dir: str) -> None:

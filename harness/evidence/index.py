@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
-from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, page_of, page_seqs, read_rows
+from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, linked_pages, page_of, page_seqs, read_rows
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.page import Badge, Code, Inline, Link, Page, untrusted
 from harness.evidence.receipts import receipt_file
@@ -160,8 +160,9 @@ def build_index(ledger_path: str | Path) -> Page:
 
 def index_page(ledger_path: Path, cache: LedgerCache, page_no: int) -> Page:
     """Page ``page_no`` of the index from the query cache: the newest page (the head's) is
-    ``index.md`` with the intro, the standing counts and links to the older pages; an older page
-    (``index-pages/page-NNNNNN``) has its rows and a link back."""
+    ``index.md`` with the intro, the standing counts (kept in the cache: ``standing_counts``) and
+    links to the newest older pages and the first (``ledger.linked_pages``); an older page
+    (``index-pages/page-NNNNNN``) has its rows, a link back and one to the page before it."""
     out = reports_dir(ledger_path)
     last = cache.last_seq()
     top = page_of(last) if last else 1
@@ -176,13 +177,15 @@ def index_page(ledger_path: Path, cache: LedgerCache, page_no: int) -> Page:
         _intro(page, ledger_path, out, cache.count(), cache.standing_counts())
         if top > 1:
             links: list[Inline] = ["Older rows, newest first: "]
-            for n in range(top - 1, 0, -1):
-                links += [Link(str(n), f"{INDEX_PAGES}/page-{n:06d}.md", f"{INDEX_PAGES}/page-{n:06d}.html"), " "]
+            for n in linked_pages(top):  # bounded: the newest pages and the first; each page links the one before
+                links += ["… " if n is None else [Link(str(n), f"{INDEX_PAGES}/page-{n:06d}.md", f"{INDEX_PAGES}/page-{n:06d}.html"), " "]]
             page.p(*links)
     else:
         page = Page(f"Evidence index: rows {lo}–{hi}").h(1, f"Evidence index: rows {lo}–{hi}")
+        before: list[Inline] = [" The rows before these: ", Link(f"page {page_no - 1}", f"page-{page_no - 1:06d}.md",
+                                                                 f"page-{page_no - 1:06d}.html"), "."] if page_no > 1 else []
         page.p(f"Page {page_no}; the newest rows and the standing counts are in ",
-               Link(Code(INDEX_MD), f"../{INDEX_MD}", f"../{INDEX_HTML}"), ".")
+               Link(Code(INDEX_MD), f"../{INDEX_MD}", f"../{INDEX_HTML}"), ".", *before)
     _table(page, cells)
     return page
 
@@ -214,6 +217,7 @@ def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receip
                 if receipt_id:
                     todo |= {page_of(s) for s in cache.seqs_of_receipt(receipt_id)}
                 md = html = None
+                cache.con.execute("BEGIN IMMEDIATE")  # the summaries and index_seq in one write transaction
                 for n in sorted(todo):
                     page = index_page(ledger_path, cache, n)
                     if n == top:
@@ -221,6 +225,7 @@ def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receip
                     else:
                         page.write(out / INDEX_PAGES / f"page-{n:06d}.md", out / INDEX_PAGES / f"page-{n:06d}.html")
                 cache.set_meta("index_seq", last)
+                cache.con.execute("COMMIT")
     except Timeout as e:
         raise InvalidInput(f"{ledger_path}: could not take the ledger lock within {lock_timeout:g} s to render the index") from e
     except OSError as e:

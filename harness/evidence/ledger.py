@@ -22,6 +22,7 @@ bytes and content match it) and by git history.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -29,6 +30,7 @@ import os
 import re
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -42,6 +44,7 @@ from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import (
     canonical_json,
     load_receipt,
+    SHARD_CHARS,
     receipt_file,
     report_only_headline,
     utc_now,
@@ -607,7 +610,13 @@ def _fmt(v: Any, spec: str) -> str:
 
 def _cell(v: Any) -> str:
     """A row's value as a Markdown table cell (``display.md_text``: no control characters, no cell
-    breaks, links, code spans or HTML)."""
+    breaks, links, code spans or HTML). Strings are memoized (``_cell_str``): a ledger repeats its
+    models, candidates and dates on every row, and a full verification renders every row."""
+    return _cell_str(v) if type(v) is str else display.md_text(v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cell_str(v: str) -> str:
     return display.md_text(v)
 
 
@@ -669,6 +678,21 @@ _SIGNOFF_HEAD = ["", "## Sign-offs", "",
                  "`head` is the chain's head when it was signed.", "",
                  "| seq | date | release | builds | cells | verdict | head |", "|---:|---|---|---|---|---|---|"]
 _PAGES_LINE = "Older rows, newest first: "
+
+
+PAGE_LINKS = 10
+"""How many of the newest older pages LEDGER.md (and the index) link by number; the first page is
+linked too, and every older page links the one before it, so the line stays the same length at
+any ledger size."""
+
+
+def linked_pages(top: int) -> list[int | None]:
+    """The older pages the head's page ``top`` links, newest first: the ``PAGE_LINKS`` newest, then
+    (None: a gap, shown as an ellipsis) page 1 when it is not among them."""
+    newest = list(range(top - 1, max(top - 1 - PAGE_LINKS, 0), -1))
+    if newest and newest[-1] > 1:
+        newest += ([None] if newest[-1] > 2 else []) + [1]
+    return newest
 
 
 def page_of(seq: int) -> int:
@@ -734,8 +758,8 @@ def render_page(page: int, rows: list[Mapping[str, Any]], superseded: Mapping[An
     """One page of the rendering: ``rows`` are the rows of ``page`` (``page_seqs``) that exist,
     ``superseded`` maps each of them that a later row withdraws to that row's seq. The head's
     page (``page == page_of(head seq)``) is LEDGER.md itself: the full rendering's header and
-    head, a line linking the older pages, and its rows; an older page has a title naming its
-    seqs and a line linking back. Both have the same table and sign-off section as the full
+    head, a line linking the newest older pages and the first (``linked_pages``), and its rows;
+    an older page has a title naming its seqs and a line linking back and to the page before it. Both have the same table and sign-off section as the full
     rendering, restricted to their rows."""
     md = Path(markdown_path)
     shown = _shown_ledger(Path(ledger_path), md)
@@ -744,12 +768,14 @@ def render_page(page: int, rows: list[Mapping[str, Any]], superseded: Mapping[An
     if page == last:
         top = _preamble(shown, head)
         if last > 1:
-            links = ", ".join(f"[{n}]({pages_dir(md).name}/{page_path(md, n).name})" for n in range(last - 1, 0, -1))
+            folder = pages_dir(md).name
+            links = ", ".join("…" if n is None else f"[{n}]({folder}/page-{n:06d}.md)" for n in linked_pages(last))
             top += [f"{_PAGES_LINE}{links}.", ""]
         return _assemble(top, table, signoffs)
     lo, hi = page_seqs(page)
+    before = f" The rows before these: [page {page - 1}](page-{page - 1:06d}.md)." if page > 1 else ""
     top = [f"{RENDER_TITLE}: rows {lo}–{hi}", "", f"Rendered from `{shown}`; page {page}. "
-           f"The head and the newest rows are in [{md.name}](../{md.name}). Do not edit by hand.", ""]
+           f"The head and the newest rows are in [{md.name}](../{md.name}).{before} Do not edit by hand.", ""]
     return _assemble(top, table, signoffs)
 
 
@@ -841,17 +867,39 @@ def _signoff_line(r: Mapping[str, Any], superseded: Mapping[Any, Any]) -> str:
 # ----------------------------------------------------------------------------- verify
 
 
-def _row_problems(row: dict[str, Any], line: int, prev: dict[str, Any] | None, first: bool, seqs_max: int) -> list[Problem]:
+def _line_row_hash(raw: bytes, row: Mapping[str, Any]) -> str | None:
+    """sha256 of the ledger line ``raw`` with its ``"row_hash":"…"`` member cut out: the row's
+    hash without serializing it again, since ``append_row`` writes each row as its canonical JSON
+    (sorted keys; cutting one member leaves the canonical JSON of the rest). None when the line
+    holds no such member."""
+    h = row.get("row_hash")
+    if not isinstance(h, str):
+        return None
+    member = b'"row_hash":"' + h.encode("utf-8", errors="replace") + b'"'
+    i = raw.find(member)
+    if i <= 0:
+        return None
+    j = i + len(member)
+    body = raw.rstrip(b"\n")
+    cut = body[:i - 1] + body[j:] if body[i - 1:i] == b"," else body[:i] + body[j + 1:]
+    return hashlib.sha256(cut).hexdigest()
+
+
+def _row_problems(row: dict[str, Any], line: int, prev: dict[str, Any] | None, first: bool, seqs_max: int,
+                  raw: bytes | None = None) -> list[Problem]:
     """The problems of one well-formed JSON row at ``line``: schema (MALFORMED), content hash
-    (EDITED), ``seq`` and ``prev_hash`` against the previous line's row ``prev`` (SEQUENCE,
-    CHAIN; unchecked after a malformed line, ``prev`` None), supersede target among the earlier
-    seqs, 1..``seqs_max`` (SUPERSEDE)."""
+    (EDITED; from the line's bytes ``raw`` when given, ``_line_row_hash``, and from the parsed
+    row when those do not match, so a line in another JSON layout is judged by its content),
+    ``seq`` and ``prev_hash`` against the previous line's row ``prev`` (SEQUENCE, CHAIN;
+    unchecked after a malformed line, ``prev`` None), supersede target among the earlier seqs,
+    1..``seqs_max`` (SUPERSEDE)."""
     problems = []
     seq = row.get("seq") if isinstance(row.get("seq"), int) else None
     schema_err = _validate_row(row)
     if schema_err:
         problems.append(Problem("MALFORMED", schema_err, seq, line))
-    if row.get("row_hash") != row_hash(row):
+    fast = _line_row_hash(raw, row) if raw is not None else None
+    if (fast is None or fast != row.get("row_hash")) and row.get("row_hash") != row_hash(row):
         problems.append(Problem("EDITED", "row_hash does not match the row's content: the row was edited", seq, line))
     if first:
         expected_seq, expected_prev, before = 1, GENESIS, "the genesis hash"
@@ -1002,6 +1050,12 @@ def verify_ledger(
     run. ``progress(rows, bytes_done, bytes_total)`` is called about every 0.5 s; ``stats``
     (a ``VerifyStats``) is filled in.
 
+    Cost: the ledger is read once (older pages are compared as the stream passes them,
+    ``_PageCheck``), each row's hash is taken over its line's bytes (``_line_row_hash``) and
+    each receipt is hashed with one read (``_hash_receipt``), so a full run without ``deep``
+    costs about the bytes of the ledger and its receipts' JSON (docs/benchmarks.md, "Evidence at
+    scale").
+
     Raises ``InvalidInput`` when the ledger file cannot be read.
     """
     ledger_path = Path(ledger_path)
@@ -1044,6 +1098,9 @@ def verify_ledger(
         earlier: dict[str, str | None] = {}
         tail: list[dict[str, Any]] = prefill  # the rows of the newest page (the rendering's head page)
         offset, last_report = start, t0
+        pages = None if incremental else _PageCheck(ledger_path, md_path)
+        pending: list[tuple[dict[str, Any], int]] = []  # rows whose receipts are hashed in batches, on ``pool``
+        pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) if receipts is not None else None
         if start:
             prefix = _prefix_hasher(f, start)
             f.seek(start)
@@ -1064,7 +1121,7 @@ def verify_ledger(
                 problems.append(Problem("MALFORMED", err, int(m.group(1)) if m else None, line))
                 prev, first = None, False
                 continue
-            row_problems = _row_problems(row, line, prev, first, seqs_max)
+            row_problems = _row_problems(row, line, prev, first, seqs_max, raw)
             problems += row_problems
             seq = row.get("seq") if isinstance(row.get("seq"), int) else None
             if seq is not None:
@@ -1072,10 +1129,21 @@ def verify_ledger(
             if row.get("kind") == "supersede" and isinstance(row.get("supersedes"), int):
                 supersedes.append((seq or 0, row["supersedes"], line))
             if receipts is not None:
-                problems += _check_row_receipt(receipts, row, line, earlier, deep and (seq or 0) > trusted_until, st)
+                row_deep = deep and (seq or 0) > trusted_until
+                if not row_deep and row.get("kind") != "signoff" and isinstance(row.get("receipt_id"), str):
+                    earlier.setdefault(row["receipt_id"], row.get("receipt_sha256"))  # before a later sign-off is checked
+                    pending.append((row, line))
+                    if len(pending) >= 256:
+                        problems += _hash_pending(pool, receipts, pending, earlier, st)
+                else:
+                    problems += _check_row_receipt(receipts, row, line, earlier, row_deep, st)
             if seq is not None:
                 if tail and page_of(seq) != page_of(tail[-1]["seq"]):
+                    if pages is not None:
+                        pages.done(tail, offset - len(raw), supersedes)
                     tail = []
+                if not tail and pages is not None:
+                    pages.start = offset - len(raw)
                 tail.append(row)
             st.rows += 1
             st.seq, st.row_hash, st.offset = seq or 0, row.get("row_hash") or "", offset
@@ -1083,8 +1151,11 @@ def verify_ledger(
             if progress is not None and time.perf_counter() - last_report > 0.5:
                 last_report = time.perf_counter()
                 progress(st.rows, offset, total)
+        if pool is not None:
+            problems += _hash_pending(pool, receipts, pending, earlier, st)
+            pool.shutdown()
         st.prefix_sha256 = prefix.hexdigest() if st.offset == offset else ""
-        problems += _check_rendering(f, ledger_path, md_path, prev, tail, supersedes, incremental)
+        problems += _check_rendering(f, ledger_path, md_path, prev, tail, supersedes, incremental, pages)
     if progress is not None:
         progress(st.rows, offset, total)
     st.seconds = time.perf_counter() - t0
@@ -1144,8 +1215,9 @@ def _checkpoint_problem(f, total: int, cp: Checkpoint) -> Problem | None:
 
 
 def _check_row_receipt(receipts: Path, r: dict[str, Any], line: int, earlier: dict[str, str | None], deep: bool,
-                       st: VerifyStats) -> list[Problem]:
-    """The receipt checks of one row (``verify_ledger``): hashed always, loaded and matched when ``deep``."""
+                       st: VerifyStats, hashed: tuple[str, str | None] | None = None) -> list[Problem]:
+    """The receipt checks of one row (``verify_ledger``): hashed always (``hashed``: what
+    ``_hash_receipt`` gave, when it ran already), loaded and matched when ``deep``."""
     seq, rid = r.get("seq"), r.get("receipt_id")
     if r.get("kind") == "signoff":
         return _check_signoff(receipts, {**r, "_line": line}, earlier)
@@ -1154,16 +1226,14 @@ def _check_row_receipt(receipts: Path, r: dict[str, Any], line: int, earlier: di
             return [Problem("RECEIPT-MISSING", "a parity row without a receipt_id", seq, line)]
         return []
     earlier.setdefault(rid, r.get("receipt_sha256"))
-    path = receipt_file(receipts, rid) if isinstance(rid, str) else receipts / f"{rid}.json"
-    if not path.exists():
+    path, digest = hashed or _hash_receipt(receipts, rid)
+    if digest is None:
         return [Problem("RECEIPT-MISSING", f"receipt {path} does not exist (forged row?)", seq, line)]
-    try:
-        digest = sha256_file(path)
-    except InvalidInput as e:
-        return [Problem("RECEIPT-MISSING", str(e), seq, line)]
+    if digest.startswith("!"):
+        return [Problem("RECEIPT-MISSING", f"{path}: cannot read: {digest[1:]}", seq, line)]
     st.receipts += 1
     if digest != r.get("receipt_sha256"):
-        return [Problem("RECEIPT-HASH", f"{path.name} does not hash to the row's receipt_sha256 (receipt or row altered)", seq, line)]
+        return [Problem("RECEIPT-HASH", f"{Path(path).name} does not hash to the row's receipt_sha256 (receipt or row altered)", seq, line)]
     if not deep:
         return []
     st.deep += 1
@@ -1179,13 +1249,112 @@ def _check_row_receipt(receipts: Path, r: dict[str, Any], line: int, earlier: di
     return []
 
 
+def _hash_pending(pool: ThreadPoolExecutor, receipts: Path, pending: list[tuple[dict[str, Any], int]],
+                  earlier: dict[str, str | None], st: VerifyStats) -> list[Problem]:
+    """Hash the receipts of the ``pending`` rows (``(row, line)``) on ``pool`` (file reads and
+    sha256 release the GIL, so they overlap), check each against its row, and empty ``pending``."""
+    hashes = pool.map(lambda item: _hash_receipt(receipts, item[0]["receipt_id"]), pending)
+    problems = []
+    for (row, line), hashed in zip(pending, hashes):
+        problems += _check_row_receipt(receipts, row, line, earlier, False, st, hashed)
+    pending.clear()
+    return problems
+
+
+def _hash_receipt(receipts: Path, rid: Any) -> tuple[str, str | None]:
+    """``(path, sha256 of its bytes)`` of receipt ``rid``'s ``.json`` in its shard, else in the
+    flat layout (``receipt_file``'s order), read with one unbuffered ``open`` and one read (a
+    receipt is tens of KB; files over 16 MiB are streamed) and no ``stat`` in the usual case; the
+    digest is None when neither file exists and ``"!" + reason`` when the file cannot be read."""
+    if not isinstance(rid, str) or not rid or "/" in rid or rid.startswith("."):
+        return str(receipts / f"{rid}.json"), None
+    base = str(receipts)
+    for path in (os.path.join(base, rid[:SHARD_CHARS], rid + ".json"), os.path.join(base, rid + ".json")):
+        try:
+            with open(path, "rb", buffering=0) as fh:
+                data = fh.read(1 << 24)
+                h = hashlib.sha256(data)
+                while len(data) == 1 << 24:
+                    data = fh.read(1 << 24)
+                    h.update(data)
+                return path, h.hexdigest()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return path, "!" + str(e.strerror or e)
+    return str(receipt_file(receipts, rid)), None
+
+
+class _PageCheck:
+    """The older pages of a rendering checked while ``verify_ledger`` streams the ledger, so a
+    full verification reads the ledger once: when a page's rows are complete (``done``) it is
+    rendered with the supersede rows seen so far and compared with its file; only a page that
+    differs, or that a later supersede row withdraws a row of, is checked again at the end from
+    its byte span (``recheck``)."""
+
+    def __init__(self, ledger_path: Path, md_path: Path):
+        self.ledger_path, self.md_path = ledger_path, md_path
+        shown = rendered_head_seq(md_path)
+        self.head = {"seq": shown} if shown else None
+        self.older = page_of(shown) - 1 if shown else 0  # pages that are files in <stem>-pages/
+        self.start = 0
+        self.spans: dict[int, tuple[int, int]] = {}  # page -> byte span of its rows in the ledger
+        self.used: dict[int, dict[int, int]] = {}  # page -> the supersede map it matched with
+        self.twice: set[int] = set()  # pages whose rows are not in one run of lines (a broken ledger)
+
+    def done(self, rows: list[dict[str, Any]], end: int, supersedes: list[tuple[int, int, int]]) -> None:
+        """Page ``rows`` (one page's rows, complete; they end at byte ``end``) seen: compare it
+        with its file under the supersede rows so far."""
+        page = page_of(rows[0]["seq"])
+        if page > self.older or self.head is None:
+            return
+        if page in self.spans:
+            self.twice.add(page)
+            return
+        self.spans[page] = (self.start, end)
+        sup = _within({t: s for s, t, _ in supersedes if s <= self.head["seq"]}, page)
+        want = render_page(page, rows, sup, self.head, self.ledger_path, self.md_path)
+        try:
+            got = page_path(self.md_path, page).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return
+        if got == want:
+            self.used[page] = sup
+
+    def recheck(self, f, sup: Mapping[int, int], head: Mapping[str, Any], last_page: int) -> list[tuple[int, list[dict[str, Any]]]]:
+        """``(page, rows)`` of pages 1..``last_page`` still to compare: those that did not match,
+        or matched with another supersede map than ``sup`` (the final one), read again from their
+        byte spans; every page, read from the start (``_pages``), when the ledger's pages are
+        not in order, a page has no rows, or ``head`` is not the one the pages were checked for."""
+        if (self.twice or self.head is None or head.get("seq") != self.head["seq"]
+                or any(p not in self.spans for p in range(1, last_page + 1))):
+            return list(_pages(f, last_page))
+        out = []
+        for page in range(1, last_page + 1):
+            if self.used.get(page) == _within(sup, page):
+                continue
+            lo, hi = self.spans[page]
+            f.seek(lo)
+            rows = []
+            for raw in f.read(hi - lo).splitlines():
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("seq"), int):
+                    rows.append(row)
+            out.append((page, rows))
+        return out
+
+
 def _check_rendering(f, ledger_path: Path, md_path: Path, last: dict[str, Any] | None, tail: list[dict[str, Any]],
-                     supersedes: list[tuple[int, int, int]], incremental: bool) -> list[Problem]:
+                     supersedes: list[tuple[int, int, int]], incremental: bool, pages: _PageCheck | None = None) -> list[Problem]:
     """HEAD and MARKDOWN problems of the rendering (``verify_ledger``): LEDGER.md's head against
     the last row, LEDGER.md against ``render_page`` of the newest page's rows (``tail``), and,
-    unless ``incremental``, every older page against its rows (the ledger ``f`` read again, one
-    page at a time). A rendering that stops at an earlier head, exactly as a run killed between
-    its append and its render leaves it, is not a problem: the next append re-renders."""
+    unless ``incremental``, every older page against its rows (checked as the ledger streamed
+    past them, ``_PageCheck``; else the ledger ``f`` read again, one page at a time). A rendering
+    that stops at an earlier head, exactly as a run killed between its append and its render
+    leaves it, is not a problem: the next append re-renders."""
     if not md_path.exists():
         if last is None:
             return []
@@ -1222,7 +1391,8 @@ def _check_rendering(f, ledger_path: Path, md_path: Path, last: dict[str, Any] |
         return []
     head = last if md_seq == last_seq else {"seq": md_seq, "row_hash": md_hash}
     problems = []
-    for page, rows in _pages(f, page_of(md_seq) - 1):
+    todo = pages.recheck(f, sup, head, page_of(md_seq) - 1) if pages is not None else _pages(f, page_of(md_seq) - 1)
+    for page, rows in todo:
         path = page_path(md_path, page)
         want = render_page(page, rows, _within(sup, page), head, ledger_path, md_path)
         try:

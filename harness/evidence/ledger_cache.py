@@ -13,9 +13,10 @@ they read, not the ledger's size:
 File: ``<ledger>.cache.sqlite`` (``ledger.jsonl.cache.sqlite``; git ignores ``*.cache.sqlite``).
 Tables: ``rows`` (``seq`` primary key, the byte ``offset`` and ``length`` of its line, the raw
 ``line``, and one column per row field; lists and objects as JSON text), ``summaries``
-(``receipt_id`` → ``candidate_name``, ``bug_class``) and ``meta`` (``size``: the ledger bytes the
-cache covers; ``last_line``: the last line it read; ``index_seq``: the seq the reports index was
-last rendered to).
+(``receipt_id`` → ``candidate_name``, ``bug_class``), ``standing`` (``verdict`` → ``n``: the rows
+that stand, kept up to date as rows arrive, so the index's counts do not scan the ledger) and
+``meta`` (``size``: the ledger bytes the cache covers; ``last_line``: the last line it read;
+``count``: the rows; ``index_seq``: the seq the reports index was last rendered to).
 
 Staying in step (``sync``): the cache is current for a ledger whose first ``size`` bytes end in
 ``last_line``; new bytes after it are parsed and inserted (normally the one line just appended).
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 CACHE_SUFFIX = ".cache.sqlite"
-_VERSION = "1"
+_VERSION = "2"  # 2: the kept counts (meta count, table standing)
 
 
 def cache_path(ledger_path: str | Path) -> Path:
@@ -105,12 +106,17 @@ class LedgerCache:
         if row is not None and row[0] != want:  # written by another version: rebuild
             con.execute("DROP TABLE IF EXISTS rows")
             con.execute("DROP TABLE IF EXISTS summaries")
+            con.execute("DROP TABLE IF EXISTS standing")
+            con.execute("DROP TABLE IF EXISTS receipt_keys")
             con.execute("DELETE FROM meta")
         con.execute(f"CREATE TABLE IF NOT EXISTS rows (seq INTEGER PRIMARY KEY, offset INTEGER, length INTEGER, line TEXT, {cols})")
         con.execute("CREATE INDEX IF NOT EXISTS rows_receipt ON rows (receipt_id)")
         con.execute("CREATE INDEX IF NOT EXISTS rows_supersedes ON rows (supersedes)")
         con.execute("CREATE TABLE IF NOT EXISTS summaries (receipt_id TEXT PRIMARY KEY, candidate_name TEXT, bug_class TEXT)")
-        con.execute("INSERT OR REPLACE INTO meta VALUES ('columns', ?)", (want,))
+        con.execute("CREATE TABLE IF NOT EXISTS standing (verdict TEXT PRIMARY KEY, n INTEGER)")
+        con.execute("CREATE TABLE IF NOT EXISTS receipt_keys (receipt_id TEXT, key TEXT, created TEXT, PRIMARY KEY (receipt_id, key))")
+        if row is None or row[0] != want:  # a write only when the cache is new (each write transaction syncs)
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('columns', ?)", (want,))
 
     def close(self) -> None:
         """Close the SQLite connection."""
@@ -155,6 +161,8 @@ class LedgerCache:
         except FileNotFoundError:
             self.con.execute("BEGIN IMMEDIATE")
             self.con.execute("DELETE FROM rows")
+            self.con.execute("DELETE FROM standing")
+            self.con.execute("DELETE FROM meta WHERE key='count'")
             self.set_meta("size", 0)
             self.con.execute("DELETE FROM meta WHERE key='last_line'")
             self.con.execute("COMMIT")
@@ -166,9 +174,10 @@ class LedgerCache:
                 start = self._covers(f)
                 if start == 0:
                     self.con.execute("DELETE FROM rows")
-                    self.con.execute("DELETE FROM meta WHERE key IN ('size', 'last_line', 'index_seq')")
+                    self.con.execute("DELETE FROM standing")
+                    self.con.execute("DELETE FROM meta WHERE key IN ('size', 'last_line', 'index_seq', 'count')")
                 f.seek(start)
-                offset, last_line, batch = start, None, []
+                offset, last_line, batch, standing = start, None, [], []
                 for raw in f:
                     if not raw.endswith(b"\n"):
                         break  # a partial last line: not a row yet
@@ -183,12 +192,21 @@ class LedgerCache:
                         self.bad_line = (offset, err)
                         break
                     batch.append(self._values(row, offset, len(raw), text))
+                    if start:
+                        standing.append(row)
                     offset += len(raw)
                     last_line = text
                     if len(batch) >= 5000:
                         added += self._insert(batch)
+                        self._count_standing(standing)
                 if batch:
                     added += self._insert(batch)
+                    self._count_standing(standing)
+                if start == 0:  # rebuilt: count from the rows
+                    self.con.executemany("INSERT INTO standing VALUES (?, ?)", list(self.standing_counts_scan().items()))
+                    self.set_meta("count", self.con.execute("SELECT count(*) FROM rows").fetchone()[0])
+                elif added:
+                    self.set_meta("count", int(self.meta("count") or 0) + added)
                 if last_line is not None:
                     self.set_meta("size", offset)
                     self.set_meta("last_line", last_line)
@@ -201,6 +219,30 @@ class LedgerCache:
     def _values(self, row: dict[str, Any], offset: int, length: int, text: str) -> tuple:
         return (row["seq"], offset, length, text, *(_sql_value(row.get(c)) for c in self.columns if c != "seq"))
 
+    def _count_standing(self, rows: list[dict[str, Any]]) -> None:
+        """Keep ``standing`` (``{verdict: rows that stand}``) up to date with ``rows``, just
+        inserted in seq order: a measurement row counts under its verdict; a supersede row takes
+        its target out, unless the target is a supersede row, is missing or was withdrawn by an
+        earlier supersede row (what ``standing_counts`` would count from scratch)."""
+        delta: dict[str, int] = {}
+        for r in rows:
+            if r.get("kind") != "supersede":
+                v = r.get("verdict") or "n/a"
+                delta[v] = delta.get(v, 0) + 1
+                continue
+            t = r.get("supersedes")
+            if not isinstance(t, int) or isinstance(t, bool):
+                continue
+            before = self.con.execute("SELECT count(*) FROM rows WHERE kind='supersede' AND supersedes=? AND seq < ?",
+                                      (t, r["seq"])).fetchone()[0]
+            target = self.con.execute("SELECT kind, verdict FROM rows WHERE seq=?", (t,)).fetchone()
+            if before == 0 and target is not None and target[0] != "supersede":
+                v = target[1] or "n/a"
+                delta[v] = delta.get(v, 0) - 1
+        rows.clear()
+        self.con.executemany("INSERT INTO standing VALUES (?, ?) ON CONFLICT(verdict) DO UPDATE SET n = n + excluded.n",
+                             list(delta.items()))
+
     def _insert(self, batch: list[tuple]) -> int:
         cols = ", ".join(["seq", "offset", "length", "line"] + [f'"{c}"' for c in self.columns if c != "seq"])
         marks = ", ".join("?" * len(batch[0]))
@@ -212,8 +254,8 @@ class LedgerCache:
     # ------------------------------------------------------------------ reading
 
     def count(self) -> int:
-        """Rows in the cache."""
-        return int(self.con.execute("SELECT count(*) FROM rows").fetchone()[0])
+        """Rows in the cache (kept in ``meta``, so O(1))."""
+        return int(self.meta("count") or 0)
 
     def last_seq(self) -> int:
         """The highest seq in the cache (0 when empty)."""
@@ -246,7 +288,13 @@ class LedgerCache:
         return [int(s) for (s,) in self.con.execute("SELECT seq FROM rows WHERE receipt_id=?", (receipt_id,))]
 
     def standing_counts(self) -> dict[str, int]:
-        """``{verdict or "n/a": rows}`` over the rows that stand (not supersede rows, not superseded)."""
+        """``{verdict or "n/a": rows}`` over the rows that stand (not supersede rows, not
+        superseded), kept up to date by ``sync`` (O(verdicts)); ``standing_counts_scan`` counts
+        them from the rows."""
+        return {v: int(n) for v, n in self.con.execute("SELECT verdict, n FROM standing WHERE n != 0")}
+
+    def standing_counts_scan(self) -> dict[str, int]:
+        """``standing_counts`` counted from every row (O(rows)): what the kept counts must equal."""
         cur = self.con.execute(
             "SELECT coalesce(verdict, 'n/a'), count(*) FROM rows WHERE kind != 'supersede' "
             "AND seq NOT IN (SELECT supersedes FROM rows WHERE kind='supersede') GROUP BY 1")
@@ -272,3 +320,26 @@ class LedgerCache:
         """Store receipt summaries (``summaries``)."""
         if items:
             self.con.executemany("INSERT OR REPLACE INTO summaries VALUES (?, ?, ?)", [(k, c, b) for k, (c, b) in items.items()])
+
+    # ------------------------------------------------------------------ sweep's receipt keys
+
+    def receipt_keys(self) -> dict[str, list[tuple[str, str]]]:
+        """``{receipt_id: [(input key, created)]}`` of every receipt summarized so far
+        (``add_receipt_keys``); a receipt with no key (a calibration receipt, an unreadable file)
+        maps to ``[]``."""
+        out: dict[str, list[tuple[str, str]]] = {}
+        for rid, key, created in self.con.execute("SELECT receipt_id, key, created FROM receipt_keys"):
+            keys = out.setdefault(rid, [])
+            if key:
+                keys.append((key, created))
+        return out
+
+    def add_receipt_keys(self, items: dict[str, list[tuple[str, str]]]) -> None:
+        """Store the input keys of receipts read once (``harness.release.sweep.existing_receipts``):
+        receipts are content-addressed and never replaced, so a receipt's keys never change."""
+        if not items:
+            return
+        rows = [(rid, k, c) for rid, keys in items.items() for k, c in keys] + [(rid, "", "") for rid, keys in items.items() if not keys]
+        self.con.execute("BEGIN IMMEDIATE")
+        self.con.executemany("INSERT OR REPLACE INTO receipt_keys VALUES (?, ?, ?)", rows)
+        self.con.execute("COMMIT")

@@ -115,12 +115,13 @@ def canonical_json(obj: Any) -> bytes:
     Raises ``InvalidInput`` naming the field when ``obj`` holds NaN or ±Inf (not JSON; record
     undefined numbers as null) or a value JSON cannot hold.
     """
-    bad = _find_nonfinite(obj)
-    if bad:
-        raise InvalidInput(f"{bad} is not a finite number; evidence records undefined values as null")
     try:
         return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_plain).encode("utf-8")
     except (TypeError, ValueError) as e:
+        # Only now walk the object (it costs more than the encoding): name the non-finite field.
+        bad = _find_nonfinite(obj)
+        if bad:
+            raise InvalidInput(f"{bad} is not a finite number; evidence records undefined values as null") from None
         raise InvalidInput(f"cannot serialise to JSON: {e}") from e
 
 

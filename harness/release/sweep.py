@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from harness.errors import HarnessError, InvalidInput, Verdict
-from harness.evidence.ledger import append_row, read_rows, row_from_receipt
+from harness.evidence.ledger import CACHE_COLUMNS, append_row, row_from_receipt
+from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import iter_receipt_files, load_receipt
 from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
 from harness.release.cells import PlanContext, Run, input_key, plan_context, plan_runs, receipt_inputs, run_command
@@ -191,23 +192,50 @@ class SweepResult:
 def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
     """``({key: receipt path}, {receipt id: ledger row})`` of the receipts folder and ledger: each
     receipt is indexed under the key of the inputs it was made from (``receipt_inputs``) and, when
-    a sweep made it, under its planned ``cell.key``; the later of two receipts for a key wins."""
-    rows = {r["receipt_id"]: r for r in read_rows(paths.ledger) if r.get("receipt_id")}
-    by_key: dict[str, tuple[str, Path]] = {}
-    for p in iter_receipt_files(paths.receipts):
-        try:
-            rec = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if not isinstance(rec, dict) or rec.get("schema") == "harness-calibration-receipt/v1":
-            continue
-        keys = {input_key(receipt_inputs(rec))}
-        if isinstance(rec.get("cell"), dict) and isinstance(rec["cell"].get("key"), str):
-            keys.add(rec["cell"]["key"])
-        for k in keys:
-            if k not in by_key or str(rec.get("created")) >= by_key[k][0]:
-                by_key[k] = (str(rec.get("created")), p)
-    return {k: v[1] for k, v in by_key.items()}, rows
+    a sweep made it, under its planned ``cell.key``; the later of two receipts for a key wins. The
+    rows are those (the latest naming each receipt) of the receipts found.
+
+    Each receipt is read once: its keys are kept in the ledger's query cache
+    (``LedgerCache.add_receipt_keys``; receipts are content-addressed and never replaced), so a
+    sweep over a folder of 100,000 receipts lists the folder and reads only the receipts it has
+    not seen; the rows come from the cache by receipt id, not from parsing the ledger."""
+    files = iter_receipt_files(paths.receipts)
+    with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
+        known = cache.receipt_keys()
+        new: dict[str, list[tuple[str, str]]] = {}
+        for p in files:
+            if p.stem not in known and p.stem not in new:
+                new[p.stem] = _receipt_keys(p)
+        cache.add_receipt_keys({k: v for k, v in new.items() if v is not None})
+        known.update({k: v or [] for k, v in new.items()})
+        by_key: dict[str, tuple[str, Path]] = {}
+        for p in files:
+            for k, created in known.get(p.stem, []):
+                if k not in by_key or created >= by_key[k][0]:
+                    by_key[k] = (created, p)
+        found = {k: v[1] for k, v in by_key.items()}
+        rows = {}
+        for rid in {p.stem for p in found.values()}:
+            seqs = cache.seqs_of_receipt(rid)
+            if seqs:
+                rows[rid] = cache.rows(max(seqs), max(seqs))[0]
+    return found, rows
+
+
+def _receipt_keys(path: Path) -> list[tuple[str, str]] | None:
+    """``[(input key, created)]`` of one receipt file (``existing_receipts``): the key of its
+    inputs and its planned ``cell.key``; none for a calibration receipt; None for a file that
+    cannot be read (not remembered: it is read again next time)."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("schema") == "harness-calibration-receipt/v1":
+        return []
+    keys = {input_key(receipt_inputs(rec))}
+    if isinstance(rec.get("cell"), dict) and isinstance(rec["cell"].get("key"), str):
+        keys.add(rec["cell"]["key"])
+    return [(k, str(rec.get("created"))) for k in sorted(keys)]
 
 
 def _adopt(paths: EvidencePaths, path: Path) -> dict[str, Any]:
