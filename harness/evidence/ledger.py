@@ -225,6 +225,7 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
     receipt's row names the class as its candidate and its verdict is MEASURED; a tokenizer
     receipt's row (``harness tokenizer``) counts the reference's token ids compared as its
     positions and has no cosine and no basis (exact equality is its gate).
+    Long because it is a table: one literal row per receipt kind.
     """
     model = receipt["model"]
     base = {"model": model.get("name") or Path(model["path"]).name, "model_sha256": model["sha256"], "quant": model["file_type"],
@@ -1057,6 +1058,7 @@ def verify_ledger(
     scale").
 
     Raises ``InvalidInput`` when the ledger file cannot be read.
+    Long because it is one streaming pass whose steps share the pass's running state (the chain, the page being checked, the checkpoint, the progress).
     """
     ledger_path = Path(ledger_path)
     md_path = Path(markdown_path) if markdown_path else default_markdown_path(ledger_path)

@@ -155,7 +155,7 @@ class LedgerCache:
         return size if f.read(len(raw)) == raw else 0
 
     def sync(self) -> int:
-        """Bring the cache up to the ledger's bytes (module docstring); return the rows added."""
+        """Bring the cache up to the ledger's bytes (module docstring); return the rows added. Long because the catch-up reads, parses and writes in one SQLite transaction, which must not be split."""
         try:
             f = open(self.ledger_path, "rb")
         except FileNotFoundError:

@@ -450,7 +450,7 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     margin (< ``delta``, default ``SPEC_NEAR_TIE``). Acceptance (accepted / proposed) is
     report-only, beside the reference's teacher-forced one (``reference.draft`` on the plain
     continuation: the share of its first drafts that equal the next token). UNMEASURED without the
-    ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for malformed output."""
+    ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for malformed output. Long because the four cases share the plain continuation and the margin lookup defined in it."""
     if not has_speculative(engine):
         return ProbeResult("speculative", Verdict.UNMEASURED,
                            reason=f"{engine.info.name} does not declare speculative generation (capabilities 'speculative' and 'generate')")

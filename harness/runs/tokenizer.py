@@ -89,7 +89,7 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
 
     ``model``: the ``GGUFModel``; ``reference``: the llama.cpp engine (tokenizes for
     ``prompt_tokens``). Raises ``InvalidInput`` when the GGUF's template does not render a
-    conversation, ``EngineError`` when the candidate fails."""
+    conversation, ``EngineError`` when the candidate fails. Long because the two ways in (a render op, a server's prompt count) share the conversations loop and its verdict."""
     import hashlib
 
     from harness.measure.chat_template import load_conversations, render
@@ -206,6 +206,7 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
     Raises ``InvalidInput`` (bad inputs, an unknown engine), ``EngineError`` (the candidate or
     llama.cpp failed or answered malformed ids). A candidate without the capability, or whose
     tokenizer is missing (``Unmeasured``), is an UNMEASURED receipt, not an error.
+    Long because it is the run's phases in order: inputs, engines, the ids check, the chat template check, the receipt.
     """
     from harness.runs.inputs import resolve_inputs
 
