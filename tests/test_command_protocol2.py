@@ -213,7 +213,7 @@ def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
     assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == ["speculative"], run.message
     spec = next(p for p in run.receipt["probes"] if p["name"] == "speculative")
     assert "no MTP" in spec["reason"]
-    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long"}
+    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long", "speculative"}
     assert list(persistent.STARTS.values()) == [1]  # one process for the model, for both runs
     from harness.evidence.ledger import verify_ledger
 

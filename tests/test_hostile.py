@@ -628,7 +628,7 @@ def test_read_only_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(cache))
     try:
         cli("parity", "--model", "fixture:tiny-qwen35", "--no-evidence").assert_one_line(
-            "INVALID", 2, f"{cache}/fixtures-v1: cannot create the fixture cache folder: {cache} is read-only; "
+            "INVALID", 2, f"{cache}/fixtures-v{fx.GENERATOR_VERSION}: cannot create the fixture cache folder: {cache} is read-only; "
             "set $HARNESS_CACHE_DIR to a writable folder")
     finally:
         cache.chmod(0o755)

@@ -163,7 +163,7 @@ def test_the_reference_tokenizes_and_describes_itself_in_one_worker_run(monkeypa
     assert alone.info.to_dict() == info and alone.n_vocab == n_vocab == GGUFModel(path).hparams.n_vocab
     assert [r["op"] for r in runs[1:]] == ["info"]
     assert LlamaCppEngine(path, tokenizer_only=True).tokenize_many(texts) == toks
-    assert runs[-1] == {"op": "tokenize", "texts": texts, "with_info": False}
+    assert runs[-1] == {"op": "tokenize", "texts": texts, "with_info": False, "add_special": False, "parse_special": False}
     assert ref.tokenize_many(texts) == toks and runs[-1]["with_info"] is False  # described already: vocabulary only
 
 def test_llamacpp_activations_match_the_oracle_by_name():
