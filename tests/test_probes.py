@@ -167,7 +167,7 @@ def test_cli_probe_only_judges_what_it_names(tmp_path):
     r = subprocess.run([*base, "--only", "decode", "--decode-tokens", "64"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS: all 1 named probes pass (--only decode); a sign-off also needs split, determinism" in r.stdout
-    receipt = json.loads(next((ledger.parent / "receipts").glob("*.json")).read_text())
+    receipt = json.loads(next((ledger.parent / "receipts").rglob("*.json")).read_text())
     assert receipt["only"] == ["decode"] and [p["name"] for p in receipt["probes"]] == ["decode"] and receipt["verdict"] == "PASS"
     r = subprocess.run([*base, "--only", "ubatch"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 5, r.stdout + r.stderr
@@ -212,7 +212,7 @@ def test_probe_obligations_are_contract_obligations():
 
     from harness.runs.probes import PROBES
     from harness.contracts.loader import load_contracts
-    from harness.engines.mutants import MUTANTS
+    from harness.engines.mutants import ALL_MUTANTS as MUTANTS
 
     obligations = {ob.id: ob for c in load_contracts([Path(__file__).parents[1] / "contracts"], check_tests=False) for ob in c.obligations}
     for name, kind in PROBES.items():

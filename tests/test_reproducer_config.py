@@ -50,7 +50,7 @@ def test_reproduce_line_carries_the_config_and_reproduces_from_elsewhere(tmp_pat
                         "--reference", "command:twin", "--prompts", "p.jsonl", "--ledger", str(ledger)],
                        cwd=cfg.parent, env=_env(HARNESS_CONFIG="harness.toml"), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    receipt = json.loads(next((ledger.parent / "receipts").glob("*.json")).read_text())
+    receipt = json.loads(next((ledger.parent / "receipts").rglob("*.json")).read_text())
     assert receipt["engines"]["candidate"]["config"] == {"path": str(cfg), "sha256": sha}
     report = next((ledger.parent / "reports").glob("*/report.md")).read_text()
     line = re.search(r"\| reproduce \| `([^`]*)` \|", report).group(1)

@@ -768,6 +768,9 @@ SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in _SPEC}
 """Speculative-decoding mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the
 ``speculative`` probe (``harness.runs.probes.probe_speculative``) and nothing else; kept apart
 from ``MUTANTS`` and ``MTP_MUTANTS``, like them."""
+ALL_MUTANTS: dict[str, Mutant] = {**MUTANTS, **MTP_MUTANTS, **SPEC_MUTANTS}
+"""Every planted fault of the oracle: the trunk's (``MUTANTS``, which calibration must catch),
+the MTP draft head's and speculative decoding's; ``mutant:NAME`` resolves each."""
 del _SPEC
 
 SPEC_CAUGHT_BY: dict[str, str] = {

@@ -30,7 +30,7 @@ from typing import Sequence
 
 from harness import display
 from harness.config import reproduce_env
-from harness.engines.mutants import MUTANTS, SHOWS_FIRST_AT
+from harness.engines.mutants import ALL_MUTANTS, SHOWS_FIRST_AT
 
 MAX_CAUSES = 4
 """More matching bug classes than this do not narrow anything: the fallback is printed instead."""
@@ -154,13 +154,13 @@ def failure_message(numbers: str, case: Reproducer, causes: Sequence[str], fallb
 
 
 def _described(names: Sequence[str]) -> list[str]:
-    return [f"{MUTANTS[n].bug_class} (as mutant:{n})" for n in names]
+    return [f"{ALL_MUTANTS[n].bug_class} (as mutant:{n})" for n in names]
 
 
 def causes_breaking(obligation: str) -> list[str]:
     """Bug classes of the mutants whose fault breaks contract obligation ``obligation``
     (``Mutant.breaks``), in table order, each naming its mutant."""
-    return _described([n for n, m in MUTANTS.items() if obligation in m.breaks])
+    return _described([n for n, m in ALL_MUTANTS.items() if obligation in m.breaks])
 
 
 def causes_first_at(layer_type: str, op: str) -> list[str]:
