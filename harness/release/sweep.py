@@ -209,9 +209,14 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
         cache.add_receipt_keys({k: v for k, v in new.items() if v is not None})
         known.update({k: v or [] for k, v in new.items()})
         by_key: dict[str, tuple[str, Path]] = {}
+
+        def seq(rid: str) -> int:  # a tie in ``created`` (one second) goes to the later ledger row
+            return max(cache.seqs_of_receipt(rid) or [-1])
+
         for p in files:
             for k, created in known.get(p.stem, []):
-                if k not in by_key or created >= by_key[k][0]:
+                if (k not in by_key or created > by_key[k][0]
+                        or (created == by_key[k][0] and seq(p.stem) >= seq(by_key[k][1].stem))):
                     by_key[k] = (created, p)
         found = {k: v[1] for k, v in by_key.items()}
         rows = {}
