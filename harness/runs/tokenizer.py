@@ -223,6 +223,8 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         argv += ["--prompts", str(req.prompts)]
     if req.add_special:
         argv.append("--add-special")
+    if req.candidate_settings.get("tokenizer_dir"):
+        argv += ["--tokenizer-dir", str(req.candidate_settings["tokenizer_dir"])]
     reproduce = command(*argv)
     comparisons: list[IdsComparison] = []
     unmeasured = None
