@@ -272,3 +272,44 @@ def test_transformers_own_qwen35_tokenizer_parts_from_llama_cpp_only_where_it_no
     assert ok.verdict is Verdict.PASS, ok.message
     assert [list(c.candidate) for c in ok.comparisons] == [a for p, a in zip(prompts, ids) if p.id not in changed]
 
+
+def test_llama_cpp_python_server_chat_template_fails_on_a_planted_template(tmp_path, in_repo, monkeypatch):
+    """The real server serving a copy of the chat fixture whose template drops every system message
+    after the first (opencode #15059's failure, planted in the GGUF the server loads), judged against
+    the fixture's own template: FAIL on ``two-system`` only, by token count (the server returns no
+    text or ids), located at the message the counts first part at and the reference character
+    where that message's part begins."""
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (pip install -e .[server])")
+    from test_http_engine import llama_cpp_server
+
+    from harness.fixtures.synthetic import add_chat_template
+    from harness.measure.chat_template import Conversation, load_conversations, render
+    from harness.model.gguf_model import GGUFModel
+    from harness.runs.tokenizer import CONVERSATIONS
+
+    chat = resolve_model(CHAT)
+    template = GGUFModel(chat).raw_metadata("tokenizer.chat_template")
+    keep = "{%- if not (tools and loop.first) %}"
+    assert template.count(keep) == 1
+    planted = add_chat_template(chat, template.replace(keep, "{%- if loop.first and not tools %}"), tmp_path / "planted.gguf",
+                                "trained-qwen35-chat-drop-system")
+    with llama_cpp_server(planted) as url:
+        monkeypatch.setenv("HARNESS_LOCAL_URL", url)
+        run = run_tokenizer(TokenizerRequest(model=CHAT, candidate="http:local", ledger=str(tmp_path / "ledger.jsonl")))
+    assert run.verdict is Verdict.FAIL and run.chat["mode"] == "prompt_tokens", run.message
+    rows = {c["conversation"]: c for c in run.chat["conversations"]}
+    assert [k for k, c in rows.items() if not c["ok"]] == ["two-system"]
+    conv = next(c for c in load_conversations(CONVERSATIONS) if c.id == "two-system")
+    two = rows["two-system"]
+    n_dropped = len(LlamaCppEngine(chat, tokenizer_only=True).tokenize_many(
+        [render(template.replace(keep, "{%- if loop.first and not tools %}"), conv)], parse_special=True)[0])
+    assert two["n_candidate_tokens"] == n_dropped < two["n_reference_tokens"]
+    at = len(render(template, Conversation(conv.id, conv.messages[:2], None, False)))
+    assert two["localized"] == {"message": 3, "role": "system", "character": at,
+                                "reference_excerpt": render(template, Conversation(conv.id, conv.messages[:3], None, False))[at:at + 40]}
+    assert two["localized"]["reference_excerpt"].startswith("<|im_start|>system\nFrom now on")
+    assert (f"conversation 'two-system': the server's chat prompt has {n_dropped} tokens, the reference rendering "
+            f"{two['n_reference_tokens']}") in run.message
+    assert f"part at message 3 (system), whose rendering begins at reference character {at}: " in run.message
+    assert run.comparisons and all(c.ok for c in run.comparisons)  # the ids part (/extras/tokenize) still agrees
+    assert verify_ledger(tmp_path / "ledger.jsonl") == []
