@@ -336,8 +336,8 @@ def plan_state(req: "ProbeRequest", inputs: RunInputs) -> Callable[[], ProbeResu
         try:
             engine = resolve_engine(req.candidate, path, (), **req.candidate_settings)
             info = engine.info
-        except EngineError as e:
-            return ProbeResult("state", Verdict.UNMEASURED, reason=f"{req.candidate} could not load {name}: {str(e).splitlines()[0][:200]}")
+        except (EngineError, InvalidInput) as e:  # InvalidInput: a name only the run's own engine factory knows (tests)
+            return ProbeResult("state", Verdict.UNMEASURED, reason=f"{req.candidate} could not be made on {name}: {str(e).splitlines()[0][:200]}")
         if "topk" in info.capabilities:
             return ProbeResult("state", Verdict.UNMEASURED, reason=f"{info.name} gives top-k logprobs, not logits")
         row, why = inputs.thresholds.resolve_state(subject_of(GGUFModel(path), info.to_dict()))
