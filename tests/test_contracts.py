@@ -20,7 +20,7 @@ from harness.cli import main
 from harness.measure.metrics import compare_activations
 from harness.contracts.loader import ContractsInvalid, load_contracts
 from harness.engines.base import gather
-from harness.engines.mutants import MTP_MUTANTS, MUTANTS, PLANTS, SPEC_MUTANTS, PlantedEngine, load_mutant
+from harness.engines.mutants import ALL_MUTANTS, MTP_MUTANTS, MUTANTS, PLANTS, SPEC_MUTANTS, PlantedEngine, load_mutant
 from harness.engines.oracle import load_oracle
 from harness.engines.registry import known_engine_names, resolve_engine
 from harness.errors import InvalidInput
@@ -164,7 +164,7 @@ def test_declared_breaks_agree_with_the_contracts():
     tells nothing)."""
     contracts = load_contracts([CONTRACTS], check_tests=False)
     ids = {ob.id for c in contracts for ob in c.obligations}
-    faults = {"mutant": {**MUTANTS, **MTP_MUTANTS, **SPEC_MUTANTS}, "planted": PLANTS}
+    faults = {"mutant": ALL_MUTANTS, "planted": PLANTS}
     for kind, table in faults.items():
         for name, f in table.items():
             assert f.breaks and len(set(f.breaks)) == len(f.breaks), f"{kind}:{name}: breaks must list distinct obligations"

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import yaml
 
 from harness.contracts import suite
-from harness.engines.mutants import MTP_MUTANTS, MUTANTS, PLANTS, SPEC_MUTANTS
+from harness.engines.mutants import ALL_MUTANTS, PLANTS
 from harness.errors import InvalidInput
 from harness.fixtures.resolve import fixture_names
 from harness.paths import SCHEMA_DIR
@@ -239,7 +239,7 @@ def resolve_attribute(dotted: str) -> Any:
 
 def known_red_names() -> dict[str, set[str]]:
     """The names each kind of ``red`` accepts: mutants, plants, fixtures (incl. defects)."""
-    return {"mutant": set(MUTANTS) | set(MTP_MUTANTS) | set(SPEC_MUTANTS), "planted": set(PLANTS), "fixture": set(fixture_names())}
+    return {"mutant": set(ALL_MUTANTS), "planted": set(PLANTS), "fixture": set(fixture_names())}
 
 
 def _semantic_errors(c: Contract, root: yaml.Node | None, names: dict[str, set[str]]) -> list[ContractError]:

@@ -87,10 +87,12 @@ def propose(goods: list[PairStats], floor_cosine: float = RELEASE["min_cosine"][
     }
 
 
-def propose_probes(floor_cos: float, floor_kld: float, cls: str | None = None) -> dict[str, dict[str, Any]]:
+def propose_probes(floor_cos: float, floor_kld: float, cls: str | None = None,
+                   min_step: dict[str, tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
     """Probe tolerances from an engine class's own self-consistency floor (20× in 1−cosine,
-    50× in KLD, with the smallest steps ``PROBE_MIN_STEP`` so an exact engine is not held to zero)."""
-    step_cos, step_kld = PROBE_MIN_STEP.get(cls or "", (1e-6, 1e-6))
+    50× in KLD, with the smallest steps ``min_step`` (default ``PROBE_MIN_STEP``) so an exact
+    engine is not held to zero)."""
+    step_cos, step_kld = (PROBE_MIN_STEP if min_step is None else min_step).get(cls or "", (1e-6, 1e-6))
     return {
         "min_cosine": {"value": round(1 - _round_up(max(20 * (1 - floor_cos), step_cos)), 10), "floor": floor_cos},
         "max_kld": {"value": _round_up(max(50 * floor_kld, step_kld)), "floor": floor_kld},
