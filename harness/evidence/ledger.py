@@ -1055,9 +1055,10 @@ def verify_ledger(
 
     Cost: the ledger is read once (older pages are compared as the stream passes them,
     ``_PageCheck``), each row's hash is taken over its line's bytes (``_line_row_hash``) and
-    each receipt is hashed on a few threads as the pass goes on (``_ReceiptHasher``), so a full run without ``deep``
-    costs about the bytes of the ledger and its receipts' JSON (docs/benchmarks.md, "Evidence at
-    scale").
+    each receipt's JSON is hashed on a few threads as the pass goes on (``_ReceiptHasher``), so a
+    full run without ``deep`` costs about the bytes of the ledger and its receipts' JSON
+    (docs/benchmarks.md, "Evidence at scale"). Without ``deep`` no array sidecar is read: an
+    edited ``.npz`` is found only where ``deep`` applies (decoding one costs milliseconds).
 
     Raises ``InvalidInput`` when the ledger file cannot be read.
     Long because it is one streaming pass whose steps share the pass's running state (the chain, the page being checked, the checkpoint, the progress).
@@ -1258,10 +1259,13 @@ class _ReceiptHasher:
     row's receipt is hashed exactly once, from its own file."""
 
     BATCH = 128
+    WORKERS = 4
+    """Threads, whatever the core count: a read that misses the page cache waits on the disk, not
+    the CPU, so more reads in flight than cores keep it busy."""
 
     def __init__(self, receipts: Path, earlier: dict[str, str | None], st: VerifyStats):
         self.receipts, self.earlier, self.st = receipts, earlier, st
-        self.workers = min(4, os.cpu_count() or 1)
+        self.workers = self.WORKERS
         self.pool = ThreadPoolExecutor(max_workers=self.workers)
         self.rows: list[tuple[dict[str, Any], int]] = []
         self.inflight: deque = deque()
