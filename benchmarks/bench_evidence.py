@@ -13,9 +13,12 @@ hard-linked array sidecar. Then, at that size, side by side:
 - the evidence step of one parity run (``record_evidence``: receipt, row, LEDGER.md page, index
   page; the verdict page is a per-receipt constant and not included), median of 7, and its ratio
   to the smallest size (target ≤ 1.2);
-- ``harness ledger verify`` full mode as the command runs it (every row and every receipt file
-  re-hashed, every page compared; no receipt parsed) in rows/s, wall and per CPU second
-  (target ≥ 5,000 rows/s), then ``--incremental`` after one append (target < 1 s);
+- ``harness ledger verify`` full mode as the command runs it (every row and every receipt's JSON
+  file re-hashed, every page compared; no receipt parsed, no array sidecar read, so the shared
+  sidecar does not flatter it) in rows/s, wall and per CPU second (target ≥ 5,000 rows/s), then
+  ``--incremental`` after one append (target < 1 s); on ledgers of at most 1,000 rows also
+  ``--deep`` (every receipt loaded: JSON parsed and checked, arrays decoded and hashed), in
+  milliseconds a receipt;
 - ``harness ledger show`` (target ≤ 5 s);
 - the verify and show operations are timed in this process, and each command once more in a
   fresh process (``*_cli_s``), beside the start of a bare ``harness --help``
@@ -124,6 +127,12 @@ def measure(size: int, tpl, npz, rec, arrays, work: Path) -> dict:
     cpu = time.process_time() - c
     out.update(verify_rows=st.rows, verify_receipts=st.receipts, verify_full_s=st.seconds, verify_full_rows_per_s=st.rows_per_s,
                verify_full_rows_per_cpu_s=st.rows / cpu if cpu > 0 else 0.0, verify_full_ok=problems == [])
+    if size <= 1000:  # --deep's cost is per receipt (each one's JSON parsed and checked, its arrays decoded): measured on a small ledger
+        L.verify_ledger(lp, lp.parent / "receipts", deep=True)  # once to warm up (schemas compiled, imports), then timed
+        c, dst = time.process_time(), L.VerifyStats()
+        deep_ok = L.verify_ledger(lp, lp.parent / "receipts", deep=True, stats=dst) == []
+        out.update(verify_deep_ms_per_receipt=dst.seconds / max(dst.deep, 1) * 1e3,
+                   verify_deep_cpu_ms_per_receipt=(time.process_time() - c) / max(dst.deep, 1) * 1e3, verify_deep_ok=deep_ok and dst.deep == dst.rows)
     wall, p = _cli(["ledger", "verify", "--ledger", str(lp), "--quiet"], env)  # the command, saving its checkpoint
     out.update(verify_cli_full_s=wall, verify_cli_ok=p.returncode == 0, verify_cli_line=p.stdout.strip().splitlines()[0][-160:])
     record_evidence(dict(rec, host={**rec["host"], "hostname": f"bench-{size}-last"}), arrays, lp)

@@ -4,6 +4,7 @@ kill -9 during an append."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -151,6 +152,58 @@ def test_full_mode_finds_an_edited_receipt_the_checkpoint_vouched_for(paths):
     st2 = L.VerifyStats()
     found = L.verify_ledger(ledger_path, receipts_dir, checkpoint=cp, stats=st2)
     assert [(p.code, p.seq) for p in found] == [("RECEIPT-HASH", 2)] and st2.deep == 0  # hashed, not re-loaded
+
+
+def test_full_mode_hashes_every_receipt_across_batches_in_flight(paths, monkeypatch):
+    # receipts are hashed in batches on threads while the pass goes on: with batches of 2, many
+    # are in flight and collected mid-pass; each edited or missing receipt is still named on its row
+    monkeypatch.setattr(L._ReceiptHasher, "BATCH", 2)
+    ledger_path, receipts_dir, _ = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 41, template, npz)
+    rows = L.read_rows(ledger_path)
+    for i in (0, 17, 40):
+        rp = receipt_file(receipts_dir, rows[i]["receipt_id"])
+        rp.write_bytes(rp.read_bytes().replace(b'"ci-', b'"CI-', 1))
+    receipt_file(receipts_dir, rows[25]["receipt_id"]).unlink()
+    st = L.VerifyStats()
+    found = L.verify_ledger(ledger_path, receipts_dir, deep=False, stats=st)
+    assert [(p.code, p.seq) for p in found] == [("RECEIPT-HASH", 1), ("RECEIPT-HASH", 18), ("RECEIPT-MISSING", 26), ("RECEIPT-HASH", 41)]
+    assert (st.rows, st.receipts) == (41, 40)
+
+
+def test_a_receipt_larger_than_the_read_buffer_hashes_whole(tmp_path):
+    p = tmp_path / "big.json"
+    p.write_bytes(os.urandom((1 << 20) * 2 + 12345))  # over two buffers' worth: three reads
+    assert L._sha256_of(str(p)) == hashlib.sha256(p.read_bytes()).hexdigest()
+    (tmp_path / "empty.json").write_bytes(b"")
+    assert L._sha256_of(str(tmp_path / "empty.json")) == hashlib.sha256(b"").hexdigest()
+
+
+def test_deep_mode_names_every_row_whose_shared_array_file_was_edited(paths):
+    # grown receipts share one hard-linked sidecar: an edit of that one file is an edit of every
+    # row's arrays, and --deep (which loads each receipt's arrays) names each row, not only the first.
+    # Full mode hashes the receipts' JSON only (the row binds those bytes; arrays cost milliseconds
+    # a receipt to decode), so it does not see this edit: that is --deep's job.
+    ledger_path, receipts_dir, _ = paths
+    template, npz = _template(receipts_dir)
+    grow(ledger_path, 3, template, npz)
+    rows = L.read_rows(ledger_path)
+    shared = receipt_file(receipts_dir, rows[0]["receipt_id"], ".npz")
+    assert shared.stat().st_nlink >= 3
+    loaded = load_receipt(receipt_file(receipts_dir, rows[0]["receipt_id"]))
+    arrays = dict(loaded.arrays)
+    name = sorted(arrays)[0]
+    arrays[name] = arrays[name].copy()
+    arrays[name].flat[0] = not arrays[name].flat[0] if arrays[name].dtype == bool else arrays[name].flat[0] + 1
+    import numpy as np
+    with open(shared, "r+b") as f:  # in place: every hard link sees it
+        f.truncate(0)
+        np.savez_compressed(f, **arrays)
+    found = L.verify_ledger(ledger_path, receipts_dir, deep=True)
+    assert [(p.code, p.seq) for p in found] == [("RECEIPT-INVALID", 1), ("RECEIPT-INVALID", 2), ("RECEIPT-INVALID", 3)]
+    assert all("arrays do not match" in p.message for p in found)
+    assert L.verify_ledger(ledger_path, receipts_dir, deep=False) == []
 
 
 def test_incremental_checks_the_new_rows_and_refuses_an_edited_prefix_or_checkpoint(paths, small_pages):

@@ -29,7 +29,9 @@ import json
 import os
 import re
 import stat
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -1053,9 +1055,10 @@ def verify_ledger(
 
     Cost: the ledger is read once (older pages are compared as the stream passes them,
     ``_PageCheck``), each row's hash is taken over its line's bytes (``_line_row_hash``) and
-    each receipt is hashed with one read (``_hash_receipt``), so a full run without ``deep``
-    costs about the bytes of the ledger and its receipts' JSON (docs/benchmarks.md, "Evidence at
-    scale").
+    each receipt's JSON is hashed on a few threads as the pass goes on (``_ReceiptHasher``), so a
+    full run without ``deep`` costs about the bytes of the ledger and its receipts' JSON
+    (docs/benchmarks.md, "Evidence at scale"). Without ``deep`` no array sidecar is read: an
+    edited ``.npz`` is found only where ``deep`` applies (decoding one costs milliseconds).
 
     Raises ``InvalidInput`` when the ledger file cannot be read.
     Long because it is one streaming pass whose steps share the pass's running state (the chain, the page being checked, the checkpoint, the progress).
@@ -1101,8 +1104,7 @@ def verify_ledger(
         tail: list[dict[str, Any]] = prefill  # the rows of the newest page (the rendering's head page)
         offset, last_report = start, t0
         pages = None if incremental else _PageCheck(ledger_path, md_path)
-        pending: list[tuple[dict[str, Any], int]] = []  # rows whose receipts are hashed in batches, on ``pool``
-        pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) if receipts is not None else None
+        hasher = _ReceiptHasher(receipts, earlier, st) if receipts is not None else None  # receipts hashed in batches, on threads
         if start:
             prefix = _prefix_hasher(f, start)
             f.seek(start)
@@ -1134,9 +1136,7 @@ def verify_ledger(
                 row_deep = deep and (seq or 0) > trusted_until
                 if not row_deep and row.get("kind") != "signoff" and isinstance(row.get("receipt_id"), str):
                     earlier.setdefault(row["receipt_id"], row.get("receipt_sha256"))  # before a later sign-off is checked
-                    pending.append((row, line))
-                    if len(pending) >= 256:
-                        problems += _hash_pending(pool, receipts, pending, earlier, st)
+                    problems += hasher.add(row, line)
                 else:
                     problems += _check_row_receipt(receipts, row, line, earlier, row_deep, st)
             if seq is not None:
@@ -1153,9 +1153,8 @@ def verify_ledger(
             if progress is not None and time.perf_counter() - last_report > 0.5:
                 last_report = time.perf_counter()
                 progress(st.rows, offset, total)
-        if pool is not None:
-            problems += _hash_pending(pool, receipts, pending, earlier, st)
-            pool.shutdown()
+        if hasher is not None:
+            problems += hasher.finish()
         st.prefix_sha256 = prefix.hexdigest() if st.offset == offset else ""
         problems += _check_rendering(f, ledger_path, md_path, prev, tail, supersedes, incremental, pages)
     if progress is not None:
@@ -1251,35 +1250,85 @@ def _check_row_receipt(receipts: Path, r: dict[str, Any], line: int, earlier: di
     return []
 
 
-def _hash_pending(pool: ThreadPoolExecutor, receipts: Path, pending: list[tuple[dict[str, Any], int]],
-                  earlier: dict[str, str | None], st: VerifyStats) -> list[Problem]:
-    """Hash the receipts of the ``pending`` rows (``(row, line)``) on ``pool`` (file reads and
-    sha256 release the GIL, so they overlap), check each against its row, and empty ``pending``."""
-    hashes = pool.map(lambda item: _hash_receipt(receipts, item[0]["receipt_id"]), pending)
-    problems = []
-    for (row, line), hashed in zip(pending, hashes):
-        problems += _check_row_receipt(receipts, row, line, earlier, False, st, hashed)
-    pending.clear()
-    return problems
+class _ReceiptHasher:
+    """The receipt hashing of a ``verify_ledger`` pass, on a few threads while the pass goes on:
+    rows are queued (``add``) and their receipts hashed in batches of ``BATCH`` (one task each:
+    reads and sha256 release the GIL, so they overlap with the pass and with each other); up to
+    two batches per thread are in flight before the oldest is collected and its rows checked
+    (``_check_row_receipt``); ``finish`` collects the rest and stops the threads. Every queued
+    row's receipt is hashed exactly once, from its own file."""
+
+    BATCH = 128
+    WORKERS = 4
+    """Threads, whatever the core count: a read that misses the page cache waits on the disk, not
+    the CPU, so more reads in flight than cores keep it busy."""
+
+    def __init__(self, receipts: Path, earlier: dict[str, str | None], st: VerifyStats):
+        self.receipts, self.earlier, self.st = receipts, earlier, st
+        self.workers = self.WORKERS
+        self.pool = ThreadPoolExecutor(max_workers=self.workers)
+        self.rows: list[tuple[dict[str, Any], int]] = []
+        self.inflight: deque = deque()
+
+    def add(self, row: dict[str, Any], line: int) -> list[Problem]:
+        """Queue ``row`` (at ``line``); the problems of a batch collected meanwhile."""
+        self.rows.append((row, line))
+        if len(self.rows) < self.BATCH:
+            return []
+        self._submit()
+        return self._collect() if len(self.inflight) > 2 * self.workers else []
+
+    def finish(self) -> list[Problem]:
+        """Hash what is queued, collect every batch, stop the threads."""
+        if self.rows:
+            self._submit()
+        problems = []
+        while self.inflight:
+            problems += self._collect()
+        self.pool.shutdown()
+        return problems
+
+    def _submit(self) -> None:
+        rids = [r["receipt_id"] for r, _ in self.rows]
+        self.inflight.append((self.rows, self.pool.submit(lambda: [_hash_receipt(self.receipts, rid) for rid in rids])))
+        self.rows = []
+
+    def _collect(self) -> list[Problem]:
+        rows, future = self.inflight.popleft()
+        problems = []
+        for (row, line), hashed in zip(rows, future.result()):
+            problems += _check_row_receipt(self.receipts, row, line, self.earlier, False, self.st, hashed)
+        return problems
+
+
+_READ = threading.local()
+
+
+def _sha256_of(path: str) -> str:
+    """sha256 (hex) of the file at ``path``, read into this thread's 1 MiB buffer: no allocation
+    a file (reading into a fresh ``bytes`` of the largest size costs a receipt more than its
+    hashing). Raises ``OSError`` as ``open`` does."""
+    view = getattr(_READ, "view", None)
+    if view is None:
+        view = _READ.view = memoryview(bytearray(1 << 20))
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(view):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def _hash_receipt(receipts: Path, rid: Any) -> tuple[str, str | None]:
     """``(path, sha256 of its bytes)`` of receipt ``rid``'s ``.json`` in its shard, else in the
-    flat layout (``receipt_file``'s order), read with one unbuffered ``open`` and one read (a
-    receipt is tens of KB; files over 16 MiB are streamed) and no ``stat`` in the usual case; the
-    digest is None when neither file exists and ``"!" + reason`` when the file cannot be read."""
+    flat layout (``receipt_file``'s order), read unbuffered into a reused buffer (``_sha256_of``)
+    with no ``stat`` in the usual case; the digest is None when neither file exists and
+    ``"!" + reason`` when the file cannot be read."""
     if not isinstance(rid, str) or not rid or "/" in rid or rid.startswith("."):
         return str(receipts / f"{rid}.json"), None
     base = str(receipts)
     for path in (os.path.join(base, rid[:SHARD_CHARS], rid + ".json"), os.path.join(base, rid + ".json")):
         try:
-            with open(path, "rb", buffering=0) as fh:
-                data = fh.read(1 << 24)
-                h = hashlib.sha256(data)
-                while len(data) == 1 << 24:
-                    data = fh.read(1 << 24)
-                    h.update(data)
-                return path, h.hexdigest()
+            return path, _sha256_of(path)
         except FileNotFoundError:
             continue
         except OSError as e:
