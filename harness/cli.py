@@ -917,9 +917,10 @@ def _default_ledger() -> str:
 def ledger_verify(ledger_path, receipts, markdown, incremental, deep, checkpoint_path, quiet) -> None:
     """Check the hash chain, every row against its receipt, and the rendered pages (exit 1 on any
     problem), streaming the ledger with progress and a rows/s figure. Full (default): every row
-    and every receipt file re-hashed (bytes; the row's receipt_sha256 binds them), every page
-    compared. --incremental: only the rows after the checkpoint, their receipts also loaded and
-    matched to their rows. --deep: every receipt loaded and matched. A verified run saves the
+    and every receipt's JSON file re-hashed (bytes; the row's receipt_sha256 binds them; the array
+    sidecars are not read), every page compared. --incremental: only the rows after the
+    checkpoint, their receipts also loaded (arrays included) and matched to their rows. --deep:
+    every receipt loaded with its arrays and matched. A verified run saves the
     checkpoint."""
     # deferred: startup
     from harness.evidence.ledger import Checkpoint, VerifyStats, default_checkpoint_path, verify_ledger
