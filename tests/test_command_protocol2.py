@@ -213,8 +213,10 @@ def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
     assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == ["speculative"], run.message
     spec = next(p for p in run.receipt["probes"] if p["name"] == "speculative")
     assert "no MTP" in spec["reason"]
-    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long", "speculative"}
-    assert list(persistent.STARTS.values()) == [1]  # one process for the model, for both runs
+    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long", "state", "speculative"}
+    assert next(r for r in run.results if r.name == "state").verdict is Verdict.PASS  # llama.cpp on the state fixture: f32
+    # one process for the model, for both runs, and one for the state probe's fixture
+    assert sorted(persistent.STARTS.values()) == [1, 1] and sum("state-qwen35" in str(k) for k in persistent.STARTS) == 1
     from harness.evidence.ledger import verify_ledger
 
     assert verify_ledger(ledger, tmp_path / "receipts") == []  # the row's free_running is re-derived from its receipt
