@@ -685,7 +685,9 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
     compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
     every gate); with --model, measure one row on that model and record it as evidence; with
     --topk K, measure only the top-k rows and merge them into thresholds.yaml; with --probes, only
-    the probe tolerances; with --mtp, only the MTP draft head's rows."""
+    the probe tolerances; with --mtp, only the MTP draft head's rows; with --state, only the state
+    probe's rows. Long because it is the full calibration's steps after the dispatch to each
+    partial mode."""
     if state_only:
         _calibrate_state(tuple(classes) or None, out, dry_run, as_json)
         return
