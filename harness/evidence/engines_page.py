@@ -53,14 +53,22 @@ MLX_PITFALLS = (
     "It drops `mtp.*` weights on load: the folder holds the trunk only (a GGUF with MTP blocks is refused).",
     "No `multi_seq`: mlx-lm batches only through left padding (`BatchGenerator`), which feeds each sequence "
     "beside pad positions rather than as independent sequences, so the multiseq probe stays UNMEASURED.",
-    "MoE below float32 does not run on the CPU backend: mlx-cpu 0.32.4's `GatherMM` (the routed experts' "
-    "`gather_mm`) raises \"Currently only supports float32\", so the MoE bf16 cells are ENGINE-ERROR on this backend.",
+    "MoE below float32 does not run on the CPU backend as shipped: mlx-cpu 0.32.4's `GatherMM` (the routed experts' "
+    "`gather_mm`, `SwitchLinear`) raises \"Currently only supports float32\". The engine gives the loaded model's "
+    "`SwitchLinear`s a product that casts the bf16 input and expert weights to float32 and rounds the result back to "
+    "bf16 (`ExpertMatmul`): what a bf16 GEMM with float32 accumulation computes, bit for bit equal to mlx's own dense "
+    "bf16 `matmul` on the same gathered weights (`tests/test_mlx_engine.py`), so the cell stays class bf16; the "
+    "receipt's `expert_matmul` setting says so.",
+    "Its tokenizer (`tokenize`) is the folder's: transformers 5 builds `Qwen3_5Tokenizer` for any `qwen3_5` folder "
+    "(whatever `tokenizer_class` says), taking the vocabulary and merges from `tokenizer.json` and adding its own NFC "
+    "normalizer, which llama.cpp does not apply: text with a decomposed character (e + U+0301) tokenizes differently. "
+    "The folder the harness converts has no tokenizer of mlx-lm's own, so there `harness tokenizer` is UNMEASURED; "
+    "pass the model's folder with `--mlx-folder`.",
     "`--dtype bfloat16` / `float16` cast every float parameter except `A_log` (mlx-lm's own `cast_predicate`); "
     "the activations, the RMSNorms and the gated delta rule then run in that dtype.",
 )
 ENGINES: tuple[PageEngine, ...] = (
-    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {},
-               {("MoE", "bf16"): "ENGINE-ERROR on the CPU backend: mlx-cpu's GatherMM supports float32 only (pitfalls above)"}),
+    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
                {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
