@@ -14,6 +14,7 @@ equals its regeneration.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Mapping, Sequence
 from harness.display import md_text
 from harness.errors import InvalidInput
 from harness.evidence.ledger import read_rows
+from harness.evidence.receipts import receipt_file
 
 DEFAULT_LEDGER = "evidence/engines/ledger.jsonl"
 DEFAULT_OUT = "docs/engines.md"
@@ -87,7 +89,7 @@ CLASSES = ("f32", "bf16")
 
 
 def _receipt(receipts: Path, row: Mapping[str, Any]) -> dict[str, Any]:
-    path = receipts / f"{row['receipt_id']}.json"
+    path = receipt_file(receipts, row["receipt_id"])  # its shard folder, or flat as older receipts are
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -131,6 +133,7 @@ def _parity_cell(hit: Mapping[str, Any] | None) -> str:
     row, rc = hit["row"], hit["receipt"]
     cal = (rc.get("gated") or {}).get("calibrated") or {}
     src = cal.get("source") or cal.get("status") or "—"
+    src = re.sub(r"^\S*/(thresholds\.yaml)", r"\1", str(src))  # the file, not where the run's checkout was
     return (f"**{row['verdict']}** cos {_num(row.get('min_cosine'))}, KLD mean {float(row['kld_mean']):.2g} "
             f"({row.get('positions')} pos; row {src})" if row.get("kld_mean") is not None else f"**{row['verdict']}**")
 
