@@ -33,13 +33,15 @@ COMMAND = "harness ledger engines-page"
 class PageEngine:
     """One engine row group: ``name`` as ``--candidate`` takes it, the ``--dtype`` of each class,
     ``pitfalls`` (markdown lines), ``unmeasured`` (``{class: reason}`` for whole classes) and
-    ``kind_unmeasured`` (``{(model kind, class): reason}``)."""
+    ``kind_unmeasured`` (``{(model kind, class): reason}``) and ``model_unmeasured``
+    (``{model spec: reason}``, every class of that model)."""
 
     name: str
     dtypes: Mapping[str, str]
     pitfalls: Sequence[str]
     unmeasured: Mapping[str, str]
     kind_unmeasured: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    model_unmeasured: Mapping[str, str] = field(default_factory=dict)
 
 
 MLX_PITFALLS = (
@@ -68,6 +70,10 @@ MLX_PITFALLS = (
     "pass the model's folder with `--mlx-folder`.",
     "`--dtype bfloat16` / `float16` cast every float parameter except `A_log` (mlx-lm's own `cast_predicate`); "
     "the activations, the RMSNorms and the gated delta rule then run in that dtype.",
+    "A quantized GGUF (Q8_0, Q4_K_M) runs as its dequantized weights: float32, or those values rounded to bf16 under "
+    "`--dtype bfloat16` (a Q8_0 weight, int8 times an f16 scale, needs more than bf16's 8 significant bits), not "
+    "through mlx's own quantized kernels, which use other formats; the cell judges mlx-lm's forward pass on the "
+    "GGUF's weights, not mlx's quantization.",
 )
 ENGINES: tuple[PageEngine, ...] = (
     PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
@@ -174,9 +180,9 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
                 prb = found.get((eng.name, spec, cls, "probe"))
                 text = "<br>".join(t for t in (_parity_cell(par), _probe_cell(prb)) if t)
                 if not text:
-                    reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or (
-                        f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
-                        f"--ledger {shown_ledger}`")
+                    reason = (eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec)
+                              or f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
+                                 f"--ledger {shown_ledger}`")
                     unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
                     text = "UNMEASURED ¹"
                 cells.append(text)
