@@ -678,14 +678,20 @@ def report(receipt, out_dir, localize_) -> None:
 @click.option("--mtp", "mtp_only", is_flag=True,
               help="Measure only the MTP rows (the calibrated tier of `harness parity --mtp`) for --classes (default f64, f32) "
                    "on the MTP fixtures, every MTP mutant as known-bad, and merge them into --out, keeping every other number.")
+@click.option("--state", "state_only", is_flag=True,
+              help="Measure only the state probe's rows (each class's known-good engines against themselves on fixture:state-qwen35, "
+                   "the precision mutants as known-bad) for --classes (default: f64, f32, bf16, f16) and merge them into --out.")
 @click.option("--mtp-model", "mtp_models", multiple=True, metavar="SPEC", help="With --mtp: the models (default: the MTP fixtures).")
 def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
-              dry_run, as_json, topk_k, probes_only, mtp_only, mtp_models) -> None:
+              dry_run, as_json, topk_k, probes_only, mtp_only, mtp_models, state_only) -> None:
     """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
     compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
     every gate); with --model, measure one row on that model and record it as evidence; with
     --topk K, measure only the top-k rows and merge them into thresholds.yaml; with --probes, only
     the probe tolerances; with --mtp, only the MTP draft head's rows."""
+    if state_only:
+        _calibrate_state(tuple(classes) or None, out, dry_run, as_json)
+        return
     if mtp_only:
         _calibrate_mtp(tuple(mtp_models) or None, tuple(classes) or None, tuple(mutants) or None, max_tokens, out, dry_run, as_json)
         return
@@ -728,7 +734,7 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
     if not dry_run:
         command = "harness " + " ".join(sys.argv[1:])
         doc = thresholds_document(res, command, harness_info().get("git_commit"))
-        for section in ("topk", "mtp"):  # measured by `harness calibrate --topk K` / `--mtp`, each with its own basis
+        for section in ("topk", "mtp", "state"):  # measured by `harness calibrate --topk K` / `--mtp` / `--state`, each with its own basis
             doc[section] = _kept_rows(out, section)
             if not doc[section]:
                 del doc[section]
@@ -798,6 +804,30 @@ def _calibrate_mtp(models, classes, mutants, max_tokens, out, dry_run, as_json) 
     if not dry_run:
         merge_mtp_rows(out, res.rows)
         click.echo(f"wrote {len(res.rows)} MTP row(s) to {out}")
+
+
+def _calibrate_state(classes, out, dry_run, as_json) -> None:
+    """``harness calibrate --state``: the ``state:`` rows only (``harness.runs.calibrate.state.calibrate_state``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate.state import STATE_KNOWN_GOOD, calibrate_state, merge_state_rows, refuse
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --state"
+    res = calibrate_state(classes or tuple(STATE_KNOWN_GOOD), command=command, commit=harness_info().get("git_commit"),
+                          log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"goods": {c: [g.to_dict() for g in gs] for c, gs in res.goods.items()}, "bads": [b.to_dict() for b in res.bads],
+                    "rows": res.rows, "skipped": res.skipped, "problems": res.problems})
+    else:
+        for b in res.bads:
+            click.echo(_p(f"{b.label}: min cosine {b.min_cosine:.10f}, max KLD {b.max_kld:.3g}"))
+    refuse(res)
+    if not dry_run:
+        merge_state_rows(out, res.rows)
+        click.echo(f"wrote {len(res.rows)} state row(s) to {out}")
 
 
 def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> None:

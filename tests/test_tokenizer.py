@@ -213,3 +213,127 @@ def test_llama_cpp_python_server_chat_template_passes(tmp_path, in_repo, monkeyp
     assert run.chat["mode"] == "prompt_tokens" and run.chat["skipped"] == ["no-generation-prompt"]
     rows = {c["conversation"]: c for c in run.chat["conversations"]}
     assert rows["two-system"]["n_candidate_tokens"] == rows["two-system"]["n_reference_tokens"] > rows["system-user"]["n_reference_tokens"]
+
+
+# ------------------------------------------------------------------------------ transformers' own tokenizer
+def test_transformers_without_tokenizer_files_is_unmeasured(tmp_path, in_repo, capsys):
+    for mod in ("torch", "transformers"):  # the engine needs both to start, though this path loads no weights
+        pytest.importorskip(mod, reason="the transformers engine needs the hf extra (pip install -e .[hf])")
+    rc = cli_main(["tokenizer", "--candidate", "transformers", "--model", "fixture:trained-qwen35",
+                   "--ledger", str(tmp_path / "ledger.jsonl")])
+    out = capsys.readouterr().out
+    assert rc == Verdict.UNMEASURED.exit_code
+    assert "UNMEASURED: transformers has no tokenizer of its own for this model" in out and "--tokenizer-dir" in out
+    rec = json.loads(sorted((tmp_path / "receipts").rglob("*.json"))[-1].read_text())
+    assert rec["verdict"] == "UNMEASURED" and rec["comparisons"] == [] and "harness.fixtures.convert" in rec["unmeasured"]
+
+
+@pytest.mark.hf
+def test_transformers_own_qwen35_tokenizer_passes_with_its_nfc_difference_named(tmp_path, in_repo, reference_ids):
+    """transformers' Qwen3_5Tokenizer, loaded from a model folder's files (tests/helpers.py
+    ``write_qwen35_tokenizer_folder``), against llama.cpp: it NFC-normalizes the text first
+    (transformers/models/qwen3_5/tokenization_qwen3_5.py), llama.cpp does not, so it parts from
+    llama.cpp on the one hostile text that NFC changes (``split-utf8``'s ``e`` + combining acute)
+    and gives llama.cpp's ids of the NFC form everywhere: a PASS that names that prompt as excused
+    (``excuse_normalization``), not a FAIL of a correct tokenizer. A candidate that differs there
+    in any other way still FAILs (``test_a_difference_nfc_does_not_explain_still_fails``)."""
+    import unicodedata
+
+    pytest.importorskip("torch", reason="the transformers engine needs the hf extra (pip install -e .[hf])")
+    from transformers import AutoTokenizer
+
+    from helpers import write_qwen35_tokenizer_folder
+
+    texts, ids = reference_ids
+    prompts = load_prompt_set(TOKENIZER_PROMPTS).prompts
+    folder = write_qwen35_tokenizer_folder(MODEL, tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert type(tok).__name__ == "Qwen3_5Tokenizer" and "NFC" in repr(tok.backend_tokenizer.normalizer)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["normalizer"], spec["pre_tokenizer"] = None, {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(str(folder))  # the pipeline is transformers' class, whatever the file says
+    assert "NFC" in repr(tok.backend_tokenizer.normalizer) and "Split" in repr(tok.backend_tokenizer.pre_tokenizer)
+
+    run = _run("transformers", tmp_path, candidate_settings={"tokenizer_dir": str(folder)})
+    changed = [p.id for p in prompts if unicodedata.normalize("NFC", p.text) != p.text]
+    assert changed == ["split-utf8"]
+    assert run.verdict is Verdict.PASS, run.message
+    assert [c.prompt for c in run.comparisons if c.first_diff is not None] == changed == [c.prompt for c in run.comparisons if c.excused]
+    assert "'split-utf8' differs only by Unicode NFC normalization" in run.message
+    nfc_ids = LlamaCppEngine(MODEL, tokenizer_only=True).tokenize_many([unicodedata.normalize("NFC", t) for t in texts])
+    assert [list(c.candidate) for c in run.comparisons] == nfc_ids
+    i = [p.id for p in prompts].index("split-utf8")
+    at = first_difference(ids[i], nfc_ids[i])
+    rec = run.comparisons[i].to_dict()
+    assert rec["first_diff"] == at and rec["excused"] and rec["ok"]
+    assert read_rows(tmp_path / "ledger.jsonl")[-1]["verdict"] == "PASS"
+
+    stable = tmp_path / "nfc-stable.jsonl"
+    stable.write_text("".join(json.dumps({"id": p.id, "text": p.text}) + "\n" for p in prompts if p.id not in changed))
+    ok = _run("transformers", tmp_path, prompts=str(stable), candidate_settings={"tokenizer_dir": str(folder)})
+    assert ok.verdict is Verdict.PASS, ok.message
+    assert [list(c.candidate) for c in ok.comparisons] == [a for p, a in zip(prompts, ids) if p.id not in changed]
+
+
+def test_a_difference_nfc_does_not_explain_still_fails():
+    """``excuse_normalization`` excuses only a candidate whose ids are llama.cpp's for the NFC form:
+    on a text NFC changes, ids that are neither the raw nor the NFC tokenization stay a FAIL, and on
+    a text already in NFC form no difference is excused."""
+    import unicodedata
+
+    from harness.measure.tokens import compare_ids
+    from harness.runs.tokenizer import excuse_normalization
+
+    ref = LlamaCppEngine(MODEL, tokenizer_only=True)
+    text = "caf\u0065\u0301 au lait"
+    raw, nfc = ref.tokenize_many([text, unicodedata.normalize("NFC", text)])
+    assert raw != nfc
+    assert excuse_normalization(compare_ids("p", raw, nfc), text, ref, False).ok
+    wrong = nfc[:-1] + [nfc[-1] + 1]
+    assert not excuse_normalization(compare_ids("p", raw, wrong), text, ref, False).ok
+    plain = "plain ascii text"
+    ids = ref.tokenize_many([plain])[0]
+    assert not excuse_normalization(compare_ids("p", ids, ids[::-1]), plain, ref, False).ok
+
+
+def test_llama_cpp_python_server_chat_template_fails_on_a_planted_template(tmp_path, in_repo, monkeypatch):
+    """The real server serving a copy of the chat fixture whose template drops every system message
+    after the first (opencode #15059's failure, planted in the GGUF the server loads), judged against
+    the fixture's own template: FAIL on ``two-system`` only, by token count (the server returns no
+    text or ids), located at the message the counts first part at and the reference character
+    where that message's part begins."""
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (pip install -e .[server])")
+    from test_http_engine import llama_cpp_server
+
+    from harness.fixtures.synthetic import add_chat_template
+    from harness.measure.chat_template import Conversation, load_conversations, render
+    from harness.model.gguf_model import GGUFModel
+    from harness.runs.tokenizer import CONVERSATIONS
+
+    chat = resolve_model(CHAT)
+    template = GGUFModel(chat).raw_metadata("tokenizer.chat_template")
+    keep = "{%- if not (tools and loop.first) %}"
+    assert template.count(keep) == 1
+    planted = add_chat_template(chat, template.replace(keep, "{%- if loop.first and not tools %}"), tmp_path / "planted.gguf",
+                                "trained-qwen35-chat-drop-system")
+    with llama_cpp_server(planted) as url:
+        monkeypatch.setenv("HARNESS_LOCAL_URL", url)
+        run = run_tokenizer(TokenizerRequest(model=CHAT, candidate="http:local", ledger=str(tmp_path / "ledger.jsonl")))
+    assert run.verdict is Verdict.FAIL and run.chat["mode"] == "prompt_tokens", run.message
+    rows = {c["conversation"]: c for c in run.chat["conversations"]}
+    assert [k for k, c in rows.items() if not c["ok"]] == ["two-system"]
+    conv = next(c for c in load_conversations(CONVERSATIONS) if c.id == "two-system")
+    two = rows["two-system"]
+    n_dropped = len(LlamaCppEngine(chat, tokenizer_only=True).tokenize_many(
+        [render(template.replace(keep, "{%- if loop.first and not tools %}"), conv)], parse_special=True)[0])
+    assert two["n_candidate_tokens"] == n_dropped < two["n_reference_tokens"]
+    at = len(render(template, Conversation(conv.id, conv.messages[:2], None, False)))
+    assert two["localized"] == {"message": 3, "role": "system", "character": at,
+                                "reference_excerpt": render(template, Conversation(conv.id, conv.messages[:3], None, False))[at:at + 40]}
+    assert two["localized"]["reference_excerpt"].startswith("<|im_start|>system\nFrom now on")
+    assert (f"conversation 'two-system': the server's chat prompt has {n_dropped} tokens, the reference rendering "
+            f"{two['n_reference_tokens']}") in run.message
+    assert f"part at message 3 (system), whose rendering begins at reference character {at}: " in run.message
+    assert run.comparisons and all(c.ok for c in run.comparisons)  # the ids part (/extras/tokenize) still agrees
+    assert verify_ledger(tmp_path / "ledger.jsonl") == []

@@ -92,7 +92,7 @@ class _MutantBase:
     @property
     def info(self) -> EngineInfo:
         base = super().info  # type: ignore[misc]
-        m = MUTANTS.get(self.mutant_name) or MTP_MUTANTS.get(self.mutant_name) or SPEC_MUTANTS[self.mutant_name]
+        m = ALL_MUTANTS[self.mutant_name]
         return EngineInfo(
             name=f"mutant:{m.name}",
             version=base.version,
@@ -783,11 +783,88 @@ SPEC_CAUGHT_BY: dict[str, str] = {
 """Speculative mutant → the first case of the speculative probe that fails on it (``SPEC_CASES``)."""
 
 
+# ---------------------------------------------------------------------------------------------
+# Precision faults: the arithmetic is the oracle's, but one buffer is kept in too narrow a format
+# while the engine declares class f32 (as a real f32 engine with the bug would). On a small model
+# they move the logits less than a correct f32 engine's own drift does; only the state probe
+# (harness.runs.state_probe, on the harness's state-sensitive fixture) sees them. Kept apart from
+# MUTANTS (trunk calibration, which cannot separate them at the small models' sizes).
+# ---------------------------------------------------------------------------------------------
+
+BF16 = "bf16"
+
+
+class _PrecisionFault(_MutantBase):
+    """A precision fault: the engine declares class ``f32`` whatever it computes in."""
+
+    @property
+    def info(self) -> EngineInfo:
+        i = super().info
+        return EngineInfo(name=i.name, version=i.version, settings=i.settings, capabilities=i.capabilities,
+                          build=i.build, compute_class="f32")
+
+
+class StateBf16BetweenCalls(_PrecisionFault):
+    """The Gated DeltaNet state S is rounded to bf16 (round-to-nearest-even) at the end of every
+    call, i.e. kept in bf16 between decode calls, while everything else is computed exactly
+    (ollama #15865: the MLX runner stored the Gated DeltaNet state in bf16; Qwen3.5 35B gave one or
+    two good tokens, then repetition). A prompt fed whole is unaffected."""
+
+    def gated_delta_rule(self, q, k, v, g, beta, s):
+        from harness.engines.oracle.lowp import FORMATS, round_to
+
+        o, s_new = super().gated_delta_rule(q, k, v, g, beta, s)  # type: ignore[misc]
+        return o, round_to(s_new, FORMATS[BF16]).astype(np.float64)
+
+
+def _attention_bf16(q, k, v, q_pos, k_pos, scale):
+    """Causal attention as a bf16 kernel computes it: q, k, v rounded to bf16, scores and softmax
+    accumulated wide, the probabilities rounded to bf16 before the product with v, the output
+    rounded to bf16. Shapes as ``causal_attention``."""
+    from harness.engines.oracle.lowp import FORMATS, round_to
+
+    def r(x):
+        return round_to(x, FORMATS[BF16]).astype(np.float64)
+
+    t_q, n_head, d = q.shape
+    n_kv = k.shape[1]
+    qg = r(q).reshape(t_q, n_kv, n_head // n_kv, d)
+    scores = np.einsum("tkgd,skd->kgts", qg, r(k)) * scale
+    scores = np.where(k_pos[None, :] <= q_pos[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p = r(p / p.sum(axis=-1, keepdims=True))
+    return r(np.einsum("kgts,skd->tkgd", p, r(v)).reshape(t_q, n_head, v.shape[2]))
+
+
+class AttnBf16MultiToken(_PrecisionFault):
+    """Attention computed in bf16 only in calls of more than one token (a prefill kernel in bf16,
+    the one-token decode kernel in f32): a prompt fed one token per call is unaffected, a prompt
+    fed whole is not."""
+
+    def causal_attention(self, q, k, v, q_pos, k_pos, scale):
+        if q.shape[0] > 1:
+            return _attention_bf16(q, k, v, q_pos, k_pos, scale)
+        return causal_attention(q, k, v, q_pos, k_pos, scale)
+
+
+_PRECISION = [
+    Mutant("state-bf16-between-calls", "recurrent state kept in bf16 between calls", StateBf16BetweenCalls.__doc__,
+           ("QE2E-STATE-009",), StateBf16BetweenCalls),
+    Mutant("attn-bf16-multi-token", "attention in bf16 in multi-token calls only", AttnBf16MultiToken.__doc__,
+           ("QE2E-STATE-009",), AttnBf16MultiToken),
+]
+PRECISION_MUTANTS: dict[str, Mutant] = {m.name: m for m in _PRECISION}
+"""Precision mutant name → ``Mutant`` (engine ``mutant:NAME``, declared class f32); each FAILs the
+``state`` probe at class f32 and is too small for the other checks on the small models."""
+del _PRECISION
+ALL_MUTANTS.update(PRECISION_MUTANTS)
+
+
 def _clean_doc(doc: str | None) -> str:
     return " ".join((doc or "").replace("``", "").split())
 
 
-for _m in (*MUTANTS.values(), *MTP_MUTANTS.values(), *SPEC_MUTANTS.values()):
+for _m in ALL_MUTANTS.values():
     object.__setattr__(_m, "description", _clean_doc(_m.description))
 del _m
 
@@ -799,14 +876,13 @@ def mutant_class(name: str, arch: str) -> type:
 
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
-    table = MUTANTS if name in MUTANTS else MTP_MUTANTS if name in MTP_MUTANTS else SPEC_MUTANTS
-    if name not in table:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join([*MUTANTS, *MTP_MUTANTS, *SPEC_MUTANTS])}")
+    if name not in ALL_MUTANTS:
+        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(ALL_MUTANTS)}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)
     if key not in _CLASSES:
-        m = table[name]
+        m = ALL_MUTANTS[name]
         _CLASSES[key] = type(f"{m.mixin.__name__}_{arch}", (m.mixin, ORACLES[arch]), {"mutant_name": name, "__doc__": m.mixin.__doc__})
     return _CLASSES[key]
 

@@ -65,7 +65,8 @@ MLX_PITFALLS = (
     "receipt's `expert_matmul` setting says so.",
     "Its tokenizer (`tokenize`) is the folder's: transformers 5 builds `Qwen3_5Tokenizer` for any `qwen3_5` folder "
     "(whatever `tokenizer_class` says), taking the vocabulary and merges from `tokenizer.json` and adding its own NFC "
-    "normalizer, which llama.cpp does not apply: text with a decomposed character (e + U+0301) tokenizes differently. "
+    "normalizer, which llama.cpp does not apply: text with a decomposed character (e + U+0301) tokenizes differently "
+    "(`harness tokenizer` names such a text as excused when the ids are llama.cpp's for its NFC form). "
     "The folder the harness converts has no tokenizer of mlx-lm's own, so there `harness tokenizer` is UNMEASURED; "
     "pass the model's folder with `--mlx-folder`.",
     "`--dtype bfloat16` / `float16` cast every float parameter except `A_log` (mlx-lm's own `cast_predicate`); "

@@ -21,12 +21,16 @@ Schema ``harness-thresholds/v2`` (``harness/schemas/thresholds.schema.json``), t
       - {weights: F32, class: f64, file_type: ALL_F32, max_tokens: 256,
          basis_models: [{name: fixture:tiny-qwen35-mtp, arch: qwen35, n_layer: 4, n_embd: 64}],
          gates: {min_cosine: {value, basis}, max_kld_mean: ..., max_kld_p99: ...}}
+    state:                                        # the state probe's rows (harness probe: state), keyed by class
+      - {weights: F32, class: f32, file_type: ALL_F32, max_tokens: 256,
+         basis_models: [{name: fixture:state-qwen35, arch: qwen35, n_layer: 8, n_embd: 64}],
+         gates: {min_cosine: {value, basis}, max_kld: ...}}
 
 A basis is ``kind: measured`` (command, n, model, date, known_good_floor, known_bad) or
 ``kind: declared`` (who, why). A gate without one is ``InvalidInput`` (exit 2) naming the key and
 its line; so are YAML syntax errors, duplicate keys, non-finite values, two rows for one
 weights × class key, and a row looser than the release floor (its ``min_cosine`` below
-``release.min_cosine``); the same for ``mtp`` rows. ``Thresholds.resolve`` picks the row that fits
+``release.min_cosine``); the same for ``mtp`` and ``state`` rows. ``Thresholds.resolve`` picks the row that fits
 a subject (``tiers.find_row``) — never one of another key; ``Thresholds.resolve_mtp`` the MTP row.
 """
 
@@ -55,7 +59,7 @@ SCHEMA_ID = "harness-thresholds/v2"
 SCHEMA_PATH = SCHEMA_DIR / "thresholds.schema.json"
 SECTIONS = ("release", "probes")
 ROW_SECTIONS = ("gates", "probes")
-ROW_LISTS = ("calibrated", "topk", "mtp")
+ROW_LISTS = ("calibrated", "topk", "mtp", "state")
 DEFAULT_NEAR_TIE_MARGIN = 0.25
 
 
@@ -209,6 +213,21 @@ class Thresholds:
             for i, r in enumerate(self.data.get("mtp", []))
         ]
 
+    @property
+    def state_rows(self) -> list[Row]:
+        """The state probe's rows (``state:``, absent: none), in file order, each with the
+        ``max_tokens`` the probe decodes one per call."""
+        return [
+            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], {}, f"{self.path} state[{i}]", r["file_type"],
+                max_tokens=r.get("max_tokens"))
+            for i, r in enumerate(self.data.get("state", []))
+        ]
+
+    def resolve_state(self, subject: Subject) -> tuple[Row | None, str]:
+        """The state probe's row that fits ``subject`` (the state fixture judged at the
+        candidate's class; ``tiers.find_row``), or None and why none does."""
+        return find_row(self.state_rows, subject, what="state row")
+
     def resolve_mtp(self, subject: Subject) -> tuple[Row | None, str]:
         """The MTP row that fits ``subject`` (``tiers.find_row``: same weights key, class and
         architecture, within ``MAX_SCALE`` of its basis models), or None and why none does."""
@@ -342,28 +361,18 @@ def _check_finite(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -
 def _check_rows(path: Path, root: yaml.Node | None, data: Mapping[str, Any]) -> None:
     """One row per weights × class × architecture key, and none looser than the release floor."""
     floor = float(data["release"]["min_cosine"]["value"])
-    seen: dict[tuple[str, str, tuple[str, ...]], int] = {}
-    for i, row in enumerate(data.get("calibrated", [])):
-        archs = tuple(sorted({str(m.get("arch")) for m in row.get("basis_models", [])}))
-        key = (row["weights"], row["class"], archs)
-        where = f"{path}:{line_of(root, ['calibrated', i])}: calibrated[{i}] (weights {key[0]}, class {key[1]})"
-        if key in seen:
-            raise InvalidInput(f"{where} repeats the key of calibrated[{seen[key]}]; one row per weights × class × architecture")
-        seen[key] = i
-        cos = float(row["gates"]["min_cosine"]["value"])
-        if cos < floor:
-            raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")
-    seen_mtp: dict[tuple[str, str, tuple[str, ...]], int] = {}
-    for i, row in enumerate(data.get("mtp", [])):
-        archs = tuple(sorted({str(m.get("arch")) for m in row.get("basis_models", [])}))
-        key = (row["weights"], row["class"], archs)
-        where = f"{path}:{line_of(root, ['mtp', i])}: mtp[{i}] (weights {key[0]}, class {key[1]}, {'+'.join(archs)})"
-        if key in seen_mtp:
-            raise InvalidInput(f"{where} repeats the key of mtp[{seen_mtp[key]}]; one MTP row per weights × class × architecture")
-        seen_mtp[key] = i
-        cos = float(row["gates"]["min_cosine"]["value"])
-        if cos < floor:
-            raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")
+    for lst, what in (("calibrated", "row"), ("mtp", "MTP row"), ("state", "state row")):
+        seen: dict[tuple[str, str, tuple[str, ...]], int] = {}
+        for i, row in enumerate(data.get(lst, [])):
+            archs = tuple(sorted({str(m.get("arch")) for m in row.get("basis_models", [])}))
+            key = (row["weights"], row["class"], archs)
+            where = f"{path}:{line_of(root, [lst, i])}: {lst}[{i}] (weights {key[0]}, class {key[1]})"
+            if key in seen:
+                raise InvalidInput(f"{where} repeats the key of {lst}[{seen[key]}]; one {what} per weights × class × architecture")
+            seen[key] = i
+            cos = float(row["gates"]["min_cosine"]["value"])
+            if cos < floor:
+                raise InvalidInput(f"{where}: min_cosine {cos} is looser than the release floor {floor}; no row may loosen it")
     seen_topk: dict[tuple[str, str, int], int] = {}
     for i, row in enumerate(data.get("topk", [])):
         key = (row["weights"], row["class"], row["k"])

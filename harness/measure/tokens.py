@@ -20,17 +20,20 @@ class IdsComparison:
     """One prompt's two tokenizations compared.
 
     ``reference`` and ``candidate`` are the id lists (int); ``first_diff`` the first position where
-    they differ (a position one list lacks counts: the shorter one ends there), None when equal.
+    they differ (a position one list lacks counts: the shorter one ends there), None when equal;
+    ``excused`` says why a difference is not a fault (the candidate's ids are the reference's for
+    the text's Unicode NFC form: a normalization llama.cpp does not apply), None otherwise.
     """
 
     prompt: str
     reference: tuple[int, ...]
     candidate: tuple[int, ...]
     first_diff: int | None
+    excused: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.first_diff is None
+        return self.first_diff is None or self.excused is not None
 
     def window(self, side: str, width: int = CONTEXT) -> list[int]:
         """``side``'s ids from ``first_diff`` on, at most ``width`` of them (``side``:
@@ -46,7 +49,9 @@ class IdsComparison:
         outside it)."""
         d: dict[str, Any] = {"prompt": self.prompt, "ok": self.ok, "n_reference": len(self.reference),
                              "n_candidate": len(self.candidate), "first_diff": self.first_diff}
-        if not self.ok:
+        if self.excused:
+            d["excused"] = self.excused
+        if self.first_diff is not None:
             for side in ("reference", "candidate"):
                 ids = self.window(side)
                 d[side] = [{"id": int(t), "text": text_of(int(t)) if text_of else None} for t in ids]

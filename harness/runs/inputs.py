@@ -93,6 +93,12 @@ class RunInputs:
         ``tokenizer(reference)``. Raises ``NotComparable`` for a text with no tokens."""
         return tokenize_prompts(prompt_set or self.prompt_set, self.tokenizer(reference))
 
+    def tokens_of(self, path: str | Path) -> list[PromptTokens]:
+        """Token ids of the run's prompts tokenized by llama.cpp on the GGUF at ``path``, another
+        model than the run's (the state probe's fixture). Raises ``NotComparable`` for a text with
+        no tokens, ``EngineError`` when llama.cpp cannot load the vocabulary."""
+        return tokenize_prompts(self.prompt_set, LlamaCppEngine(path, (), tokenizer_only=True))
+
     def reproducer(self, candidate: str, *others: str) -> Reproducer:
         """The start of every failure message of this run (``harness.judge.reproducer``):
         ``candidate`` and the model as the user named them, its sha256, the overrides, the

@@ -88,6 +88,8 @@ PROBES = {
     "prefix": ProbeKind(None, "a prompt-cache checkpoint restores another position's or sequence's recurrent/conv state or KV cache"),
     "determinism": ProbeKind("QE2E-DET-002", "thread-count or atomic-order dependent reductions, uninitialised buffers, or state left from the previous call"),
     "long": ProbeKind("QE2E-PAR-001", "the first op that leaves the oracle, which harness localize with this candidate and model names"),
+    "state": ProbeKind("QE2E-STATE-009", "a buffer kept in too narrow a format: the recurrent state rounded (e.g. to bf16) between "
+                       "calls, or attention computed in bf16 in multi-token calls, while the engine declares a wider class"),
     "speculative": ProbeKind("QMTP-SPEC-005", "the state after a verification batch is not rolled back to the last accepted token "
                              "(recurrent S, conv state or KV kept from rejected drafts), or a step reads another draft's state"),
 }
@@ -277,6 +279,76 @@ def probe_decode(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, pre
         comps.append(compare(f"prefill {k} then 1 token per call", whole, gather(engine.logits(tokens, chunks=chunks), n), tol))
         comps[-1].chunks = chunks
     return _verdict("decode", comps, tol)
+
+
+STATE_PREFILL = 16
+"""Tokens the state probe feeds in its first call (multi-token: attention's prefill path) before one per call."""
+
+
+def probe_state(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, model: str = "") -> ProbeResult:
+    """The state probe: ``engine`` loaded on the state fixture (``synthetic.STATE_FIXTURE``), fed
+    ``tokens`` (int ids, at least ``STATE_PREFILL`` + 1) whole and as a prefill of
+    ``STATE_PREFILL`` then one token per call; per-position cosine and KLD (nats) of the two
+    float32 ``[T, V]`` logit blocks against ``tol``, the state row of the candidate's class.
+
+    A recurrent state rounded between calls drifts with every call; attention computed in a
+    narrower format in multi-token calls only moves the whole-prompt logits off the one-token
+    ones. On this fixture both move the logits ~100x past a correct f32 engine's own drift
+    (docs/gates.md, "The state probe"); on the trained default model they stay below it."""
+    if not has_chunks(engine):
+        return ProbeResult("state", Verdict.UNMEASURED, reason=f"{engine.info.name} cannot take a prompt in pieces (no 'chunks' capability)")
+    n = len(tokens)
+    if n <= STATE_PREFILL:
+        raise InvalidInput(f"the state probe needs more than {STATE_PREFILL} tokens, got {n}")
+    chunks = [STATE_PREFILL] + [1] * (n - STATE_PREFILL)
+    whole = gather(engine.logits(tokens), n)
+    comp = compare(f"{model}: prefill {STATE_PREFILL} then 1 token per call", whole, gather(engine.logits(tokens, chunks=chunks), n), tol)
+    comp.chunks = chunks
+    return _verdict("state", [comp], tol)
+
+
+MODEL_FOLDER_SETTINGS = ("mlx_folder",)
+"""Candidate settings that name the candidate's own converted model: an engine made with one
+cannot be loaded on the state fixture, so the state probe is UNMEASURED for it."""
+
+
+def plan_state(req: "ProbeRequest", inputs: RunInputs) -> Callable[[], ProbeResult]:
+    """The state probe as ``run_probes`` runs it: the candidate made again on the state fixture
+    (no ``--override-kv``: they are the user's model's), the state row of its class from the
+    run's thresholds (``Thresholds.resolve_state``), the shipped prompts tokenized by llama.cpp on
+    that fixture and cycled to the row's ``max_tokens``. UNMEASURED, naming why, when no row fits
+    the class, the candidate was made on a model folder of its own, or it cannot load the
+    fixture."""
+    from harness.fixtures.resolve import resolve_model
+    from harness.fixtures.synthetic import STATE_FIXTURE
+    from harness.engines.registry import resolve_engine
+    from harness.model.gguf_model import GGUFModel
+    from harness.runs.inputs import subject_of
+
+    name = f"fixture:{STATE_FIXTURE}"
+
+    def run() -> ProbeResult:
+        pinned = [k for k in MODEL_FOLDER_SETTINGS if req.candidate_settings.get(k)]
+        if pinned:
+            return ProbeResult("state", Verdict.UNMEASURED, reason=f"--{pinned[0].replace('_', '-')} names the candidate's own model; "
+                               f"the state probe loads the candidate on {name}")
+        path = resolve_model(name)
+        try:
+            engine = resolve_engine(req.candidate, path, (), **req.candidate_settings)
+            info = engine.info
+        except (EngineError, InvalidInput) as e:  # InvalidInput: a name only the run's own engine factory knows (tests)
+            return ProbeResult("state", Verdict.UNMEASURED, reason=f"{req.candidate} could not be made on {name}: {str(e).splitlines()[0][:200]}")
+        if "topk" in info.capabilities:
+            return ProbeResult("state", Verdict.UNMEASURED, reason=f"{info.name} gives top-k logprobs, not logits")
+        row, why = inputs.thresholds.resolve_state(subject_of(GGUFModel(path), info.to_dict()))
+        if row is None:
+            return ProbeResult("state", Verdict.UNMEASURED, reason=f"no state row for class {info.compute_class or 'undeclared'}: {why} "
+                               f"(measure with: harness calibrate --state)")
+        tol = ProbeTolerance(min_cosine=float(row.gates["min_cosine"]["value"]), max_kld=float(row.gates["max_kld"]["value"]))
+        toks = decode_prompt([p.tokens for p in inputs.tokens_of(path)], int(row.max_tokens))
+        return probe_state(engine, toks, tol, name)
+
+    return run
 
 
 def probe_ubatch(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, sizes: Sequence[int] = UBATCH_SIZES) -> ProbeResult:
@@ -632,7 +704,7 @@ class ProbeCase:
 
 
 def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
-                ptoks: list[PromptTokens]) -> dict[str, ProbeCase]:
+                ptoks: list[PromptTokens], inputs: RunInputs) -> dict[str, ProbeCase]:
     """Every probe on the run's prompts ``ptoks``: split, ubatch, prefix and determinism on the
     longest prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its
     first ``req.decode_tokens`` (every prompt cycled when it is shorter), multiseq on the three
@@ -658,6 +730,7 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "prefix": ProbeCase(lambda: probe_prefix(engine, main, tol), first.id, len(main)),
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
+        "state": ProbeCase(plan_state(req, inputs), "fixture:state-qwen35, every prompt cycled", 0),
         "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
                                                            reference() if has_speculative(engine) else None),
                                  first.id, len(main)),
@@ -781,7 +854,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         return made[0]
 
     ptoks = inputs.tokens()
-    plan = plan_probes(req, resolved, engine, reference, tol, ptoks)
+    plan = plan_probes(req, resolved, engine, reference, tol, ptoks, inputs)
     results = []
     for n in names:
         if progress:

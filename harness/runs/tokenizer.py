@@ -23,14 +23,16 @@ jinja2 as llama.cpp's Jinja path) and by the candidate. A ``render`` op is compa
 character (FAIL names the conversation and the first differing character); a server that only
 renders inside its chat endpoint (``chat_prompt_tokens``: llama-cpp-python) is compared by the
 prompt's token count against the reference text tokenized by llama.cpp with specials parsed and
-no BOS added (how that server tokenizes its rendering). Either part that FAILs fails the run; a
+no BOS added (how that server tokenizes its rendering; it returns neither the text nor the ids),
+and a differing count is located by cutting the conversation after each message
+(``localize_by_prefix``). Either part that FAILs fails the run; a
 part that could not be measured is recorded with its reason (``chat_template.unmeasured``), and
 the run is UNMEASURED only when neither part measured anything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace, field
 from typing import Any, Callable
 
 from harness import display
@@ -130,10 +132,18 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
         counts = reference.tokenize_many([refs[c.id] for c in asked], add_special=False, parse_special=True)
         for c, ids in zip(asked, counts):
             n = engine.chat_prompt_tokens(c.to_request())
-            rows.append({"conversation": c.id, "ok": n == len(ids), "n_reference_tokens": len(ids), "n_candidate_tokens": n})
+            row = {"conversation": c.id, "ok": n == len(ids), "n_reference_tokens": len(ids), "n_candidate_tokens": n}
             if n != len(ids) and not bad:
+                where = localize_by_prefix(template, c, engine, reference, bos, eos)
+                row["localized"] = where
+                at = ""
+                if where:
+                    at = (f"; the counts agree up to message {where['message'] - 1} and part at message {where['message']} "
+                          f"({display.plain(where['role'])}), whose rendering begins at reference character {where['character']}: "
+                          f"{display.plain(where['reference_excerpt'])!r}")
                 bad.append(f"conversation {display.plain(c.id)!r}: the server's chat prompt has {n} tokens, the reference "
-                           f"rendering {len(ids)} (token counts compared: the server returns no text)")
+                           f"rendering {len(ids)} (token counts compared: the server returns neither the text nor the ids){at}")
+            rows.append(row)
     n_bad = sum(not r["ok"] for r in rows)
     if bad:
         more = f" ({n_bad} of {len(rows)} conversations differ)" if n_bad > 1 else ""
@@ -145,6 +155,39 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
         verdict, message = Verdict.PASS, f"chat template: all {len(rows)} conversations {what}"
     return {"verdict": verdict.value, "message": message, "unmeasured": message if verdict is Verdict.UNMEASURED else None,
             "mode": mode, "template_sha256": sha, "conversations": rows, "skipped": skipped}
+
+
+def localize_by_prefix(template: str, conv: Any, engine: Any, reference: Any, bos: str, eos: str) -> dict[str, Any] | None:
+    """Where a server's count first parts from the reference's, for a conversation whose counts
+    differ (``prompt_tokens`` mode: no text to compare). The server is asked for the conversation cut
+    after each message (``messages[:k]``, k = 1, 2, ...; its tools kept; the generation prompt on,
+    as the server always adds it) and the reference's count of the same cut (rendered, tokenized
+    by llama.cpp with specials parsed, no BOS); the first k whose counts differ is the message the
+    difference enters with. Returns ``{message: k (1-based), role, character, reference_excerpt}``:
+    ``character`` is where that message's part begins in the reference rendering (the first
+    character in which the renderings of ``messages[:k-1]`` and ``messages[:k]``, without the
+    generation prompt, differ), ``reference_excerpt`` 40 characters from there; None when every
+    cut agrees (the difference is in the whole only) or a cut does not render. Equal counts up to
+    k-1 do not prove equal text there: this locates, it does not prove."""
+    from harness.errors import InvalidInput
+    from harness.measure.chat_template import Conversation, render
+    from harness.measure.tokens import first_difference
+
+    msgs = conv.messages
+    cuts = [Conversation(conv.id, msgs[:k], conv.tools, True) for k in range(1, len(msgs) + 1)]
+    try:
+        texts = [render(template, c, bos_token=bos, eos_token=eos) for c in cuts]
+        counts = reference.tokenize_many(texts, add_special=False, parse_special=True)
+        for k, (c, ids) in enumerate(zip(cuts, counts), start=1):
+            if engine.chat_prompt_tokens(c.to_request()) != len(ids):
+                before = render(template, Conversation(conv.id, msgs[:k - 1], conv.tools, False), bos_token=bos, eos_token=eos)
+                upto = render(template, Conversation(conv.id, msgs[:k], conv.tools, False), bos_token=bos, eos_token=eos)
+                at = first_difference(before, upto)
+                at = len(before) if at is None else at
+                return {"message": k, "role": str(msgs[k - 1].get("role")), "character": at, "reference_excerpt": upto[at:at + 40]}
+    except InvalidInput:
+        return None
+    return None
 
 
 def combine(ids: tuple[Verdict, str], chat: dict[str, Any]) -> tuple[Verdict, str]:
@@ -187,9 +230,29 @@ def failure_line(c: IdsComparison, vocab: Vocab, candidate: str, reproduce: str)
             f"{display.plain(candidate)} {side('candidate')} ({len(c.reference)} vs {len(c.candidate)} tokens); reproduce: {reproduce}")
 
 
+NFC_EXCUSE = ("the candidate's ids are llama.cpp's for the text's Unicode NFC form: the candidate normalizes (as Qwen's "
+              "tokenizer.json asks), llama.cpp tokenizes the bytes as sent")
+"""Why a difference that NFC normalization explains is not a tokenizer fault (docs/engine-protocol.md, "Tokenizers")."""
+
+
+def excuse_normalization(c: IdsComparison, text: str, reference: Any, add_special: bool) -> IdsComparison:
+    """``c`` marked excused (``NFC_EXCUSE``) when it differs, ``text`` is not in Unicode NFC form,
+    and the candidate's ids equal ``reference``'s (llama.cpp's) ids for ``unicodedata.normalize("NFC",
+    text)``; otherwise ``c`` as it is. Only NFC: any other difference stays a FAIL."""
+    import unicodedata
+
+    if c.first_diff is None:
+        return c
+    nfc = unicodedata.normalize("NFC", text)
+    if nfc == text or tuple(reference.tokenize_many([nfc], add_special=add_special)[0]) != c.candidate:
+        return c
+    return replace(c, excused=NFC_EXCUSE)
+
+
 def judge(comparisons: list[IdsComparison], vocab: Vocab, candidate: str, reproduce: str) -> tuple[Verdict, str]:
     """FAIL naming the first differing prompt (``failure_line``) and how many differ; UNMEASURED
-    with nothing compared; else PASS with the counts."""
+    with nothing compared; else PASS with the counts, naming the prompts whose difference NFC
+    normalization explains (``excuse_normalization``)."""
     bad = [c for c in comparisons if not c.ok]
     if bad:
         more = f" ({len(bad)} of {len(comparisons)} prompts differ)" if len(bad) > 1 else ""
@@ -197,6 +260,11 @@ def judge(comparisons: list[IdsComparison], vocab: Vocab, candidate: str, reprod
     if not comparisons:
         return Verdict.UNMEASURED, "no prompt has text to tokenize"
     n = sum(len(c.reference) for c in comparisons)
+    excused = [c for c in comparisons if c.excused]
+    if excused:
+        names = ", ".join(repr(display.plain(c.prompt)) for c in excused)
+        return Verdict.PASS, (f"{len(comparisons) - len(excused)} of {len(comparisons)} texts tokenize to llama.cpp's ids ({n} tokens); "
+                              f"{names} differ{'s' if len(excused) == 1 else ''} only by Unicode NFC normalization ({NFC_EXCUSE})")
     return Verdict.PASS, f"all {len(comparisons)} texts tokenize to llama.cpp's ids ({n} tokens)"
 
 
@@ -223,6 +291,8 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         argv += ["--prompts", str(req.prompts)]
     if req.add_special:
         argv.append("--add-special")
+    if req.candidate_settings.get("tokenizer_dir"):
+        argv += ["--tokenizer-dir", str(req.candidate_settings["tokenizer_dir"])]
     reproduce = command(*argv)
     comparisons: list[IdsComparison] = []
     unmeasured = None
@@ -236,7 +306,8 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
             for p, ids in zip(texts, ref_ids):
                 if progress:
                     progress(p.id)
-                comparisons.append(compare_ids(p.id, ids, engine.tokenize_text(p.text, add_special=req.add_special)))
+                c = compare_ids(p.id, ids, engine.tokenize_text(p.text, add_special=req.add_special))
+                comparisons.append(excuse_normalization(c, p.text, reference, req.add_special))
         except Unmeasured as e:
             comparisons, unmeasured = [], str(e)
     if unmeasured:

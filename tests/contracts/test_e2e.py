@@ -184,6 +184,29 @@ def test_pieces_equal_whole(candidate_engine, probe_tokens, whole_logits, tolera
     )
 
 
+def test_probe_state(request, candidate_engine, harness_model_path, where):
+    """QE2E-STATE-009: the state probe passes on the state-sensitive fixture (the obligation's
+    model): a prefill of 16 tokens then one token per call equals the prompt fed whole within the
+    ``state:`` row of the candidate's class; no row for the class: skipped, naming why."""
+    from harness.judge.thresholds import load_thresholds
+    from harness.runs.calibrate.state import state_tokens
+    from harness.runs.parity import subject_of
+    from harness.runs.probes import ProbeTolerance, probe_state
+
+    th = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml")
+    row, why = th.resolve_state(subject_of(GGUFModel(harness_model_path), candidate_engine.info.to_dict()))
+    if row is None:
+        pytest.skip(f"no state row for {candidate_engine.info.name}'s class: {why} (harness calibrate --state)")
+    tol = ProbeTolerance(min_cosine=float(row.gates["min_cosine"]["value"]), max_kld=float(row.gates["max_kld"]["value"]))
+    r = probe_state(candidate_engine, state_tokens(Path(harness_model_path), int(row.max_tokens)), tol, Path(harness_model_path).name)
+    if r.verdict is Verdict.UNMEASURED:
+        pytest.skip(f"{r.reason}; checked on candidates that can: pytest tests/contracts --candidate oracle")
+    assert r.verdict is Verdict.PASS, (
+        f"QE2E-STATE-009: state probe FAIL: {r.summary()} (cosine >= {tol.min_cosine}, KLD <= {tol.max_kld}; {where}); likely cause: "
+        "the recurrent state kept in a narrower format between calls, or attention in bf16 in multi-token calls"
+    )
+
+
 @pytest.fixture(scope="session")
 def probe_tolerance(gate, hp):
     """The probe tolerances of the calibrated row for the candidate's class (``probes.min_cosine``,
