@@ -545,11 +545,13 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
 @click.option("--add-special", is_flag=True, help="Ask both sides for the BOS/EOS the vocabulary adds (llama_tokenize add_special).")
 @click.option("--tokenizer-dir", default=None, type=click.Path(file_okay=False),
               help="transformers candidate: the model folder whose tokenizer files it loads (without: UNMEASURED).")
+@click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
+              help="mlx candidate: the model folder mlx-lm loads, tokenizer files included (without: UNMEASURED).")
 @click.option("--ledger", default=None, type=click.Path())
 @click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
 @override_option
 @click.option("--json", "as_json", is_flag=True, help="Print the tokenizer receipt (JSON).")
-def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, ledger, no_evidence, overrides, as_json) -> None:
+def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder, ledger, no_evidence, overrides, as_json) -> None:
     """The candidate's own token ids for each prompt's text against llama.cpp's (exit 0: all equal;
     1: a text differs, naming the prompt, position and tokens; 5: no tokenizer of its own to ask)."""
     # deferred: startup
@@ -559,7 +561,8 @@ def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, ledger, no_
     cand = candidate or d["candidate"]
     req = TokenizerRequest(model=model or d["model"], candidate=cand, prompts=prompts, ledger=ledger or d["ledger"],
                            overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
-                           add_special=add_special, candidate_settings={"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {})
+                           add_special=add_special,
+                           candidate_settings={**({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}), **_dtype_settings(None, cand, mlx_folder)})
     run = run_tokenizer(req)
     if as_json:
         _echo_json(run.receipt)

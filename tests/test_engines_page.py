@@ -29,4 +29,17 @@ def test_an_empty_ledger_gives_every_cell_unmeasured_with_the_command_that_fills
     n_cells = len(engines_page.ENGINES) * len(engines_page.MODELS) * len(engines_page.CLASSES)
     assert text.count("UNMEASURED ¹") == n_cells
     assert "harness parity --candidate mlx --model fixture:trained-qwen35-256-Q4_K_M --dtype bfloat16 --ledger L.jsonl" in text
-    assert "mlx × `fixture:trained-qwen35moe-256-Q4_K_M` × bf16: ENGINE-ERROR on the CPU backend" in text
+    assert ("mlx × `fixture:trained-qwen35-256-Q8_0` × bf16: not run yet: `harness parity --candidate mlx "
+            "--model fixture:trained-qwen35-256-Q8_0 --dtype bfloat16 --ledger L.jsonl`") in text
+    assert "mlx × `fixture:trained-qwen35moe-256-Q4_K_M` × bf16: not run: trained-qwen35moe-256 is being retrained" in text
+
+
+def test_the_committed_evidence_holds_mlx_moe_bf16_judged_as_bf16():
+    """MoE below float32 runs through ExpertMatmul (harness/engines/mlx_engine.py) and is judged
+    by a bf16 row of thresholds.yaml, not an f32 one."""
+    hit = engines_page.collect(LEDGER)[("mlx", "fixture:trained-qwen35moe", "bf16", "parity")]
+    rc = hit["receipt"]
+    assert hit["row"]["verdict"] == "PASS" and 0.98 < hit["row"]["min_cosine"] < 0.9999
+    assert rc["engines"]["candidate"]["compute_class"] == "bf16"
+    assert "class bf16" in rc["gated"]["calibrated"]["line"] and rc["gated"]["calibrated"]["status"] == "ok"
+    assert "rounded to bfloat16" in rc["engines"]["candidate"]["settings"]["expert_matmul"]

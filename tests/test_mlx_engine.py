@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +192,137 @@ def test_cli_mlx_options_apply_to_mlx_only():
     assert _dtype_settings("bfloat16", "mlx", "/x") == {"dtype": "bfloat16", "folder": "/x"}
     with pytest.raises(InvalidInput, match="--mlx-folder applies to the mlx engine"):
         _dtype_settings(None, "oracle", "/x")
+
+
+# -- MoE below float32: the routed experts' product (ExpertMatmul) ---------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_expert_matmul_is_a_bf16_gemm_with_f32_accumulation_bit_for_bit(dtype):
+    """mlx-cpu's GatherMM refuses bf16/f16; ExpertMatmul's product must equal, bit for bit,
+    mlx's own dense ``mx.matmul`` in that dtype on the same gathered expert weights (a GEMM whose
+    inputs are the bf16 values, accumulated in float32, rounded once to the dtype), and not the
+    unrounded float32 product."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
+
+    mx.set_default_device(mx.cpu)
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(3)
+    E, d_in, d_out, T, k = 5, 96, 40, 70, 2  # T * k >= 64: SwitchGLU's sorted path as well
+    lin = SwitchLinear(d_in, d_out, E, bias=False)
+    lin.weight = mx.array(rng.standard_normal((E, d_out, d_in)).astype(np.float32)).astype(dt)
+    x = mx.array(rng.standard_normal((1, T, 1, 1, d_in)).astype(np.float32)).astype(dt)
+    idx = mx.array(rng.integers(0, E, (1, T, k)).astype(np.uint32))
+    try:  # the pitfall itself (an mlx that learns bf16 GatherMM makes this moot, not wrong)
+        mx.eval(mx.gather_mm(x, lin.weight.swapaxes(-1, -2), rhs_indices=idx))
+    except (ValueError, RuntimeError) as e:
+        assert "float32" in str(e)
+
+    holder = nn.Module()
+    holder.lin = lin
+    assert mlx_engine.accumulate_experts_in_f32(holder) == 1 and type(lin).__name__ == "ExpertMatmul"
+    assert type(SwitchLinear(2, 2, 2)) is SwitchLinear  # mlx-lm's class is untouched
+    got = lin(x, idx)
+    dense = mx.matmul(x, lin.weight[idx].swapaxes(-1, -2))  # [1, T, k, 1, d_out], in dt
+    assert got.dtype == dt and got.shape == dense.shape == (1, T, k, 1, d_out)
+    a, b = np.array(got.astype(mx.float32)), np.array(dense.astype(mx.float32))
+    assert np.array_equal(a, b)
+    f32 = np.array(mx.matmul(x.astype(mx.float32), lin.weight[idx].astype(mx.float32).swapaxes(-1, -2)))
+    assert not np.array_equal(a, f32) and np.allclose(a, f32, rtol=2 ** -7, atol=1e-2)  # rounded, once
+    # a whole SwitchGLU (sorted and unsorted) runs in dt and equals its dense bf16 equivalent
+    glu = SwitchGLU(d_in, d_out, E)
+    glu.update({n: {"weight": mx.array(rng.standard_normal(getattr(glu, n).weight.shape).astype(np.float32)).astype(dt)}
+                for n in ("gate_proj", "up_proj", "down_proj")})
+    mlx_engine.accumulate_experts_in_f32(glu)
+    xs = x.reshape(1, T, d_in)
+    for n_tok in (T, 5):
+        out = glu(xs[:, :n_tok], idx[:, :n_tok])
+        sel = idx[:, :n_tok]
+        xe = xs[:, :n_tok, None, None, :]
+        up = mx.matmul(xe, glu.up_proj.weight[sel].swapaxes(-1, -2))
+        gate = mx.matmul(xe, glu.gate_proj.weight[sel].swapaxes(-1, -2))
+        want = mx.matmul(nn.silu(gate) * up, glu.down_proj.weight[sel].swapaxes(-1, -2)).squeeze(-2)
+        assert out.dtype == dt
+        assert np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32))), n_tok
+
+
+def test_mlx_moe_runs_in_bf16_through_expert_matmul(tiny_moe_path, engines):
+    mlx32, _ = engines[tiny_moe_path]
+    bf = mlx_engine.load_mlx(tiny_moe_path, dtype="bfloat16")
+    a, b = gather(bf.logits(TOKENS), len(TOKENS)), gather(mlx32.logits(TOKENS), len(TOKENS))
+    assert bf.expert_matmuls == 3 * bf.gguf.hparams.n_layer and mlx32.expert_matmuls == 0
+    assert bf.info.compute_class == "bf16" and "rounded to bfloat16" in bf.info.settings["expert_matmul"]
+    assert 0.9 < _cos(a, b).min() < 1 - 1e-7
+
+
+# -- tokenize: mlx-lm's own tokenizer of a folder, or UNMEASURED ------------------------------
+def _folder_with_own_tokenizer(src_path, folder):
+    """A model folder as a Qwen3.5 checkpoint ships one: the weights (the converter's) and the
+    tokenizer files of ``tests/helpers.py`` ``write_qwen35_tokenizer_folder`` (``tokenizer.json``
+    written with the ``tokenizers`` library from the GGUF's own vocabulary and merges, Qwen3.5's
+    split regex: the Qwen2 pattern with ``\\p{M}`` joining letters, as llama.cpp's
+    ``LLAMA_VOCAB_PRE_TYPE_QWEN35``; ``tokenizer_config.json`` naming ``Qwen2Tokenizer``). What
+    tokenizes is mlx-lm's ``load_tokenizer``: transformers 5 builds ``Qwen3_5Tokenizer`` from the
+    folder's ``model_type`` and its own pipeline (NFC included), taking only the data from the files."""
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import write_qwen35_tokenizer_folder
+
+    files = write_qwen35_tokenizer_folder(src_path, folder.parent / "tokenizer-files")
+    folder = convert.write_transformers_folder(GGUFModel(src_path), folder)
+    for name in mlx_engine.TOKENIZER_FILES:
+        shutil.copy(files / name, folder / name)
+    return folder
+
+
+def _tokenizer_cli(*args):
+    from click.testing import CliRunner
+
+    from harness.cli import cli
+
+    res = CliRunner().invoke(cli, ["tokenizer", "--candidate", "mlx", "--no-evidence", "--json", *args])
+    return res.exit_code, json.loads(res.output[res.output.index("{"):]) if "{" in res.output else res.output
+
+
+def test_mlx_tokenizer_of_a_folder_with_its_own_files_is_judged(tmp_path):
+    """On the hostile set mlx-lm's tokenizer gives llama.cpp's ids for every text but the one NFC
+    changes (split-utf8's e + U+0301: transformers' Qwen3_5Tokenizer composes it, llama.cpp does
+    not), where its ids are llama.cpp's for the NFC form: a PASS naming that prompt as excused
+    (harness/runs/tokenizer.py ``excuse_normalization``); on the other texts every id is equal."""
+    import unicodedata
+
+    from harness.fixtures.resolve import resolve_model
+    from harness.measure.prompts import load_prompt_set
+    from harness.runs.tokenizer import TOKENIZER_PROMPTS
+
+    folder = _folder_with_own_tokenizer(resolve_model("fixture:trained-qwen35"), tmp_path / "own")
+    code, rc = _tokenizer_cli("--model", "fixture:trained-qwen35", "--mlx-folder", str(folder))
+    assert code == 0 and rc["verdict"] == "PASS", rc
+    nfc_changes = [p.id for p in load_prompt_set(TOKENIZER_PROMPTS) if unicodedata.normalize("NFC", p.text) != p.text]
+    differ = [c["prompt"] for c in rc["comparisons"] if c["first_diff"] is not None]
+    assert differ == nfc_changes == [c["prompt"] for c in rc["comparisons"] if c.get("excused")] == ["split-utf8"]
+    assert "'split-utf8' differs only by Unicode NFC normalization" in rc["message"]
+    settings = rc["engines"]["candidate"]["settings"]
+    assert settings["folder"] == "user" and settings["tokenizer"] == "tokenizer.json, tokenizer_config.json"
+    # the same texts without the one NFC changes: every id equal, nothing excused
+    keep = tmp_path / "nfc-stable.jsonl"
+    keep.write_text("".join(line for line in TOKENIZER_PROMPTS.read_text().splitlines(True)
+                            if line.strip() and json.loads(line)["id"] not in nfc_changes))
+    code, rc = _tokenizer_cli("--model", "fixture:trained-qwen35", "--mlx-folder", str(folder), "--prompts", str(keep))
+    assert code == 0 and rc["verdict"] == "PASS" and "NFC" not in rc["message"], rc
+    assert len(rc["comparisons"]) == 9 and all(c["first_diff"] is None for c in rc["comparisons"]) and rc["positions"] > 500
+
+
+def test_mlx_tokenizer_of_the_converted_folder_is_unmeasured_with_its_reason(tmp_path):
+    code, rc = _tokenizer_cli("--model", "fixture:trained-qwen35")
+    assert code == 5 and rc["verdict"] == "UNMEASURED", rc
+    assert "the harness writes mlx-lm's folder from the GGUF" in rc["unmeasured"]
+    assert "checking its own conversion" in rc["unmeasured"] and "--mlx-folder" in rc["unmeasured"]
+    assert rc["comparisons"] == [] and rc["engines"]["candidate"]["settings"]["tokenizer"] == "none of its own"
+    # a user folder without tokenizer files has none either
+    from harness.fixtures.resolve import resolve_model
+
+    bare = convert.write_transformers_folder(GGUFModel(resolve_model("fixture:trained-qwen35")), tmp_path / "bare")
+    code, rc = _tokenizer_cli("--model", "fixture:trained-qwen35", "--mlx-folder", str(bare))
+    assert code == 5 and "holds neither tokenizer.json nor tokenizer_config.json" in rc["unmeasured"]

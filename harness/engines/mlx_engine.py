@@ -10,11 +10,30 @@ follows (``DTYPE_CLASS``). Every float parameter is cast except ``A_log``, which
 converter keeps in float32 (``TextModel.cast_predicate``); mlx-lm's gated delta rule and RMSNorms
 run in the parameters' dtype otherwise.
 
+MoE below float32 on the CPU backend: mlx-cpu 0.32.4's ``GatherMM`` (the routed experts'
+``mx.gather_mm`` in ``mlx_lm/models/switch_layers.py`` ``SwitchLinear``) raises "Currently only
+supports float32". Below float32 the engine therefore gives each loaded ``SwitchLinear`` a
+``__call__`` (``ExpertMatmul``) that casts its bf16/f16 input and expert weights to float32 for
+the product and rounds the result back to the compute dtype: what a bf16 GEMM with float32
+accumulation computes (bf16 values are exact in float32, each product of two bf16 values is exact
+in float32, the sum accumulates in float32, the output is rounded once to bf16). It is no upgrade
+of the class: the weights and activations stay bf16 at every layer boundary, and mlx-cpu's own
+dense ``mx.matmul`` in bf16 gives bit-identical results on the same gathered weights
+(``tests/test_mlx_engine.py``). Nothing in mlx-lm itself is patched: only the instances of the
+loaded model change class.
+
 Capabilities: ``chunks`` (mlx-lm's prompt cache: ``KVCache`` for attention layers, ``ArraysCache``
 with the conv and recurrent state for Gated DeltaNet layers, carried between calls),
 ``generate`` (greedy, one token per call through the cache) and ``prefix_reuse`` (a session's
 cache state kept at each checkpoint and restored into a fresh cache, as a server restores a
-prompt-cache entry). Not ``multi_seq``: see docs/engines.md ("mlx-lm").
+prompt-cache entry), ``tokenize`` (``tokenize_text``: the tokenizer mlx-lm loads from the model
+folder, ``mlx_lm.utils.load_tokenizer``, a ``TokenizerWrapper`` over transformers'
+``AutoTokenizer``; what a user of mlx-lm gets). Only a folder of the user's (``--mlx-folder``)
+holding ``tokenizer.json`` or ``tokenizer_config.json`` has a tokenizer of mlx-lm's own: the
+folder the harness converts from the GGUF holds none, and building one from the GGUF's vocabulary
+would be the harness checking its own conversion against llama.cpp, so there ``tokenize_text``
+raises ``Unmeasured`` with that reason and ``harness tokenizer`` is UNMEASURED. Not
+``multi_seq``: see docs/engines.md ("mlx-lm").
 
 The pitfalls of driving mlx-lm by hand (docs/engines.md lists them), and what the engine checks
 when it loads, each an ``EngineError`` naming the remedy:
@@ -44,10 +63,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
-from harness.errors import EngineError, InvalidInput
+from harness.errors import EngineError, InvalidInput, Unmeasured
 from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "bfloat16", "float16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""The files of a model folder that make mlx-lm's tokenizer (``mlx_lm.tokenizer_utils.load``)."""
 DTYPE_CLASS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 """MLX dtype name → the engine's compute class (``harness.engines.base.COMPUTE_CLASSES``)."""
 NORM_PROBES = (("language_model.model.layers.0.input_layernorm.weight", "blk.0.attn_norm.weight"),
@@ -68,6 +89,49 @@ def schedule_mismatch(recurrent: Sequence[bool], interval: int) -> str | None:
             f"at {at(recurrent)}: mlx-lm reads full_attention_interval and ignores layer_types, so it cannot run this "
             "schedule; remedy: a model with full attention at every k-th layer, or an mlx-lm whose DecoderLayer reads "
             "layer_types (mlx_lm/models/qwen3_5.py)")
+
+
+_EXPERT_MATMUL: dict[str, type] = {}
+
+
+def expert_matmul_class() -> type:
+    """``ExpertMatmul``: a subclass of mlx-lm's ``SwitchLinear`` (built once, on first use, so
+    that importing this module needs no mlx) whose ``__call__`` computes the routed experts'
+    ``gather_mm`` in float32 from bf16/f16 inputs and weights and rounds the product to the
+    input's dtype (module docstring: float32 accumulation, one rounding). Shapes as mlx-lm's:
+    ``x`` ``[..., 1, D_in]``, ``indices`` ``[..., k]``, weight ``[E, D_out, D_in]``, result
+    ``[..., k, 1, D_out]`` in ``x.dtype``; a float32 call is mlx-lm's own."""
+    if "cls" not in _EXPERT_MATMUL:
+        import mlx.core as mx
+        from mlx_lm.models.switch_layers import SwitchLinear
+
+        class ExpertMatmul(SwitchLinear):
+            def __call__(self, x: Any, indices: Any, sorted_indices: bool = False) -> Any:
+                w = self["weight"]
+                if x.dtype == mx.float32 and w.dtype == mx.float32:
+                    return super().__call__(x, indices, sorted_indices=sorted_indices)
+                out = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2),
+                                   rhs_indices=indices, sorted_indices=sorted_indices).astype(x.dtype)
+                if "bias" in self:
+                    out = out + mx.expand_dims(self["bias"][indices], -2)
+                return out
+
+        _EXPERT_MATMUL["cls"] = ExpertMatmul
+    return _EXPERT_MATMUL["cls"]
+
+
+def accumulate_experts_in_f32(model: Any) -> int:
+    """Turn every mlx-lm ``SwitchLinear`` of ``model`` (an ``mlx.nn.Module``) into an
+    ``ExpertMatmul`` in place (``expert_matmul_class``); returns how many. Only these instances
+    change: mlx-lm's class and other models are untouched."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    cls, n = expert_matmul_class(), 0
+    for _, module in model.named_modules():
+        if type(module) is SwitchLinear:
+            module.__class__ = cls
+            n += 1
+    return n
 
 
 def _require_mlx() -> tuple[Any, Any]:
@@ -120,6 +184,8 @@ class MlxEngine:
         self.user_folder = Path(folder) if folder is not None else None
         self.block_size = block_size
         self.sessions: dict[str, dict[int, list[Any]]] = {}
+        self.expert_matmuls = 0
+        """How many routed-expert ``SwitchLinear`` layers run through ``ExpertMatmul`` (0 at float32)."""
 
     # -- loading ----------------------------------------------------------------------------
     @cached_property
@@ -154,6 +220,7 @@ class MlxEngine:
             params = [(k, v.astype(target) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
                       for k, v in tree_flatten(model.parameters())]
             model.update(tree_unflatten(params))
+            self.expert_matmuls = accumulate_experts_in_f32(model)
         mx.eval(model.parameters())
         return model
 
@@ -203,20 +270,62 @@ class MlxEngine:
 
     @property
     def info(self) -> EngineInfo:
+        moe_below_f32 = self.dtype != "float32" and self.gguf.hparams.is_moe
+        experts = {"expert_matmul": f"gather_mm in float32, rounded to {self.dtype} (ExpertMatmul)"} if moe_below_f32 else {}
         return EngineInfo(
             name=self.name,
             version=f"mlx-lm {_distribution_version('mlx-lm')}, mlx {_distribution_version('mlx')}",
             settings={
+                **experts,
                 "dtype": self.dtype,
                 "device": "cpu",
                 "backend": "cpu",
                 "folder": "user" if self.user_folder is not None else "converted",
+                "tokenizer": ", ".join(self.tokenizer_files()) or "none of its own",
                 "overrides": [o.to_flag() for o in self.overrides],
             },
-            capabilities=["chunks", "generate", "prefix_reuse"],
+            capabilities=["chunks", "generate", "prefix_reuse", "tokenize"],
             build={"engine": f"{__name__}.MlxEngine", "loader": "harness.fixtures.convert.write_transformers_folder"},
             compute_class=DTYPE_CLASS[self.dtype],
         )
+
+    # -- tokenizer ------------------------------------------------------------------------
+    def tokenizer_files(self) -> list[str]:
+        """The ``TOKENIZER_FILES`` present in the user's folder; ``[]`` for the converted folder
+        (the harness writes none) or a user folder without them."""
+        if self.user_folder is None:
+            return []
+        return [f for f in TOKENIZER_FILES if (self.user_folder / f).is_file()]
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        """mlx-lm's tokenizer of the folder (``mlx_lm.utils.load_tokenizer``, offline). Raises
+        ``Unmeasured`` when the folder has no tokenizer files of its own (the converted folder:
+        module docstring), ``InvalidInput`` when mlx-lm cannot load them."""
+        if self.user_folder is None:
+            raise Unmeasured("mlx has no tokenizer of its own for this model: the harness writes mlx-lm's folder from the GGUF "
+                             "(harness.fixtures.convert) with no tokenizer files, and a tokenizer built from the GGUF's vocabulary "
+                             "would be the harness checking its own conversion against llama.cpp, not mlx-lm; pass the model "
+                             "folder with its own tokenizer.json / tokenizer_config.json with --mlx-folder DIR")
+        if not self.tokenizer_files():
+            raise Unmeasured(f"mlx has no tokenizer of its own for this model: {self.user_folder} holds neither "
+                             f"{' nor '.join(TOKENIZER_FILES)}")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from mlx_lm.utils import load_tokenizer
+
+        try:
+            return load_tokenizer(self.user_folder)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise InvalidInput(f"mlx-lm cannot load a tokenizer from {self.user_folder} ({first})") from None
+
+    def tokenize_text(self, text: str, add_special: bool = False) -> list[int]:
+        """Token ids of ``text`` by mlx-lm's tokenizer of the folder (capability ``tokenize``:
+        ``TokenizerWrapper.encode(text, add_special_tokens=add_special)``, the call mlx-lm's
+        ``generate`` makes with the default True; special-token strings in the text are matched as
+        transformers does). Raises ``Unmeasured`` / ``InvalidInput`` as ``tokenizer``."""
+        ids = self.tokenizer.encode(str(text), add_special_tokens=bool(add_special))
+        return [int(t) for t in ids]
 
     # -- forward --------------------------------------------------------------------------
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
@@ -331,7 +440,8 @@ def load_mlx(model_path: str | os.PathLike, overrides: Sequence[Override] = (), 
     """The ``mlx`` engine for a qwen35 / qwen35moe GGUF (registry name ``mlx``).
 
     ``dtype`` ``float32`` (default), ``bfloat16`` or ``float16``; other settings: ``folder`` (a
-    transformers folder to load instead of converting the GGUF), ``block_size``. Raises
+    transformers folder to load instead of converting the GGUF; its tokenizer files, if any, are
+    what ``tokenize_text`` uses), ``block_size``. Raises
     ``InvalidInput`` with the install command when mlx or mlx-lm is missing.
     """
     return MlxEngine(model_path, overrides, dtype=dtype, **settings)

@@ -14,6 +14,7 @@ equals its regeneration.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Mapping, Sequence
 from harness.display import md_text
 from harness.errors import InvalidInput
 from harness.evidence.ledger import read_rows
+from harness.evidence.receipts import receipt_file
 
 DEFAULT_LEDGER = "evidence/engines/ledger.jsonl"
 DEFAULT_OUT = "docs/engines.md"
@@ -31,13 +33,15 @@ COMMAND = "harness ledger engines-page"
 class PageEngine:
     """One engine row group: ``name`` as ``--candidate`` takes it, the ``--dtype`` of each class,
     ``pitfalls`` (markdown lines), ``unmeasured`` (``{class: reason}`` for whole classes) and
-    ``kind_unmeasured`` (``{(model kind, class): reason}``)."""
+    ``kind_unmeasured`` (``{(model kind, class): reason}``) and ``model_unmeasured``
+    (``{model spec: reason}``, every class of that model)."""
 
     name: str
     dtypes: Mapping[str, str]
     pitfalls: Sequence[str]
     unmeasured: Mapping[str, str]
     kind_unmeasured: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    model_unmeasured: Mapping[str, str] = field(default_factory=dict)
 
 
 MLX_PITFALLS = (
@@ -53,14 +57,31 @@ MLX_PITFALLS = (
     "It drops `mtp.*` weights on load: the folder holds the trunk only (a GGUF with MTP blocks is refused).",
     "No `multi_seq`: mlx-lm batches only through left padding (`BatchGenerator`), which feeds each sequence "
     "beside pad positions rather than as independent sequences, so the multiseq probe stays UNMEASURED.",
-    "MoE below float32 does not run on the CPU backend: mlx-cpu 0.32.4's `GatherMM` (the routed experts' "
-    "`gather_mm`) raises \"Currently only supports float32\", so the MoE bf16 cells are ENGINE-ERROR on this backend.",
+    "MoE below float32 does not run on the CPU backend as shipped: mlx-cpu 0.32.4's `GatherMM` (the routed experts' "
+    "`gather_mm`, `SwitchLinear`) raises \"Currently only supports float32\". The engine gives the loaded model's "
+    "`SwitchLinear`s a product that casts the bf16 input and expert weights to float32 and rounds the result back to "
+    "bf16 (`ExpertMatmul`): what a bf16 GEMM with float32 accumulation computes, bit for bit equal to mlx's own dense "
+    "bf16 `matmul` on the same gathered weights (`tests/test_mlx_engine.py`), so the cell stays class bf16; the "
+    "receipt's `expert_matmul` setting says so.",
+    "Its tokenizer (`tokenize`) is the folder's: transformers 5 builds `Qwen3_5Tokenizer` for any `qwen3_5` folder "
+    "(whatever `tokenizer_class` says), taking the vocabulary and merges from `tokenizer.json` and adding its own NFC "
+    "normalizer, which llama.cpp does not apply: text with a decomposed character (e + U+0301) tokenizes differently "
+    "(`harness tokenizer` names such a text as excused when the ids are llama.cpp's for its NFC form). "
+    "The folder the harness converts has no tokenizer of mlx-lm's own, so there `harness tokenizer` is UNMEASURED; "
+    "pass the model's folder with `--mlx-folder`.",
     "`--dtype bfloat16` / `float16` cast every float parameter except `A_log` (mlx-lm's own `cast_predicate`); "
     "the activations, the RMSNorms and the gated delta rule then run in that dtype.",
+    "A quantized GGUF (Q8_0, Q4_K_M) runs as its dequantized weights: float32, or those values rounded to bf16 under "
+    "`--dtype bfloat16` (a Q8_0 weight, int8 times an f16 scale, needs more than bf16's 8 significant bits), not "
+    "through mlx's own quantized kernels, which use other formats; the cell judges mlx-lm's forward pass on the "
+    "GGUF's weights, not mlx's quantization.",
 )
 ENGINES: tuple[PageEngine, ...] = (
-    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {},
-               {("MoE", "bf16"): "ENGINE-ERROR on the CPU backend: mlx-cpu's GatherMM supports float32 only (pitfalls above)"}),
+    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}, model_unmeasured={
+        spec: ("not run: trained-qwen35moe-256 is being retrained (3 experts, to fit the 10 MiB fixture budget), so a cell "
+               "measured on the committed 4-expert file would describe a model about to be replaced; once it lands: "
+               f"`harness parity --candidate mlx --model {spec} --dtype float32|bfloat16 --ledger evidence/engines/ledger.jsonl`")
+        for spec in ("fixture:trained-qwen35moe-256-Q8_0", "fixture:trained-qwen35moe-256-Q4_K_M")}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
                {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
@@ -79,7 +100,7 @@ CLASSES = ("f32", "bf16")
 
 
 def _receipt(receipts: Path, row: Mapping[str, Any]) -> dict[str, Any]:
-    path = receipts / f"{row['receipt_id']}.json"
+    path = receipt_file(receipts, row["receipt_id"])  # its shard folder, or flat as older receipts are
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -123,6 +144,7 @@ def _parity_cell(hit: Mapping[str, Any] | None) -> str:
     row, rc = hit["row"], hit["receipt"]
     cal = (rc.get("gated") or {}).get("calibrated") or {}
     src = cal.get("source") or cal.get("status") or "—"
+    src = re.sub(r"^\S*/(thresholds\.yaml)", r"\1", str(src))  # the file, not where the run's checkout was
     return (f"**{row['verdict']}** cos {_num(row.get('min_cosine'))}, KLD mean {float(row['kld_mean']):.2g} "
             f"({row.get('positions')} pos; row {src})" if row.get("kld_mean") is not None else f"**{row['verdict']}**")
 
@@ -163,9 +185,9 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
                 prb = found.get((eng.name, spec, cls, "probe"))
                 text = "<br>".join(t for t in (_parity_cell(par), _probe_cell(prb)) if t)
                 if not text:
-                    reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or (
-                        f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
-                        f"--ledger {shown_ledger}`")
+                    reason = (eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec)
+                              or f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
+                                 f"--ledger {shown_ledger}`")
                     unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
                     text = "UNMEASURED ¹"
                 cells.append(text)
