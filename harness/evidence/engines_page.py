@@ -125,11 +125,7 @@ LLAMACPP_0317_DIFFERENCES = (
     "the quantized kernels themselves changed between the two builds was not checked.",
 )
 ENGINES: tuple[PageEngine, ...] = (
-    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}, model_unmeasured={
-        spec: ("not run: trained-qwen35moe-256 is being retrained (3 experts, to fit the 10 MiB fixture budget), so a cell "
-               "measured on the committed 4-expert file would describe a model about to be replaced; once it lands: "
-               f"`harness parity --candidate mlx --model {spec} --dtype float32|bfloat16 --ledger evidence/engines/ledger.jsonl`")
-        for spec in ("fixture:trained-qwen35moe-256-Q8_0", "fixture:trained-qwen35moe-256-Q4_K_M")}),
+    PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
                {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
@@ -137,7 +133,7 @@ ENGINES: tuple[PageEngine, ...] = (
     PageEngine("command:llamacpp-0317", {}, LLAMACPP_0317_PITFALLS,
                {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class; pitfalls above)"},
                title="llama.cpp 49bfddec via llama-cpp-python 0.3.17", version="0.3.17",
-               model_unmeasured={m: "not run: the MoE-256 fixture was being retrained when these rows were made: "
+               model_unmeasured={m: "not run: these rows were made while the MoE-256 fixture was to be retrained (it was not, yet); run: "
                                  f"`harness parity --candidate command:llamacpp-0317 --model {m} --ledger {DEFAULT_LEDGER}`"
                                  for m in ("fixture:trained-qwen35moe-256-Q8_0", "fixture:trained-qwen35moe-256-Q4_K_M")},
                differences=LLAMACPP_0317_DIFFERENCES),
