@@ -31,7 +31,8 @@ def test_an_empty_ledger_gives_every_cell_unmeasured_with_the_command_that_fills
     assert "harness parity --candidate mlx --model fixture:trained-qwen35-256-Q4_K_M --dtype bfloat16 --ledger L.jsonl" in text
     assert ("mlx × `fixture:trained-qwen35-256-Q8_0` × bf16: not run yet: `harness parity --candidate mlx "
             "--model fixture:trained-qwen35-256-Q8_0 --dtype bfloat16 --ledger L.jsonl`") in text
-    assert "mlx × `fixture:trained-qwen35moe-256-Q4_K_M` × bf16: not run: trained-qwen35moe-256 is being retrained" in text
+    assert ("mlx × `fixture:trained-qwen35moe-256-Q4_K_M` × bf16: not run yet: `harness parity --candidate mlx "
+            "--model fixture:trained-qwen35moe-256-Q4_K_M --dtype bfloat16 --ledger L.jsonl`") in text
 
 
 def test_the_committed_evidence_holds_mlx_moe_bf16_judged_as_bf16():
