@@ -203,25 +203,25 @@ class Thresholds:
             for i, r in enumerate(self.data.get("topk", []))
         ]
 
+    def _capped_rows(self, section: str) -> list[Row]:
+        """The rows of ``section`` (``mtp``, ``state``; absent: none), in file order, each with its ``max_tokens``."""
+        return [
+            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], {}, f"{self.path} {section}[{i}]", r["file_type"],
+                max_tokens=r.get("max_tokens"))
+            for i, r in enumerate(self.data.get(section, []))
+        ]
+
     @property
     def mtp_rows(self) -> list[Row]:
         """The MTP draft-head rows (``mtp:``, absent: none), in file order, each with the
         ``max_tokens`` per prompt it was measured over."""
-        return [
-            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], {}, f"{self.path} mtp[{i}]", r["file_type"],
-                max_tokens=r.get("max_tokens"))
-            for i, r in enumerate(self.data.get("mtp", []))
-        ]
+        return self._capped_rows("mtp")
 
     @property
     def state_rows(self) -> list[Row]:
         """The state probe's rows (``state:``, absent: none), in file order, each with the
-        ``max_tokens`` the probe decodes one per call."""
-        return [
-            Row(r["weights"], r["class"], tuple(r["basis_models"]), r["gates"], {}, f"{self.path} state[{i}]", r["file_type"],
-                max_tokens=r.get("max_tokens"))
-            for i, r in enumerate(self.data.get("state", []))
-        ]
+        ``max_tokens`` the probe feeds."""
+        return self._capped_rows("state")
 
     def resolve_state(self, subject: Subject) -> tuple[Row | None, str]:
         """The state probe's row that fits ``subject`` (the state fixture judged at the

@@ -268,3 +268,18 @@ def merge_topk_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     kept = [r for r in doc.get("topk", []) if (r["weights"], r["class"], r["k"]) not in keys]
     doc["topk"] = kept + rows
     return write_thresholds(doc, path)
+
+
+def merge_rows(path: str | Path, section: str, rows: list[dict[str, Any]]) -> Path:
+    """thresholds.yaml at ``path`` with ``rows`` replacing the ``section`` rows (``mtp``, ``state``)
+    of the same weights × class × architecture (other rows of it and every other section kept as
+    they are), written by ``write_thresholds`` (atomic, validated by loading it back)."""
+    from harness.judge.thresholds import load_thresholds
+
+    def key(r: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
+        return r["weights"], r["class"], tuple(sorted({str(m.get("arch")) for m in r["basis_models"]}))
+
+    doc = dict(load_thresholds(path).data)
+    new = {key(r) for r in rows}
+    doc[section] = [r for r in doc.get(section, []) if key(r) not in new] + list(rows)
+    return write_thresholds(doc, path)

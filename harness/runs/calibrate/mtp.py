@@ -32,7 +32,7 @@ import numpy as np
 
 from harness.errors import InvalidInput
 from harness.measure import metrics
-from harness.runs.calibrate.document import _basis, write_thresholds
+from harness.runs.calibrate.document import _basis, merge_rows
 from harness.runs.calibrate.fit import PairStats, caught, propose
 from harness.runs.calibrate.plan import MARGIN, MIN_STEP, RELEASE, CalibrationRefused, _llama, _oracle
 
@@ -259,17 +259,8 @@ def calibrate_mtp(models: Sequence[str] = MTP_MODELS, classes: Sequence[str] = t
 
 def merge_mtp_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """thresholds.yaml at ``path`` with ``rows`` replacing the ``mtp:`` rows of the same weights ×
-    class × architecture (other MTP rows and every other section kept as they are), written by
-    ``write_thresholds`` (atomic, validated by loading it back)."""
-    from harness.judge.thresholds import load_thresholds
-
-    def key(r: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
-        return r["weights"], r["class"], tuple(sorted({str(m.get("arch")) for m in r["basis_models"]}))
-
-    doc = dict(load_thresholds(path).data)
-    new = {key(r) for r in rows}
-    doc["mtp"] = [r for r in doc.get("mtp", []) if key(r) not in new] + list(rows)
-    return write_thresholds(doc, path)
+    class × architecture, every other number kept (``document.merge_rows``)."""
+    return merge_rows(path, "mtp", rows)
 
 
 def refuse(res: MtpCalibration) -> None:

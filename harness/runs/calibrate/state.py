@@ -32,7 +32,7 @@ import numpy as np
 
 from harness.errors import HarnessError, InvalidInput
 from harness.measure import metrics
-from harness.runs.calibrate.document import _basis, write_thresholds
+from harness.runs.calibrate.document import _basis, merge_rows
 from harness.runs.calibrate.fit import propose_probes
 from harness.runs.calibrate.plan import CalibrationRefused, _llama, _lowp, _oracle, _transformers
 
@@ -212,17 +212,8 @@ def calibrate_state(classes: Sequence[str] = tuple(STATE_KNOWN_GOOD), max_tokens
 
 def merge_state_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """thresholds.yaml at ``path`` with ``rows`` replacing the ``state:`` rows of the same weights ×
-    class × architecture (every other section kept as it is), written by ``write_thresholds``
-    (atomic, validated by loading it back)."""
-    from harness.judge.thresholds import load_thresholds
-
-    def key(r: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
-        return r["weights"], r["class"], tuple(sorted({str(m.get("arch")) for m in r["basis_models"]}))
-
-    doc = dict(load_thresholds(path).data)
-    new = {key(r) for r in rows}
-    doc["state"] = [r for r in doc.get("state", []) if key(r) not in new] + list(rows)
-    return write_thresholds(doc, path)
+    class × architecture, every other number kept (``document.merge_rows``)."""
+    return merge_rows(path, "state", rows)
 
 
 def refuse(res: StateCalibration) -> None:
