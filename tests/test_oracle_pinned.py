@@ -15,7 +15,8 @@ alters a single bit of a single logit fails here: speed work must keep the arith
 
 The bits also depend on which BLAS kernel NumPy runs (OpenBLAS picks one per processor, or takes
 ``OPENBLAS_CORETYPE``: Haswell and SkylakeX kernels give different last bits). So the digests are
-recorded per kernel (``kernels``, keyed by threadpoolctl's ``internal_api``-``architecture``), and
+recorded per kernel and processor (``kernels``, keyed by threadpoolctl's ``internal_api``-``architecture``
+and the CPU model, ``blas_kernel``), and
 each prompt also carries a sample of its float64 logits (``sample``: 64 entries at seeded
 positions, as Python floats). On a kernel with digests the check is bitwise; on a kernel none were
 recorded for, the sample must match to 1e-9 relative (kernels differ around 1e-13; any change of
@@ -62,12 +63,32 @@ def sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
 
 
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or ``unknown``."""
+    import platform
+    import re
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        name = m.group(1) if m else platform.processor()
+    except OSError:
+        name = platform.processor()
+    return " ".join((name or "unknown").split())
+
+
 def blas_kernel() -> str:
-    """The BLAS kernel NumPy runs, e.g. ``openblas-Haswell`` (threadpoolctl)."""
+    """The BLAS kernel NumPy runs and the processor it runs on, e.g. ``openblas-Haswell@AMD EPYC``
+    (threadpoolctl, ``cpu_model``): one OpenBLAS kernel gives other last bits on another processor
+    (its blocking follows the caches: the Haswell kernel on an AMD EPYC is not bit-identical to it
+    on the machine the first Haswell digests came from), so digests are matched per kernel and
+    processor. Keys recorded before the processor was part of them (no ``@``) are kept but match
+    nothing."""
     from threadpoolctl import threadpool_info
 
     blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-    return "-".join(str(blas[0].get(k)) for k in ("internal_api", "architecture")) if blas else "unknown"
+    kernel = "-".join(str(blas[0].get(k)) for k in ("internal_api", "architecture")) if blas else "unknown"
+    return f"{kernel}@{cpu_model()}"
 
 
 SAMPLE_N = 64
