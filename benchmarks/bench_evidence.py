@@ -12,7 +12,9 @@ hard-linked array sidecar. Then, at that size, side by side:
 
 - the evidence step of one parity run (``record_evidence``: receipt, row, LEDGER.md page, index
   page; the verdict page is a per-receipt constant and not included), median of 7, and its ratio
-  to the smallest size (target ≤ 1.2);
+  to the smallest size (target ≤ 1.2). Every ledger is grown (and flushed to disk, ``os.sync``)
+  first; then the steps are taken in turns, one at each size per round, so the machine's load
+  falls on every size alike;
 - ``harness ledger verify`` full mode as the command runs it (every row and every receipt's JSON
   file re-hashed, every page compared; no receipt parsed, no array sidecar read, so the shared
   sidecar does not flatter it) in rows/s, wall and per CPU second (target ≥ 5,000 rows/s), then
@@ -20,6 +22,8 @@ hard-linked array sidecar. Then, at that size, side by side:
   ``--deep`` (every receipt loaded: JSON parsed and checked, arrays decoded and hashed), in
   milliseconds a receipt;
 - ``harness ledger show`` (target ≤ 5 s);
+- a sign-off's lookup of the standing receipts (``signoff.ledger_receipts``): first on a cache
+  that has not seen them (each receipt read once for its keys, as on a fresh clone), then again;
 - the verify and show operations are timed in this process, and each command once more in a
   fresh process (``*_cli_s``), beside the start of a bare ``harness --help``
   (``cli_start_s``: interpreter start and imports, which every command pays);
@@ -54,7 +58,8 @@ from rich.console import Console  # noqa: E402
 
 from harness.evidence.ledger_view import LedgerView  # noqa: E402
 from harness.evidence.receipts import iter_receipt_files, load_receipt, receipt_file, write_receipt  # noqa: E402
-from harness.evidence.record import record_evidence  # noqa: E402
+from harness.evidence.record import evidence_paths, record_evidence  # noqa: E402
+from harness.release.signoff import ledger_receipts  # noqa: E402
 
 HARNESS = str(Path(sys.executable).with_name("harness"))
 
@@ -104,21 +109,42 @@ def _disk_bytes(folder: Path) -> int:
     return total
 
 
-def measure(size: int, tpl, npz, rec, arrays, work: Path) -> dict:
-    """The figures at one ledger size (module docstring)."""
-    d = work / f"n{size}"
-    lp = d / "evidence" / "parity" / "ledger.jsonl"
+STEPS = 7
+"""Evidence steps timed at each size (the median is reported)."""
+
+
+def grow_size(size: int, tpl, npz, work: Path) -> tuple[dict, Path]:
+    """Grow the ledger of ``size`` rows in its own folder, then flush the page cache's dirty data
+    to disk (``os.sync``; its seconds as ``sync_s``), so the write-back of the grown receipts does
+    not land inside a later timing. ``({rows, grow_s, sync_s}, ledger path)``."""
+    lp = work / f"n{size}" / "evidence" / "parity" / "ledger.jsonl"
     t0 = time.perf_counter()
     grow(lp, size, tpl, npz)
-    out = {"rows": size, "grow_s": time.perf_counter() - t0}
-    steps = []
-    for i in range(7):
-        r = dict(rec, host={**rec["host"], "hostname": f"bench-{size}-{i}"})
-        t = time.perf_counter()
-        record_evidence(r, arrays, lp)
-        steps.append(time.perf_counter() - t)
-    out["evidence_step_s"] = statistics.median(steps)
-    out["evidence_steps_s"] = steps
+    t1 = time.perf_counter()
+    os.sync()
+    return {"rows": size, "grow_s": t1 - t0, "sync_s": time.perf_counter() - t1}, lp
+
+
+def evidence_steps(ledgers: list[Path], rec, arrays) -> list[list[float]]:
+    """``STEPS`` evidence steps (``record_evidence``) at every ledger, taken in turns (one at each
+    size, then the next round), so whatever load the machine has falls on every size alike and
+    their ratio is measured in one run; the seconds of each, per ledger."""
+    steps: list[list[float]] = [[] for _ in ledgers]
+    for i in range(STEPS):
+        for k, lp in enumerate(ledgers):
+            r = dict(rec, host={**rec["host"], "hostname": f"bench-{k}-{i}"})
+            t = time.perf_counter()
+            record_evidence(r, arrays, lp)
+            steps[k].append(time.perf_counter() - t)
+    return steps
+
+
+def measure(out: dict, lp: Path, rec, arrays) -> dict:
+    """The verify, show and size figures at one grown ledger ``lp`` (module docstring), added to
+    ``out``."""
+    size = out["rows"]
+    d = lp.parent.parent.parent
+    os.sync()
     state = d / "verify-state"
     env = {**os.environ, "HARNESS_VERIFY_STATE": str(state)}
     c = time.process_time()
@@ -155,6 +181,13 @@ def measure(size: int, tpl, npz, rec, arrays, work: Path) -> dict:
     out.update(show_s=time.perf_counter() - t, show_groups=len(view.trends))
     wall, p = _cli(["ledger", "show", "--ledger", str(lp)], env)
     out.update(show_cli_s=wall, show_ok=p.returncode == 0)
+    paths = evidence_paths(lp)  # a sign-off's lookup of the standing receipts: cold (each receipt read once for its keys), then warm
+    t = time.perf_counter()
+    n_found = len(ledger_receipts(paths).found)
+    out.update(signoff_lookup_cold_s=time.perf_counter() - t, signoff_lookup_receipts=n_found)
+    t = time.perf_counter()
+    ledger_receipts(paths)
+    out["signoff_lookup_s"] = time.perf_counter() - t
     out["cli_start_s"] = _cli(["--help"], env)[0]  # interpreter start and the CLI's imports: in every command's wall time
     newest = receipt_file(lp.parent / "receipts", L.check_ledger_head(lp)["receipt_id"])
     out["bytes_json"], out["bytes_npz"] = newest.stat().st_size, newest.with_suffix(".npz").stat().st_size
@@ -164,22 +197,32 @@ def measure(size: int, tpl, npz, rec, arrays, work: Path) -> dict:
 
 
 def run(sizes: list[int], receipt: str | Path | None = None) -> dict:
-    """Measure every size in one temporary folder; the document ``run_all.py`` renders."""
+    """Grow every size in one temporary folder, time the evidence steps in turns across them
+    (``evidence_steps``), then measure each size (``measure``); the document ``run_all.py``
+    renders."""
     receipt = receipt or default_receipt()
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="harness-bench-evidence-") as tmp:
         work = Path(tmp)
         tpl, npz, rec, arrays, positions = template(receipt, work)
-        res = []
+        grown = []
         for n in sizes:
-            print(f"   evidence at scale: {n:,} rows ...", flush=True)
-            res.append(measure(n, tpl, npz, rec, arrays, work))
+            print(f"   evidence at scale: growing {n:,} rows ...", flush=True)
+            grown.append(grow_size(n, tpl, npz, work))
+        print(f"   evidence at scale: {STEPS} evidence steps at each size, in turns ...", flush=True)
+        steps = evidence_steps([lp for _, lp in grown], rec, arrays)
+        load_steps = os.getloadavg()
+        res = []
+        for (out, lp), s in zip(grown, steps):
+            print(f"   evidence at scale: verify and show at {out['rows']:,} rows ...", flush=True)
+            out.update(evidence_step_s=statistics.median(s), evidence_steps_s=s)
+            res.append(measure(out, lp, rec, arrays))
             res[-1]["load_after"] = os.getloadavg()
     base = res[0]["evidence_step_s"]
     for r in res:
         r["evidence_step_ratio"] = r["evidence_step_s"] / base
     return {"template": str(Path(receipt).relative_to(REPO)) if receipt and Path(receipt).is_relative_to(REPO) else str(receipt or "test receipt"),
-            "positions": positions, "load_start": load_start, "cpus": os.cpu_count(), "results": res}
+            "positions": positions, "load_start": load_start, "load_steps": load_steps, "cpus": os.cpu_count(), "results": res}
 
 
 def main() -> None:

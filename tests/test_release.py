@@ -158,6 +158,33 @@ def test_blocked_then_swept_then_signed(tmp_path, monkeypatch, capsys):
     assert "2 runs: 0 ran, 2 current" in capsys.readouterr().out
 
 
+def test_signoff_reads_each_receipt_once_for_its_keys_then_only_the_receipts_it_picks(tmp_path, monkeypatch, capsys):
+    """A sign-off finds its cells through the query cache: on a fresh cache (deleted, as on a
+    fresh clone) it reads each standing receipt once for its keys; after that only the receipts
+    its runs pick (one parity, one probe), however many other receipts stand; and it judges as
+    before (SIGNED, relying on the swept receipts)."""
+    from harness.evidence.ledger_cache import cache_path
+
+    root = make_project(tmp_path / "p", ["oracle"], ["tiny-qwen35"])
+    assert harness(root, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
+    assert harness(root, "parity", "--candidate", "oracle-f16", "--model", "fixture:tiny-qwen35", "--prompts", "prompts.jsonl",
+                   "--greedy-tokens", "0", monkeypatch=monkeypatch) in (0, 1)  # a standing receipt of another cell
+    receipts = ledger_of(root).parent / "receipts"
+    read: list[str] = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (read.append(self.stem) if receipts in self.parents else None)
+                        or real(self, *a, **k))
+    cache_path(ledger_of(root)).unlink()
+    standing = [r["receipt_id"] for r in read_rows(ledger_of(root)) if r["kind"] in ("parity", "probe")]
+    rc, first = signoff_json(root, capsys, monkeypatch)
+    assert rc == 0 and first["verdict"] == "SIGNED" and len(standing) == 3
+    picked = [r["id"] for r in first["relied_on"]]
+    assert sorted(read) == sorted(standing + picked)  # every standing receipt once for its keys, then the two picked
+    read.clear()
+    rc, again = signoff_json(root, capsys, monkeypatch)
+    assert rc == 0 and sorted(read) == sorted(picked) and again["cells"] == first["cells"]
+
+
 def test_a_changed_candidate_source_makes_its_cells_stale(tmp_path, monkeypatch, capsys):
     """command:example's parity receipt made by the exact command the sign-off names counts (its
     probe is still missing: exit 5); one changed line of the engine's program changes its build,

@@ -26,6 +26,7 @@ sign-off names the mismatch instead.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from harness.runs.inputs import resolve_inputs, resolve_thresholds_path
 from harness.measure.prompts import load_prompt_set
 from harness.engines.registry import engine_build_id
 from harness.errors import HarnessError
-from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
+from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json, receipt_file
 from harness.provenance import numbers_sha256, sha256_bytes, sha256_file
 from harness.release.manifest import PROBE_NAMES, CandidatePin, Manifest, ModelPin
 
@@ -192,6 +193,58 @@ def receipt_inputs(receipt: Mapping[str, Any]) -> dict[str, Any]:
         "probes": sorted(p["name"] for p in receipt.get("probes") or []) if probe else None,
         "calibration": (receipt.get("thresholds") or {}).get("self_calibration"),
     }
+
+
+SAME_CELL_FIELDS = ("kind", "candidate", "backend", "model_sha256")
+"""The inputs that make two receipts measurements of the same cell, whatever their other inputs
+(builds, thresholds, prompts): what a sign-off calls a STALE receipt of a cell."""
+
+
+def same_cell_key(inputs: Mapping[str, Any], model_sha256: str | None = None) -> str:
+    """sha256 of the canonical JSON of ``SAME_CELL_FIELDS`` of ``inputs`` (``model_sha256``, when
+    given, in place of theirs)."""
+    picked = {k: inputs.get(k) for k in SAME_CELL_FIELDS}
+    if model_sha256 is not None:
+        picked["model_sha256"] = model_sha256
+    return sha256_bytes(canonical_json(picked))
+
+
+def receipt_keys_of(path: Path) -> list[tuple[str, str]] | None:
+    """``[(typed key, created)]`` of one parity or probe receipt file: ``input:`` + the key of the
+    inputs it was made from (``input_key(receipt_inputs(...))``), ``cell:`` + its planned
+    ``cell.key`` when a sweep made it, ``same:`` + ``same_cell_key``; ``created`` is the receipt's
+    time. None for a calibration receipt and for a file that cannot be read (the caller does not
+    remember those: it reads them again next time). What the ledger's query cache keeps per
+    receipt (``LedgerCache.add_receipt_keys``), so ``sweep`` and ``signoff`` read a receipt once."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict):
+        return None
+    if rec.get("schema") == "harness-calibration-receipt/v1":
+        return []
+    inputs = receipt_inputs(rec)
+    keys = {"input:" + input_key(inputs), "same:" + same_cell_key(inputs)}
+    if isinstance(rec.get("cell"), dict) and isinstance(rec["cell"].get("key"), str):
+        keys.add("cell:" + rec["cell"]["key"])
+    return [(k, str(rec.get("created"))) for k in sorted(keys)]
+
+
+def known_receipt_keys(cache: Any, paths: Any, receipt_ids: Any) -> dict[str, list[tuple[str, str]]]:
+    """``{receipt id: [(typed key, created)]}`` (``receipt_keys_of``) for every id in
+    ``receipt_ids`` whose receipt is readable, from the ledger's query cache ``cache``
+    (a ``LedgerCache``); receipts it has not seen are read from ``paths.receipts`` once and
+    their keys stored. Receipts are content-addressed and never replaced, so a stored key never
+    goes stale; an unreadable receipt maps to nothing and is read again next time."""
+    known = cache.receipt_keys()
+    new: dict[str, list[tuple[str, str]] | None] = {}
+    for rid in receipt_ids:
+        if rid not in known and rid not in new:
+            new[rid] = receipt_keys_of(receipt_file(paths.receipts, rid))
+    cache.add_receipt_keys({k: v for k, v in new.items() if v is not None})
+    known.update({k: v for k, v in new.items() if v is not None})
+    return known
 
 
 def differences(planned: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:

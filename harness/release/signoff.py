@@ -44,12 +44,14 @@ from harness.contracts import discharge as dis
 from harness.contracts.loader import Contract, Obligation, load_contract
 from harness.engines.registry import resolve_engine
 from harness.errors import HarnessError, Verdict
-from harness.evidence.ledger import append_row, read_rows
+from harness.evidence.ledger import CACHE_COLUMNS, append_row
+from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import receipt_file
 from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence
 from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
-from harness.release.cells import PlanContext, Run, differences, input_key, plan_context, plan_runs, receipt_inputs, run_command
+from harness.release.cells import (PlanContext, Run, differences, known_receipt_keys, plan_context, plan_runs, receipt_inputs,
+                                   run_command, same_cell_key)
 from harness.release.manifest import Manifest
 from harness.runs.probes import covers_required
 
@@ -216,45 +218,98 @@ def _contracts(m: Manifest, so: Signoff, discharge_dir: Path | None) -> None:
 
 @dataclass
 class _Found:
+    """A standing row and its receipt: ``row`` holds the ledger columns a sign-off reads
+    (``_ROW_COLUMNS``), ``keys`` the receipt's typed keys (``cells.receipt_keys_of``: ``input``,
+    ``cell``, ``same``), ``receipts`` the folder it is in; its file (``path``) is looked up and the
+    receipt read only when a run picks it (``receipt``; None when it can no longer be read)."""
+
     row: dict[str, Any]
-    receipt: dict[str, Any]
-    path: Path
+    receipts: Path
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def path(self) -> Path:
+        """The receipt's ``.json`` (either layout, ``receipt_file``)."""
+        return receipt_file(self.receipts, self.row["receipt_id"])
+
+    @cached_property
+    def receipt(self) -> dict[str, Any] | None:
+        """The receipt's JSON, read once; None when the file cannot be read or parsed."""
+        try:
+            rec = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
 
     @cached_property
     def inputs(self) -> dict[str, Any]:
         """``receipt_inputs`` of the receipt (worked out once: every run of a sign-off asks)."""
-        return receipt_inputs(self.receipt)
-
-    @cached_property
-    def key(self) -> str:
-        return input_key(self.inputs)
+        return receipt_inputs(self.receipt or {})
 
 
-def ledger_receipts(paths: EvidencePaths) -> list[_Found]:
-    """The standing parity/probe rows of the ledger with their receipts (oldest first); a row
-    whose receipt cannot be read is left out (``harness ledger verify`` reports it)."""
-    rows = read_rows(paths.ledger)
-    superseded = {r.get("supersedes") for r in rows if r.get("kind") == "supersede"}
+_ROW_COLUMNS = ("kind", "receipt_id", "receipt_sha256", "model_sha256", "verdict")
+"""The ledger columns a sign-off reads of each standing row (from the query cache)."""
+
+
+class _Standing:
+    """The standing rows of some kinds with their receipts (``ledger_receipts``), indexed by each
+    typed key, oldest first: ``by(kind, key)``."""
+
+    def __init__(self, found: list[_Found]):
+        self.found = found
+        self.index: dict[tuple[str, str], list[_Found]] = {}
+        for f in found:
+            for kind, key in f.keys.items():
+                self.index.setdefault((kind, key), []).append(f)
+
+    def by(self, kind: str, key: str | None) -> list[_Found]:
+        """The receipts whose ``kind`` key is ``key``, oldest row first."""
+        return self.index.get((kind, key), []) if key else []
+
+    def of_receipt(self, rid: str | None) -> _Found | None:
+        """The newest standing row naming receipt ``rid``."""
+        return next((f for f in reversed(self.found) if f.row["receipt_id"] == rid), None)
+
+
+def _newest_readable(fs: list[_Found]) -> _Found | None:
+    """The newest of ``fs`` whose receipt can still be read (``harness ledger verify`` reports the
+    others)."""
+    return next((f for f in reversed(fs) if f.receipt is not None), None)
+
+
+def ledger_receipts(paths: EvidencePaths, kinds: tuple[str, ...] = ("parity", "self-consistency", "probe")) -> _Standing:
+    """The standing rows of ``kinds`` with their receipts' keys (oldest first), from the ledger's
+    query cache (``LedgerCache.standing_rows``): no row's JSON is parsed, and each receipt is read
+    once for its keys (``cells.known_receipt_keys``) and again only when a run picks it. A row
+    whose receipt cannot be read is left out (``harness ledger verify`` reports it).
+
+    Cost: the cache's columns of every standing row (SQLite, no JSON), plus one read of each
+    receipt the cache has not seen (about a millisecond each, once; a fresh clone, whose cache is
+    rebuilt, reads every standing receipt once), plus the receipts the runs pick."""
+    with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
+        rows = cache.standing_rows(kinds, _ROW_COLUMNS)
+        known = known_receipt_keys(cache, paths, [r["receipt_id"] for r in rows])
     out = []
     for r in rows:
-        if r.get("kind") not in ("parity", "self-consistency", "probe") or r.get("seq") in superseded or not r.get("receipt_id"):
+        typed = known.get(r["receipt_id"])
+        if typed is None:
             continue
-        p = receipt_file(paths.receipts, r["receipt_id"])
-        try:
-            out.append(_Found(r, json.loads(p.read_text(encoding="utf-8")), p))
-        except (OSError, ValueError):
-            continue
-    return out
+        keys = {}
+        for t, _ in typed:
+            kind, _, key = t.partition(":")
+            keys[kind] = key
+        out.append(_Found(r, paths.receipts, keys))
+    return _Standing(out)
 
 
-def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple[str, str | None]:
+def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff) -> tuple[str, str | None]:
     """The status of one run and the receipt id it used (module docstring)."""
     cmd = f"harness sweep {shlex.quote(str(m.path))}"
     label = f"{run.cell.candidate.engine} @ {run.cell.model.spec} [{run.cell.backend}] {run.kind}"
-    exact = [f for f in found if f.key == run.key]
-    swept = [f for f in found if (f.receipt.get("cell") or {}).get("key") == run.key]
+    exact = _newest_readable(found.by("input", run.key))
+    swept = None if exact else _newest_readable(found.by("cell", run.key))
     if exact or swept:
-        f = (exact or swept)[-1]
+        f = exact or swept
         so.relied_on.append({"id": f.row["receipt_id"], "sha256": f.row["receipt_sha256"]})
         if not exact:  # made for this cell, but the engine reported other inputs (class, backend)
             diff = differences(run.inputs, f.inputs)
@@ -265,9 +320,10 @@ def _judge_run(m: Manifest, run: Run, found: list[_Found], so: Signoff) -> tuple
         fix = {OK: None, FAILED: run_command(m, run), UNMEASURED: _measure_command(run)}.get(status, cmd)
         so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}", fix))
         return status, f.row["receipt_id"]
-    same_cell = [f for f in found if _same_cell(run, f.inputs)]
-    if same_cell:
-        f = same_cell[-1]
+    same = [f for sha in dict.fromkeys((run.inputs.get("model_sha256"), run.cell.model.sha256))
+            for f in found.by("same", same_cell_key(run.inputs, sha))]
+    f = _newest_readable(sorted(same, key=lambda f: f.row["seq"]))
+    if f is not None:
         diff = differences(run.inputs, f.inputs)
         so.items.append(Item("cell", label, STALE, f"newest receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made from other "
                              f"inputs: {'; '.join(diff)}", run_command(m, run)))
@@ -280,13 +336,6 @@ def _measure_command(run: Run) -> str:
     """What measures an unmeasured calibrated tier on the model (then sweep again)."""
     return (f"harness calibrate --model {shlex.quote(run.cell.model.spec)} --class {run.cell.candidate.compute_class}; "
             f"then harness sweep again")
-
-
-def _same_cell(run: Run, got: dict[str, Any]) -> bool:
-    """A receipt of the same kind, candidate, backend and model (its sha256 now or as pinned),
-    whatever its other inputs."""
-    return (all(got.get(k) == run.inputs.get(k) for k in ("kind", "candidate", "backend"))
-            and got.get("model_sha256") in (run.inputs.get("model_sha256"), run.cell.model.sha256))
 
 
 def _receipt_status(run: Run, receipt: dict[str, Any]) -> tuple[str, str]:
@@ -314,7 +363,8 @@ def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths,
         ps, pid = _judge_run(m, parity, found, so)
         qs, qid = _judge_run(m, probe, found, so)
         for pin_version in [parity.cell.candidate.version] if parity.cell.candidate.version else []:
-            rec = next((f.receipt for f in found if f.row["receipt_id"] == pid), None)
+            picked = found.of_receipt(pid)
+            rec = picked.receipt if picked else None
             got = ((rec or {}).get("engines") or {}).get("candidate", {}).get("version")
             if rec is not None and got != pin_version:
                 so.items.append(Item("pin", f"version of {parity.cell.candidate.engine}", FAILED, f"reports version {got!r}, not {pin_version!r}"))
@@ -329,20 +379,13 @@ def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths,
 
 
 def tokenizer_rows(paths: EvidencePaths) -> list[_Found]:
-    """The standing ``tokenizer`` rows of the ledger with their receipts (oldest first); a row
-    whose receipt cannot be read is left out (``harness ledger verify`` reports it)."""
-    rows = read_rows(paths.ledger)
-    superseded = {r.get("supersedes") for r in rows if r.get("kind") == "supersede"}
-    out = []
-    for r in rows:
-        if r.get("kind") != "tokenizer" or r.get("seq") in superseded or not r.get("receipt_id"):
-            continue
-        p = receipt_file(paths.receipts, r["receipt_id"])
-        try:
-            out.append(_Found(r, json.loads(p.read_text(encoding="utf-8")), p))
-        except (OSError, ValueError):
-            continue
-    return out
+    """The standing ``tokenizer`` rows of the ledger with their receipts (oldest first), from the
+    query cache; a row whose receipt cannot be read is left out (``harness ledger verify``
+    reports it). Every standing tokenizer receipt is read (a sign-off compares their builds)."""
+    with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
+        rows = cache.standing_rows(("tokenizer",), _ROW_COLUMNS)
+    found = [_Found(r, paths.receipts) for r in rows]
+    return [f for f in found if f.receipt is not None]
 
 
 def _tokenizer(m: Manifest, ctx: PlanContext, paths: EvidencePaths, so: Signoff) -> None:

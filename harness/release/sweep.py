@@ -33,7 +33,7 @@ from harness.evidence.ledger import CACHE_COLUMNS, append_row, row_from_receipt
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import iter_receipt_files, load_receipt
 from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
-from harness.release.cells import PlanContext, Run, input_key, plan_context, plan_runs, receipt_inputs, run_command
+from harness.release.cells import PlanContext, Run, plan_context, plan_runs, receipt_keys_of, run_command
 from harness.release.manifest import Manifest
 
 ENV_PASSED = ("HARNESS_CONFIG", "HARNESS_CACHE_DIR", "HARNESS_DEBUG")
@@ -196,16 +196,17 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
     rows are those (the latest naming each receipt) of the receipts found.
 
     Each receipt is read once: its keys are kept in the ledger's query cache
-    (``LedgerCache.add_receipt_keys``; receipts are content-addressed and never replaced), so a
-    sweep over a folder of 100,000 receipts lists the folder and reads only the receipts it has
-    not seen; the rows come from the cache by receipt id, not from parsing the ledger."""
+    (``cells.receipt_keys_of``, ``LedgerCache.add_receipt_keys``; receipts are content-addressed
+    and never replaced), so a sweep over a folder of 100,000 receipts lists the folder and reads
+    only the receipts it has not seen; the rows come from the cache by receipt id, not from
+    parsing the ledger."""
     files = iter_receipt_files(paths.receipts)
     with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
         known = cache.receipt_keys()
-        new: dict[str, list[tuple[str, str]]] = {}
+        new: dict[str, list[tuple[str, str]] | None] = {}
         for p in files:
             if p.stem not in known and p.stem not in new:
-                new[p.stem] = _receipt_keys(p)
+                new[p.stem] = receipt_keys_of(p)
         cache.add_receipt_keys({k: v for k, v in new.items() if v is not None})
         known.update({k: v or [] for k, v in new.items()})
         by_key: dict[str, tuple[str, Path]] = {}
@@ -214,7 +215,10 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
             return max(cache.seqs_of_receipt(rid) or [-1])
 
         for p in files:
-            for k, created in known.get(p.stem, []):
+            for typed, created in known.get(p.stem, []):
+                kind, _, k = typed.partition(":")
+                if kind not in ("input", "cell"):
+                    continue
                 if (k not in by_key or created > by_key[k][0]
                         or (created == by_key[k][0] and seq(p.stem) >= seq(by_key[k][1].stem))):
                     by_key[k] = (created, p)
@@ -225,22 +229,6 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
             if seqs:
                 rows[rid] = cache.rows(max(seqs), max(seqs))[0]
     return found, rows
-
-
-def _receipt_keys(path: Path) -> list[tuple[str, str]] | None:
-    """``[(input key, created)]`` of one receipt file (``existing_receipts``): the key of its
-    inputs and its planned ``cell.key``; none for a calibration receipt; None for a file that
-    cannot be read (not remembered: it is read again next time)."""
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or rec.get("schema") == "harness-calibration-receipt/v1":
-        return []
-    keys = {input_key(receipt_inputs(rec))}
-    if isinstance(rec.get("cell"), dict) and isinstance(rec["cell"].get("key"), str):
-        keys.add(rec["cell"]["key"])
-    return [(k, str(rec.get("created"))) for k in sorted(keys)]
 
 
 def _adopt(paths: EvidencePaths, path: Path) -> dict[str, Any]:
