@@ -123,6 +123,8 @@ from harness.runs.calibrate.plan import (  # noqa: F401  (re-exported: harness.r
     _lowp,
     _oracle,
     _transformers,
+    optional_skips,
+    usable,
     have_torch,
 )
 
@@ -141,7 +143,7 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
     if unknown:  # before any model is opened or measured
         raise InvalidInput(f"unknown mutant {unknown[0]!r}; mutants: {', '.join(MUTANTS)}")
     use_torch = plan.include_transformers and have_torch()
-    skipped = [] if use_torch else ["transformers (every class): the hf extra (torch) is not installed"]
+    skipped = optional_skips(plan.include_transformers)
     models: list[ModelMeasurement] = []
     for spec in plan.models():
         tokens = plan.max_tokens if spec in (plan.base_model, plan.moe_model, *dict(plan.floor_models)) else plan.ladder_max_tokens
@@ -151,19 +153,19 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
             skipped.append(f"{spec}: {e}")
     if not models or models[0].spec != plan.base_model:
         raise InvalidInput(f"calibration needs its base model {plan.base_model}")
-    goods = [p for mm in models for p in measure_goods(mm, plan.classes_for(mm.spec), use_torch, log)]
+    goods = [p for mm in models for p in measure_goods(mm, plan.classes_for(mm.spec), plan.include_transformers, log)]
     rows, row_skips = rows_from_goods(goods, plan.classes, use_torch)
     skipped += row_skips
     base = models[0]
     moe = next((mm for mm in models if mm.spec == plan.moe_model), None)
-    probes = probe_floors(base.path, [r["class"] for r in rows if r["weights"] == "F32"] or ["f32"], use_torch, log, extra=True)
+    probes = probe_floors(base.path, [r["class"] for r in rows if r["weights"] == "F32"] or ["f32"], plan.include_transformers, log, extra=True)
     localization, oracle_acts = localization_bounds(base.path, base.prompts[0][:96])
     p64 = probes.get("f64", probes.get("f32"))
     ptol = ProbeTolerance(min_cosine=p64["min_cosine"]["value"], max_kld=p64["max_kld"]["value"])
     bads, mut_skips = measure_mutants(plan, base, moe, ptol, localization, oracle_acts, log)
     skipped += mut_skips
     matrix = {b.label: caught(b, r["gates"]) for b in bads if (r := _f32_row(rows, "f64", b)) is not None}
-    ex = moe_excursions(dict.fromkeys([moe.spec, *EXCURSION_MODELS[1:]]), probes["f32"], use_torch, log) if moe is not None and "f32" in probes else None
+    ex = moe_excursions(dict.fromkeys([moe.spec, *EXCURSION_MODELS[1:]]), probes["f32"], plan.include_transformers, log) if moe is not None and "f32" in probes else None
     return CalibrationResult(goods, bads, rows, probes, localization, matrix, class_detection(bads, rows, probes), skipped,
                              consistency_problems(goods, bads, rows, probes), ex)
 
@@ -191,13 +193,14 @@ def calibrate_subject(spec: str, compute_class: str, max_tokens: int = 128, use_
     """
     if compute_class not in CLASS_MEMBERS:
         raise InvalidInput(f"unknown compute class {compute_class!r}; classes: {', '.join(COMPUTE_CLASSES)}")
+    use_optional = True if use_torch is None else use_torch
     use_torch = have_torch() if use_torch is None else use_torch
     if any(c in NEEDS_REAL_ENGINE for c in CLASS_MEMBERS[compute_class]) and not use_torch:
         raise InvalidInput(f"measuring class {compute_class} needs a real engine of that class beside the emulation "
                            "(transformers): pip install -e .[hf]")
     mm = open_for_calibration(spec, max_tokens)
-    goods = measure_goods(mm, [compute_class], use_torch, log)
-    probes = probe_floors(mm.path, [compute_class], use_torch, log)[compute_class]
+    goods = measure_goods(mm, [compute_class], use_optional, log)
+    probes = probe_floors(mm.path, [compute_class], use_optional, log)[compute_class]
     gates = propose(goods)
     n = sum(g.n for g in goods)
     basis = {name: {"value": v["value"], "basis": _basis("harness calibrate --model " + spec + " --class " + compute_class, max(n, 1), spec,
@@ -207,7 +210,7 @@ def calibrate_subject(spec: str, compute_class: str, max_tokens: int = 128, use_
                                                           "the class engines' own split/decode floor on the subject.")} for name, v in probes.items()}
     row = Row(mm.weights, compute_class, (mm.dims,), basis, pbasis, f"measured on the subject ({spec})", mm.file_type,
               max_tokens=max_tokens)
-    return SubjectCalibration(row, goods, mm, [] if use_torch else ["transformers: the hf extra is not installed"])
+    return SubjectCalibration(row, goods, mm, optional_skips(use_optional))
 
 
 def calibrate_probes(base_model: str, moe_model: str | None, classes: Sequence[str], use_torch: bool | None = None,
@@ -220,9 +223,9 @@ def calibrate_probes(base_model: str, moe_model: str | None, classes: Sequence[s
     unknown = [c for c in classes if c not in CLASS_MEMBERS]
     if unknown:
         raise InvalidInput(f"unknown compute class {unknown[0]!r}; classes: {', '.join(COMPUTE_CLASSES)}")
-    use_torch = have_torch() if use_torch is None else use_torch
-    probes = probe_floors(resolve_model(base_model), list(dict.fromkeys([*classes, "f32"])), use_torch, log, extra=True)
-    ex = moe_excursions(list(dict.fromkeys([moe_model, *EXCURSION_MODELS[1:]])), probes["f32"], use_torch, log) if moe_model else None
+    use_optional = True if use_torch is None else use_torch
+    probes = probe_floors(resolve_model(base_model), list(dict.fromkeys([*classes, "f32"])), use_optional, log, extra=True)
+    ex = moe_excursions(list(dict.fromkeys([moe_model, *EXCURSION_MODELS[1:]])), probes["f32"], use_optional, log) if moe_model else None
     return {c: v for c, v in probes.items() if c in classes}, ex
 
 
@@ -253,8 +256,8 @@ def calibrate_topk(k: int, classes: Sequence[str] = TOPK_CLASSES, models: Sequen
     goods: list[PairStats] = []
     for mm in mms:
         for cls in classes:
-            for label, make, needs_torch in KNOWN_GOOD[cls]:
-                if needs_torch and not use_torch:
+            for label, make, module in KNOWN_GOOD[cls]:
+                if not usable(module, use_torch):
                     continue
                 log(f"  good top-{k} ({cls}): {label} vs llama.cpp on {mm.spec}")
                 p = measure_topk_pair(f"{label} vs llama.cpp", True, mm.spec, mm.ref, make(mm.path), mm.prompts, k)

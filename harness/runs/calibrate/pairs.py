@@ -27,6 +27,7 @@ from harness.runs.calibrate.plan import (
     CalibrationPlan,
     _llama,
     _oracle,
+    usable,
 )
 
 
@@ -216,8 +217,9 @@ def open_for_calibration(spec: str, max_tokens: int | None) -> ModelMeasurement:
     return ModelMeasurement(spec, path, m.weights_key, m.file_type, dims, _prompts(path, max_tokens), CachedReference(LlamaCppEngine(path)))
 
 
-def measure_goods(mm: ModelMeasurement, classes: Sequence[str], use_torch: bool, log: Callable[[str], None]) -> list[PairStats]:
-    """Every known-good engine of the member classes of ``classes`` on one model."""
+def measure_goods(mm: ModelMeasurement, classes: Sequence[str], use_optional: bool, log: Callable[[str], None]) -> list[PairStats]:
+    """Every known-good engine of the member classes of ``classes`` on one model (the optional
+    ones, transformers and mlx, with ``use_optional`` where their extra is installed: ``usable``)."""
     from harness.measure.near_ties import cuts_apply
     from harness.model.gguf_model import GGUFModel
 
@@ -227,8 +229,8 @@ def measure_goods(mm: ModelMeasurement, classes: Sequence[str], use_torch: bool,
     excuses = release_excuses(hp, log)
     out = []
     for cls in wanted:
-        for label, make, needs_torch in KNOWN_GOOD[cls]:
-            if needs_torch and not use_torch:
+        for label, make, module in KNOWN_GOOD[cls]:
+            if not usable(module, use_optional):
                 continue
             log(f"  good ({cls}): {label} vs llama.cpp on {mm.spec}")
             p = measure_pair(f"{label} vs llama.cpp", True, mm.spec, mm.ref, make(mm.path), mm.prompts,
@@ -239,14 +241,14 @@ def measure_goods(mm: ModelMeasurement, classes: Sequence[str], use_torch: bool,
     return out
 
 
-def _probe_engines(classes: Sequence[str], use_torch: bool) -> dict[str, list[tuple[str, Callable[[Path], Any]]]]:
+def _probe_engines(classes: Sequence[str], use_optional: bool) -> dict[str, list[tuple[str, Callable[[Path], Any]]]]:
     """The engines whose self-consistency sets each member class's probe floor: the class's
     known-good engines (llama.cpp at n_ubatch 7 and at 1 thread among the f32 ones: a thread
     count changes its decode numerics), and llama.cpp at its defaults for ``f32``."""
     engines: dict[str, list[tuple[str, Callable[[Path], Any]]]] = {"f32": [("llama.cpp", lambda p: _llama(p))]}
     for cls, goods in KNOWN_GOOD.items():
         engines.setdefault(cls, [])
-        engines[cls] += [(label, make) for label, make, needs_torch in goods if use_torch or not needs_torch]
+        engines[cls] += [(label, make) for label, make, module in goods if usable(module, use_optional)]
     needed = {c for k in classes for c in CLASS_MEMBERS[k]}
     return {c: e for c, e in engines.items() if c in needed}
 
@@ -289,7 +291,7 @@ def _measured(label: str, make: Callable[[Path], Any], path: Path, decode_tokens
         return None
 
 
-def probe_floors(path: Path, classes: Sequence[str], use_torch: bool, log: Callable[[str], None],
+def probe_floors(path: Path, classes: Sequence[str], use_optional: bool, log: Callable[[str], None],
                  decode_tokens: int | None = None, extra: bool = False) -> dict[str, dict[str, dict[str, Any]]]:
     """Probe tolerances per class (``propose_probes``) from the class engines' own split and
     decode floor on one model, measured as ``harness probe`` runs them: the shipped prompts
@@ -305,7 +307,7 @@ def probe_floors(path: Path, classes: Sequence[str], use_torch: bool, log: Calla
     prompts = _prompts(path, None)
     extras = _extra_floor_models(path) if extra else []
     floors: dict[str, tuple[int, dict[str, tuple[float, float]], list[str]]] = {}
-    for cls, engs in _probe_engines(classes, use_torch).items():
+    for cls, engs in _probe_engines(classes, use_optional).items():
         where = [("", path, prompts)] + ([(f" on {spec}", p, None) for spec, p in extras] if cls in EXTRA_FLOOR_CLASSES else [])
         per: dict[str, tuple[float, float]] = {}
         n = 0
@@ -333,7 +335,7 @@ def probe_floors(path: Path, classes: Sequence[str], use_torch: bool, log: Calla
     return out
 
 
-def moe_excursions(specs: Sequence[str], bounds: dict[str, dict[str, Any]], use_torch: bool, log: Callable[[str], None],
+def moe_excursions(specs: Sequence[str], bounds: dict[str, dict[str, Any]], use_optional: bool, log: Callable[[str], None],
                    decode_tokens: int | None = None) -> dict[str, Any]:
     """The excursion allowance of probes on MoE models: on each MoE model of ``specs``, every f32
     probe engine's split and decode comparisons (``_self_comparisons``) counted for positions
@@ -347,7 +349,7 @@ def moe_excursions(specs: Sequence[str], bounds: dict[str, dict[str, Any]], use_
     decode_tokens = decode_tokens or DECODE_TOKENS
     tol = ProbeTolerance(min_cosine=bounds["min_cosine"]["value"], max_kld=bounds["max_kld"]["value"])
     counts, n, low, skipped = {}, 0, 1.0, []
-    for spec, (label, make) in ((s_, e) for s_ in specs for e in _probe_engines(["f32"], use_torch)["f32"]):
+    for spec, (label, make) in ((s_, e) for s_ in specs for e in _probe_engines(["f32"], use_optional)["f32"]):
         label = f"{label} on {spec}"
         comps = _measured(f"MoE router excursions: {label}", make, resolve_model(spec), decode_tokens, log)
         if comps is None:

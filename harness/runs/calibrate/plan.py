@@ -4,6 +4,8 @@ gate as declared). Part of ``harness.runs.calibrate``; its module docstring stat
 
 from __future__ import annotations
 
+import importlib.util
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -118,16 +120,62 @@ def _transformers(dtype):
     return make
 
 
-KNOWN_GOOD: dict[str, list[tuple[str, Callable[[Path], Any], bool]]] = {
-    "f64": [("oracle", _oracle, False)],
-    "f32": [("llama.cpp n_ubatch=7", lambda p: _llama(p, n_ubatch=7), False),
-            ("llama.cpp n_threads=1", lambda p: _llama(p, n_threads=1), False),
-            ("transformers float32", _transformers("float32"), True)],
-    "bf16": [("oracle-bf16", _lowp("bf16"), False), ("transformers bfloat16", _transformers("bfloat16"), True)],
-    "f16": [("oracle-f16", _lowp("f16"), False), ("transformers float16", _transformers("float16"), True)],
+def _mlx(dtype: str) -> Callable[[Path], Any]:
+    def make(path: Path) -> Any:
+        from harness.engines.mlx_engine import load_mlx
+
+        return load_mlx(path, dtype=dtype)
+    return make
+
+
+KNOWN_GOOD: dict[str, list[tuple[str, Callable[[Path], Any], str | None]]] = {
+    "f64": [("oracle", _oracle, None)],
+    "f32": [("llama.cpp n_ubatch=7", lambda p: _llama(p, n_ubatch=7), None),
+            ("llama.cpp n_threads=1", lambda p: _llama(p, n_threads=1), None),
+            ("transformers float32", _transformers("float32"), "torch")],
+    "bf16": [("oracle-bf16", _lowp("bf16"), None), ("transformers bfloat16", _transformers("bfloat16"), "torch")],
+    "f16": [("oracle-f16", _lowp("f16"), None), ("transformers float16", _transformers("float16"), "torch")],
 }
-"""Compute class → known-good engines of that class: (label, factory(path), needs the hf extra).
-``llama.cpp`` at default settings is the reference itself; its variants are the f32 engines."""
+"""Compute class → known-good engines of that class: (label, factory(path), the module its extra
+provides: ``torch`` for the ``hf`` extra's transformers, ``mlx_lm`` for the ``mlx`` extra (``_mlx``;
+the state rows' engines, ``state.STATE_KNOWN_GOOD``, include it); None for an engine that is
+always there). ``llama.cpp`` at default settings is the reference itself; its variants are the
+f32 engines. An engine whose extra is not installed is left out and named (``optional_skips``),
+never silently."""
+
+
+OPTIONAL_EXTRAS = {"torch": "hf", "mlx_lm": "mlx"}
+"""The module an optional known-good engine needs → the extra that installs it."""
+
+
+def have_module(module: str | None) -> bool:
+    """Whether an optional engine's module can be imported (None: always); nothing is imported."""
+    if module is None:
+        return True
+    if module == "torch":
+        return have_torch()
+    return importlib.util.find_spec(module) is not None
+
+
+def usable(module: str | None, use_optional: bool) -> bool:
+    """Whether a known-good engine needing ``module`` runs: always for None, else when optional
+    engines are wanted (``use_optional``: calibrate's default; ``CalibrationPlan.include_transformers``)
+    and ``module`` is installed."""
+    return module is None or (use_optional and have_module(module))
+
+
+def optional_skips(use_optional: bool) -> list[str]:
+    """One line per optional known-good engine family left out, naming why (the extra to install)."""
+    out = []
+    for module, extra in OPTIONAL_EXTRAS.items():
+        labels = sorted({label.split()[0] for goods in KNOWN_GOOD.values() for label, _, m in goods if m == module})
+        if not labels:
+            continue
+        if not use_optional:
+            out.append(f"{', '.join(labels)} (every class): optional engines were not asked for")
+        elif not have_module(module):
+            out.append(f"{', '.join(labels)} (every class): the {extra} extra ({module}) is not installed")
+    return out
 
 
 CLASS_MEMBERS = {"f64": ("f64",), "f32": ("f32",), "bf16": ("bf16",), "f16": ("f16",), "mixed": ("f32", "bf16", "f16")}

@@ -23,7 +23,6 @@ rows of the same key and keeps every other number as it is.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,7 +33,7 @@ from harness.errors import HarnessError, InvalidInput
 from harness.measure import metrics
 from harness.runs.calibrate.document import _basis, merge_rows
 from harness.runs.calibrate.fit import propose_probes
-from harness.runs.calibrate.plan import CalibrationRefused, _llama, _lowp, _oracle, _transformers
+from harness.runs.calibrate.plan import CalibrationRefused, _llama, _lowp, _mlx, _oracle, _transformers, have_module
 
 STATE_TOKENS = 256
 """Tokens the state probe feeds (the rows' ``max_tokens``): on ``fixture:state-qwen35`` a state
@@ -49,14 +48,6 @@ by chance."""
 
 STATE_TRUNK_MUTANTS = ("ssm-state-reset", "conv-state-dropped")
 """Trunk mutants whose fault is between calls, measured as known-bad beside the precision mutants."""
-
-
-def _mlx(dtype: str) -> Callable[[Path], Any]:
-    def make(path: Path) -> Any:
-        from harness.engines.mlx_engine import load_mlx
-
-        return load_mlx(path, dtype=dtype)
-    return make
 
 
 STATE_KNOWN_GOOD: dict[str, list[tuple[str, Callable[[Path], Any], str | None]]] = {
@@ -99,10 +90,6 @@ class StateCalibration:
     rows: list[dict[str, Any]]
     skipped: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-
-
-def _have(module: str | None) -> bool:
-    return module is None or importlib.util.find_spec(module) is not None
 
 
 def state_tokens(path: Path, n: int = STATE_TOKENS) -> list[int]:
@@ -178,7 +165,7 @@ def calibrate_state(classes: Sequence[str] = tuple(STATE_KNOWN_GOOD), max_tokens
     for cls in classes:
         goods[cls] = []
         for label, make, module in STATE_KNOWN_GOOD[cls]:
-            if not _have(module):
+            if not have_module(module):
                 skipped.append(f"{label} ({cls}): its extra is not installed (no module {module})")
                 log(f"  skipped: {skipped[-1]}")
                 continue
