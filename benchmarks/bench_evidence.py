@@ -27,6 +27,8 @@ hard-linked array sidecar. Then, at that size, side by side:
 - the verify and show operations are timed in this process, and each command once more in a
   fresh process (``*_cli_s``), beside the start of a bare ``harness --help``
   (``cli_start_s``: interpreter start and imports, which every command pays);
+- the query cache rebuilt from the ledger (what the first command on a fresh clone pays: the cache
+  is git-ignored), at the end;
 - bytes per cell: the newest receipt's JSON and its deflated sidecar, and the disk the receipts
   take.
 
@@ -56,6 +58,7 @@ from _grow_ledger import grow  # noqa: E402
 from harness.evidence import ledger as L  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from harness.evidence.ledger_cache import LedgerCache, cache_path  # noqa: E402
 from harness.evidence.ledger_view import LedgerView  # noqa: E402
 from harness.evidence.receipts import iter_receipt_files, load_receipt, receipt_file, write_receipt  # noqa: E402
 from harness.evidence.record import evidence_paths, record_evidence  # noqa: E402
@@ -193,6 +196,10 @@ def measure(out: dict, lp: Path, rec, arrays) -> dict:
     out["bytes_json"], out["bytes_npz"] = newest.stat().st_size, newest.with_suffix(".npz").stat().st_size
     out["receipts_disk_bytes"] = _disk_bytes(lp.parent / "receipts")
     out["ledger_bytes"] = lp.stat().st_size
+    cache_path(lp).unlink()  # a fresh clone has no query cache (git-ignored): the first command rebuilds it from the ledger
+    t = time.perf_counter()
+    LedgerCache.open(lp, L.CACHE_COLUMNS).close()
+    out["cache_rebuild_s"] = time.perf_counter() - t
     return out
 
 
