@@ -131,3 +131,20 @@ def test_merge_probe_rows_replaces_only_the_probe_numbers(tmp_path):
             assert a["probes"] == b["probes"]
     assert after["probes"]["moe_excursions"]["value"] == 9 and after["probes"]["moe_excursions"]["basis"]["known_good_floor"] == 3
     assert after["probes"]["localize_max_nmse"] == before["probes"]["localize_max_nmse"]
+
+
+def test_an_optional_known_good_engine_runs_only_where_its_extra_is_installed_and_is_named_when_left_out(monkeypatch):
+    """Every known-good engine names the module its extra provides (None: always there); one whose
+    module is missing is not measured (``usable``) and its family is named with the extra to install
+    (``optional_skips``), never silently dropped."""
+    from harness.runs.calibrate import plan
+
+    modules = {m for goods in plan.KNOWN_GOOD.values() for _, _, m in goods}
+    assert None in modules and modules - {None} <= set(plan.OPTIONAL_EXTRAS)
+    monkeypatch.setattr(plan, "have_module", lambda m: m is None)
+    assert plan.usable(None, True) and plan.usable(None, False)
+    assert not plan.usable("torch", True) and not plan.usable("torch", False)
+    assert plan.optional_skips(True) == ["transformers (every class): the hf extra (torch) is not installed"]
+    assert plan.optional_skips(False) == ["transformers (every class): optional engines were not asked for"]
+    monkeypatch.setattr(plan, "have_module", lambda m: True)
+    assert plan.usable("torch", True) and not plan.usable("torch", False) and plan.optional_skips(True) == []
