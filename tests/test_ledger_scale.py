@@ -373,8 +373,9 @@ def test_sweep_reads_each_existing_receipt_once(paths, monkeypatch):
     ledger_path, receipts_dir, _ = paths
     rows = [append_measured(ledger_path, receipts_dir, seed) for seed in range(3)]
     read = []
-    real = S.receipt_keys_of
-    monkeypatch.setattr(S, "receipt_keys_of", lambda p: read.append(p.stem) or real(p))
+    from harness.release import cells as C
+    real = C.receipt_keys_of
+    monkeypatch.setattr(C, "receipt_keys_of", lambda p: read.append(p.stem) or real(p))
     found, by_id = S.existing_receipts(evidence_paths(ledger_path))
     assert sorted(read) == sorted(r["receipt_id"] for r in rows)
     def read_all():  # what reading every receipt gives: the latest receipt of each key

@@ -30,14 +30,14 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from harness.judge.calibrated import find_recorded
 from harness.runs.inputs import resolve_inputs, resolve_thresholds_path
 from harness.measure.prompts import load_prompt_set
 from harness.engines.registry import engine_build_id
 from harness.errors import HarnessError
-from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json, receipt_file
+from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
 from harness.provenance import numbers_sha256, sha256_bytes, sha256_file
 from harness.release.manifest import PROBE_NAMES, CandidatePin, Manifest, ModelPin
 
@@ -231,19 +231,21 @@ def receipt_keys_of(path: Path) -> list[tuple[str, str]] | None:
     return [(k, str(rec.get("created"))) for k in sorted(keys)]
 
 
-def known_receipt_keys(cache: Any, paths: Any, receipt_ids: Any) -> dict[str, list[tuple[str, str]]]:
-    """``{receipt id: [(typed key, created)]}`` (``receipt_keys_of``) for every id in
-    ``receipt_ids`` whose receipt is readable, from the ledger's query cache ``cache``
-    (a ``LedgerCache``); receipts it has not seen are read from ``paths.receipts`` once and
-    their keys stored. Receipts are content-addressed and never replaced, so a stored key never
-    goes stale; an unreadable receipt maps to nothing and is read again next time."""
+def known_receipt_keys(cache: Any, receipt_ids: Iterable[str], path_of: Callable[[str], Path]) -> dict[str, list[tuple[str, str]]]:
+    """``{receipt id: [(typed key, created)]}`` (``receipt_keys_of``) of every receipt the
+    ledger's query cache ``cache`` (a ``LedgerCache``) has seen, and of every id in
+    ``receipt_ids`` it had not: those are read once from ``path_of(id)`` and their keys stored.
+    Receipts are content-addressed and never replaced, so a stored key never goes stale; an
+    unreadable receipt maps to nothing and is read again next time. What ``sweep`` (ids from
+    the receipts folder) and ``signoff`` (ids of the standing rows) both use."""
     known = cache.receipt_keys()
     new: dict[str, list[tuple[str, str]] | None] = {}
     for rid in receipt_ids:
         if rid not in known and rid not in new:
-            new[rid] = receipt_keys_of(receipt_file(paths.receipts, rid))
-    cache.add_receipt_keys({k: v for k, v in new.items() if v is not None})
-    known.update({k: v for k, v in new.items() if v is not None})
+            new[rid] = receipt_keys_of(path_of(rid))
+    read = {k: v for k, v in new.items() if v is not None}
+    cache.add_receipt_keys(read)
+    known.update(read)
     return known
 
 

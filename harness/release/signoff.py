@@ -288,7 +288,7 @@ def ledger_receipts(paths: EvidencePaths, kinds: tuple[str, ...] = ("parity", "s
     rebuilt, reads every standing receipt once), plus the receipts the runs pick."""
     with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
         rows = cache.standing_rows(kinds, _ROW_COLUMNS)
-        known = known_receipt_keys(cache, paths, [r["receipt_id"] for r in rows])
+        known = known_receipt_keys(cache, [r["receipt_id"] for r in rows], lambda rid: receipt_file(paths.receipts, rid))
     out = []
     for r in rows:
         typed = known.get(r["receipt_id"])

@@ -33,7 +33,7 @@ from harness.evidence.ledger import CACHE_COLUMNS, append_row, row_from_receipt
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import iter_receipt_files, load_receipt
 from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
-from harness.release.cells import PlanContext, Run, plan_context, plan_runs, receipt_keys_of, run_command
+from harness.release.cells import PlanContext, Run, known_receipt_keys, plan_context, plan_runs, run_command
 from harness.release.manifest import Manifest
 
 ENV_PASSED = ("HARNESS_CONFIG", "HARNESS_CACHE_DIR", "HARNESS_DEBUG")
@@ -196,19 +196,14 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
     rows are those (the latest naming each receipt) of the receipts found.
 
     Each receipt is read once: its keys are kept in the ledger's query cache
-    (``cells.receipt_keys_of``, ``LedgerCache.add_receipt_keys``; receipts are content-addressed
+    (``cells.known_receipt_keys``, ``LedgerCache.add_receipt_keys``; receipts are content-addressed
     and never replaced), so a sweep over a folder of 100,000 receipts lists the folder and reads
     only the receipts it has not seen; the rows come from the cache by receipt id, not from
     parsing the ledger."""
     files = iter_receipt_files(paths.receipts)
     with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
-        known = cache.receipt_keys()
-        new: dict[str, list[tuple[str, str]] | None] = {}
-        for p in files:
-            if p.stem not in known and p.stem not in new:
-                new[p.stem] = receipt_keys_of(p)
-        cache.add_receipt_keys({k: v for k, v in new.items() if v is not None})
-        known.update({k: v or [] for k, v in new.items()})
+        by_id = {p.stem: p for p in files}
+        known = known_receipt_keys(cache, by_id, by_id.__getitem__)
         by_key: dict[str, tuple[str, Path]] = {}
 
         def seq(rid: str) -> int:  # a tie in ``created`` (one second) goes to the later ledger row
