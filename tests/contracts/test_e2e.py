@@ -202,7 +202,8 @@ def test_probe_state(request, candidate_engine, harness_model_path, where):
     th = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml")
     row, why = th.resolve_state(subject_of(GGUFModel(harness_model_path), candidate_engine.info.to_dict()))
     if row is None:
-        pytest.skip(f"no state row for {candidate_engine.info.name}'s class: {why} (harness calibrate --state)")
+        pytest.skip(f"no state row for {candidate_engine.info.name}'s class: {why} (measure one with: harness calibrate --state); "
+                    "checked on candidates whose class has one: pytest tests/contracts --candidate oracle")
     tol = ProbeTolerance(min_cosine=float(row.gates["min_cosine"]["value"]), max_kld=float(row.gates["max_kld"]["value"]))
     n = min(int(row.max_tokens), STATE_BOUND_TOKENS)
     r = probe_state(candidate_engine, state_tokens(Path(harness_model_path), n), tol, Path(harness_model_path).name)
