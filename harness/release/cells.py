@@ -213,8 +213,8 @@ def receipt_keys_of(path: Path) -> list[tuple[str, str]] | None:
     """``[(typed key, created)]`` of one parity or probe receipt file: ``input:`` + the key of the
     inputs it was made from (``input_key(receipt_inputs(...))``), ``cell:`` + its planned
     ``cell.key`` when a sweep made it, ``same:`` + ``same_cell_key``; ``created`` is the receipt's
-    time. None for a calibration receipt and for a file that cannot be read (the caller does not
-    remember those: it reads them again next time). What the ledger's query cache keeps per
+    time. ``[]`` for a calibration receipt (it has no key); None for a file that cannot be read
+    (the caller does not remember those: it reads them again next time). What the ledger's query cache keeps per
     receipt (``LedgerCache.add_receipt_keys``), so ``sweep`` and ``signoff`` read a receipt once."""
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
