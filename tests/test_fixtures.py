@@ -164,3 +164,28 @@ def test_fixture_names_resolve_and_unknown_is_invalid():
     assert resolve_model("fixture:tiny-qwen35") == fx.build("tiny-qwen35")
     with pytest.raises(InvalidInput, match="unknown fixture 'nope'.*tiny-qwen35"):
         resolve_model("fixture:nope")
+
+
+def test_layer_gain_scales_only_the_block_matrices_and_keeps_the_stream():
+    """``layer_gain`` multiplies each block matrix ``_matrix`` draws (projections, FFN, experts,
+    the nextn block's) and nothing else: norms, ``ssm_a``/``ssm_dt``/``ssm_conv1d``, routers and
+    the global tensors are bit-identical, and every scaled one is exactly the gain times the
+    unscaled draw, so the RNG stream is the same (a gain applied inside the draw, or a draw
+    skipped or added, would break both)."""
+    from dataclasses import replace
+
+    for name, ffn in (("tiny-qwen35-mtp", "ffn_down"), ("tiny-qwen35moe", "ffn_down_exps")):
+        base = fx.SPECS[name]
+        a = fx.make_tensors(base, 300)
+        b = fx.make_tensors(replace(base, layer_gain=0.5), 300)
+        assert a.keys() == b.keys()
+        scaled = {n for n in a if not np.array_equal(a[n], b[n])}
+        for n in scaled:
+            np.testing.assert_array_equal(b[n], (a[n] * np.float32(0.5)).astype(np.float32), err_msg=n)
+        must = {"blk.0.ssm_out.weight", "blk.0.attn_qkv.weight", "blk.3.attn_q.weight", "blk.3.attn_output.weight",
+                f"blk.0.{ffn}.weight"} | ({"blk.8.nextn.eh_proj.weight"} if base.n_layer_nextn else set())
+        never = {"token_embd.weight", "output.weight", "output_norm.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias",
+                 "blk.0.ssm_conv1d.weight", "blk.0.attn_norm.weight", "blk.3.attn_q_norm.weight"}
+        never |= {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight"} if base.n_expert else set()
+        assert must <= scaled, must - scaled
+        assert never <= set(a) and not never & scaled, never & scaled
