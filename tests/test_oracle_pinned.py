@@ -64,26 +64,38 @@ def sha(a: np.ndarray) -> str:
 
 
 def cpu_model() -> str:
-    """The processor's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or ``unknown``."""
+    """The processor as ``/proc/cpuinfo`` names it: model name, then family, model and cache size
+    where given (``AMD EPYC f26 m2 1024 KB``; ``platform.processor()`` elsewhere), or ``unknown``.
+    A virtual machine may report a bare ``AMD EPYC`` for every generation: the Haswell kernel on
+    an ``AMD EPYC`` of family 26 gave other float64 last bits than on the ``AMD EPYC`` the first
+    such digests came from (its blocking follows the caches), so the name alone is not a key."""
     import platform
     import re
 
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        name = m.group(1) if m else platform.processor()
+            info = f.read()
     except OSError:
-        name = platform.processor()
-    return " ".join((name or "unknown").split())
+        return " ".join((platform.processor() or "unknown").split())
+
+    def field(key: str) -> str | None:
+        m = re.search(rf"^{key}\s*:\s*(.+)$", info, re.M)
+        return " ".join(m.group(1).split()) if m else None
+
+    name = field("model name") or platform.processor() or "unknown"
+    family, model, cache = field("cpu family"), field("model"), field("cache size")
+    extra = " ".join(x for x in (family and f"f{family}", model and f"m{model}", cache) if x)
+    return " ".join(f"{name} {extra}".split())
 
 
 def blas_kernel() -> str:
-    """The BLAS kernel NumPy runs and the processor it runs on, e.g. ``openblas-Haswell@AMD EPYC``
-    (threadpoolctl, ``cpu_model``): one OpenBLAS kernel gives other last bits on another processor
-    (its blocking follows the caches: the Haswell kernel on an AMD EPYC is not bit-identical to it
-    on the machine the first Haswell digests came from), so digests are matched per kernel and
-    processor. Keys recorded before the processor was part of them (no ``@``) are kept but match
-    nothing."""
+    """The BLAS kernel NumPy runs and the processor it runs on, e.g. ``openblas-Haswell@AMD EPYC
+    f26 m2 1024 KB`` (threadpoolctl, ``cpu_model``): one OpenBLAS kernel gives other last bits on
+    another processor (its blocking follows the caches: the Haswell kernel on an AMD EPYC is not
+    bit-identical to it on the machine the first Haswell digests came from), so digests are matched
+    per kernel and processor. Keys recorded before the processor was part of them (no ``@``), or
+    before its family, model and cache size were (``@AMD EPYC``), are kept but match nothing: on
+    those machines the sample check runs."""
     from threadpoolctl import threadpool_info
 
     blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
