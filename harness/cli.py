@@ -744,7 +744,10 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         click.echo(f"wrote {out}")
         from pathlib import Path
 
-        Path(matrix_out).write_text(matrix_markdown(res, command))
+        from harness.runs.calibrate.document import kept_matrix_sections
+
+        old = Path(matrix_out).read_text(encoding="utf-8", errors="replace") if Path(matrix_out).is_file() else ""
+        Path(matrix_out).write_text(matrix_markdown(res, command, kept_matrix_sections(old)))
         click.echo(f"wrote {matrix_out}")
 
 

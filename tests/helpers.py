@@ -115,3 +115,14 @@ def write_qwen35_tokenizer_folder(gguf_path: str | Path, out_dir: str | Path) ->
         "clean_up_tokenization_spaces": False, "model_max_length": 262144, "tokenizer_class": "Qwen2Tokenizer"}, indent=1))
     (out / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
     return out
+
+
+def unscaled_twin(name: str, folder: Path) -> Path:
+    """Fixture ``name`` drawn with ``layer_gain`` and ``qk_norm_gain`` 1, written under ``folder``:
+    the trunk-only twin of the MTP and lint fixtures, which are drawn from the unscaled tiny shape
+    (``tiny-qwen35`` and ``tiny-qwen35moe`` themselves are scaled to peaked logits)."""
+    from dataclasses import replace
+
+    from harness.fixtures import synthetic as fx
+
+    return fx.build_fixture(replace(fx.SPECS[name], layer_gain=1.0, qk_norm_gain=1.0), folder / f"{name}-unscaled.gguf")

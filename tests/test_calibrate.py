@@ -3,6 +3,8 @@ refusals, and a thresholds document that validates."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -144,7 +146,25 @@ def test_an_optional_known_good_engine_runs_only_where_its_extra_is_installed_an
     monkeypatch.setattr(plan, "have_module", lambda m: m is None)
     assert plan.usable(None, True) and plan.usable(None, False)
     assert not plan.usable("torch", True) and not plan.usable("torch", False)
-    assert plan.optional_skips(True) == ["transformers (every class): the hf extra (torch) is not installed"]
-    assert plan.optional_skips(False) == ["transformers (every class): optional engines were not asked for"]
+    assert not plan.usable("mlx_lm", True)
+    assert plan.optional_skips(True) == ["transformers (every class): the hf extra (torch) is not installed",
+                                         "mlx (every class): the mlx extra (mlx_lm) is not installed"]
+    assert plan.optional_skips(False) == ["transformers (every class): optional engines were not asked for",
+                                          "mlx (every class): optional engines were not asked for"]
+    assert {label for goods in plan.KNOWN_GOOD.values() for label, _, m in goods if m == "mlx_lm"} == {
+        "mlx float32", "mlx bfloat16", "mlx float16"}
     monkeypatch.setattr(plan, "have_module", lambda m: True)
     assert plan.usable("torch", True) and not plan.usable("torch", False) and plan.optional_skips(True) == []
+
+
+def test_the_matrix_page_keeps_the_sections_calibration_does_not_write():
+    """A full calibration rewrites the mutant × class table of docs/gates-matrix.md and keeps every
+    section after it (the MTP, speculative and precision mutants', each measured by its own
+    command) as it was; a page without such sections keeps nothing."""
+    from harness.runs.calibrate.document import kept_matrix_sections
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "gates-matrix.md").read_text(encoding="utf-8")
+    kept = kept_matrix_sections(page)
+    assert kept.startswith("\n## ") and "Precision mutants" in kept and "MTP draft-head mutants" in kept
+    assert "| mutant | f64 |" not in kept
+    assert kept_matrix_sections("# title\n\n| a | b |\n") == ""

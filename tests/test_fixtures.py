@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from harness.fixtures import synthetic as fx
 from harness.fixtures.resolve import resolve_model
 from harness.model.gguf_model import GGUFModel
 from harness.provenance import sha256_file
+from helpers import unscaled_twin
 
 
 def test_same_seed_same_sha256(tmp_path):
@@ -81,8 +84,10 @@ def test_moe_fixture_shapes():
     assert m.tensor_info("blk.0.ffn_gate_inp_shexp.weight").ne == (64,)
 
 
-def test_mtp_fixtures_share_the_trunk():
-    base = GGUFModel(fx.build("tiny-qwen35"))
+def test_mtp_fixtures_share_the_trunk(tmp_path):
+    """The MTP fixtures and the declared-absent defect are the unscaled tiny shape plus a block:
+    their trunk tensors are tiny-qwen35's drawn with gains 1 (``tests.helpers.unscaled_twin``)."""
+    base = GGUFModel(unscaled_twin("tiny-qwen35", tmp_path))
     mtp = GGUFModel(fx.build("tiny-qwen35-mtp"))
     absent = GGUFModel(fx.build("mtp-declared-absent"))
     assert mtp.hparams.n_layer_all == 9 and mtp.hparams.n_layer_nextn == 1
@@ -99,10 +104,11 @@ OWN_HEAD = ("blk.8.nextn.embed_tokens.weight", "blk.8.nextn.shared_head_head.wei
 
 
 @pytest.mark.parametrize("name", sorted(MTP_FIXTURES))
-def test_mtp_fixture_is_its_twin_plus_a_nextn_block_like_a_real_file(name):
-    """Every trunk tensor is bit-identical to the trunk-only twin's; the only extra tensors are
-    blk.8's; the head norm is there, stored shifted like the other norms (mean ≈ 1, not ≈ 0)."""
-    twin, mtp = GGUFModel(fx.build(MTP_FIXTURES[name])), GGUFModel(fx.build(name))
+def test_mtp_fixture_is_its_twin_plus_a_nextn_block_like_a_real_file(name, tmp_path):
+    """Every trunk tensor is bit-identical to the trunk-only twin's (the unscaled tiny shape); the
+    only extra tensors are blk.8's; the head norm is there, stored shifted like the other norms
+    (mean ≈ 1, not ≈ 0)."""
+    twin, mtp = GGUFModel(unscaled_twin(MTP_FIXTURES[name], tmp_path)), GGUFModel(fx.build(name))
     extra = set(mtp.tensor_names) - set(twin.tensor_names)
     assert set(twin.tensor_names) <= set(mtp.tensor_names) and extra and all(n.startswith("blk.8.") for n in extra)
     for n in twin.tensor_names:
@@ -175,7 +181,7 @@ def test_layer_gain_scales_only_the_block_matrices_and_keeps_the_stream():
     from dataclasses import replace
 
     for name, ffn in (("tiny-qwen35-mtp", "ffn_down"), ("tiny-qwen35moe", "ffn_down_exps")):
-        base = fx.SPECS[name]
+        base = replace(fx.SPECS[name], layer_gain=1.0)
         a = fx.make_tensors(base, 300)
         b = fx.make_tensors(replace(base, layer_gain=0.5), 300)
         assert a.keys() == b.keys()
@@ -189,3 +195,56 @@ def test_layer_gain_scales_only_the_block_matrices_and_keeps_the_stream():
         never |= {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight"} if base.n_expert else set()
         assert must <= scaled, must - scaled
         assert never <= set(a) and not never & scaled, never & scaled
+
+
+RANDOM_FIXTURE_SHA256 = {
+    "tiny-qwen35": "490a5f4c8b1347d292b8f93e7912f0f218f7205de59b4fad2c84f769f3a4d25d",
+    "tiny-qwen35moe": "e7117d38fef5d6edb964128a0a2bf010fad3c42fe20a555fed926ad23c472e96",
+}
+"""The random-weight fixtures sign-offs and CI judge engines on, pinned: a change to their bytes moves
+every calibrated row measured on them (thresholds.yaml basis_models) and must come with a
+re-calibration and ``GENERATOR_VERSION`` bumped."""
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FIXTURE_SHA256))
+def test_random_fixtures_are_pinned_and_match_the_rows_measured_on_them(name):
+    from harness.judge.thresholds import load_thresholds
+
+    sha = sha256_file(fx.build(name))
+    assert sha == RANDOM_FIXTURE_SHA256[name], f"fixture:{name} is {sha}: re-calibrate and re-pin it"
+    th = load_thresholds(Path(__file__).resolve().parents[1] / "thresholds.yaml")
+    basis = {m["sha256"] for r in th.rows for m in r.basis_models if m["name"] == f"fixture:{name}"}
+    assert basis == {sha}, f"thresholds.yaml rows name fixture:{name} at {basis}, not the fixture built here ({sha})"
+
+
+@pytest.mark.parametrize("name, gain", [("tiny-qwen35", 0.7), ("tiny-qwen35moe", 0.6)])
+def test_random_fixtures_keep_a_bf16_engine_above_the_release_floor(name, gain, tmp_path):
+    """The random fixtures' logits are peaked as a trained model's, so bf16 rounding does not move
+    them below the release floor: oracle-bf16 against the exact oracle over two shipped prompts
+    (``numbers``, 101 tokens, and ``code-python``, 122) stays at cosine >= 0.99 (measured: 0.9989 on
+    tiny-qwen35, 0.9948 on tiny-qwen35moe; docs/gates.md, "Random fixtures"). The same shape
+    drawn unscaled (``layer_gain`` and ``qk_norm_gain`` 1, the fixture before the change) is flat
+    and falls below 0.98 on them (0.941 and 0.902), so the check fails if the gains are lost."""
+    from dataclasses import replace
+
+    from harness.engines.base import gather
+    from harness.engines.oracle import load_oracle
+    from harness.engines.oracle.lowp import load_lowp_oracle
+    from harness.engines.llamacpp import LlamaCppEngine
+    from harness.measure.metrics import cosine
+    from harness.measure.prompts import load_prompt_set, tokenize_prompts
+
+    spec = fx.SPECS[name]
+    assert (spec.layer_gain, spec.qk_norm_gain) == (gain, 2.0)
+    path = fx.build(name)
+    prompts = tokenize_prompts(load_prompt_set(None), LlamaCppEngine(path))
+    ids = [p.tokens for p in prompts if p.id in ("numbers", "code-python")]
+    assert len(ids) == 2, [p.id for p in prompts]
+
+    def worst(p: Path) -> float:
+        exact, bf16 = load_oracle(p), load_lowp_oracle(p, "bf16")
+        return min(float(cosine(gather(exact.logits(t)), gather(bf16.logits(t))).min()) for t in ids)
+
+    assert worst(path) >= 0.99
+    flat = fx.build_fixture(replace(spec, layer_gain=1.0, qk_norm_gain=1.0), tmp_path / "flat.gguf")
+    assert worst(flat) < 0.98

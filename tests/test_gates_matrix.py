@@ -1,6 +1,7 @@
 """The known-good matrix: every known-good engine of every class × every shipped file type (dense
-and MoE) PASSes against llama.cpp under the committed thresholds, and gates calibrated without a
-model give no FAIL on it (held out). Slow and needs the hf extra (transformers):
+and MoE) and the two random-weight fixtures sign-offs and CI run (``tiny-qwen35``,
+``tiny-qwen35moe``) PASSes against llama.cpp under the committed thresholds, and gates calibrated
+without a model give no FAIL on it (held out). Slow and needs the hf extra (transformers):
 
     pip install -e .[hf] && pytest -m "slow and hf" tests/test_gates_matrix.py
 """
@@ -17,15 +18,24 @@ from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import Verdict
 from harness.fixtures import synthetic as fx
 from harness.runs.calibrate import KNOWN_GOOD
+from harness.runs.calibrate.plan import OPTIONAL_EXTRAS, have_module
 from harness.judge.thresholds import load_thresholds
 from harness.model.gguf_model import GGUFModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]
 REPO = Path(__file__).resolve().parents[1]
 _COMMITTED = fx.trained_fixtures()
-MODELS = ["trained-qwen35", "trained-qwen35moe"] + [b for b in fx.LADDER_BASES if b in _COMMITTED] + [
+MODELS = ["trained-qwen35", "trained-qwen35moe", "tiny-qwen35", "tiny-qwen35moe"] + [b for b in fx.LADDER_BASES if b in _COMMITTED] + [
     n for n, (base, _) in fx.TRAINED_LADDER.items() if base in _COMMITTED]
-ENGINES = [(cls, label, make) for cls, goods in KNOWN_GOOD.items() for label, make, _ in goods]
+ENGINES = [(cls, label, make, module) for cls, goods in KNOWN_GOOD.items() for label, make, module in goods]
+
+
+def _needs(module):
+    """Skip, naming the extra, when an optional known-good engine's module is not installed (the
+    matrix itself runs under the hf marker, so torch is asked for every engine)."""
+    pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
+    if module is not None and not have_module(module):
+        pytest.skip(f"{module} is not installed: pip install -e .[{OPTIONAL_EXTRAS[module]}]")
 
 
 def _judge(model: str, make, thresholds: Path):
@@ -43,19 +53,19 @@ def _judge(model: str, make, thresholds: Path):
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("cls, label, make", ENGINES, ids=[e[1] for e in ENGINES])
-def test_known_good_engines_pass_on_every_file_type(model, cls, label, make):
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("cls, label, make, module", ENGINES, ids=[e[1] for e in ENGINES])
+def test_known_good_engines_pass_on_every_file_type(model, cls, label, make, module):
+    _needs(module)
     res, resolved = _judge(model, make, REPO / "thresholds.yaml")
     assert resolved.row is not None, f"{label} on {model}: no calibrated row ({resolved.row_misfit})"
     assert res.verdict is Verdict.PASS, f"{label} ({cls}) on {model}: {res.message}"
 
 
-@pytest.mark.parametrize("cls, label, make", ENGINES, ids=[e[1] for e in ENGINES])
-def test_held_out_model_gives_no_fail(cls, label, make):
+@pytest.mark.parametrize("cls, label, make, module", ENGINES, ids=[e[1] for e in ENGINES])
+def test_held_out_model_gives_no_fail(cls, label, make, module):
     """trained-qwen35-heldout (another seed) is in no row's basis: the committed F32 rows, measured
     without it, judge it, and no known-good engine FAILs."""
-    pytest.importorskip("torch")
+    _needs(module)
     if "trained-qwen35-heldout" not in fx.trained_fixtures():
         pytest.fail("the held-out fixture trained-qwen35-heldout is not committed")
     th = load_thresholds(REPO / "thresholds.yaml")

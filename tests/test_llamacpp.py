@@ -11,6 +11,7 @@ from harness.engines.base import gather
 from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from harness.errors import EngineError
 from harness.fixtures import synthetic as fx
+from helpers import unscaled_twin
 from harness.model.gguf_model import GGUFModel, parse_overrides
 
 TOKENS = list(range(30, 130))
@@ -43,10 +44,10 @@ def test_mtp_declared_absent_is_refused_quoting_llama_cpp():
         gather(LlamaCppEngine(fx.build("mtp-declared-absent")).logits(TOKENS))
 
 
-def test_mtp_declared_absent_with_remedy_equals_trunk_twin_bit_for_bit():
+def test_mtp_declared_absent_with_remedy_equals_trunk_twin_bit_for_bit(tmp_path):
     remedy = parse_overrides(["qwen35.block_count=int:8", "qwen35.nextn_predict_layers=int:0"])
     fixed = gather(LlamaCppEngine(fx.build("mtp-declared-absent"), remedy).logits(TOKENS))
-    twin = gather(LlamaCppEngine(fx.build("tiny-qwen35")).logits(TOKENS))
+    twin = gather(LlamaCppEngine(unscaled_twin("tiny-qwen35", tmp_path)).logits(TOKENS))
     assert fixed.dtype == twin.dtype == np.float32
     np.testing.assert_array_equal(fixed, twin)
 

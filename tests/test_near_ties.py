@@ -324,3 +324,17 @@ def test_calibration_measures_a_known_good_moe_pair_up_to_its_flip_and_reads_the
     assert whole.n == 1026 and whole.kld_mean > 10 * cut.kld_mean  # the flip is what widened a row measured whole
     measure_pair("oracle", True, MOE, cached, resolve_engine("oracle", path), toks, flips)
     assert len(cached.acts) == 1  # the reference's router logits read once for both pairs
+
+
+def test_first_flip_refuses_an_engine_without_activations_with_a_value_error():
+    """mlx-lm exposes no activations: calibration's router-flip cut must get the ValueError it
+    handles (the prompt measured whole), not an AttributeError that ends the whole calibration."""
+
+    class Reference:
+        def activations(self, tokens, names=()):
+            raise AssertionError("not asked: the candidate is refused first")
+
+    with pytest.raises(ValueError, match="the candidate exposes no activations"):
+        near_ties.first_flip(Reference(), object(), [1, 2, 3], 4, 2)
+    with pytest.raises(ValueError, match="the reference exposes no activations"):
+        near_ties.first_flip(object(), Reference(), [1, 2, 3], 4, 2)

@@ -303,7 +303,10 @@ def first_flip(reference: Any, candidate: Any, tokens: Sequence[int], n_layer: i
     activations), or ``(None, nan)`` when they agree everywhere. For calibration, where both
     engines are known-good and may be asked; a parity candidate is never trusted this way
     (``router_cuts``). Raises ``EngineError`` from an engine and ``ValueError`` when one gives
-    no router logits."""
+    no router logits or has no ``activations`` at all (mlx-lm exposes none)."""
+    for who, engine in (("reference", reference), ("candidate", candidate)):
+        if not callable(getattr(engine, "activations", None)):
+            raise ValueError(f"the {who} exposes no activations")
     names = router_names(n_layer)
     toks = list(tokens)
     ra = reference.activations(toks, names=names)

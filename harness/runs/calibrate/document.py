@@ -180,9 +180,23 @@ def thresholds_document(res: CalibrationResult, command: str, commit: str | None
     return doc
 
 
-def matrix_markdown(res: CalibrationResult, command: str) -> str:
+MATRIX_KEPT_FROM = "\n## "
+"""Where the sections of docs/gates-matrix.md that the full calibration does not measure start (the
+MTP, speculative and precision mutants' tables, each measured by its own command and named there):
+``matrix_markdown`` keeps them as they are."""
+
+
+def kept_matrix_sections(old: str) -> str:
+    """The part of an existing matrix page (``old``: its text, "" when there is none) from its first
+    second-level heading on: the sections a full calibration does not write, kept verbatim."""
+    at = old.find(MATRIX_KEPT_FROM)
+    return "" if at < 0 else old[at:]
+
+
+def matrix_markdown(res: CalibrationResult, command: str, kept: str = "") -> str:
     """The per-class detection matrix as Markdown: each mutant caught (by which gates) or below
-    the class floor, per class, with its numbers (``class_detection``)."""
+    the class floor, per class, with its numbers (``class_detection``), then ``kept``
+    (``kept_matrix_sections`` of the page it replaces)."""
     classes = list(res.class_matrix)
     lines = ["# Mutants × compute classes: caught, or below the class floor", "",
              f"Written by `{command}` ({datetime.date.today().isoformat()}). Each mutant runs against llama.cpp on the F32 trained",
@@ -192,7 +206,7 @@ def matrix_markdown(res: CalibrationResult, command: str) -> str:
              "| mutant | " + " | ".join(classes) + " |", "|---|" + "---|" * len(classes)]
     for b in res.bads:
         lines.append(f"| `{b.label}` | " + " | ".join(res.class_matrix[c].get(b.label, "-") for c in classes) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + kept
 
 
 HEADER = (
