@@ -205,7 +205,9 @@ def test_a_known_good_f32_engine_passes_where_a_router_near_tie_moves_the_rest_o
     cand = LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))
     without, _ = _judged(model, ref, cand, prompts, cuts_on=False)
     assert without.verdict is Verdict.FAIL and "KLD mean ≤" in without.gate["calibrated"]["line"]
-    assert [c["ok"] for c in without.gate["calibrated"]["checks"]] == [False, False, False]  # cosine, KLD mean, KLD p99
+    # KLD mean and p99 fail; the cosine bound of the F32 MoE f32 row (0.99907) is set by llama.cpp's own
+    # router flip on trained-qwen35moe-256-F32 (docs/gates.md), so the cosine check alone may pass
+    assert [c["ok"] for c in without.gate["calibrated"]["checks"]][1:] == [False, False]
     res, cuts = _judged(model, ref, cand, prompts)
     assert res.verdict is Verdict.PASS, res.message
     (cut,) = cuts.cuts
@@ -249,30 +251,27 @@ def test_the_receipt_records_the_cut(tmp_path, moe_prose):
     assert rc["router_max_gap"] == 1e-3 and rc["cuts"][0]["position"] == 336 and rc["positions"] == rc["cuts"][0]["positions_cut"]
 
 
-# ------------------------------------------------- the release gate on a quantized MoE file
-MOE_IQ4 = "trained-qwen35moe-256-IQ4_XS"
-
-
-def test_the_exact_oracle_passes_a_quantized_moe_file_where_one_position_is_at_a_router_near_tie(tmp_path):
-    """On IQ4_XS, llama.cpp's quantized activations move its router logits; at one of 1,479
-    positions the exact oracle keeps another expert and falls below 0.98 (cosine 0.9765, llama.cpp's
-    router gap 0.026). The release gate excuses it, names it, and the receipt keeps it."""
-    out = run_parity(ParityRequest(model=f"fixture:{MOE_IQ4}", candidate="oracle", ledger=str(tmp_path / "ledger.jsonl"),
-                                   greedy_tokens=0))
-    assert out.result.verdict is Verdict.PASS, out.result.message
-    rel = load_receipt(out.receipt_path).receipt["gated"]["release"]
-    (e,) = rel["router_excuses"]["excused"]
-    assert e["cosine"] < 0.98 and e["router_gap"] <= 0.05 and rel["router_excuses"]["router_max_gap"] == 0.05
-    assert f"{e['prompt']!r} position {e['position']}" in rel["line"] and rel["status"] == "ok"
-    assert out.result.per_position["cosine"].size == 1479 and out.result.gate["failing_positions"] == 0
-
-
-def test_an_moe_fault_whose_positions_below_the_floor_are_all_near_tied_is_caught_by_the_calibrated_tier(tmp_path):
-    out = run_parity(ParityRequest(model=f"fixture:{MOE_IQ4}", candidate="mutant:moe-weights-unnormalized",
+# ------------------------------------------------- the release gate's near-tie excuses
+def test_the_release_gate_names_each_position_it_excuses_and_the_receipt_keeps_them(tmp_path):
+    """On the F32 trained MoE model, mutant:moe-weights-unnormalized falls below 0.98 at 12 positions;
+    9 of them are where llama.cpp's own router is near-tied (gap <= 0.05), within the 1 % share, and
+    are excused, named on the release line (the first five, then how many more) and kept in the
+    receipt; the 3 others still fail the
+    release gate, and the calibrated tier fails it too (KLD mean). (On the first 256-wide MoE file a
+    correct engine needed such an excuse on IQ4_XS; on the file as retrained none does.)"""
+    out = run_parity(ParityRequest(model=f"fixture:{MOE}", candidate="mutant:moe-weights-unnormalized",
                                    ledger=str(tmp_path / "ledger.jsonl"), greedy_tokens=0))
     assert out.result.verdict is Verdict.FAIL
     gate = out.result.gate
-    assert gate["release"]["status"] == "ok" and gate["release"]["router_excuses"]["positions"] >= 1
+    rel = load_receipt(out.receipt_path).receipt["gated"]["release"]
+    excused = rel["router_excuses"]["excused"]
+    assert len(excused) == rel["router_excuses"]["positions"] == 9 and rel["router_excuses"]["router_max_gap"] == 0.05
+    for e in excused:
+        assert e["cosine"] < 0.98 and e["router_gap"] <= 0.05
+    for e in excused[:5]:  # the line names the first five, then how many more
+        assert f"{e['prompt']!r} position {e['position']}" in rel["line"]
+    assert "and 4 more" in rel["line"]
+    assert rel["status"] == "fail" and "(3 below)" in rel["line"]
     assert gate["calibrated"]["status"] == "fail" and "KLD mean" in gate["calibrated"]["line"]
 
 

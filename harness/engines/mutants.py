@@ -387,9 +387,11 @@ class FinalNormShiftMissing(_WeightFault):
 
 class Nondeterministic(_MutantBase):
     """Run-to-run nondeterministic reductions (thread-count or atomic-order dependent sums),
-    modelled as relative noise of 1e-6 on ``linear_attn_out`` from an unseeded generator."""
+    modelled as relative noise of 1e-6 on ``linear_attn_out``. The generator is seeded once per
+    process, so two runs in one process differ (what the determinism probe sees) while a process's
+    sequence of draws, and so what the other probes measure, is reproducible."""
 
-    _rng = np.random.default_rng()
+    _rng = np.random.default_rng(20261202)
 
     def gated_delta_net(self, il, w, x, state, emit):
         def fault(name, il_, v, seen):
@@ -440,7 +442,9 @@ _M = [
            ("QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001"),
            QKNormSkipped),
     Mutant("rope-full-head", "rope over the full head instead of n_rot", RopeFullHead.__doc__,
-           ("QHF-EQ-007", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           # not QE2E-REL-007: on the peaked tiny-qwen35 its cosine stays above the release floor; the
+           # calibrated tier catches it
+           ("QHF-EQ-007", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001"),
            RopeFullHead),
     Mutant("q-gate-split-halves", "query/gate split as halves instead of interleaved per head", QGateSplitHalves.__doc__,
            ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
@@ -477,7 +481,8 @@ _M = [
            ("GDN-EQV-008", "QE2E-EQV-003", "QE2E-PAR-001", "QE2E-REL-007", "QE2E-PRB-005", "QE2E-STATE-009", "QMTP-SPEC-005"),
            GdnChunkStateNotCarried),
     Mutant("gdn-read-before-decay", "delta rule reads the state before decaying it", GdnReadBeforeDecay.__doc__,
-           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           # not QE2E-REL-007: above the release floor on the peaked tiny-qwen35, caught by the calibrated tier
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001"),
            GdnReadBeforeDecay),
     Mutant("gdn-state-per-k-head", "DeltaNet state kept per key head instead of per value head", GdnStatePerKHead.__doc__,
            ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
@@ -498,7 +503,9 @@ _M = [
            ("QHF-CON-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
            ResidualAfterNorm),
     Mutant("nondeterministic", "run-to-run nondeterministic reduction", Nondeterministic.__doc__,
-           ("QE2E-DET-002", "QE2E-PRB-005", "QE2E-PRB-006"),  # the pieces probes see it at the f64 step (PROBE_MIN_STEP)
+           # the determinism probe's to catch: on the peaked tiny-qwen35 the split and decode probes see
+           # KLD 2e-10 to 5e-10 from it, below the f64 step (PROBE_MIN_STEP, 1e-9)
+           ("QE2E-DET-002",),
            Nondeterministic),
     Mutant("moe-weights-unnormalized", "MoE top-k weights not renormalized", MoeWeightsUnnormalized.__doc__,
            ("QHF-MOE-010",),
