@@ -11,6 +11,8 @@ from typing import Iterable, Mapping
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+MAX_TRACKED_BYTES = 10 * 2**20
+"""The most bytes a file git tracks may have (tests/test_tracked_sizes.py, tests/test_trained_mtp.py)."""
 
 
 def repo_copy(tmp_path: Path, contracts: Iterable[str] = ()) -> Path:

@@ -24,9 +24,9 @@ from harness.fixtures.mtp_training import SPECS
 from harness.model.gguf_model import GGUFModel
 from harness.model.lint import lint_path
 from harness.provenance import sha256_file
+from helpers import MAX_TRACKED_BYTES
 
 HEADS = {"trained-qwen35-mtp": "trained-qwen35-mtp-head", "trained-qwen35moe-mtp": "trained-qwen35moe-mtp-head"}
-MAX_TRACKED_BYTES = 10 * 2**20  # every tracked file ≤ 10 MiB
 MIN_ACCEPTANCE = 0.30  # a trained head; the untrained start (eh_proj = [I/2 | I/2], B = the trunk's last attention layer) drafts 0.13
 
 # Unseen Python source (written for this test), as tests/test_trained_fixtures.py uses.
