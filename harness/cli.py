@@ -485,7 +485,7 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--candidate", default=None, help="Engine to probe (default oracle).")
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
-@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, speculative).")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, state, speculative).")
 @click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
               help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")
 @click.option("--prompts", default=None, type=click.Path())

@@ -174,6 +174,19 @@ def test_cli_probe_only_judges_what_it_names(tmp_path):
     assert "UNMEASURED: named probes not measured: ubatch" in r.stdout
 
 
+def test_probe_help_names_every_probe():
+    """``harness probe --help`` lists every name ``--only`` accepts (the state probe was once missing)."""
+    from click.testing import CliRunner
+
+    from harness.cli import cli
+    from harness.runs.probes import PROBE_NAMES
+
+    r = CliRunner().invoke(cli, ["probe", "--help"], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    listed = " ".join(r.output.split()).split("Run only these probes (")[1].split(")")[0]
+    assert [n.strip() for n in listed.split(",")] == list(PROBE_NAMES)
+
+
 def test_cli_probe_failure_is_a_reproducer(tmp_path):
     """A real state bug fails the split probe with what test-backend-ops would print: candidate,
     model sha256, prompt, n_tokens, the chunks of the failing split, the numbers and their bounds,

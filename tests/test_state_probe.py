@@ -68,6 +68,10 @@ def test_precision_mutants_fail_the_state_probe_naming_the_position(name):
     assert comp.first_bad_position is not None and comp.first_bad_position >= 16
     assert f"first differing position {comp.first_bad_position}," in r.summary() and STATE in r.summary()
     assert "harness probe" in (r.reproducer or "")
+    # the reproducer names the model the probe ran on (not the run's default model) and what it fed
+    sha = GGUFModel(resolve_model(STATE)).sha256
+    assert f"model {STATE} sha256 {sha[:12]}" in r.reproducer and f"n_tokens {sum(comp.chunks)}," in r.reproducer
+    assert f"--model {STATE}" in r.reproducer
 
 
 def test_precision_mutants_pass_the_default_decode_probe_at_f32():

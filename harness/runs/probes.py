@@ -64,10 +64,11 @@ default model a recurrent state rounded to bf16 every 8th call first leaves a to
 cosine 0.999999 / KLD 1e-6 at position 528; 640 leaves a margin over that. The f64 class's
 tolerance (1 − cosine 1e-8, KLD 1e-9) sees it at position 8 (``tests/test_state_faults.py``).
 Calibration measures every class's probe floor over this many decode calls (``harness calibrate
---probes``): llama.cpp's own 640-token decode drifts to 1 − cosine 5.3e-6 and KLD 3.9e-5, so the
-f32 class's tolerance (1 − cosine 1.1e-4, KLD 2e-3) is above what a bf16 or f16 state does to an
-exact engine on the default model (at most 1 − cosine 1.1e-6, KLD 8.1e-6): a known limit, stated
-in docs/engine-protocol.md."""
+--probes``): llama.cpp's own 640-token decode drifts to 1 − cosine 4.0e-7 and KLD 1.4e-5 on the
+default model (6.1e-7 on ``fixture:tiny-qwen35``; KLD 3.2e-5 at one thread), so the f32 class's
+tolerance (1 − cosine 1.3e-5, KLD 1.6e-3) is above what a bf16 or f16 state does to an exact
+engine on the default model (at most 1 − cosine 1.2e-6, KLD 8.5e-6). The state probe
+(``fixture:state-qwen35``) is what catches it; docs/engine-protocol.md states the limit."""
 
 
 @dataclass(frozen=True)
@@ -701,6 +702,9 @@ class ProbeCase:
     prompt: str
     n_tokens: int
     tokens: Sequence[int] = ()
+    model: str | None = None
+    """The model the probe loads instead of the run's (``fixture:NAME``, without the run's
+    ``--override-kv``): the state probe's ``fixture:state-qwen35``; None: the run's model."""
 
 
 def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
@@ -712,6 +716,8 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     release gate) on every prompt cycled to 1,024 tokens. ``tol`` None (no calibrated row for the
     engine's class): the toleranced probes are UNMEASURED, naming why. A top-k engine
     (capability ``topk``, an ``http:`` server) gets every probe UNMEASURED: no logits."""
+    from harness.fixtures.synthetic import STATE_FIXTURE
+
     first = max(ptoks, key=lambda p: len(p.tokens))
     main = first.tokens[:MAIN_TOKENS]
     if req.decode_tokens < 2:
@@ -730,7 +736,7 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "prefix": ProbeCase(lambda: probe_prefix(engine, main, tol), first.id, len(main)),
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
-        "state": ProbeCase(plan_state(req, inputs), "fixture:state-qwen35, every prompt cycled", 0),
+        "state": ProbeCase(plan_state(req, inputs), "every prompt, cycled", 0, model=f"fixture:{STATE_FIXTURE}"),
         "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
                                                            reference() if has_speculative(engine) else None),
                                  first.id, len(main)),
@@ -862,6 +868,13 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
         results.append(plan[n].run())
         if results[-1].verdict is Verdict.FAIL:
             case = replace(inputs.reproducer(req.candidate), prompt=plan[n].prompt, n_tokens=plan[n].n_tokens)
+            if plan[n].model:  # the probe's own model (the state fixture) and the tokens its failing comparison fed
+                from harness.fixtures.resolve import resolve_model
+                from harness.provenance import sha256_file
+
+                first = results[-1].first_failure
+                case = replace(case, model=plan[n].model, sha256=sha256_file(resolve_model(plan[n].model)), overrides=(),
+                               n_tokens=sum(first.chunks) if first is not None and first.chunks else None)
             results[-1].reproducer = probe_failure(results[-1], case, req.reference)
     verdict, message = overall_verdict(results, req.only)
     if "long" in names:
