@@ -8,6 +8,9 @@ PROBE_SEED = 20261129
 SHORT = 12  # < 64: the oracle's token-by-token delta rule
 LONG = 72  # >= 64: the chunk-parallel delta rule (one full chunk and a partial one)
 PIECES = (5, 9, 27, 31)  # LONG fed as consecutive calls, each under one chunk
+MTP_RUN = ("pytest tests/contracts/test_mtp.py tests/contracts/test_speculative.py --candidate oracle --model fixture:tiny-qwen35-mtp "
+           "(or: harness discharge contracts/qwen35-mtp-v1.yaml)")
+# the command that runs the MTP and speculative obligations: the oracle declares 'mtp' and 'speculative' only on a model with a nextn block
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

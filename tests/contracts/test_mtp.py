@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from contract_helpers import PROBE_SEED
+from contract_helpers import MTP_RUN, PROBE_SEED
 
 from harness.engines.base import gather
 from harness.measure import metrics
@@ -36,7 +36,8 @@ def tokens(harness_model_path) -> list[int]:
 @pytest.fixture(scope="module")
 def drafts(candidate_engine):
     if "mtp" not in candidate_engine.info.capabilities:
-        pytest.skip(f"{candidate_engine.info.name} does not declare 'mtp': the obligation is unmeasured for it")
+        pytest.skip(f"{candidate_engine.info.name} does not declare 'mtp' (the model needs a nextn block): the obligation is unmeasured for it; "
+                    f"checked with: {MTP_RUN}")
     return candidate_engine
 
 
@@ -83,7 +84,7 @@ def test_chunked_prefill_equals_whole(drafts, tokens, where, tolerance):
     """QMTP-CHUNK-003: draft logits with the prompt fed as PIECES equal the prompt fed whole."""
     tol = tolerance("QMTP-CHUNK-003")
     if "chunks" not in drafts.info.capabilities:
-        pytest.skip("the candidate does not declare 'chunks'")
+        pytest.skip(f"the candidate does not declare 'chunks'; checked with: {MTP_RUN}")
     whole = drafts.draft(tokens).logits
     pieces = drafts.draft(tokens, PIECES).logits
     worst = _min_cosine(whole, pieces)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from contract_helpers import PROBE_SEED
+from contract_helpers import MTP_RUN, PROBE_SEED
 
 from harness.runs.probes import SPEC_NEAR_TIE, SPEC_TOKENS, _spec_checked, compare_speculative, has_speculative
 from harness.engines.base import last_row
@@ -33,7 +33,8 @@ def prompts(harness_model_path) -> tuple[list[int], list[int]]:
 @pytest.fixture(scope="module")
 def spec(candidate_engine):
     if not has_speculative(candidate_engine):
-        pytest.skip(f"{candidate_engine.info.name} does not declare 'speculative' and 'generate': the obligation is unmeasured for it")
+        pytest.skip(f"{candidate_engine.info.name} does not declare 'speculative' and 'generate' (the model needs a nextn block): "
+                    f"the obligation is unmeasured for it; checked with: {MTP_RUN}")
     return candidate_engine
 
 
@@ -61,7 +62,7 @@ def test_speculative_equals_plain_greedy_chunked(spec, prompts, where):
 def test_sequences_generated_together_equal_plain(spec, prompts, where):
     """QMTP-ROLL-006: two sequences generated together, draft_max 2."""
     if not callable(getattr(spec, "speculative_multi", None)):
-        pytest.skip("the candidate has no speculative_multi")
+        pytest.skip(f"the candidate has no speculative_multi; checked with: {MTP_RUN}")
     pair = [prompts[0][:48], prompts[1][:48]]
     outs = spec.speculative_multi(pair, SPEC_TOKENS, draft_max=2)
     assert len(outs) == 2, f"{len(outs)} continuations for 2 sequences ({where})"
