@@ -485,7 +485,7 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--candidate", default=None, help="Engine to probe (default oracle).")
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
 @click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
-@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, state, speculative).")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, state, serving, speculative).")
 @click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
               help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")
 @click.option("--prompts", default=None, type=click.Path())
@@ -500,8 +500,10 @@ def _with_progress(fn, quiet: bool = False):
 @click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
               help="mlx candidate: load this transformers folder instead of converting the GGUF.")
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
+@click.option("--scenarios", default=None, type=click.Path(),
+              help="Serving probe: a scenario file (harness-serving-scenarios/v1; default: the shipped set, docs/engine-protocol.md \"Op serve\").")
 def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, mlx_folder,
-          no_calibrate) -> None:
+          no_calibrate, scenarios) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured, or with --only every named probe passes; 1: a probe
     failed; 5: a required or named probe unmeasured)."""
@@ -513,7 +515,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
                        measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
-                       **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
+                       scenarios=scenarios, **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,22 +65,24 @@ from harness.engines.process import (
 )
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
-from harness.rundir import scratch_dir
+from harness.rundir import run_dir, scratch_dir
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
 RENDER_MAX_BYTES = 1 << 20
 """The largest ``rendered.txt`` (op ``render``) read: a rendered conversation is a prompt, not a corpus."""
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative", "serve")
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
 V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "rendered.txt",
-            "speculative.json")
+            "speculative.json", "serve.json", "serve_logits.npy")
 """The files a protocol-2 reply may name (each in the request's ``out_dir``): ``draft_logits.npy``
 and ``hidden.npy`` answer op ``draft`` (capability ``mtp``), ``rendered.txt`` op ``render``
 (capability ``chat_template``), ``speculative.json`` a speculative ``generate`` (capability
-``speculative``)."""
+``speculative``), ``serve.json`` and ``serve_logits.npy`` op ``serve`` (capability ``serve``)."""
+SERVE_JSON_MAX_BYTES = 16 << 20
+"""The largest ``serve.json`` (op ``serve``) read: a step log and token lists, not logits."""
 SETTINGS = ("n_ubatch",)
 """Settings a request may carry (``with_settings``), sent as ``settings`` in protocol 2."""
 INFO_MAX_BYTES = 1 << 20
@@ -711,6 +714,25 @@ class CommandEngine:
                 "session": {"id": str(session), "parent": parent, "after": int(after), "checkpoints": [int(k) for k in checkpoints]}}
         yield from self._v2_logits(body, len(tokens))
 
+    def serve(self, scenario: Any) -> Any:
+        """Op ``serve`` (capability ``serve``; docs/engine-protocol.md, "Op serve"): the whole
+        ``harness.engines.serving.ServeScenario`` in one request, answered with ``serve.json`` (per
+        request its prompt, tokens, slot, cached prefix tokens and rows; the step log) and
+        ``serve_logits.npy``. Returns the ``ServeResult`` (content checked by
+        ``check_serve_result`` in the probe). Raises ``EngineError``."""
+        self._need("serve")
+        if self.spec.protocol != 2:
+            raise EngineError(f"{self.who}: op serve needs protocol = 2")
+        keep = Path(tempfile.mkdtemp(dir=run_dir())) / "serve_logits.npy"
+        with self._exchange({"op": "serve", "tokens": [], "chunks": None, "want": ["logits"], **scenario.to_json()}) as (out_dir, tail):
+            return _serve_reply(self, out_dir, tail, scenario, keep)
+
+    def restart(self) -> None:
+        """Start the engine's process afresh for its next request (the serving probe's solo runs
+        run on a freshly started engine); protocol 1 starts one per request anyway."""
+        if self.spec.protocol == 2:
+            self._server().close()
+
     def drop_sessions(self) -> None:
         """Ask the engine to free every session it keeps (capability ``prefix_reuse`` or
         ``speculative``, whose requests may keep sessions too)."""
@@ -718,6 +740,34 @@ class CommandEngine:
             self._need("prefix_reuse")
         with self._exchange({"op": "drop", "sessions": None}):
             pass
+
+
+def _serve_reply(engine: "CommandEngine", out_dir: Path, tail: str, scenario: Any, keep: Path) -> Any:
+    """Read op ``serve``'s reply in ``out_dir`` (``serve.json``, optionally ``serve_logits.npy``,
+    moved to ``keep`` so its rows can be read after the request's folder is removed); returns a
+    ``harness.engines.serving.ServeResult``. Raises ``EngineError`` for a missing, oversized or
+    malformed file."""
+    from harness.engines.serving import parse_serve_reply
+
+    path = _required_output(out_dir, "serve.json", engine.who, tail)
+    if path.stat().st_size > SERVE_JSON_MAX_BYTES:
+        raise EngineError(f"{engine.who} wrote a serve.json over {SERVE_JSON_MAX_BYTES >> 20} MiB", tail)
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise EngineError(f"{engine.who} wrote a serve.json that is not UTF-8 JSON", tail) from None
+    rows_of = None
+    if (out_dir / "serve_logits.npy").exists():
+        n_rows = sum(int(r.get("logits", {}).get("rows", 0)) for r in doc.get("requests", []) if isinstance(r, dict)
+                     and isinstance(r.get("logits"), dict) and isinstance(r["logits"].get("rows"), int)) if isinstance(doc, dict) else 0
+        shutil.move(str(_required_output(out_dir, "serve_logits.npy", engine.who, tail)), keep)
+        arr = load_matrix(keep.parent, keep.name, engine.who, n_rows, engine.n_vocab, tail, what="serve_logits.npy")
+
+        def rows_of(first: int, n: int) -> Any:
+            if first < 0 or first + n > n_rows:
+                raise EngineError(f"{engine.who}: serve.json names rows {first}..{first + n} of serve_logits.npy's {n_rows}")
+            return lambda a, b: npy_rows(arr, first + a, first + b)
+    return parse_serve_reply(doc, scenario, rows_of, engine.who)
 
 
 def load_command_engine(name: str, model_path: str | os.PathLike, overrides: Sequence[Override] = ()) -> CommandEngine:

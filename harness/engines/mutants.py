@@ -92,7 +92,7 @@ class _MutantBase:
     @property
     def info(self) -> EngineInfo:
         base = super().info  # type: ignore[misc]
-        m = ALL_MUTANTS[self.mutant_name]
+        m = any_mutant(self.mutant_name)
         return EngineInfo(
             name=f"mutant:{m.name}",
             version=base.version,
@@ -868,11 +868,53 @@ del _PRECISION
 ALL_MUTANTS.update(PRECISION_MUTANTS)
 
 
+# ---------------------------------------------------------------------------------------------
+# Serving faults: the oracle's arithmetic and its plain ops are untouched, so parity and every
+# probe but the serving probe pass them; one rule of the serving scheduler's state handling
+# (harness.engines.oracle.serving) is wrong. The serving probe (harness.runs.serving) must FAIL
+# each, naming scenario, request and step. Kept apart from ALL_MUTANTS until the serving contract
+# obligation exists (their ``breaks`` are empty): contract tables and calibration do not see them.
+# ---------------------------------------------------------------------------------------------
+
+
+class ServeSlotNotReset(_MutantBase):
+    """A reused slot keeps its previous request's recurrent state: a request that gets a slot
+    without a prefix-cache hit starts with an empty KV cache but with the conv and Gated DeltaNet
+    state the slot's last request left (llama.cpp #29092: a GDN state carried across requests on a
+    reused server slot; warpfront/hipfire #462; Luce-Org/lucebox PR #210)."""
+
+    serve_faults = {"slot_reset": False}
+
+
+class ServePrefixHeaderKey(_MutantBase):
+    """The prefix cache matches a kept state on the first 48 tokens (the chat template's header)
+    alone, so a prompt that shares only the header restores another prompt's state from further on
+    and skips those tokens (kekzl/imp PR #1463)."""
+
+    serve_faults = {"header_key": 48}
+
+
+SERVING_MUTANTS: dict[str, Mutant] = {m.name: m for m in [
+    Mutant("serve-slot-not-reset", "slot state not reset on reuse", ServeSlotNotReset.__doc__, (), ServeSlotNotReset),
+    Mutant("serve-prefix-header-key", "prefix-cache hit keyed on the header alone", ServePrefixHeaderKey.__doc__, (),
+           ServePrefixHeaderKey),
+]}
+"""Serving mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the ``serving`` probe and
+PASSes parity and every other probe."""
+SERVING_CAUGHT_BY: dict[str, str] = {"serve-slot-not-reset": "slot-reuse-finished", "serve-prefix-header-key": "shared-header"}
+"""Serving mutant → the first shipped scenario (``harness/data/scenarios/serving.yaml``) that fails on it."""
+
+
+def any_mutant(name: str) -> Mutant:
+    """The ``Mutant`` called ``name`` in ``ALL_MUTANTS`` or ``SERVING_MUTANTS``; ``KeyError`` if neither."""
+    return ALL_MUTANTS[name] if name in ALL_MUTANTS else SERVING_MUTANTS[name]
+
+
 def _clean_doc(doc: str | None) -> str:
     return " ".join((doc or "").replace("``", "").split())
 
 
-for _m in ALL_MUTANTS.values():
+for _m in [*ALL_MUTANTS.values(), *SERVING_MUTANTS.values()]:
     object.__setattr__(_m, "description", _clean_doc(_m.description))
 del _m
 
@@ -884,13 +926,13 @@ def mutant_class(name: str, arch: str) -> type:
 
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
-    if name not in ALL_MUTANTS:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(ALL_MUTANTS)}")
+    if name not in ALL_MUTANTS and name not in SERVING_MUTANTS:
+        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join([*ALL_MUTANTS, *SERVING_MUTANTS])}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)
     if key not in _CLASSES:
-        m = ALL_MUTANTS[name]
+        m = any_mutant(name)
         _CLASSES[key] = type(f"{m.mixin.__name__}_{arch}", (m.mixin, ORACLES[arch]), {"mutant_name": name, "__doc__": m.mixin.__doc__})
     return _CLASSES[key]
 

@@ -53,6 +53,7 @@ from harness.judge.thresholds import ResolvedThresholds
 from harness.measure import metrics
 from harness.measure.prompts import PromptTokens
 from harness.runs.inputs import RunInputs, RunRequest, engine_record
+from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, outside  # noqa: F401 (re-exported)
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -91,6 +92,8 @@ PROBES = {
     "long": ProbeKind("QE2E-PAR-001", "the first op that leaves the oracle, which harness localize with this candidate and model names"),
     "state": ProbeKind("QE2E-STATE-009", "a buffer kept in too narrow a format: the recurrent state rounded (e.g. to bf16) between "
                        "calls, or attention computed in bf16 in multi-token calls, while the engine declares a wider class"),
+    "serving": ProbeKind(None, "the engine's serving state handling: a reused slot, a prefix-cache hit, a sequence joining a running "
+                         "batch or a continued conversation hands a request another request's state, or the wrong position's"),
     "speculative": ProbeKind("QMTP-SPEC-005", "the state after a verification batch is not rolled back to the last accepted token "
                              "(recurrent S, conv state or KV kept from rejected drafts), or a step reads another draft's state"),
 }
@@ -98,135 +101,6 @@ PROBES = {
 PROBE_NAMES = tuple(PROBES)
 REQUIRED_PROBES = ("split", "decode", "determinism")
 
-
-@dataclass
-class ProbeTolerance:
-    """Bounds a probe's comparison must meet: per-position cosine ≥ ``min_cosine`` and KLD ≤
-    ``max_kld`` (nats). ``exact`` demands bit-identical logits (determinism).
-
-    ``excursions``: how many positions of one comparison may leave those bounds, provided the
-    comparison's last position is back within them and none is non-finite. Zero on a dense model. On an MoE model
-    (``expert_count`` > 0) it is thresholds.yaml ``probes.moe_excursions``: an expert-router
-    near-tie makes a correct engine pick another expert when the same prompt is fed in other
-    pieces, which moves a burst of a few positions far past the class's bounds and then recovers
-    (llama.cpp on ``fixture:tiny-qwen35moe``: 5 positions below cosine 0.99999, the worst at 0.99864 and KLD 8.6e-3, fed one
-    token per call; on a 97-token counting prompt split anywhere before position 83, 9 positions
-    from 83 on, the worst at cosine 0.974, back within the bounds from 93). A burst ends; a state
-    fault (state dropped, reset or drifting between calls, a KV cache lost) lasts to the last
-    position, so it still fails however few positions follow the split; a fault confined to the
-    first position of each call moves every position of the decode probe, which still sees it."""
-
-    min_cosine: float = 0.99999
-    max_kld: float = 1e-4
-    exact: bool = False
-    excursions: int = 0
-
-
-@dataclass
-class Comparison:
-    """One variant compared with its baseline; ``chunks``: the piece lengths the variant was fed
-    in (None: whole); ``excursions``: positions outside the bounds that the tolerance allowed
-    (``ProbeTolerance.excursions``), so a PASS says how many it forgave."""
-
-    label: str
-    positions: int
-    ok: bool
-    min_cosine: float | None
-    max_kld: float | None
-    max_abs_diff: float | None
-    first_bad_position: int | None
-    chunks: list[int] | None = None
-    excursions: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class ProbeResult:
-    """A probe's verdict with every comparison it made; ``reason`` explains UNMEASURED/FAIL;
-    ``bounds`` states the tolerance the comparisons were held to; ``reproducer`` is the failure's
-    reproducer line when ``run_probes`` ran it (``probe_failure``)."""
-
-    name: str
-    verdict: Verdict
-    comparisons: list[Comparison] = field(default_factory=list)
-    reason: str = ""
-    reproducer: str = ""
-    bounds: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def first_failure(self) -> Comparison | None:
-        return next((c for c in self.comparisons if not c.ok), None)
-
-    def summary(self) -> str:
-        if self.verdict is Verdict.UNMEASURED:
-            return self.reason
-        f = self.first_failure
-        if f is None:
-            worst = min((c.min_cosine for c in self.comparisons if c.min_cosine is not None), default=None)
-            mk = max((c.max_kld for c in self.comparisons if c.max_kld is not None), default=None)
-            ex = sum(c.excursions for c in self.comparisons)
-            forgiven = f"; {ex} position{'s' if ex != 1 else ''} outside the bounds allowed as MoE router near-ties" if ex else ""
-            return (f"{len(self.comparisons)} comparisons; min cosine {worst:.8f}, max KLD {mk:.3g}{forgiven}" if worst is not None
-                    else f"{len(self.comparisons)} comparisons{self._acceptance()}")
-        if self.name == "speculative":  # token comparisons: the label names the case, sequence, step and token
-            return f"{f.label}{self._acceptance()}"
-        return (
-            f"{f.label}: first differing position {f.first_bad_position}, min cosine "
-            f"{f.min_cosine if f.min_cosine is None else round(f.min_cosine, 8)}, max KLD {f.max_kld if f.max_kld is None else f'{f.max_kld:.3g}'}"
-        )
-
-    def _acceptance(self) -> str:
-        """``; acceptance A/P (report-only)`` when the details hold draft counts (speculative), else ``""``."""
-        if "accepted" not in self.details or "proposed" not in self.details:
-            return ""
-        ref = (self.details.get("reference_acceptance") or {}).get("acceptance")
-        beside = f", reference {ref:.3g}" if isinstance(ref, (int, float)) else ""
-        return f"; acceptance {self.details['accepted']}/{self.details['proposed']} drafts{beside} (report-only)"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
-             "comparisons": [c.to_dict() for c in self.comparisons]}
-        d = {**d, "details": self.details} if self.details else d
-        return {**d, "reproducer": self.reproducer} if self.reproducer else d
-
-
-def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance) -> Comparison:
-    """Compare two float32 ``[T, V]`` logit arrays under ``tol`` (see ``ProbeTolerance``)."""
-    if base.shape != other.shape:
-        return Comparison(label, int(base.shape[0]), False, None, None, None, 0)
-    n = base.shape[0]
-    if tol.exact:
-        diff = np.flatnonzero(~np.all((base == other) | (np.isnan(base) & np.isnan(other)), axis=1))
-        pm = metrics.position_metrics(base, other)
-        max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
-        return Comparison(label, n, diff.size == 0, _min(pm["cosine"]), _max(pm["kld"]), max_abs, int(diff[0]) if diff.size else None)
-    pm = metrics.position_metrics(base, other)
-    bad = outside(pm, tol)
-    idx = np.flatnonzero(bad)
-    ok = idx.size == 0 or (idx.size <= tol.excursions and bool(pm["finite"].all()) and not bad[-1])
-    max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
-    return Comparison(label, n, ok, _min(pm["cosine"]), _max(pm["kld"]), max_abs, None if ok else int(idx[0]),
-                      excursions=int(idx.size) if ok else 0)
-
-
-def outside(pm: dict[str, np.ndarray], tol: ProbeTolerance) -> np.ndarray:
-    """Which positions of ``metrics.position_metrics``'s result leave ``tol``'s bounds (bool
-    ``[T]``; a non-finite position always does)."""
-    with np.errstate(invalid="ignore"):
-        return ~(pm["finite"] & (pm["cosine"] >= tol.min_cosine) & (pm["kld"] <= tol.max_kld))
-
-
-def _min(a: np.ndarray) -> float | None:
-    a = np.asarray(a, np.float64)
-    return float(np.nanmin(a)) if a.size and np.isfinite(a).any() else None
-
-
-def _max(a: np.ndarray) -> float | None:
-    a = np.asarray(a, np.float64)
-    return float(np.nanmax(a)) if a.size and np.isfinite(a).any() else None
 
 
 def _verdict(name: str, comps: list[Comparison], tol: ProbeTolerance) -> ProbeResult:
@@ -631,6 +505,8 @@ class ProbeRequest(RunRequest):
     measure_tier: MeasureTier | None = None
     candidate_settings: dict[str, Any] = field(default_factory=dict)
     decode_tokens: int = DECODE_TOKENS
+    scenarios: str | None = None
+    """The serving probe's scenario file (``--scenarios``; None: the shipped set)."""
 
 
 @dataclass
@@ -676,7 +552,7 @@ def covers_required(receipt: Mapping[str, Any]) -> list[str]:
     return [n for n in REQUIRED_PROBES if n not in measured]
 
 
-TOLERANCED = ("split", "decode", "ubatch", "multiseq", "prefix")
+TOLERANCED = ("split", "decode", "ubatch", "multiseq", "prefix", "serving")
 """Probes judged by the class's tolerances (determinism is exact; the long probe uses the release gate)."""
 
 
@@ -737,6 +613,8 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
         "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
         "state": ProbeCase(plan_state(req, inputs), "every prompt, cycled", 0, model=f"fixture:{STATE_FIXTURE}"),
+        "serving": ProbeCase(plan_serving(req, engine, reference, tol, ptoks, inputs, min_cosine),
+                             f"scenarios {req.scenarios or 'shipped'}", 0),
         "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
                                                            reference() if has_speculative(engine) else None),
                                  first.id, len(main)),
@@ -746,6 +624,20 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     if "topk" in engine.info.capabilities:  # a server (http:NAME): the probes compare logits it cannot give
         _unmeasured(cases, list(cases), f"{engine.info.name} gives top-k logprobs, not logits")
     return cases
+
+
+def plan_serving(req: ProbeRequest, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
+                 ptoks: list[PromptTokens], inputs: RunInputs, min_cosine: float) -> Callable[[], ProbeResult]:
+    """The serving probe's run (``harness.runs.serving.probe_serving``) on the scenario file of
+    ``req`` (read first, so a malformed file is refused before any engine runs: INVALID, exit 2),
+    its solo runs judged against ``reference()`` by the release gate."""
+    from harness.measure.scenarios import load_scenarios
+    from harness.runs.serving import has_serve, probe_serving
+
+    scenarios = load_scenarios(req.scenarios) if "serving" in (req.only or PROBE_NAMES) else []
+    ctx = int(inputs.model.hparams.context_length or 0) or None
+    return lambda: probe_serving(engine, ptoks, tol, scenarios, reference if has_serve(engine) else None,  # type: ignore[arg-type]
+                                 min_cosine, ctx)
 
 
 def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> None:

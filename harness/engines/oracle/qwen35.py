@@ -469,7 +469,7 @@ class Qwen35Oracle:
                 "model_sha256": self.model.sha256,
                 **({"mtp_convention": self.mtp_convention} if self.has_mtp() else {}),
             },
-            capabilities=["chunks", "activations", "generate"] + (["mtp", "speculative"] if self.has_mtp() else []),
+            capabilities=["chunks", "activations", "generate", "serve"] + (["mtp", "speculative"] if self.has_mtp() else []),
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
             compute_class="f64",
         )
@@ -534,6 +534,19 @@ class Qwen35Oracle:
         from harness.engines.oracle.session import greedy_continue
 
         return greedy_continue(self.session(), tokens, n_tokens)
+
+    serve_faults: dict[str, Any] = {}
+    """The serving scheduler's deviations (none: the correct baseline); a serving mutant sets one
+    (``harness.engines.oracle.serving.ServingScheduler``)."""
+
+    def serve(self, scenario: Any) -> Any:
+        """Run a ``harness.engines.serving.ServeScenario`` through the oracle's own scheduler
+        (capability ``serve``): slots, continuous batching, a prefix cache of states on a 64-token
+        grid, abort and continuation (``harness.engines.oracle.serving``). Returns a
+        ``ServeResult``; raises ``EngineError`` as ``session`` does."""
+        from harness.engines.oracle.serving import ServingScheduler
+
+        return ServingScheduler(self, self.serve_faults).run(scenario)
 
     # -- forward ------------------------------------------------------------------------------
     def _forward(self, tokens: Sequence[int], chunks: Sequence[int] | None, emit: _Recorder) -> np.ndarray:

@@ -1,0 +1,144 @@
+"""What every probe returns: its tolerance, each comparison it made and its result
+(``harness.runs.probes`` runs the self-consistency probes, ``harness.runs.serving`` the serving
+probe; both build on these types, so neither imports the other)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harness.errors import Verdict
+from harness.measure import metrics
+
+@dataclass
+class ProbeTolerance:
+    """Bounds a probe's comparison must meet: per-position cosine ≥ ``min_cosine`` and KLD ≤
+    ``max_kld`` (nats). ``exact`` demands bit-identical logits (determinism).
+
+    ``excursions``: how many positions of one comparison may leave those bounds, provided the
+    comparison's last position is back within them and none is non-finite. Zero on a dense model. On an MoE model
+    (``expert_count`` > 0) it is thresholds.yaml ``probes.moe_excursions``: an expert-router
+    near-tie makes a correct engine pick another expert when the same prompt is fed in other
+    pieces, which moves a burst of a few positions far past the class's bounds and then recovers
+    (llama.cpp on ``fixture:tiny-qwen35moe``: 5 positions below cosine 0.99999, the worst at 0.99864 and KLD 8.6e-3, fed one
+    token per call; on a 97-token counting prompt split anywhere before position 83, 9 positions
+    from 83 on, the worst at cosine 0.974, back within the bounds from 93). A burst ends; a state
+    fault (state dropped, reset or drifting between calls, a KV cache lost) lasts to the last
+    position, so it still fails however few positions follow the split; a fault confined to the
+    first position of each call moves every position of the decode probe, which still sees it."""
+
+    min_cosine: float = 0.99999
+    max_kld: float = 1e-4
+    exact: bool = False
+    excursions: int = 0
+
+
+@dataclass
+class Comparison:
+    """One variant compared with its baseline; ``chunks``: the piece lengths the variant was fed
+    in (None: whole); ``excursions``: positions outside the bounds that the tolerance allowed
+    (``ProbeTolerance.excursions``), so a PASS says how many it forgave."""
+
+    label: str
+    positions: int
+    ok: bool
+    min_cosine: float | None
+    max_kld: float | None
+    max_abs_diff: float | None
+    first_bad_position: int | None
+    chunks: list[int] | None = None
+    excursions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ProbeResult:
+    """A probe's verdict with every comparison it made; ``reason`` explains UNMEASURED/FAIL;
+    ``bounds`` states the tolerance the comparisons were held to; ``reproducer`` is the failure's
+    reproducer line when ``run_probes`` ran it (``probe_failure``)."""
+
+    name: str
+    verdict: Verdict
+    comparisons: list[Comparison] = field(default_factory=list)
+    reason: str = ""
+    reproducer: str = ""
+    bounds: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first_failure(self) -> Comparison | None:
+        return next((c for c in self.comparisons if not c.ok), None)
+
+    def summary(self) -> str:
+        if self.verdict is Verdict.UNMEASURED:
+            return self.reason
+        f = self.first_failure
+        if f is None:
+            worst = min((c.min_cosine for c in self.comparisons if c.min_cosine is not None), default=None)
+            mk = max((c.max_kld for c in self.comparisons if c.max_kld is not None), default=None)
+            ex = sum(c.excursions for c in self.comparisons)
+            forgiven = f"; {ex} position{'s' if ex != 1 else ''} outside the bounds allowed as MoE router near-ties" if ex else ""
+            return (f"{len(self.comparisons)} comparisons; min cosine {worst:.8f}, max KLD {mk:.3g}{forgiven}" if worst is not None
+                    else f"{len(self.comparisons)} comparisons{self._acceptance()}")
+        if self.name == "serving":  # the failure line names scenario, request, step, tokens, slot and what was in flight
+            return self.reason
+        if self.name == "speculative":  # token comparisons: the label names the case, sequence, step and token
+            return f"{f.label}{self._acceptance()}"
+        return (
+            f"{f.label}: first differing position {f.first_bad_position}, min cosine "
+            f"{f.min_cosine if f.min_cosine is None else round(f.min_cosine, 8)}, max KLD {f.max_kld if f.max_kld is None else f'{f.max_kld:.3g}'}"
+        )
+
+    def _acceptance(self) -> str:
+        """``; acceptance A/P (report-only)`` when the details hold draft counts (speculative), else ``""``."""
+        if "accepted" not in self.details or "proposed" not in self.details:
+            return ""
+        ref = (self.details.get("reference_acceptance") or {}).get("acceptance")
+        beside = f", reference {ref:.3g}" if isinstance(ref, (int, float)) else ""
+        return f"; acceptance {self.details['accepted']}/{self.details['proposed']} drafts{beside} (report-only)"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
+             "comparisons": [c.to_dict() for c in self.comparisons]}
+        d = {**d, "details": self.details} if self.details else d
+        return {**d, "reproducer": self.reproducer} if self.reproducer else d
+
+
+def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance) -> Comparison:
+    """Compare two float32 ``[T, V]`` logit arrays under ``tol`` (see ``ProbeTolerance``)."""
+    if base.shape != other.shape:
+        return Comparison(label, int(base.shape[0]), False, None, None, None, 0)
+    n = base.shape[0]
+    if tol.exact:
+        diff = np.flatnonzero(~np.all((base == other) | (np.isnan(base) & np.isnan(other)), axis=1))
+        pm = metrics.position_metrics(base, other)
+        max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
+        return Comparison(label, n, diff.size == 0, _min(pm["cosine"]), _max(pm["kld"]), max_abs, int(diff[0]) if diff.size else None)
+    pm = metrics.position_metrics(base, other)
+    bad = outside(pm, tol)
+    idx = np.flatnonzero(bad)
+    ok = idx.size == 0 or (idx.size <= tol.excursions and bool(pm["finite"].all()) and not bad[-1])
+    max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
+    return Comparison(label, n, ok, _min(pm["cosine"]), _max(pm["kld"]), max_abs, None if ok else int(idx[0]),
+                      excursions=int(idx.size) if ok else 0)
+
+
+def outside(pm: dict[str, np.ndarray], tol: ProbeTolerance) -> np.ndarray:
+    """Which positions of ``metrics.position_metrics``'s result leave ``tol``'s bounds (bool
+    ``[T]``; a non-finite position always does)."""
+    with np.errstate(invalid="ignore"):
+        return ~(pm["finite"] & (pm["cosine"] >= tol.min_cosine) & (pm["kld"] <= tol.max_kld))
+
+
+def _min(a: np.ndarray) -> float | None:
+    a = np.asarray(a, np.float64)
+    return float(np.nanmin(a)) if a.size and np.isfinite(a).any() else None
+
+
+def _max(a: np.ndarray) -> float | None:
+    a = np.asarray(a, np.float64)
+    return float(np.nanmax(a)) if a.size and np.isfinite(a).any() else None
