@@ -210,10 +210,12 @@ def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
     assert "## Free-running greedy (report-only)" in write_report(out.receipt_path, tmp_path / "report").read_text()
     run = run_probes(ProbeRequest(model=default_model(), candidate="command:example", ledger=str(ledger)))
     # the speculative probe has no MTP head to draft with on this trunk-only fixture: UNMEASURED, never PASS
-    assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == ["speculative"], run.message
+    # nor does it declare serving (op serve): the serving probe is UNMEASURED, naming the capability
+    assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == ["serving", "speculative"], run.message
+    assert "capability 'serve'" in next(p for p in run.receipt["probes"] if p["name"] == "serving")["reason"]
     spec = next(p for p in run.receipt["probes"] if p["name"] == "speculative")
     assert "no MTP" in spec["reason"]
-    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long", "state", "speculative"}
+    assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long", "state", "serving", "speculative"}
     assert next(r for r in run.results if r.name == "state").verdict is Verdict.PASS  # llama.cpp on the state fixture: f32
     # one process for the model, for both runs, and one for the state probe's fixture
     assert sorted(persistent.STARTS.values()) == [1, 1] and sum("state-qwen35" in str(k) for k in persistent.STARTS) == 1

@@ -79,12 +79,24 @@ def test_the_serving_oracle_passes_and_its_step_log_shows_each_intent(dense):
 @pytest.mark.parametrize("name", list(SERVING_MUTANTS))
 def test_each_serving_mutant_fails_naming_scenario_request_and_step(name):
     eng = load_mutant(name, fx.build("tiny-qwen35"))
-    r = probe_serving(eng, _prompts(eng.n_vocab), F64, _scenarios(), context_length=4096)
+    r = probe_serving(eng, _prompts(eng.n_vocab), F64, _scenarios((SERVING_CAUGHT_BY[name], "concurrency-3")), context_length=4096)
     assert r.verdict is Verdict.FAIL
     first = SERVING_CAUGHT_BY[name]
     assert f"scenario {first!r}" in r.reason and "request " in r.reason and "step " in r.reason and "slot " in r.reason
     assert _by_name(r)[first]["verdict"] == "FAIL"
     assert _by_name(r)["concurrency-3"]["verdict"] == "PASS"  # no reuse, no hit: the fault stays out of its way
+
+
+@pytest.mark.parametrize("name", list(SERVING_MUTANTS))
+def test_a_serving_mutant_is_the_oracle_outside_its_scheduler(dense, name):
+    """Parity and every other probe use the plain ops (logits, generate), which a serving mutant
+    leaves as the oracle's, bit for bit: only the serving probe can see it."""
+    from harness.engines.base import gather
+
+    eng = load_mutant(name, fx.build("tiny-qwen35"))
+    toks = _prompts(eng.n_vocab)[2].tokens
+    assert np.array_equal(gather(eng.logits(toks, chunks=[7, len(toks) - 7])), gather(dense.logits(toks)))
+    assert eng.generate(toks, 6) == dense.generate(toks, 6) and "serve" in eng.info.capabilities
 
 
 def test_a_header_keyed_cache_also_claims_more_than_was_ever_fed():

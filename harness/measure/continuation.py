@@ -35,7 +35,8 @@ class Divergence:
     near_tie: bool
 
     def to_dict(self) -> dict[str, object]:
-        return {"index": self.index, "solo": self.solo, "chosen": self.chosen, "margin": self.margin, "near_tie": self.near_tie}
+        return {"index": self.index, "solo": self.solo, "chosen": self.chosen,
+                "margin": self.margin if np.isfinite(self.margin) else None, "near_tie": self.near_tie}
 
 
 def _divergence(i: int, solo: Sequence[int], chosen: Sequence[int], margin_at: Callable[[int], float], delta: float) -> Divergence:
