@@ -88,7 +88,7 @@ def _dies_with(tmp_path, sig: int, stderr: str) -> EngineError:
     return ei.value
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGILL])
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGILL], ids=["SIGSEGV", "SIGILL"])
 def test_a_crash_after_an_amx_buffer_names_it_and_the_setting(tmp_path, sig):
     e = _dies_with(tmp_path, sig, AMX_LOG)
     msg = str(e)
