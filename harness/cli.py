@@ -304,7 +304,7 @@ def _render_parity(outcome) -> None:
 @cli.command()
 @click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] models / model, else the trained default model.")
 @click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, http:NAME, transformers, mlx, llama.cpp).")
-@click.option("--reference", default=None, help="Reference engine (default llama.cpp).")
+@click.option("--reference", default=None, help="Reference engine (default llama.cpp, extra buffer types off; llama.cpp-repack: on, as llama.cpp's own default).")
 @click.option("--prompts", default=None, type=click.Path(), help="JSONL prompt file (id + text or tokens). Default: the shipped set.")
 @click.option("--thresholds", default=None, type=click.Path(), help="thresholds.yaml (default ./thresholds.yaml, else the shipped one).")
 @click.option("--ledger", default=None, type=click.Path(), help="Ledger JSONL (default [tool.harness] ledger, else <evidence>/parity/ledger.jsonl of the project; receipts go beside it).")
@@ -484,7 +484,7 @@ def _with_progress(fn, quiet: bool = False):
 @cli.command()
 @click.option("--candidate", default=None, help="Engine to probe (default oracle).")
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
-@click.option("--reference", default=None, help="Reference for the long probe (default llama.cpp).")
+@click.option("--reference", default=None, help="Reference for the long and serving probes (default llama.cpp; llama.cpp-repack: extra buffer types on).")
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, state, serving, speculative).")
 @click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
               help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")

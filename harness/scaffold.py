@@ -51,7 +51,7 @@ def harness_table(engine: str) -> str:
 [tool.harness]
 candidate = "command:{engine}"
 # models = ["fixture:trained-qwen35", "path/to/model-Q8_0.gguf"]  # default: the harness's trained model
-# reference = "llama.cpp"
+# reference = "llama.cpp"             # or "llama.cpp-repack": llama.cpp's extra buffer types on (README)
 # prompts = "prompts.jsonl"          # JSONL, id + text or tokens; default: the shipped set
 # thresholds = "thresholds.yaml"     # default: ./thresholds.yaml, else the shipped one
 # probes = ["split", "decode", "determinism", "long"]  # default: every probe

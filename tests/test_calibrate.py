@@ -142,8 +142,8 @@ def test_an_optional_known_good_engine_runs_only_where_its_extra_is_installed_an
     from harness.runs.calibrate import plan
 
     modules = {m for goods in plan.KNOWN_GOOD.values() for _, _, m in goods}
-    assert None in modules and modules - {None} <= set(plan.OPTIONAL_EXTRAS)
-    monkeypatch.setattr(plan, "have_module", lambda m: m is None)
+    assert None in modules and modules - {None} <= set(plan.OPTIONAL_EXTRAS) | {plan.REPACK_NEEDS}
+    monkeypatch.setattr(plan, "have_module", lambda m: m in (None, plan.REPACK_NEEDS))
     assert plan.usable(None, True) and plan.usable(None, False)
     assert not plan.usable("torch", True) and not plan.usable("torch", False)
     assert not plan.usable("mlx_lm", True)
@@ -155,6 +155,33 @@ def test_an_optional_known_good_engine_runs_only_where_its_extra_is_installed_an
         "mlx float32", "mlx bfloat16", "mlx float16"}
     monkeypatch.setattr(plan, "have_module", lambda m: True)
     assert plan.usable("torch", True) and not plan.usable("torch", False) and plan.optional_skips(True) == []
+
+
+def test_llama_cpp_with_extra_buffer_types_is_a_known_good_f32_engine_where_the_cpu_has_no_amx(monkeypatch, tmp_path):
+    """The reference with llama.cpp's extra buffer types on (issue 43) is measured as an f32 engine,
+    optional or not, except on a CPU with AMX, where llama.cpp's AMX path segfaults: there it is
+    left out and named."""
+    from harness.engines import llamacpp
+    from harness.runs.calibrate import plan
+
+    labels = {label: m for label, _, m in plan.KNOWN_GOOD["f32"]}
+    assert labels["llama.cpp repack"] == plan.REPACK_NEEDS
+    make = dict((label, mk) for label, mk, _ in plan.KNOWN_GOOD["f32"])["llama.cpp repack"]
+    assert make(tmp_path / "m.gguf").settings.use_extra_bufts is True
+    monkeypatch.setattr(llamacpp, "cpu_has_amx", lambda: False)
+    assert plan.usable(plan.REPACK_NEEDS, False) and plan.usable(plan.REPACK_NEEDS, True)
+    assert not any("repack" in line for line in plan.optional_skips(True))
+    monkeypatch.setattr(llamacpp, "cpu_has_amx", lambda: True)
+    assert not plan.usable(plan.REPACK_NEEDS, True)
+    assert "llama.cpp repack (f32): this CPU has AMX (amx_int8), where llama.cpp's AMX path segfaults (llama.cpp #20824)" in plan.optional_skips(False)
+
+
+def test_cpu_has_amx_reads_the_cpuinfo_flags(tmp_path):
+    from harness.engines.llamacpp import cpu_has_amx
+
+    (tmp_path / "amd").write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 avx512f\n")
+    (tmp_path / "xeon").write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 amx_tile amx_int8\n")
+    assert not cpu_has_amx(tmp_path / "amd") and cpu_has_amx(tmp_path / "xeon") and not cpu_has_amx(tmp_path / "none")
 
 
 def test_the_matrix_page_keeps_the_sections_calibration_does_not_write():

@@ -18,7 +18,7 @@ from harness.engines.llamacpp import LlamaCppEngine
 from harness.errors import Verdict
 from harness.fixtures import synthetic as fx
 from harness.runs.calibrate import KNOWN_GOOD
-from harness.runs.calibrate.plan import OPTIONAL_EXTRAS, have_module
+from harness.runs.calibrate.plan import OPTIONAL_EXTRAS, REPACK_NEEDS, have_module
 from harness.judge.thresholds import load_thresholds
 from harness.model.gguf_model import GGUFModel
 
@@ -34,6 +34,8 @@ def _needs(module):
     """Skip, naming the extra, when an optional known-good engine's module is not installed (the
     matrix itself runs under the hf marker, so torch is asked for every engine)."""
     pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
+    if module == REPACK_NEEDS and not have_module(module):
+        pytest.skip("llama.cpp repack: this CPU has AMX, where llama.cpp's AMX path segfaults (llama.cpp #20824)")
     if module is not None and not have_module(module):
         pytest.skip(f"{module} is not installed: pip install -e .[{OPTIONAL_EXTRAS[module]}]")
 

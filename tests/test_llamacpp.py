@@ -99,10 +99,10 @@ def test_info_records_numerics_settings():
     info = eng.info.to_dict()
     assert info["name"] == "llama.cpp"
     assert "0.3.36" in info["version"]
-    for key in ("n_ctx", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "flash_attn", "overrides"):
+    for key in ("n_ctx", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "flash_attn", "use_extra_bufts", "overrides"):
         assert key in info["settings"]
-    assert info["settings"]["n_ubatch"] == 7
-    assert "CPU" in info["build"]["system_info"] or "AVX" in info["build"]["system_info"]
+    assert info["settings"]["n_ubatch"] == 7 and info["settings"]["use_extra_bufts"] is False
+    assert info["build"]["cpu_features"].startswith("CPU : ")
 
 
 def test_ubatch_size_changes_little(long_prompt_tokens):

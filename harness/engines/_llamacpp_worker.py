@@ -21,7 +21,8 @@ indices the rows belong to (rows of different sequences interleave within a batc
 little-endian.
 
 Request fields: ``op`` (``tokenize`` | ``logits`` | ``activations`` | ``generate`` | ``draft`` | ``info``), ``model``,
-``overrides`` (list of ``{key, type, value}``), ``settings`` (n_ctx, n_batch, n_ubatch,
+``overrides`` (list of ``{key, type, value}``), ``use_extra_bufts`` (``llama_model_params.use_extra_bufts``, llama.cpp's
+``--repack``: weights repacked into the CPU backend's extra buffer types, AMX and CPU_REPACK; default false), ``settings`` (n_ctx, n_batch, n_ubatch,
 n_threads, type_k, type_v, flash_attn), ``tokens``, ``chunks``, ``sequences`` (list of token
 lists decoded together, one sequence id each), ``texts``, ``out_dir``, ``stream_fd`` (``logits``),
 ``with_info`` (``tokenize``: load the whole model, not its vocabulary alone, and write what
@@ -78,6 +79,9 @@ def _kv_override_array(llama_cpp, overrides):
 def _load(llama_cpp, req):
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
+    # llama.cpp's extra buffer types (weight repacking: AMX, CPU_REPACK; its --repack/--no-repack):
+    # off unless asked for, whatever llama.cpp's own default (on)
+    mparams.use_extra_bufts = bool(req.get("use_extra_bufts", False))
     if req.get("op") == "draft":
         mparams.load_mtp = True  # otherwise the nextn tensors are skipped at load
     overrides = req.get("overrides") or []

@@ -9,7 +9,21 @@ a signal (ggml ``abort()`` → SIGABRT), or whose stream ends early, becomes ``E
 llama.cpp's own error line and the worker's last stderr lines; the harness itself never dies.
 
 Settings that change numerics (recorded in ``info``): n_ctx, n_batch, n_ubatch, n_threads,
-type_k/type_v (KV cache types), flash_attn, kv overrides.
+type_k/type_v (KV cache types), flash_attn, use_extra_bufts, kv overrides.
+
+Extra buffer types (``llama_model_params.use_extra_bufts``, llama.cpp's ``--repack`` /
+``--no-repack``) are off by default, where llama.cpp's own default is on: with them the CPU
+backend repacks quantized weights at load into an ``AMX`` buffer (x86 with AMX_INT8) or a
+``CPU_REPACK`` buffer (Q4_0, Q4_K, IQ4_XS, ... on AVX2/AVX512 and ARM), whose kernels round
+differently, and on Intel Xeon CPUs with AMX the AMX path kills the worker with SIGSEGV at its
+first compute (llama.cpp #20824, ollama #17236; measured on this project's Q8_0, Q6_K and Q4_K_M
+fixtures). The engine ``llama.cpp-repack`` turns them on (``REPACK_ENGINE``). The setting is
+the model's: llama.cpp's MTP context (``draft``) reads the same loaded weights, so it follows
+too. ``info.build`` holds ``cpu_features`` (``llama_print_system_info()``: the CPU features
+llama.cpp was built for and found, AMX_INT8 and REPACK among them) and ``model_buffers`` (each
+model buffer llama.cpp's load log names, with its MiB: ``CPU_Mapped``, ``AMX``, ``CPU_REPACK``).
+A worker killed by SIGSEGV or SIGILL after making an AMX or CPU_REPACK buffer says so and names
+the setting that avoids it (``crash_cause``).
 """
 
 from __future__ import annotations
@@ -18,13 +32,14 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -34,12 +49,23 @@ from harness.errors import EngineError
 from harness.model.gguf_model import Override
 from harness.rundir import scratch_dir
 
+REPACK_ENGINE = "llama.cpp-repack"
+"""The engine name of llama.cpp with its extra buffer types on (``use_extra_bufts=True``, as
+llama.cpp runs by default): for users who want the reference as llama.cpp's own users run it."""
+
+EXTRA_BUFFERS = ("AMX", "CPU_REPACK")
+"""The CPU backend's extra buffer types a repacked weight lands in (ggml-cpu ``amx/amx.cpp``,
+``repack.cpp``; the names llama.cpp's load log prints)."""
+
+_MODEL_BUFFER = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) MiB")
+
 _ERROR_LINE = re.compile(r"(error loading model[^\n]*|llama_model_load: error[^\n]*|GGML_ASSERT[^\n]*|failed to[^\n]*|missing tensor[^\n]*|error:[^\n]*)", re.I)
 
 
 @dataclass
 class LlamaCppSettings:
-    """llama.cpp context settings that change numerics. ``n_ctx`` 0: fit the prompt (≥ 512)."""
+    """llama.cpp settings that change numerics: the context's and, ``use_extra_bufts``, the
+    model load's. ``n_ctx`` 0: fit the prompt (≥ 512)."""
 
     n_ctx: int = 0
     n_batch: int = 512
@@ -48,6 +74,10 @@ class LlamaCppSettings:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"
+    use_extra_bufts: bool = False
+    """``llama_model_params.use_extra_bufts`` (llama.cpp ``--repack``): weights repacked into the
+    CPU backend's extra buffer types (``EXTRA_BUFFERS``). Off: the AMX path segfaults on Intel
+    Xeon (module docstring); the ``llama.cpp-repack`` engine turns it on."""
 
     def resolved(self, n_tokens: int) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -61,6 +91,54 @@ class LlamaCppSettings:
 def _error_line(stderr: str) -> str:
     lines = [m.group(1).strip() for m in _ERROR_LINE.finditer(stderr)]
     return lines[0] if lines else ""
+
+
+def model_buffers(log_lines: Iterable[str]) -> dict[str, float]:
+    """The model buffers llama.cpp's load log names (``load_tensors: AMX model buffer size =
+    2.97 MiB``), ``{buffer type name: MiB}`` in the order made (llama-model.cpp ``load_tensors``);
+    empty when the log holds none (a vocabulary-only load)."""
+    out: dict[str, float] = {}
+    for line in log_lines:
+        m = _MODEL_BUFFER.search(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def crash_cause(rc: int, buffers: Mapping[str, float]) -> str:
+    """Why a worker that ended with ``rc`` (``Popen.returncode``) probably died, or "" when no
+    known cause fits: killed by SIGSEGV or SIGILL after llama.cpp made an extra-buffer-type model
+    buffer (``EXTRA_BUFFERS`` among ``buffers``, from ``model_buffers``), the repacked-weight
+    kernels' crash (AMX: llama.cpp #20824), and the setting that avoids it."""
+    if rc not in (-signal.SIGSEGV, -signal.SIGILL):
+        return ""
+    made = [b for b in EXTRA_BUFFERS if b in buffers]
+    if not made:
+        return ""
+    where = f"{' and '.join(made)} model buffer{'s' if len(made) > 1 else ''}"
+    known = "the AMX path is known to crash (llama.cpp #20824); " if "AMX" in made else ""
+    return (f"llama.cpp had repacked weights into its {where} (extra buffer types on); {known}"
+            f"the engine llama.cpp instead of {REPACK_ENGINE} (use_extra_bufts false, llama.cpp --no-repack) avoids it")
+
+
+def cpu_has_amx(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has Intel AMX for int8 (the ``amx_int8`` flag of Linux ``/proc/cpuinfo``),
+    where llama.cpp built for it makes an ``AMX`` model buffer with extra buffer types on; False
+    where the file cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def _scan_buffers(stderr_path: Path) -> dict[str, float]:
+    """``model_buffers`` of a worker's whole stderr file, read a line at a time."""
+    try:
+        with open(stderr_path, "r", encoding="utf-8", errors="replace") as f:
+            return model_buffers(f)
+    except OSError:
+        return {}
 
 
 class LlamaCppEngine:
@@ -107,6 +185,7 @@ class LlamaCppEngine:
         request = {
             "model": str(self.model_path),
             "overrides": [o.__dict__ for o in self.overrides],
+            "use_extra_bufts": bool(self.settings.use_extra_bufts),
             "out_dir": str(workdir),
             **request,
         }
@@ -142,13 +221,15 @@ class LlamaCppEngine:
             raise EngineError(f"llama.cpp worker timed out after {self.timeout_s:.0f} s on {self.model_path.name}", tail)
         if rc != 0:
             what = exit_status(rc)
-            line = _error_line(stderr)
+            line = _error_line(stderr) or crash_cause(rc, _scan_buffers(workdir / "stderr.txt"))
             msg = f"llama.cpp {what} on {self.model_path.name}"
             raise EngineError(f"{msg}: {line}" if line else msg, tail)
         info_path = workdir / "info.json"
         if not info_path.exists():
             raise EngineError("llama.cpp worker wrote no info.json", tail)
         info = json.loads(info_path.read_text())
+        if "n_vocab" in info and "decode_s" not in info:  # a whole-model load described (info, tokenize with_info)
+            info["model_buffers"] = _scan_buffers(workdir / "stderr.txt")
         if "decode_s" in info:  # a run that decoded (logits, activations); not info or tokenize
             for key in ("load_s", "decode_s", "n_tokens"):
                 self.timings[key] = self.timings.get(key, 0) + info.get(key, 0)
@@ -176,7 +257,8 @@ class LlamaCppEngine:
             version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
             settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
             capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"] + (["mtp"] if si.get("n_layer_nextn") else []),
-            build={"system_info": si.get("system_info", ""), "model_desc": si.get("model_desc", "")},
+            build={"cpu_features": si.get("system_info", ""), "model_desc": si.get("model_desc", ""),
+                   "model_buffers": si.get("model_buffers", {})},
             compute_class="f32",
         )
 

@@ -1,6 +1,7 @@
 """Engine names, how each is loaded, and which source files its numbers come from: one table.
 
-Names: ``llama.cpp`` (the reference, in a worker process), ``oracle`` (exact float64 NumPy
+Names: ``llama.cpp`` (the reference, in a worker process, extra buffer types off),
+``llama.cpp-repack`` (the same with llama.cpp's extra buffer types on, its ``--repack``), ``oracle`` (exact float64 NumPy
 forward), ``oracle-bf16`` / ``oracle-f16`` (the oracle with bf16/f16 matmuls and residual
 stream: a compute class's emulation), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
 engine configured in ``[tool.harness.engines.NAME]``), ``http:NAME`` (an OpenAI-compatible server
@@ -99,9 +100,17 @@ def _llamacpp(rest: str, path: Path, overrides: Sequence[Override], settings: di
     return llamacpp.LlamaCppEngine(path, overrides, llamacpp.LlamaCppSettings(**settings) if settings else None)
 
 
+def _llamacpp_repack(rest: str, path: Path, overrides: Sequence[Override], settings: dict[str, Any]) -> Engine:
+    """``llama.cpp-repack``: llama.cpp with its extra buffer types on (``use_extra_bufts``, llama.cpp
+    ``--repack``, llama.cpp's own default), whatever ``settings`` say of it."""
+    return llamacpp.LlamaCppEngine(path, overrides, llamacpp.LlamaCppSettings(**{**settings, "use_extra_bufts": True}))
+
+
 _ORACLE = (oracle, base, gguf_model)
 ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("llama.cpp", _llamacpp, (llamacpp, _llamacpp_worker, base), aliases=("llamacpp", "llama-cpp"),
+                distributions=("llama-cpp-python",)),
+    EngineEntry(llamacpp.REPACK_ENGINE, _llamacpp_repack, (llamacpp, _llamacpp_worker, base), aliases=("llamacpp-repack",),
                 distributions=("llama-cpp-python",)),
     EngineEntry("oracle", lambda rest, path, ov, s: oracle.load_oracle(path, ov), _ORACLE),
     EngineEntry("oracle-bf16", _lowp_oracle("bf16"), _ORACLE),

@@ -161,13 +161,31 @@ def arrays_manifest(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 
 def host_info() -> dict[str, Any]:
-    """The receipt's ``host`` field: hostname, platform, Python version, CPU count."""
+    """The receipt's ``host`` field: hostname, platform, Python version, CPU count and ``cpu``, the
+    CPU's model name (``cpu_model``)."""
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_model(),
     }
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str | None:
+    """The CPU's model name: the first ``model name`` line of Linux ``/proc/cpuinfo`` (``Intel(R)
+    Xeon(R) Processor``, ``AMD EPYC 7B13``), else ``platform.processor()``; None when neither
+    names one."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def harness_info(repo_dir: str | Path | None = None) -> dict[str, Any]:

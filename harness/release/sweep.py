@@ -70,7 +70,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     common = dict(model=task["model"], candidate=task["candidate"], reference=task["reference"], prompts=task["prompts"],
                   thresholds=task["thresholds"], argv=task["argv"], write_evidence=False, ledger=task["ledger"],
-                  reference_settings={"n_threads": task["threads"]} if task["reference"] == "llama.cpp" else {})
+                  reference_settings={"n_threads": task["threads"]} if task["reference"] in ("llama.cpp", "llama.cpp-repack") else {})
     try:
         if task["kind"] == "parity":
             out = run_parity(ParityRequest(**common))

@@ -159,10 +159,12 @@ class RunRequest(InputsRequest):
 def engine_record(info: Mapping[str, Any], name: str) -> dict[str, Any]:
     """A receipt's record of an engine: its ``info`` (``EngineInfo.to_dict()``) with ``build.id``, the
     build id of the engine ``name`` it was made as (``harness.engines.registry.engine_build_id``), so
-    a receipt says which build of the engine's code produced it, and, for an engine a config file
-    defines (``command:NAME``, ``http:NAME``), ``config``: that file's absolute path and sha256
-    (``harness.config.config_record``), which the reproduce lines carry."""
-    rec = {**info, "build": {**(info.get("build") or {}), "id": engine_build_id(name)}}
+    a receipt says which build of the engine's code produced it, and ``build.cpu_features``: the
+    engine's own CPU feature line (llama.cpp: ``llama_print_system_info()``), None where the engine
+    states none, so receipts from two machines show how their engines saw the CPU; and, for an
+    engine a config file defines (``command:NAME``, ``http:NAME``), ``config``: that file's absolute
+    path and sha256 (``harness.config.config_record``), which the reproduce lines carry."""
+    rec = {**info, "build": {"cpu_features": None, **(info.get("build") or {}), "id": engine_build_id(name)}}
     cfg = config_record(name)
     return rec | ({"config": cfg} if cfg else {})
 

@@ -1,11 +1,12 @@
 """Calibration: the calibrated tier's rows from measurement, and which gate catches which
 known-bad engine.
 
-Known-good pairs are candidate vs llama.cpp (the reference, default settings), one set of real
-engines per compute class (``KNOWN_GOOD``):
+Known-good pairs are candidate vs llama.cpp (the reference, default settings: extra buffer types
+off), one set of real engines per compute class (``KNOWN_GOOD``):
 
 - ``f64``: the exact oracle;
-- ``f32``: llama.cpp itself at another ``n_ubatch`` and thread count, and transformers in float32
+- ``f32``: llama.cpp itself at another ``n_ubatch`` and thread count and with its extra buffer
+  types on (``llama.cpp repack``, on a CPU without AMX: ``plan.REPACK_NEEDS``), and transformers in float32
   (which, unlike llama.cpp, does not quantize activations on quantized files: without it an f32
   row would hold every other correct f32 engine to llama.cpp's own rounding);
 - ``bf16`` / ``f16``: the oracle's low-precision emulation (``oracle-bf16`` / ``oracle-f16``) and

@@ -98,6 +98,12 @@ def _llama(path, **settings):
     return LlamaCppEngine(path, settings=LlamaCppSettings(**settings))
 
 
+def _llama_repack(path):
+    from harness.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+
+    return LlamaCppEngine(path, settings=LlamaCppSettings(use_extra_bufts=True))
+
+
 def _oracle(path):
     from harness.engines.oracle import load_oracle
 
@@ -128,10 +134,20 @@ def _mlx(dtype: str) -> Callable[[Path], Any]:
     return make
 
 
+REPACK_NEEDS = "cpu without AMX"
+"""The third field of the known-good ``llama.cpp repack`` (the reference with llama.cpp's extra
+buffer types on, ``use_extra_bufts``, as llama.cpp runs by default; its CPU_REPACK kernels round
+quantized weights' products otherwise): not a module but the condition it runs under, a CPU
+without AMX (``harness.engines.llamacpp.cpu_has_amx``). With AMX, llama.cpp 0.3.36 repacks into an
+AMX buffer and segfaults at the first compute on every quantized fixture (llama.cpp #20824), so
+there it is left out and named (``optional_skips``)."""
+
+
 KNOWN_GOOD: dict[str, list[tuple[str, Callable[[Path], Any], str | None]]] = {
     "f64": [("oracle", _oracle, None)],
     "f32": [("llama.cpp n_ubatch=7", lambda p: _llama(p, n_ubatch=7), None),
             ("llama.cpp n_threads=1", lambda p: _llama(p, n_threads=1), None),
+            ("llama.cpp repack", _llama_repack, REPACK_NEEDS),
             ("transformers float32", _transformers("float32"), "torch"),
             ("mlx float32", _mlx("float32"), "mlx_lm")],
     "bf16": [("oracle-bf16", _lowp("bf16"), None), ("transformers bfloat16", _transformers("bfloat16"), "torch"),
@@ -141,9 +157,9 @@ KNOWN_GOOD: dict[str, list[tuple[str, Callable[[Path], Any], str | None]]] = {
 }
 """Compute class → known-good engines of that class: (label, factory(path), the module its extra
 provides: ``torch`` for the ``hf`` extra's transformers, ``mlx_lm`` for the ``mlx`` extra (``_mlx``;
-the state rows' engines, ``state.STATE_KNOWN_GOOD``, include it); None for an engine that is
-always there). ``llama.cpp`` at default settings is the reference itself; its variants are the
-f32 engines. An engine whose extra is not installed is left out and named (``optional_skips``),
+the state rows' engines, ``state.STATE_KNOWN_GOOD``, include it); ``REPACK_NEEDS`` for llama.cpp
+with extra buffer types; None for an engine that is always there). ``llama.cpp`` at default
+settings is the reference itself; its variants are the f32 engines. An engine whose extra is not installed is left out and named (``optional_skips``),
 never silently."""
 
 
@@ -155,6 +171,10 @@ def have_module(module: str | None) -> bool:
     """Whether an optional engine's module can be imported (None: always); nothing is imported."""
     if module is None:
         return True
+    if module == REPACK_NEEDS:
+        from harness.engines.llamacpp import cpu_has_amx
+
+        return not cpu_has_amx()
     if module == "torch":
         return have_torch()
     return importlib.util.find_spec(module) is not None
@@ -163,7 +183,9 @@ def have_module(module: str | None) -> bool:
 def usable(module: str | None, use_optional: bool) -> bool:
     """Whether a known-good engine needing ``module`` runs: always for None, else when optional
     engines are wanted (``use_optional``: calibrate's default; ``CalibrationPlan.include_transformers``)
-    and ``module`` is installed."""
+    and ``module`` is installed; ``REPACK_NEEDS``: where this CPU has no AMX, optional or not)."""
+    if module == REPACK_NEEDS:
+        return have_module(module)
     return module is None or (use_optional and have_module(module))
 
 
@@ -178,6 +200,8 @@ def optional_skips(use_optional: bool) -> list[str]:
             out.append(f"{', '.join(labels)} (every class): optional engines were not asked for")
         elif not have_module(module):
             out.append(f"{', '.join(labels)} (every class): the {extra} extra ({module}) is not installed")
+    if not have_module(REPACK_NEEDS):
+        out.append("llama.cpp repack (f32): this CPU has AMX (amx_int8), where llama.cpp's AMX path segfaults (llama.cpp #20824)")
     return out
 
 
