@@ -208,3 +208,16 @@ def test_oracle_passes_parity_at_the_real_vocabulary(tmp_path):
     assert run.result.summary["positions"] == 243 and run.result.n_vocab == 248_320
     assert run.result.summary["min_cosine"] > 0.99999, run.result.summary
     assert run.receipt["model"]["sha256"] == fx.sha256_file(fx.build("tiny-qwen35-realvocab"))
+
+
+def test_cli_prints_each_finding_on_one_escaped_line(in_repo, capsys):
+    from harness.cli import main as cli_main
+
+    rc = cli_main(["tokenizer", "--candidate", "command:example", "--model", FIXTURE, "--no-evidence"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = [x for x in out.splitlines() if x.startswith("finding: ")]
+    assert [x.split("'")[1] for x in lines] == ["whole-token-words", *BYTE_PROMPTS]
+    assert lines[1] == ("finding: prompt 'bytes-lone-continuation' (bytes 61626380646566): first difference at position 1: "
+                        "llama.cpp [13290, 5513, 727] | tiktoken [13290, 222, 727]")
+    assert out.splitlines()[-1].startswith("PASS: all 17 texts tokenize to llama.cpp's ids")
