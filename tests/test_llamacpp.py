@@ -19,6 +19,8 @@ GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp", "tin
 NOT_LOADED_HERE = {
     "mtp-declared-absent": "defective on purpose: llama.cpp must refuse it (test below)",
     "tiny-qwen35-v248k": "a 248,320-row vocab: 100 MB of logits per run; its GGUF is read back in test_fixtures",
+    "tiny-qwen35-realvocab": "the real 248,320-row vocab: loaded by llama.cpp and judged by parity in test_real_tokenizer",
+    "tiny-qwen35moe-realvocab": "the real 248,320-row vocab: loaded by llama.cpp and judged by parity in test_real_tokenizer",
 }
 
 

@@ -98,9 +98,11 @@ def _load(llama_cpp, req):
     return model, keep
 
 
-def _tokenize(llama_cpp, model, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+def _tokenize(llama_cpp, model, text, add_special: bool = False, parse_special: bool = False) -> list[int]:
+    """llama_tokenize of ``text``: a str (sent as UTF-8) or ``{"hex": ...}``, raw bytes that need
+    not be UTF-8 (JSON strings cannot carry them)."""
     vocab = llama_cpp.llama_model_get_vocab(model)
-    data = text.encode("utf-8")
+    data = bytes.fromhex(text["hex"]) if isinstance(text, dict) else text.encode("utf-8")
     n_max = len(data) + 16
     buf = (llama_cpp.llama_token * n_max)()
     n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, bool(add_special), bool(parse_special))

@@ -266,8 +266,9 @@ class LlamaCppEngine:
         """Token ids of ``text`` by the model's own vocab (no BOS, specials not parsed)."""
         return self.tokenize_many([text])[0]
 
-    def tokenize_many(self, texts: Sequence[str], add_special: bool = False, parse_special: bool = False) -> list[list[int]]:
-        """Token ids of each text, in one worker run (``add_special``: llama_tokenize's, the
+    def tokenize_many(self, texts: Sequence[str | bytes], add_special: bool = False, parse_special: bool = False) -> list[list[int]]:
+        """Token ids of each text, in one worker run (a ``bytes`` item is given to llama_tokenize
+        as it is, UTF-8 or not; ``add_special``: llama_tokenize's, the
         BOS/EOS the vocabulary's ``add_bos_token``/``add_eos_token`` ask for; ``parse_special``:
         llama_tokenize's, special-token strings in the text become their ids, as a server
         tokenizes a rendered chat prompt; off by default).
@@ -279,7 +280,8 @@ class LlamaCppEngine:
         tokenize (``tokenizer_only``) loads the vocabulary alone."""
         with_info = not self.tokenizer_only and "_static_info" not in self.__dict__
         with scratch_dir("llamacpp-") as d:
-            info = self._run({"op": "tokenize", "texts": list(texts), "with_info": with_info, "add_special": bool(add_special),
+            sent = [{"hex": t.hex()} if isinstance(t, bytes) else t for t in texts]
+            info = self._run({"op": "tokenize", "texts": sent, "with_info": with_info, "add_special": bool(add_special),
                               "parse_special": bool(parse_special)}, d)
             if with_info:
                 self.__dict__["_static_info"] = {k: v for k, v in info.items() if k != "tokenize_s"}

