@@ -204,6 +204,10 @@ def test_the_cli_serving_probe_fails_a_mutant_with_its_reproducer(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     out = " ".join((run.stdout + run.stderr).split())
     assert "scenario 'reuse', request 'b'" in out and "--only serving" in out
+    assert f"--scenarios {p.resolve()}" in out  # the reproducer runs the same scenarios
+    receipt = json.loads(next((tmp_path / "receipts").rglob("*.json")).read_text())
+    serving = next(x for x in receipt["probes"] if x["name"] == "serving")
+    assert serving["details"]["scenario_file"]["path"] == str(p.resolve()) and len(serving["details"]["scenario_file"]["sha256"]) == 64
 
 
 # -- op serve over protocol 2 ----------------------------------------------------------------

@@ -38,6 +38,7 @@ does not declare it gets UNMEASURED for that probe, never a PASS by construction
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -634,10 +635,22 @@ def plan_serving(req: ProbeRequest, engine: Engine, reference: Callable[[], Engi
     from harness.measure.scenarios import load_scenarios
     from harness.runs.serving import has_serve, probe_serving
 
-    scenarios = load_scenarios(req.scenarios) if "serving" in (req.only or PROBE_NAMES) else []
+    from harness.measure.scenarios import shipped_scenarios_path
+    from harness.provenance import sha256_file
+
+    wanted = "serving" in (req.only or PROBE_NAMES)
+    scenarios = load_scenarios(req.scenarios) if wanted else []
+    path = Path(req.scenarios).resolve() if req.scenarios else shipped_scenarios_path()
+    source = {"path": str(path), "sha256": sha256_file(path)} if wanted else None
     ctx = int(inputs.model.hparams.context_length or 0) or None
-    return lambda: probe_serving(engine, ptoks, tol, scenarios, reference if has_serve(engine) else None,  # type: ignore[arg-type]
-                                 min_cosine, ctx)
+
+    def run() -> ProbeResult:
+        r = probe_serving(engine, ptoks, tol, scenarios, reference if has_serve(engine) else None,  # type: ignore[arg-type]
+                          min_cosine, ctx)
+        r.details = {"scenario_file": source, **r.details} if r.details else r.details
+        return r
+
+    return run
 
 
 def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> None:
@@ -646,7 +659,7 @@ def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> 
         cases[name] = replace(cases[name], run=lambda name=name: ProbeResult(name, Verdict.UNMEASURED, reason=why))
 
 
-def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
+def probe_failure(result: ProbeResult, case: Reproducer, reference: str, scenarios: str | None = None) -> str:
     """The reproducer line of a failed probe (``harness.judge.reproducer``): the first failing
     comparison and its bounds, the case with the chunks that comparison fed, the bug classes of the
     mutants that break the probe's obligation, and the ``harness probe`` command that reruns it."""
@@ -654,7 +667,9 @@ def probe_failure(result: ProbeResult, case: Reproducer, reference: str) -> str:
     kind = PROBES[result.name]
     numbers = f"probe {result.name} FAIL: {result.summary()} (bounds: {result.bounds})"
     case = replace(case, chunks=first.chunks if first is not None else None)
-    extra = ["--reference", reference] if result.name == "long" else []
+    extra = ["--reference", reference] if result.name in ("long", "serving") else []
+    if result.name == "serving" and scenarios:
+        extra += ["--scenarios", str(Path(scenarios).resolve())]
     causes = causes_breaking(kind.obligation) if kind.obligation else []
     line = failure_message(numbers, case, causes, kind.if_fails, case.harness("probe", "--only", result.name, *extra))
     hint = localize_hint(case, first)
@@ -767,7 +782,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
                 first = results[-1].first_failure
                 case = replace(case, model=plan[n].model, sha256=sha256_file(resolve_model(plan[n].model)), overrides=(),
                                n_tokens=sum(first.chunks) if first is not None and first.chunks else None)
-            results[-1].reproducer = probe_failure(results[-1], case, req.reference)
+            results[-1].reproducer = probe_failure(results[-1], case, req.reference, req.scenarios)
     verdict, message = overall_verdict(results, req.only)
     if "long" in names:
         reference()
