@@ -894,14 +894,68 @@ class ServePrefixHeaderKey(_MutantBase):
     serve_faults = {"header_key": 48}
 
 
+class ServeAbortLeavesState(_MutantBase):
+    """Abort code that does nothing: after an aborted request, the next request in its slot starts
+    with the conv and DeltaNet state the aborted one left (a finished request's slot is reset)
+    (warpfront/hipfire #462: reset, abort and prefix-cache code reading always-empty fields)."""
+
+    serve_faults = {"abort_reset": False}
+
+
+class ServeCheckpointGrid(_MutantBase):
+    """States kept every 64 tokens, looked up on a 128-token page grid: a hit on 128·i tokens
+    restores the state kept at index i of the 64 grid (after 64·i tokens) and skips 128·i
+    (sglang PR #33515 / #35086: token 29,056 took h[99], not h[198])."""
+
+    serve_faults = {"read_grid": 128}
+
+
+class ServeJoinNeighbourConv(_MutantBase):
+    """A sequence joining a running batch gets the conv state of the first running sequence
+    instead of a fresh one (mlx-lm PR #1169: fresh sequences joining a populated cache got another
+    sequence's state with the right shape)."""
+
+    serve_faults = {"join_conv": True}
+
+
+class ServePadAliasesSlot0(_MutantBase):
+    """A step of 3, 5, 6 or 7 requests is padded to the next power of two, and the padded rows'
+    recurrent-state writes land in slot 0 (vLLM PR #34077: state_indices ignored padded entries;
+    sglang PR #27202: padded rows aliased request 0's slot)."""
+
+    serve_faults = {"pad_alias": True}
+
+
+class ServeTurnStateDropped(_MutantBase):
+    """At a request's end the prompt cache keeps its KV of the whole turn but the recurrent state
+    as the prompt left it, without the generated tokens' updates: a conversation continued from the
+    cache misses the last turn's state update (llama.cpp #21681 is of this family: a long chat through
+    the prompt cache)."""
+
+    serve_faults = {"turn_dropped": True}
+
+
 SERVING_MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("serve-slot-not-reset", "slot state not reset on reuse", ServeSlotNotReset.__doc__, (), ServeSlotNotReset),
     Mutant("serve-prefix-header-key", "prefix-cache hit keyed on the header alone", ServePrefixHeaderKey.__doc__, (),
            ServePrefixHeaderKey),
+    Mutant("serve-abort-leaves-state", "an abort that leaves the state behind", ServeAbortLeavesState.__doc__, (), ServeAbortLeavesState),
+    Mutant("serve-checkpoint-grid", "checkpoints on a 64-token grid read on a 128-token grid", ServeCheckpointGrid.__doc__, (),
+           ServeCheckpointGrid),
+    Mutant("serve-join-neighbour-conv", "a joining sequence reads a neighbour's conv state", ServeJoinNeighbourConv.__doc__, (),
+           ServeJoinNeighbourConv),
+    Mutant("serve-pad-aliases-slot0", "a padded row that aliases slot 0", ServePadAliasesSlot0.__doc__, (), ServePadAliasesSlot0),
+    Mutant("serve-turn-state-dropped", "a continued conversation that drops the last turn's state update", ServeTurnStateDropped.__doc__,
+           (), ServeTurnStateDropped),
 ]}
 """Serving mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the ``serving`` probe and
 PASSes parity and every other probe."""
-SERVING_CAUGHT_BY: dict[str, str] = {"serve-slot-not-reset": "slot-reuse-finished", "serve-prefix-header-key": "shared-header"}
+SERVING_CAUGHT_BY: dict[str, str] = {
+    "serve-slot-not-reset": "slot-reuse-finished", "serve-prefix-header-key": "shared-header",
+    "serve-abort-leaves-state": "slot-reuse-aborted", "serve-checkpoint-grid": "block-grid",
+    "serve-join-neighbour-conv": "join-running", "serve-pad-aliases-slot0": "concurrency-3",
+    "serve-turn-state-dropped": "multi-turn",
+}
 """Serving mutant → the first shipped scenario (``harness/data/scenarios/serving.yaml``) that fails on it."""
 
 

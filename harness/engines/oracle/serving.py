@@ -70,11 +70,19 @@ class _Run:
     pos: int
     spill: RowSpill
     tokens: list[int] = field(default_factory=list)
-    last_row: np.ndarray | None = None
+    prefilled: Any = None
+    """The session as it was when the prompt was fed (before any decode): the ``turn_dropped`` fault."""
 
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.req.emits
+
+
+def _copy_recurrent(src: Any, dst: Any, keys: tuple[str, ...]) -> None:
+    """Copy the recurrent layers' ``keys`` (``conv``, ``ssm``) from session ``src`` into ``dst``."""
+    for il, st in enumerate(src.states):
+        if "ssm" in st:
+            dst.states[il] = {**dst.states[il], **{k: np.array(st[k], copy=True) for k in keys}}
 
 
 class ServingScheduler:
@@ -82,8 +90,15 @@ class ServingScheduler:
 
     ``faults``: the serving mutants' deviations, each off by default: ``slot_reset`` False keeps
     the recurrent (conv and DeltaNet) state a reused slot's previous request left (llama.cpp
-    #29092); ``header_key`` N matches a cached state on its first N tokens alone (kekzl/imp PR
-    #1463). ``max_running`` limits the requests in flight (1: an engine that serves one request
+    #29092); ``abort_reset`` False does so only after an aborted request (warpfront/hipfire #462);
+    ``header_key`` N matches a cached state on its first N tokens alone (kekzl/imp PR #1463);
+    ``read_grid`` G looks a hit up on a G-token grid but restores the state kept at index hit/G of
+    the ``cache_block`` grid (sglang PR #33515); ``join_conv`` True gives a request admitted while
+    others run the first running request's conv state (mlx-lm PR #1169); ``pad_alias`` True pads
+    a step of 3, 5, 6 or 7 requests to the next power of two with rows that write a pad token into
+    slot 0's recurrent state (vLLM PR #34077, sglang PR #27202); ``turn_dropped`` True keeps, at a
+    request's end, its recurrent state as the prompt left it, without the generated tokens' updates
+    (a continued conversation loses the last turn's state update). ``max_running`` limits the requests in flight (1: an engine that serves one request
     after another). Raises ``EngineError`` for a scenario whose arrivals can never be met."""
 
     def __init__(self, oracle: Any, faults: Mapping[str, Any] | None = None, *, n_slots: int = N_SLOTS,
@@ -109,6 +124,13 @@ class ServingScheduler:
 
     def _lookup(self, prompt: list[int]) -> tuple[int, Any] | None:
         """The longest kept state whose tokens begin ``prompt`` (at most ``len(prompt) - 1``)."""
+        grid = self.faults.get("read_grid")
+        if grid:  # hits on the G grid, states read at the block grid's index hit // G
+            for n in range((len(prompt) - 1) // grid * grid, 0, -grid):
+                at = (n // grid) * self.cache_block
+                if tuple(prompt[:n]) in self.cache and tuple(prompt[:at]) in self.cache:
+                    return n, self.cache[tuple(prompt[:at])]
+            return None
         header = self.faults.get("header_key")
         best: tuple[int, Any] | None = None
         for key, session in self.cache.items():
@@ -120,17 +142,17 @@ class ServingScheduler:
                 best = (n, session)
         return best
 
-    def _admit(self, req: ServeRequest, slot: int, prompt: list[int], directory: Any) -> _Run:
+    def _admit(self, req: ServeRequest, slot: int, prompt: list[int], directory: Any, running: list[_Run]) -> _Run:
         hit = self._lookup(prompt)
         if hit is not None:
             session, cached = hit[1].fork(), hit[0]
         else:
             session, cached = self._fresh(), 0
-            if self.faults.get("slot_reset") is False and slot in self.left_in_slot:
-                kept = self.left_in_slot[slot]
-                for il, st in enumerate(kept.states):
-                    if "ssm" in st:  # the recurrent layers' conv and DeltaNet state survive; the KV cache is cleared
-                        session.states[il] = {k: np.array(v, copy=True) for k, v in st.items()}
+            left = self.left_in_slot.get(slot)
+            if left is not None and (self.faults.get("slot_reset") is False or (self.faults.get("abort_reset") is False and left[1])):
+                _copy_recurrent(left[0], session, ("conv", "ssm"))  # the KV cache is cleared, the recurrent state survives
+            if self.faults.get("join_conv") and running:
+                _copy_recurrent(running[0].session, session, ("conv",))
         return _Run(req, slot, prompt, session, cached, cached, RowSpill(directory))
 
     # -- one step ---------------------------------------------------------------------------
@@ -145,6 +167,8 @@ class ServingScheduler:
         rows = run.session.feed(piece)
         run.spill.append(rows)
         run.pos += n
+        if run.pos == len(run.prompt) and self.faults.get("turn_dropped"):
+            run.prefilled = run.session.fork()
         if run.pos <= len(run.prompt) and run.pos % self.cache_block == 0:
             self._keep(run.prompt[: run.pos], run.session)
         if run.pos < len(run.prompt):
@@ -154,11 +178,24 @@ class ServingScheduler:
         return n, 1
 
     def _finish(self, run: _Run, aborted: bool) -> ServedRequest:
-        self.left_in_slot[run.slot] = run.session
+        self.left_in_slot[run.slot] = (run.session, aborted)
         if not aborted:
-            self._keep(run.prompt + run.tokens[:-1], run.session)
+            kept = run.session
+            if run.prefilled is not None:  # the KV of the whole turn, the recurrent state of its prompt alone
+                kept = run.session.fork()
+                _copy_recurrent(run.prefilled, kept, ("conv", "ssm"))
+            self._keep(run.prompt + run.tokens[:-1], kept)
         return ServedRequest(run.req.id, run.prompt, list(run.tokens), run.slot, run.cached, aborted,
                              run.cached, run.spill.read)
+
+    def _pad_into_slot0(self, running: list[_Run]) -> None:
+        """The ``pad_alias`` fault: the padded rows of the step write a pad token (id 0) into the
+        recurrent state of the request in slot 0, as if they were its rows."""
+        victim = next((r for r in running if r.slot == 0), None)
+        if victim is not None:
+            scratch = victim.session.fork()
+            scratch.feed([0])
+            _copy_recurrent(scratch, victim.session, ("conv", "ssm"))
 
     # -- the scenario -----------------------------------------------------------------------
     def _due(self, req: ServeRequest, step: int, steps: list[Step], done: dict[str, ServedRequest]) -> bool:
@@ -183,7 +220,7 @@ class ServingScheduler:
                 if not free or len(running) >= self.max_running:
                     break
                 prompt = list(req.tokens) if req.continues is None else done[req.continues].prompt + done[req.continues].tokens + list(req.tokens)
-                running.append(self._admit(req, free[0], prompt, directory))
+                running.append(self._admit(req, free[0], prompt, directory, running))
                 pending.remove(req)
             if not running:
                 later = [r.arrival.step for r in pending if r.arrival.step > step]
@@ -199,6 +236,8 @@ class ServingScheduler:
                 if run.done:
                     done[run.req.id] = self._finish(run, aborted=run.req.emits < run.req.n_tokens)
                     running.remove(run)
+            if self.faults.get("pad_alias") and len(entries) in (3, 5, 6, 7):
+                self._pad_into_slot0(running)
             steps.append(Step(step, entries))
             step += 1
         return ServeResult({r.id: done[r.id] for r in scenario.requests}, steps)
