@@ -447,7 +447,7 @@ def _dtype_settings(dtype: str | None, candidate: str, mlx_folder: str | None = 
     if mlx_folder is not None:
         if candidate != "mlx":
             raise InvalidInput(f"--mlx-folder applies to the mlx engine, not {candidate}")
-        out["folder"] = mlx_folder
+        out["folder"] = str(Path(mlx_folder).resolve())  # absolute: the receipt's reproduce line works from anywhere
     return out
 
 
@@ -631,19 +631,32 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 
 # -- report ----------------------------------------------------------------------------------
 @cli.command()
-@click.argument("receipt", type=click.Path())
+@click.argument("receipt", type=click.Path(), required=False)
 @click.option("--out", "out_dir", default=None, type=click.Path(), help="Output directory (default: reports/<id>/ beside the receipts).")
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize the candidate against the oracle and plot the per-layer profile "
                    "(default: on a FAIL whose candidate exposes activations).")
-def report(receipt, out_dir, localize_) -> None:
-    """Write the verdict page of a parity or probe receipt: report.md, report.html and PNG plots;
-    the reports index beside the ledger is regenerated."""
+@click.option("--signoff", "signoff_seq", default=None, type=click.IntRange(min=1), metavar="SEQ",
+              help="The page of the sign-off at ledger row SEQ instead of a receipt's (harness ledger show --kind signoff).")
+@click.option("--ledger", default=None, type=click.Path(), help="With --signoff: the ledger (default: the project's).")
+def report(receipt, out_dir, localize_, signoff_seq, ledger) -> None:
+    """Write the verdict page of a parity, probe, MTP or tokenizer receipt (report.md, report.html,
+    PNG plots; the reports index beside the ledger is regenerated), or with --signoff SEQ the page
+    of a sign-off row."""
     # deferred: startup
     from harness.runs.explain import write_explained_report
 
+    if (receipt is None) == (signoff_seq is None):
+        raise InvalidInput("harness report takes a RECEIPT or --signoff SEQ (one of them)")
     if out_dir:
         require_writable_dir(out_dir, "report folder")  # before any localization is spent
+    if signoff_seq is not None:
+        from harness.evidence.report import write_signoff_report
+
+        md = write_signoff_report(ledger or load_config().ledger, signoff_seq, out_dir)
+        click.echo(_p(f"report: {md}"))
+        click.echo(_p(f"html:   {md.with_suffix('.html')}"))
+        return
     con = _console(stderr=True)
     md = write_explained_report(receipt, out_dir, localize="auto" if localize_ is None else localize_, log=lambda m: con.print(Text(m)))
     click.echo(_p(f"report: {md}"))
