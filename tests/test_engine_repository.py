@@ -388,7 +388,7 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert {(c["contract"], c["DISCHARGED"], c["NOT-APPLICABLE"]) for c in json.loads(r.stdout)["coverage"]} == {
         ("qwen35-e2e-verification-v1", 8, 0), ("qwen35-hybrid-forward-v1", 0, 13)}
 
-    bad = (repo / "engine.py").read_text().replace("logits = np.asarray(", "logits = 1.5 * np.asarray(")
+    bad = (repo / "engine.py").read_text().replace("return np.ctypeslib.as_array(ptr", "return 1.5 * np.ctypeslib.as_array(ptr")
     assert bad != (repo / "engine.py").read_text()
     (repo / "engine_bad.py").write_text(bad)
     pyproject.write_text(pyproject.read_text().replace('"engine.py"', '"engine_bad.py"'))
@@ -398,12 +398,14 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert "reproduce: harness parity --candidate command:mine --model fixture:trained-qwen35" in out
 
     # an upgrade whose contract changed: the project's evidence is STALE, and says why
+    pyproject.write_text(pyproject.read_text().replace('"engine_bad.py"', '"engine.py"'))  # the engine as discharged
     edited = _build_wheel(tmp_path / "src2", tmp_path / "dist2", "0.1.1", ("contracts/qwen35-hybrid-forward-v1.yaml", "# upgraded\n"))
     _ok(_run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index", "--force-reinstall", edited], tmp_path))
     r = _run([harness, "status", "--check", "--json"], repo)
     _ok(r, 1)
     rows = json.loads(r.stdout)["obligations"]
-    stale = [r for r in rows if r["contract"] == "qwen35-hybrid-forward-v1"]
-    assert len(stale) == 13 and {r["status"] for r in stale} == {"STALE"}
+    stale = [r for r in rows if r["contract"] == "qwen35-hybrid-forward-v1"]  # the oracle's 13 and command:mine's 13 NOT-APPLICABLE
+    assert sorted({r["candidate"] for r in stale}) == ["command:mine", "oracle"]
+    assert len(stale) == 26 and {r["status"] for r in stale} == {"STALE"}
     assert all("contract qwen35-hybrid-forward-v1.yaml changed" in r["detail"] for r in stale)
     assert {r["status"] for r in rows if r["contract"] == "qwen35-e2e-verification-v1"} == {"DISCHARGED"}  # unchanged by the upgrade
