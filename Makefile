@@ -13,9 +13,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## the main job on its built-in default: oracle vs llama.cpp on the default model and prompts
+## the main job on its built-in default: oracle vs llama.cpp on the default model and prompts.
+## Its receipt, ledger row, LEDGER.md and report go to out/run/ (git-ignored): the evidence
+## committed in evidence/ and LEDGER.md is the project's own record and changes only by a commit,
+## so a clone stays clean and later receipts do not record "(uncommitted changes)".
+RUN_LEDGER ?= out/run/evidence/parity/ledger.jsonl
 run: setup
-	$(VENV)/bin/harness parity
+	$(VENV)/bin/harness parity --ledger $(RUN_LEDGER)
 
 ## the test suite (what CI runs): the layers contract (import-linter, pyproject.toml), then pytest
 test: setup

@@ -118,7 +118,7 @@ def _short(msg: str, n: int = 140) -> str:
 GREEN_CELLS = ("DISCHARGED", "RED", "GREEN")
 YELLOW_CELLS = ("RED-SEEN", "BOUND", "SKIPPED")
 STATUS_STYLES = {**{v: "green" for v in GREEN_CELLS}, **{v: "yellow" for v in YELLOW_CELLS},
-                 **{v: "red" for v in ("UNBOUND", "STALE", "VACUOUS", "NOT-RED", "GREEN-FAILED", "FAIL", "ERROR")}}
+                 **{v: "red" for v in ("UNBOUND", "STALE", "VACUOUS", "NOT-RED", "GREEN-FAILED", "FAIL", "ERROR")}, "NOT-APPLICABLE": "dim"}
 """Colours of discharge outcomes and obligation statuses (``harness.contracts.discharge``)."""
 
 
@@ -473,7 +473,7 @@ def _dtype_settings(dtype: str | None, candidate: str, mlx_folder: str | None = 
     if mlx_folder is not None:
         if candidate != "mlx":
             raise InvalidInput(f"--mlx-folder applies to the mlx engine, not {candidate}")
-        out["folder"] = mlx_folder
+        out["folder"] = str(Path(mlx_folder).resolve())  # absolute: the receipt's reproduce line works from anywhere
     return out
 
 
@@ -662,19 +662,32 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 
 # -- report ----------------------------------------------------------------------------------
 @cli.command()
-@click.argument("receipt", type=click.Path())
+@click.argument("receipt", type=click.Path(), required=False)
 @click.option("--out", "out_dir", default=None, type=click.Path(), help="Output directory (default: reports/<id>/ beside the receipts).")
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize the candidate against the oracle and plot the per-layer profile "
                    "(default: on a FAIL whose candidate exposes activations).")
-def report(receipt, out_dir, localize_) -> None:
-    """Write the verdict page of a parity or probe receipt: report.md, report.html and PNG plots;
-    the reports index beside the ledger is regenerated."""
+@click.option("--signoff", "signoff_seq", default=None, type=click.IntRange(min=1), metavar="SEQ",
+              help="The page of the sign-off at ledger row SEQ instead of a receipt's (harness ledger show --kind signoff).")
+@click.option("--ledger", default=None, type=click.Path(), help="With --signoff: the ledger (default: the project's).")
+def report(receipt, out_dir, localize_, signoff_seq, ledger) -> None:
+    """Write the verdict page of a parity, probe, MTP or tokenizer receipt (report.md, report.html,
+    PNG plots; the reports index beside the ledger is regenerated), or with --signoff SEQ the page
+    of a sign-off row."""
     # deferred: startup
     from harness.runs.explain import write_explained_report
 
+    if (receipt is None) == (signoff_seq is None):
+        raise InvalidInput("harness report takes a RECEIPT or --signoff SEQ (one of them)")
     if out_dir:
         require_writable_dir(out_dir, "report folder")  # before any localization is spent
+    if signoff_seq is not None:
+        from harness.evidence.report import write_signoff_report
+
+        md = write_signoff_report(ledger or load_config().ledger, signoff_seq, out_dir)
+        click.echo(_p(f"report: {md}"))
+        click.echo(_p(f"html:   {md.with_suffix('.html')}"))
+        return
     con = _console(stderr=True)
     md = write_explained_report(receipt, out_dir, localize="auto" if localize_ is None else localize_, log=lambda m: con.print(Text(m)))
     click.echo(_p(f"report: {md}"))
@@ -1202,19 +1215,20 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
         _render_table(f"discharge {results[0].contract if results else ''}",
                       ("obligation", "RED subject: outcome", "RED message", "GREEN", "result"), rows, STATUS_STYLES)
         done = sum(r.result == dis.DISCHARGED for r in results)
-        click.echo(f"{done}/{len(results)} obligations DISCHARGED")
-    sys.exit(0 if results and all(r.result == dis.DISCHARGED for r in results) else 1)
+        na = [r for r in results if r.result == dis.NOT_APPLICABLE]
+        click.echo(f"{done}/{len(results)} obligations DISCHARGED" + (f", {len(na)} NOT-APPLICABLE ({na[0].green['message']})" if na else ""))
+    sys.exit(dis.discharge_exit(results))
 
 
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path())
-@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED (5 when there is none to check).")
+@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED or NOT-APPLICABLE (5 when none is DISCHARGED).")
 @click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default: the project's <evidence>/discharge).")
 @click.option("--candidate", "candidates", multiple=True, metavar="NAME",
               help="The GREEN subject whose current build is judged (repeatable; default: every subject with records).")
 @click.option("--json", "as_json", is_flag=True)
 def status(paths, check, evidence_dir, candidates, as_json) -> None:
-    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, STALE) per GREEN
+    """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, NOT-APPLICABLE, STALE) per GREEN
     subject, and coverage per contract. PATHS: files, folders or ids; default: the project's
     contracts/ and the shipped contracts it uses ([tool.harness] contracts, else those discharged
     here). Records are kept per subject build (evidence/discharge/CONTRACT/NAME@BUILD/)."""
@@ -1239,7 +1253,11 @@ def status(paths, check, evidence_dir, candidates, as_json) -> None:
                       [(r.contract, r.obligation, r.candidate or "-", r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
         _render_table("coverage", ("contract", "version", "obligations", *dis.STATUSES),
                       [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage])
-    if check and any(r.status != dis.DISCHARGED for r in rows):
+    if check and dis.check_exit(rows):
+        if dis.check_exit(rows) == 5:
+            raise Unmeasured(f"no obligation of {', '.join(c['contract'] for c in coverage)} is DISCHARGED: every one is NOT-APPLICABLE to "
+                             f"{', '.join(sorted({r.candidate or '-' for r in rows}))} (discharge a contract it can be asked, e.g. "
+                             "qwen35-e2e-verification-v1)")
         sys.exit(1)
 
 
@@ -1329,18 +1347,23 @@ def sweep(manifest, ledger, jobs, ray_address) -> None:
 @cli.command()
 @click.option("--engine", "engine", default="mine", show_default=True, help="Name of the engine entry ([tool.harness.engines.NAME]).")
 @click.option("--force", is_flag=True, help="Replace existing files and an existing [tool.harness] table.")
-def init(engine: str, force: bool) -> None:
+@click.option("--harness-source", default=None, metavar="GIT-URL",
+              help="Where the workflow installs the harness from (default: this checkout's origin remote), at the commit it runs from.")
+def init(engine: str, force: bool, harness_source: str | None) -> None:
     """Set up this repository (the current directory) to verify its engine with the harness:
     [tool.harness] in pyproject.toml with an engine entry to fill in, tests/test_qwen35_parity.py,
     a GitHub Actions workflow and an empty ledger. Refuses (exit 2, listing them) when any of
     these exists, unless --force."""
     # deferred: startup
     from harness.provenance import suite_pins
-    from harness.scaffold import init_project
+    from harness.scaffold import harness_requirement, init_project
 
     root = Path.cwd()
-    for p in init_project(root, engine, suite_pins()["version"], force):
+    version = suite_pins()["version"]
+    requirement = harness_requirement(harness_source, version)
+    for p in init_project(root, engine, version, force, requirement):
         click.echo(_p(f"wrote {p.relative_to(root).as_posix()}"))
+    click.echo(_p(f"the workflow installs: {requirement}"))
     click.echo(f"next: fill in [tool.harness.engines.{engine}] in pyproject.toml (the engine command), then\n"
                "  pytest -m parity                     # parity and probe cells on your engine\n"
                f"  harness discharge qwen35-e2e-verification-v1 --candidate command:{engine}\n"

@@ -11,7 +11,10 @@ Shipped with the harness so that any repository can run them. Each test is one c
   ``[tool.harness] probes``; fails when a measured probe fails or a required one (split, decode,
   determinism) could not be measured.
 
-Every failure message ends with the command that reproduces it. The cells come from the
+Every failure message ends with the command that reproduces it; a run the harness refused or an
+engine that failed is reported as the CLI reports it (``harness: VERDICT: message`` and the
+engine's last stderr lines: the missing engine file, the Python traceback of the engine), with
+no exception chain (``_refused``). The cells come from the
 project's ``[tool.harness]`` (``candidate``, ``models``/``model``, ``reference``, ``prompts``,
 ``thresholds``, ``probes``), overridden by ``--candidate``, ``--model``, ``--reference``; the
 plugin (``harness.pytest_plugin``) parametrizes them. With ``--harness-record`` each cell writes its
@@ -27,10 +30,11 @@ module itself.
 from __future__ import annotations
 
 import shlex
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
+from harness import display
 from harness.runs.parity import ParityRequest, run_parity
 from harness.runs.probes import ProbeRequest, run_probes
 from harness.errors import HarnessError, Verdict
@@ -47,6 +51,28 @@ def reproducer(command: str, cell: Any, settings: Any, *extra: str) -> str:
         if value is not None:
             args += [opt, str(value)]
     return shlex.join([*args, *extra])
+
+
+def _run(run: Callable[[Any], Any], req: Any) -> tuple[Any, HarnessError | None]:
+    """``(run(req), None)``, or ``(None, error)`` when the harness refused or an engine failed:
+    the cell fails outside the ``except`` block, so pytest shows no "During handling of the above
+    exception" chain."""
+    try:
+        return run(req), None
+    except HarnessError as e:
+        return None, e
+
+
+def _refused(what: str, e: HarnessError, again: str) -> str:
+    """The failure text of a cell the harness could not judge: ``what VERDICT: message``, the
+    engine's last stderr lines (``EngineError.stderr_tail``, escaped: ``display.lines``) when
+    there are any, and the reproduce line."""
+    head, _, rest = what.partition(" ")
+    lines = [f"{head} {e.verdict.value}: {rest}: {display.plain(e)}"]
+    tail = getattr(e, "stderr_tail", "")
+    if tail:
+        lines += ["engine stderr (last lines):", *("  " + ln for ln in display.lines(tail).splitlines())]
+    return "\n".join([*lines, f"reproduce: {again}"])
 
 
 def _argv(request: pytest.FixtureRequest) -> list[str]:
@@ -68,10 +94,9 @@ def test_parity(harness_parity_cell, harness_settings, request):
     s, cell = harness_settings, harness_parity_cell
     again = reproducer("parity", cell, s)
     req = ParityRequest(**_request_fields(cell, s, request))
-    try:
-        outcome = run_parity(req)
-    except HarnessError as e:
-        pytest.fail(f"parity {e.verdict.value}: {cell.candidate} vs {s.reference} on {cell.model}: {e}\nreproduce: {again}", pytrace=False)
+    outcome, error = _run(run_parity, req)
+    if error is not None:
+        pytest.fail(_refused(f"parity {cell.candidate} vs {s.reference} on {cell.model}", error, again), pytrace=False)
     result = outcome.result
     if result.verdict is not Verdict.PASS:
         lines = [f"parity {result.verdict.value}: {cell.candidate} vs {s.reference} on {cell.model} "
@@ -96,10 +121,9 @@ def test_probes(harness_probe_cell, harness_settings, request):
     extra = [a for name in s.probes for a in ("--only", name)] if s.probes else []
     again = reproducer("probe", cell, s, *extra)
     req = ProbeRequest(only=list(s.probes), **_request_fields(cell, s, request))
-    try:
-        run = run_probes(req)
-    except HarnessError as e:
-        pytest.fail(f"probes {e.verdict.value}: {cell.candidate} on {cell.model}: {e}\nreproduce: {again}", pytrace=False)
+    run, error = _run(run_probes, req)
+    if error is not None:
+        pytest.fail(_refused(f"probes {cell.candidate} on {cell.model}", error, again), pytrace=False)
     if run.verdict is not Verdict.PASS:
         lines = [f"probes {run.verdict.value}: {cell.candidate} on {cell.model} "
                  f"(sha256 {run.receipt['model']['sha256'][:12]}): {run.message}"]

@@ -8,7 +8,8 @@ Written into the repository root (``root``):
 * ``tests/test_qwen35_parity.py``: runs the shipped parity and probe cells
   (``from harness.conformance import *``);
 * ``.github/workflows/qwen35-harness.yml``: a GitHub Actions job that installs this harness
-  version, caches the fixtures (``$HARNESS_CACHE_DIR``) and pip's cache (where the compiled
+  (``harness_requirement``: the repository at the commit ``harness init`` ran from, until a
+  release is on the package index), caches the fixtures (``$HARNESS_CACHE_DIR``) and pip's cache (where the compiled
   llama-cpp-python wheel, the llama.cpp build, is kept), runs ``pytest -m parity
   --harness-record`` and ``harness status --check``, and keeps the evidence as an artifact;
 * an empty ledger: ``evidence/parity/ledger.jsonl`` and its rendering ``LEDGER.md``.
@@ -22,14 +23,19 @@ the edit; otherwise it refuses and asks for a hand edit.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import tomllib
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from harness.errors import InvalidInput
+from harness.paths import IS_CHECKOUT, SOURCE_ROOT
+from harness.provenance import git_state
 
 ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 PYPROJECT = "pyproject.toml"
@@ -80,8 +86,59 @@ from harness.conformance import *  # noqa: F401,F403
 '''
 
 
-def workflow_text(version: str) -> str:
-    """The GitHub Actions workflow, pinned to harness ``version``."""
+DISTRIBUTION = "qwen35-harness"
+
+
+def _origin_url(root: Path) -> str | None:
+    """``git remote get-url origin`` of the checkout at ``root``; None without one."""
+    try:
+        p = subprocess.run(["git", "-C", str(root), "remote", "get-url", "origin"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (p.stdout.strip() or None) if p.returncode == 0 else None
+
+
+def _vcs_install() -> tuple[str, str] | None:
+    """``(url, commit)`` when this harness was installed from a git repository (pip's
+    ``direct_url.json``, PEP 610); None otherwise."""
+    try:
+        text = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
+        d = json.loads(text) if text else {}
+    except (metadata.PackageNotFoundError, ValueError, OSError):
+        return None
+    vcs = d.get("vcs_info") if isinstance(d, dict) else None
+    if isinstance(vcs, dict) and vcs.get("vcs") == "git" and vcs.get("commit_id") and d.get("url"):
+        return str(d["url"]), str(vcs["commit_id"])
+    return None
+
+
+def harness_requirement(source: str | None = None, version: str = "0+unknown") -> str:
+    """The pip requirement the workflow installs: this harness exactly, because the committed
+    evidence (receipts, discharge records) names the suite's sha256 and a CI run on another
+    harness would find it STALE; and no release is on the package index yet, so
+    ``qwen35-harness==VERSION`` would not install.
+
+    - run from a git checkout: ``qwen35-harness @ git+URL@COMMIT``, the commit it is at (commit
+      your harness changes first: uncommitted ones are not in it), URL ``source`` or the
+      checkout's ``origin`` remote, else the checkout's own folder (``file://``: a CI runner
+      cannot reach it; pass ``--harness-source``);
+    - installed from a git repository (pip's ``direct_url.json``): that URL (or ``source``) at
+      that commit;
+    - installed from an index: ``qwen35-harness==VERSION``.
+    """
+    if IS_CHECKOUT and (commit := git_state(SOURCE_ROOT)["commit"]):
+        url = source or _origin_url(SOURCE_ROOT) or SOURCE_ROOT.resolve().as_uri()
+        return f"{DISTRIBUTION} @ git+{url.removeprefix('git+')}@{commit}"
+    if vcs := _vcs_install():
+        return f"{DISTRIBUTION} @ git+{(source or vcs[0]).removeprefix('git+')}@{vcs[1]}"
+    return f"{DISTRIBUTION}=={version}"
+
+
+def workflow_text(version: str, requirement: str | None = None) -> str:
+    """The GitHub Actions workflow, installing ``requirement`` (``harness_requirement``; default
+    ``qwen35-harness==version``) and keyed on it in the cache."""
+    requirement = requirement or f"{DISTRIBUTION}=={version}"
+    pin = requirement.rsplit("@", 1)[-1][:12] if " @ " in requirement else version
     return f'''# Written by `harness init` (qwen35-harness {version}): the Qwen3.5 conformance cells on this
 # repository's engine, and a check that the committed contract evidence is current.
 name: qwen35-harness
@@ -109,10 +166,12 @@ jobs:
           path: |
             .harness-cache
             ~/.cache/pip
-          key: qwen35-harness-${{{{ runner.os }}}}-py3.11-{version}
+          key: qwen35-harness-${{{{ runner.os }}}}-py3.11-{pin}
+      # The harness exactly as `harness init` ran (the commit the committed evidence was made
+      # with; no release of qwen35-harness is on the package index yet).
       - name: Install the harness (and this repository's engine)
         run: |
-          python -m pip install "qwen35-harness=={version}"
+          python -m pip install "{requirement}"
           # python -m pip install -e .   # when the engine is this repository's Python package
       - name: Parity and probe cells
         run: pytest -m parity --harness-record
@@ -188,7 +247,7 @@ def _pyproject(root: Path, engine: str, force: bool) -> tuple[Planned, bool]:
     return Planned(Path(PYPROJECT), new, True), has
 
 
-def plan(root: Path, engine: str, version: str, force: bool = False) -> tuple[list[Planned], list[str]]:
+def plan(root: Path, engine: str, version: str, force: bool = False, requirement: str | None = None) -> tuple[list[Planned], list[str]]:
     """The files ``harness init`` would write and the conflicts (existing files, or an existing
     ``[tool.harness]``) it would refuse on without ``force``. Raises ``InvalidInput`` for a bad
     engine name or an unreadable pyproject.toml."""
@@ -198,7 +257,7 @@ def plan(root: Path, engine: str, version: str, force: bool = False) -> tuple[li
         raise InvalidInput(f"engine name {engine!r}: use letters, digits, '_', '.', '-' (at most 64)")
     py, py_conflict = _pyproject(root, engine, force)
     files = [py]
-    for rel, text in ((TEST_MODULE, TEST_MODULE_TEXT), (WORKFLOW, workflow_text(version)), (LEDGER, ""),
+    for rel, text in ((TEST_MODULE, TEST_MODULE_TEXT), (WORKFLOW, workflow_text(version, requirement)), (LEDGER, ""),
                       (LEDGER_MD, render_markdown([], root / LEDGER, root / LEDGER_MD))):
         files.append(Planned(rel, text, (root / rel).exists()))
     conflicts = [f"{PYPROJECT} [tool.harness]"] if py_conflict else []
@@ -213,13 +272,15 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def init_project(root: Path, engine: str = "mine", version: str = "0+unknown", force: bool = False) -> list[Path]:
-    """Write the files of ``plan`` into ``root``; returns their paths.
+def init_project(root: Path, engine: str = "mine", version: str = "0+unknown", force: bool = False,
+                 requirement: str | None = None) -> list[Path]:
+    """Write the files of ``plan`` into ``root`` (the workflow installing ``requirement``:
+    ``harness_requirement``); returns their paths.
 
     Raises ``InvalidInput`` (exit 2) listing every existing file (and an existing
     ``[tool.harness]``) before anything is written, unless ``force``.
     """
-    files, conflicts = plan(root, engine, version, force)
+    files, conflicts = plan(root, engine, version, force, requirement)
     if conflicts and not force:
         raise InvalidInput(f"refusing to overwrite: {', '.join(conflicts)} (pass --force to replace them)")
     for f in files:

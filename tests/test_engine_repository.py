@@ -40,6 +40,7 @@ from harness.contracts.loader import (
 from harness.errors import InvalidInput
 from harness.evidence.ledger import read_rows
 from harness.paths import SUITE_ROOT
+from harness.provenance import git_state
 from harness.scaffold import TEST_MODULE_TEXT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,7 +177,12 @@ def test_init_writes_refuses_and_forces(project, capsys):
     steps = flow["jobs"]["qwen35"]["steps"]
     runs = [s.get("run", "") for s in steps]
     assert "pytest -m parity --harness-record" in runs and "harness status --check" in runs
-    assert any(re.search(r'pip install "qwen35-harness==[^"]+"', r) for r in runs)
+    # no release is on the package index: the workflow installs this harness's repository at the
+    # commit init ran from (the suite the committed evidence names), never "qwen35-harness==0.1.0"
+    commit = git_state(REPO)["commit"]
+    assert any(re.search(rf'pip install "qwen35-harness @ git\+\S+@{commit}"', r) for r in runs), runs
+    assert not any("qwen35-harness==" in r for r in runs)
+    assert flow["jobs"]["qwen35"]["steps"][2]["with"]["key"].endswith(commit[:12])
     cache = next(s for s in steps if s.get("uses", "").startswith("actions/cache"))["with"]["path"]
     assert ".harness-cache" in cache and "~/.cache/pip" in cache and flow["jobs"]["qwen35"]["env"]["HARNESS_CACHE_DIR"].endswith(".harness-cache")
     assert (project / "evidence" / "parity" / "ledger.jsonl").read_bytes() == b""
@@ -195,6 +201,15 @@ def test_init_writes_refuses_and_forces(project, capsys):
     assert cfg["tool"]["harness"]["candidate"] == "command:fast-engine" and list(cfg["tool"]["harness"]["engines"]) == ["fast-engine"]
     assert cfg["project"] == before["project"] and cfg["tool"]["ruff"] == before["tool"]["ruff"]
     assert (project / "tests" / "test_qwen35_parity.py").read_text() == TEST_MODULE_TEXT
+
+
+def test_init_pins_the_harness_source_it_is_given(project, capsys):
+    """``harness init --harness-source URL``: the workflow installs the harness from that URL at
+    the commit init ran from, and init says so."""
+    assert main(["init", "--harness-source", "https://example.org/qwen35-harness.git"]) == 0
+    req = f"qwen35-harness @ git+https://example.org/qwen35-harness.git@{git_state(REPO)['commit']}"
+    assert f'python -m pip install "{req}"' in (project / ".github" / "workflows" / "qwen35-harness.yml").read_text()
+    assert f"the workflow installs: {req}" in capsys.readouterr().out
 
 
 def test_init_refuses_what_it_cannot_edit_safely(project, capsys):
@@ -360,13 +375,20 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert not [p for p in site.rglob("*") if p.is_dir() and p.name in ("discharge", "receipts")]  # nothing written into the venv
     assert "DISCHARGED" in _ok(_run([harness, "status", "--check"], repo))
     # the engine itself (logits only) discharges the end-to-end contract
-    assert "7/7 obligations DISCHARGED" in _ok(_run([harness, "discharge", "qwen35-e2e-verification-v1", "--candidate", "command:mine"], repo))
+    assert "8/8 obligations DISCHARGED" in _ok(_run([harness, "discharge", "qwen35-e2e-verification-v1", "--candidate", "command:mine"], repo))
     r = _run([harness, "status", "--check", "--json"], repo)
     _ok(r)
     assert {c["contract"]: c["DISCHARGED"] for c in json.loads(r.stdout)["coverage"]} == {
-        "qwen35-e2e-verification-v1": 7, "qwen35-hybrid-forward-v1": 13}
+        "qwen35-e2e-verification-v1": 8, "qwen35-hybrid-forward-v1": 13}
+    # ... and the activations contract is not applicable to it: recorded so, and CI stays green
+    na = _ok(_run([harness, "discharge", "qwen35-hybrid-forward-v1", "--candidate", "command:mine"], repo), 5)
+    assert "0/13 obligations DISCHARGED, 13 NOT-APPLICABLE (command:mine does not declare the activations capability" in na
+    r = _run([harness, "status", "--check", "--json", "--candidate", "command:mine"], repo)
+    _ok(r)
+    assert {(c["contract"], c["DISCHARGED"], c["NOT-APPLICABLE"]) for c in json.loads(r.stdout)["coverage"]} == {
+        ("qwen35-e2e-verification-v1", 8, 0), ("qwen35-hybrid-forward-v1", 0, 13)}
 
-    bad = (repo / "engine.py").read_text().replace("logits = np.asarray(", "logits = 1.5 * np.asarray(")
+    bad = (repo / "engine.py").read_text().replace("return np.ctypeslib.as_array(ptr", "return 1.5 * np.ctypeslib.as_array(ptr")
     assert bad != (repo / "engine.py").read_text()
     (repo / "engine_bad.py").write_text(bad)
     pyproject.write_text(pyproject.read_text().replace('"engine.py"', '"engine_bad.py"'))
@@ -376,12 +398,14 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert "reproduce: harness parity --candidate command:mine --model fixture:trained-qwen35" in out
 
     # an upgrade whose contract changed: the project's evidence is STALE, and says why
+    pyproject.write_text(pyproject.read_text().replace('"engine_bad.py"', '"engine.py"'))  # the engine as discharged
     edited = _build_wheel(tmp_path / "src2", tmp_path / "dist2", "0.1.1", ("contracts/qwen35-hybrid-forward-v1.yaml", "# upgraded\n"))
     _ok(_run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index", "--force-reinstall", edited], tmp_path))
     r = _run([harness, "status", "--check", "--json"], repo)
     _ok(r, 1)
     rows = json.loads(r.stdout)["obligations"]
-    stale = [r for r in rows if r["contract"] == "qwen35-hybrid-forward-v1"]
-    assert len(stale) == 13 and {r["status"] for r in stale} == {"STALE"}
+    stale = [r for r in rows if r["contract"] == "qwen35-hybrid-forward-v1"]  # the oracle's 13 and command:mine's 13 NOT-APPLICABLE
+    assert sorted({r["candidate"] for r in stale}) == ["command:mine", "oracle"]
+    assert len(stale) == 26 and {r["status"] for r in stale} == {"STALE"}
     assert all("contract qwen35-hybrid-forward-v1.yaml changed" in r["detail"] for r in stale)
     assert {r["status"] for r in rows if r["contract"] == "qwen35-e2e-verification-v1"} == {"DISCHARGED"}  # unchanged by the upgrade

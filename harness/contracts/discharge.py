@@ -25,8 +25,19 @@ another's. Records of the earlier flat layout (``<contract-id>/<obligation-id>.j
 read, for the subject their GREEN run names.
 
 Status is computed, never declared (``status``), per obligation and GREEN subject: UNBOUND (no
-tests), BOUND (tests, no passing record), RED-SEEN (RED shown, GREEN not), DISCHARGED, STALE
-(anything hashed changed since, or only another build of the subject was discharged).
+tests), BOUND (tests, no passing record), RED-SEEN (RED shown, GREEN not), DISCHARGED,
+NOT-APPLICABLE, STALE (anything hashed changed since, or only another build of the subject was
+discharged).
+
+NOT-APPLICABLE: an obligation whose bound tests take a fixture that needs a capability
+(``NEEDS``: ``subject_acts`` needs ``activations``) the GREEN candidate does not declare cannot
+be asked of it: a logits-only engine has no named activations to compare layer by layer. The
+discharge then runs nothing for it and records that (``result`` NOT-APPLICABLE, ``not_applicable``:
+the capability needed and those the candidate declared), as a record of its build like any other,
+so it goes STALE with the engine's build, the bound tests or the contract, and when the candidate
+declares the capability (``staleness``). It is not DISCHARGED: nothing was shown. ``check_exit``
+(``harness status --check``) is green when every obligation is DISCHARGED or NOT-APPLICABLE and at
+least one is DISCHARGED, UNMEASURED (5) when none could be asked.
 
 Speed: the runs of one contract are planned into as few pytest processes as possible (each costs
 an import of the stack): every subject sharing a model and plant runs in one session with
@@ -58,7 +69,7 @@ from harness.contracts.loader import (
     load_contracts,
     pytest_command,
 )
-from harness.engines.registry import engine_build_id, engine_source_hashes
+from harness.engines.registry import engine_build_id, engine_source_hashes, resolve_engine
 from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.fschecks import require_writable_dir
@@ -70,7 +81,11 @@ SCHEMA_ID = "harness-discharge/v1"
 SESSION_TIMEOUT_S = 1200
 
 UNBOUND, BOUND, RED_SEEN, DISCHARGED, STALE = "UNBOUND", "BOUND", "RED-SEEN", "DISCHARGED", "STALE"
-STATUSES = (UNBOUND, BOUND, RED_SEEN, DISCHARGED, STALE)
+NOT_APPLICABLE = "NOT-APPLICABLE"
+STATUSES = (UNBOUND, BOUND, RED_SEEN, DISCHARGED, NOT_APPLICABLE, STALE)
+NEEDS = {"subject_acts": "activations"}
+"""Fixtures of the shipped bound tests (tests/contracts/conftest.py) and the candidate capability
+each needs: a test that takes one cannot be asked of a candidate without it."""
 # outcomes of one side of a discharge
 RED, GREEN, VACUOUS, FAIL, ERROR, SKIPPED, NOT_RUN = "RED", "GREEN", "VACUOUS", "FAIL", "ERROR", "SKIPPED", "NOT-RUN"
 
@@ -237,6 +252,59 @@ def judge(runs: Sequence[SessionRun], tests: Sequence[str], subject: Subject, ex
 
 
 # ---------------------------------------------------------------------------------------------
+# What an obligation needs of its candidate
+# ---------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=256)
+def bound_test_fixtures(path: Path, qualname: str) -> frozenset[str]:
+    """The argument names (its fixtures) of the test function ``qualname`` (``Class::test`` or
+    ``test``) in ``path``, read with ``ast`` (nothing imported); empty when unparsable."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    body: list[ast.stmt] = tree.body
+    for i, name in enumerate(parts := qualname.split("::")):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name), None)
+        if node is None:
+            return frozenset()
+        if i == len(parts) - 1:
+            return frozenset(a.arg for a in node.args.args) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else frozenset()
+        body = node.body
+    return frozenset()
+
+
+def needed_capabilities(contract: Contract, ob: Obligation) -> list[str]:
+    """The candidate capabilities ``ob``'s bound tests need (``NEEDS`` of the fixtures they take), sorted."""
+    need = {NEEDS[f] for t in ob.tests for f in bound_test_fixtures(contract.root / t.split("::", 1)[0], t.split("::", 1)[1]) if f in NEEDS}
+    return sorted(need)
+
+
+def needs_activations(contract: Contract, ob: Obligation) -> bool:
+    """True when a bound test of ``ob`` takes a fixture that needs the candidate's activations."""
+    return "activations" in needed_capabilities(contract, ob)
+
+
+@lru_cache(maxsize=64)
+def candidate_capabilities(candidate: str, model: str) -> tuple[str, ...] | None:
+    """The capabilities ``candidate`` declares (``EngineInfo.capabilities``) made on ``model``;
+    None when it cannot be made (its tests then run and say why)."""
+    try:
+        return tuple(resolve_engine(candidate, resolve_model(model)).info.capabilities)
+    except HarnessError:
+        return None
+
+
+def missing_capabilities(contract: Contract, ob: Obligation, candidate: str) -> list[str]:
+    """The capabilities ``ob``'s bound tests need that ``candidate`` does not declare (``[]``: it
+    can be asked, or its capabilities cannot be read)."""
+    need = needed_capabilities(contract, ob)
+    caps = candidate_capabilities(candidate, ob.model) if need else ()
+    return [] if caps is None else [c for c in need if c not in caps]
+
+
+# ---------------------------------------------------------------------------------------------
 # What a result depends on
 # ---------------------------------------------------------------------------------------------
 
@@ -323,7 +391,7 @@ def _depends(root: Path, subjects: Sequence[Subject], reference: str | None, use
 
 @dataclass
 class ObligationResult:
-    """One obligation's discharge: ``result`` DISCHARGED, VACUOUS, NOT-RED or GREEN-FAILED;
+    """One obligation's discharge: ``result`` DISCHARGED, NOT-APPLICABLE, VACUOUS, NOT-RED or GREEN-FAILED;
     ``record`` the evidence written (or that would be)."""
 
     contract: str
@@ -424,6 +492,54 @@ def discharge_record(contract: Contract, ob: Obligation, runs: Sequence[SessionR
     return record, reds, green
 
 
+def not_applicable_record(contract: Contract, ob: Obligation, candidate: str, missing: Sequence[str]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """The ``harness-discharge/v1`` record of an obligation ``candidate`` cannot be asked (its bound
+    tests need the capabilities ``missing``): ``result`` NOT-APPLICABLE, no RED run, a GREEN side
+    that ran nothing and says why, ``not_applicable`` (``needs``, the capabilities the candidate
+    declared), and the hashes of the contract, bound tests, the candidate's sources and the model,
+    so it goes STALE as a discharged record would. Returns (record, [], the GREEN side)."""
+    caps = candidate_capabilities(candidate, ob.model) or ()
+    why = (f"{candidate} does not declare the {', '.join(missing)} capability its bound tests need "
+           f"({', '.join(ob.tests)}); declared: {', '.join(caps) or 'none'}")
+    green = {"shown_by": candidate, "subject": asdict(Subject(candidate, ob.model)), "outcome": NOT_APPLICABLE, "message": why,
+             "items": [], "run": None}
+    tests, support = test_hashes(contract.root, ob.tests)
+    record = {
+        "schema": SCHEMA_ID,
+        "result": NOT_APPLICABLE,
+        "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "harness": harness_pins(),
+        "contract": {"id": contract.id, "version": contract.version, "path": _rel(contract.path, contract.root), "sha256": contract.sha256,
+                     "shipped": suite.is_shipped(contract.root)},
+        "obligation": {"id": ob.id, "kind": ob.kind, "property": ob.property, "model": ob.model, "sha256": ob.sha256},
+        "tests": tests,
+        "support_files": support,
+        "depends_on": _depends(contract.root, [Subject(candidate, ob.model)], None),
+        "red": [],
+        "green": green,
+        "not_applicable": {"needs": list(missing), "capabilities": list(caps)},
+        "build": {"candidate": candidate, "id": engine_build_id(candidate)},
+    }
+    return record, [], green
+
+
+def check_exit(rows: Sequence["StatusRow"]) -> int:
+    """The exit code of ``harness status --check`` over ``rows``: 0 when every obligation is
+    DISCHARGED or NOT-APPLICABLE and at least one is DISCHARGED; 5 (UNMEASURED) when none is
+    DISCHARGED and nothing else is wrong (every obligation NOT-APPLICABLE: nothing the candidate
+    could be asked was shown); else 1."""
+    if any(r.status not in (DISCHARGED, NOT_APPLICABLE) for r in rows):
+        return 1
+    return 0 if any(r.status == DISCHARGED for r in rows) else 5
+
+
+def discharge_exit(results: Sequence["ObligationResult"]) -> int:
+    """The exit code of ``harness discharge``: as ``check_exit``, over the results."""
+    if not results or any(r.result not in (DISCHARGED, NOT_APPLICABLE) for r in results):
+        return 1
+    return 0 if any(r.result == DISCHARGED for r in results) else 5
+
+
 def discharge(
     path: str | os.PathLike,
     candidate: str = DEFAULT_CANDIDATE,
@@ -446,8 +562,9 @@ def discharge(
     root = contract.root
     project = suite.project_config(root)
     obs = [contract.obligation(o) for o in obligation_ids] if obligation_ids else list(contract.obligations)
+    missing = {ob.id: missing_capabilities(contract, ob, candidate) for ob in obs if ob.tests}
     requests: list[tuple[Subject, Sequence[str]]] = []
-    for ob in (ob for ob in obs if ob.tests):
+    for ob in (ob for ob in obs if ob.tests and not missing[ob.id]):
         requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
         requests.append((Subject(candidate, ob.model), ob.tests))
     out_dir = Path(evidence_dir) if evidence_dir else default_evidence_dir(contract)
@@ -459,7 +576,10 @@ def discharge(
         if not ob.tests:
             results.append(ObligationResult(contract.id, ob.id, UNBOUND, [], {}, {}))
             continue
-        record, reds, green = discharge_record(contract, ob, runs, candidate)
+        if missing[ob.id]:
+            record, reds, green = not_applicable_record(contract, ob, candidate, missing[ob.id])
+        else:
+            record, reds, green = discharge_record(contract, ob, runs, candidate)
         written = write_record(out_dir / contract.id / build_dir(candidate) / f"{ob.id}.json", record) if write else None
         results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, written))
     return results
@@ -501,6 +621,12 @@ def staleness(record: dict[str, Any], contract: Contract) -> list[str]:
     thr = deps.get("thresholds")
     if thr and _sha256_or_none(root / thr["path"]) != thr["sha256"]:
         why.append("thresholds.yaml changed")
+    na = record.get("not_applicable")
+    if isinstance(na, dict) and ob is not None:
+        caps = candidate_capabilities(str(_green_subject(record)), ob.model) or ()
+        now = [c for c in na.get("needs") or [] if c in caps]
+        if now:
+            why.append(f"{_green_subject(record)} now declares the {', '.join(now)} capability: discharge it")
     return why
 
 
@@ -570,6 +696,8 @@ def _judged(contract: Contract, ob: Obligation, path: Path, candidate: str | Non
     if why:
         return StatusRow(contract.id, ob.id, STALE, "; ".join(why), str(path), candidate)
     result = record.get("result")
+    if result == NOT_APPLICABLE and isinstance(record.get("not_applicable"), dict):
+        return StatusRow(contract.id, ob.id, NOT_APPLICABLE, f"{record['recorded_at']}: {record['green'].get('message', '')}", str(path), candidate)
     if result == DISCHARGED and all(r.get("outcome") == RED for r in record.get("red", [])) and record.get("green", {}).get("outcome") == GREEN:
         return StatusRow(contract.id, ob.id, DISCHARGED, f"{record['recorded_at']}: RED on {', '.join(r['shown_by'] for r in record['red'])}, GREEN on {record['green']['shown_by']}", str(path), candidate)
     if record.get("red") and all(r.get("outcome") == RED for r in record["red"]):
@@ -612,8 +740,9 @@ def status(paths: Sequence[str | os.PathLike], evidence_dir: str | os.PathLike |
         cr = [obligation_status(c, ob, ev, s) for s in subjects for ob in c.obligations]
         rows += cr
         counts = {s: sum(1 for r in cr if r.status == s) for s in STATUSES}
+        applicable = len(cr) - counts[NOT_APPLICABLE]
         coverage.append({"contract": c.id, "version": c.version, "obligations": len(cr), **counts,
-                         "discharged_fraction": counts[DISCHARGED] / len(cr) if cr else 0.0})
+                         "discharged_fraction": counts[DISCHARGED] / applicable if applicable else 0.0})
     return rows, coverage
 
 

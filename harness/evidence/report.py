@@ -29,15 +29,17 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from harness.config import reproduce_env
+from harness.engines.options import candidate_flags
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
 from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
-from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt, per_prompt_rows, receipts_root
+from harness.evidence.receipts import (MTP_SCHEMA_ID, PROBE_SCHEMA_ID, SCHEMA_ID, TOKENIZER_SCHEMA_ID, load_receipt, per_prompt_rows,
+                                       receipts_root)
 from harness.paths import DEFAULT_PROMPTS
 from harness.provenance import sha256_file
 
@@ -709,20 +711,32 @@ def free_running_section(page: Page, rec: dict[str, Any]) -> None:
     page.table(["prompt", "steps (stop)", "identical steps", "first divergence", "tokens ref / cand", "ref margin", "kind"], rows, "lrrrrrl")
 
 
-def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt: list[str]) -> dict[str, str]:
+def reproduce_command(rec: dict[str, Any], ledger_opt: Sequence[str] = ()) -> str:
+    """The command that runs a parity or probe receipt's run again as it was run: its candidate
+    with the options that made it (``engines.candidate.requested``: ``--dtype``,
+    ``--mlx-folder``; ``harness.judge.reproducer.candidate_flags``), its model, prompts,
+    thresholds and overrides, and for a probe run the probes it was asked for (``only``: none
+    when every probe ran, so the line is judged as that run was), behind the config assignments
+    of an engine a config file defines."""
     eng = rec["engines"]
+    cand = eng["candidate"]
+    flags = candidate_flags(cand.get("requested"))
     if rec.get("schema") == PROBE_SCHEMA_ID:
-        argv: list[Any] = ["harness", "probe", "--candidate", eng["candidate"]["name"], "--model", _model_spec(rec)]
-        for pr in rec["probes"]:
-            argv += ["--only", pr["name"]]
+        argv: list[Any] = ["harness", "probe", "--candidate", cand["name"], *flags, "--model", _model_spec(rec)]
+        for name in rec.get("only") or []:
+            argv += ["--only", name]
         if eng.get("reference"):
             argv += ["--reference", eng["reference"]["name"]]
         run = _cmd(*argv, *_opts(rec), *ledger_opt)
     else:
-        run = _cmd("harness", "parity", "--model", _model_spec(rec), "--candidate", eng["candidate"]["name"], "--reference", eng["reference"]["name"],
+        run = _cmd("harness", "parity", "--model", _model_spec(rec), "--candidate", cand["name"], *flags, "--reference", eng["reference"]["name"],
                    *_opts(rec), *ledger_opt)
-    env = reproduce_env((eng.get("candidate") or {}).get("config"), (eng.get("reference") or {}).get("config"))
-    run = " ".join([*env, run])
+    env = reproduce_env(cand.get("config"), (eng.get("reference") or {}).get("config"))
+    return " ".join([*env, run])
+
+
+def _commands(rec: dict[str, Any], receipt_shown: str, loc_cmd: str, ledger_opt: list[str]) -> dict[str, str]:
+    run = reproduce_command(rec, ledger_opt)
     cmds = {"reproduce the run": run, "localize the first divergence": loc_cmd}
     if not has_activations(rec) or (rec.get("schema") == PROBE_SCHEMA_ID and localization_plan(rec) is None):
         del cmds["localize the first divergence"]
@@ -874,6 +888,171 @@ def _probe_page(rec: dict[str, Any], c: _Ctx) -> Page:
     return page
 
 
+# ----------------------------------------------------------------------------- MTP and tokenizer pages
+
+
+def _mtp_command(rec: dict[str, Any], ledger_opt: Sequence[str]) -> str:
+    """``harness parity --mtp ...`` as the MTP receipt's run was made (its ``--mtp-max-tokens``)."""
+    eng = rec["engines"]
+    cand = eng["candidate"]
+    max_tokens = (rec.get("prompts") or {}).get("max_tokens")
+    run = _cmd("harness", "parity", "--mtp", "--model", _model_spec(rec), "--candidate", cand["name"], *candidate_flags(cand.get("requested"), ("dtype",)),
+               "--reference", eng["reference"]["name"], *_opts(rec), *(["--mtp-max-tokens", max_tokens] if max_tokens else []), *ledger_opt)
+    return " ".join([*reproduce_env(cand.get("config"), (eng.get("reference") or {}).get("config")), run])
+
+
+def _tokenizer_command(rec: dict[str, Any], ledger_opt: Sequence[str]) -> str:
+    """``harness tokenizer ...`` as the tokenizer receipt's run was made."""
+    cand = rec["engines"]["candidate"]
+    prompts = rec.get("prompts") or {}
+    run = _cmd("harness", "tokenizer", "--candidate", cand.get("engine") or cand["name"], "--model", _model_spec(rec),
+               *candidate_flags(cand.get("requested"), ("folder", "tokenizer_dir")), *(["--prompts", prompts["path"]] if prompts.get("path") else []),
+               *(["--add-special"] if rec.get("add_special") else []), *[x for o in rec["model"].get("overrides") or [] for x in ("--override-kv", o)],
+               *ledger_opt)
+    return " ".join([*reproduce_env(cand.get("config")), run])
+
+
+def _mtp_tables(page: Page, rec: dict[str, Any]) -> None:
+    """One row per MTP check (whole, chunked, sequences, hidden) and each failing check's line."""
+    rows = [[c["name"], Badge(c["verdict"]), str(c.get("positions", fmt.NA)), fmt.cosine(c.get("min_cosine")), fmt.kld(c.get("max_kld")),
+             untrusted(c.get("reason") or "")] for c in rec.get("checks") or []]
+    page.h(2, "MTP checks").table(["check", "verdict", "positions", "lowest cosine", "max KLD", "detail"], rows, "llrrrl")
+    for c in rec.get("checks") or []:
+        if c["verdict"] == "FAIL":
+            page.h(3, f"Check {c['name']}").p(Code(untrusted(c.get("line") or "")))
+
+
+def _tokenizer_tables(page: Page, rec: dict[str, Any]) -> None:
+    """One row per prompt compared (token counts, first differing position) and the chat template."""
+    rows = []
+    for c in rec.get("comparisons") or []:
+        first = c.get("first_diff")
+        texts = "" if first is None else " / ".join(
+            ", ".join(f"{t['id']} {fmt.quoted(t['text']) if t.get('text') is not None else ''}".strip() for t in c.get(side) or [])
+            for side in ("reference", "candidate"))
+        rows.append([fmt.quoted(c["prompt"]), "ok" if c.get("ok") else Badge("FAILED"), str(c.get("n_reference", fmt.NA)),
+                     str(c.get("n_candidate", fmt.NA)), "identical" if first is None else str(first), texts])
+    page.h(2, "Token ids").table(["prompt", "ok", "llama.cpp ids", "candidate ids", "first difference", "ids from there (llama.cpp / candidate)"], rows,
+                                 "lcrrrl")
+    chat = rec.get("chat_template") or {}
+    if chat:
+        page.h(2, "Chat template").p(Badge(chat.get("verdict") or "UNMEASURED"), " ", untrusted(chat.get("message") or ""))
+
+
+def _summary_page(rec: dict[str, Any], c: _Ctx) -> Page:
+    """The verdict page of an MTP receipt (``harness parity --mtp``) or a tokenizer receipt
+    (``harness tokenizer``): verdict and message, the reproduce command, one table of what was
+    compared, provenance and commands. No plots and no localization (neither kind has
+    per-position logit arrays of the trunk)."""
+    v, eng = rec["verdict"], rec["engines"]
+    mtp = rec.get("schema") == MTP_SCHEMA_ID
+    what = "MTP draft head" if mtp else "tokenizer"
+    title = f"{v} · {what} of {eng['candidate']['name']} on {_model_name(rec)} ({rec['model']['file_type']})"
+    page = Page(title, f"verdict-{v}").h(1, title)
+    page.p(Badge(v), f" ({rec['kind']}): ", untrusted(rec.get("message") or ""))
+    run = _mtp_command(rec, c.ledger_opt) if mtp else _tokenizer_command(rec, c.ledger_opt)
+    rows: list[tuple[Inline, Inline]] = [("verdict", [Badge(v), f" — {rec.get('positions', 0)} positions compared"])]
+    if rec.get("unmeasured"):
+        rows.append(("not measured", untrusted(rec["unmeasured"])))
+    if mtp:
+        rows.append(("MTP convention", Code(str(rec.get("mtp_convention") or fmt.NA))))
+    rows.append(("reproduce", Code(run)))
+    page.fields(rows)
+    (_mtp_tables if mtp else _tokenizer_tables)(page, rec)
+    prompts, th = rec.get("prompts") or {}, rec.get("thresholds") or {}
+    items = prompts.get("items") or rec.get("comparisons") or []
+    shown = {**rec, "prompts": {"id": Path(str(prompts.get("path") or "")).name, "count": len(items), "positions": rec.get("positions"),
+                                "sha256": prompts.get("sha256")},
+             "thresholds": {"file": th.get("file") or (th.get("calibrated") or {}).get("source"), "sha256": th.get("sha256")}}
+    _provenance(page, shown, c.receipt_link)
+    cmds = {"reproduce the run": run, "re-render this report": _cmd("harness", "report", c.receipt_shown),
+            "check the ledger": _cmd("harness", "ledger", "verify", *c.ledger_opt)}
+    page.h(2, "Commands").table(["to", "run"], [[k, Code(x)] for k, x in cmds.items()])
+    return page
+
+
+def signoff_row(ledger: str | Path, seq: int) -> dict[str, Any]:
+    """Row ``seq`` of ``ledger``, which must be a ``signoff`` row (rows are appended in seq order,
+    so row ``seq`` is line ``seq``: only that line is parsed). Raises ``InvalidInput`` naming the
+    ledger for a missing ledger or row, or a row of another kind."""
+    path = Path(ledger)
+    try:
+        with path.open(encoding="utf-8") as f:
+            line = next((ln for i, ln in enumerate(f, 1) if i == seq), None)
+    except OSError as e:
+        raise InvalidInput(f"{path}: cannot read the ledger: {e.strerror or e}") from e
+    try:
+        row = json.loads(line) if line else None
+    except ValueError as e:
+        raise InvalidInput(f"{path}: line {seq} is not a JSON row: {e}") from e
+    if not isinstance(row, dict) or row.get("seq") != seq:
+        raise InvalidInput(f"{path}: no row {seq} (harness ledger show --kind signoff lists the sign-offs)")
+    if row.get("kind") != "signoff":
+        raise InvalidInput(f"{path}: row {seq} is a {untrusted(row.get('kind'))} row, not a sign-off (harness ledger show --kind signoff)")
+    return row
+
+
+def write_signoff_report(ledger: str | Path, seq: int, out_dir: str | Path | None = None) -> Path:
+    """The page of sign-off row ``seq`` of ``ledger`` (``harness report --signoff SEQ``):
+    ``report.md`` and ``report.html`` in ``out_dir`` (default ``reports/signoff-SEQ/`` beside the
+    ledger): the verdict, release, time and chain position, each candidate's build, every cell's
+    status with its receipts (linked to their pages), the blocking lines with their commands and
+    every receipt relied on. Returns the Markdown path. Raises ``InvalidInput`` (``signoff_row``,
+    an unwritable folder)."""
+    row = signoff_row(ledger, seq)
+    reports = Path(ledger).parent / "reports"
+    out = Path(out_dir) if out_dir else reports / f"signoff-{seq}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidInput(f"{out}: cannot create the report folder: {e.strerror or e}") from e
+    v = str(row.get("verdict"))
+    title = f"{v} · release {untrusted(row.get('release_name'))} (sign-off, ledger row {seq})"
+    page = Page(title, f"verdict-{'PASS' if v == 'SIGNED' else 'FAIL'}").h(1, title)
+    cells = row.get("cells") or []
+    page.fields([("verdict", [Badge(v), f" — {sum(c.get('status') == 'ok' for c in cells)}/{len(cells)} cells ok, "
+                                        f"{len(row.get('blocked') or [])} blocking"]),
+                 ("signed at", [fmt.when(row.get("time")), " — row ", Code(str(row.get("row_hash") or "")[:12]), ", after ",
+                                Code(str(row.get("prev_hash") or "")[:12])])])
+
+    def receipt(rid: Any) -> Inline:
+        if not rid:
+            return fmt.NA
+        md = reports / str(rid)[:16] / REPORT_MD
+        return Link(Code(str(rid)[:12]), os.path.relpath(md, out).replace(os.sep, "/")) if md.is_file() else Code(str(rid)[:12])
+
+    page.h(2, "Builds").table(["candidate", "build"], [[Code(untrusted(k)), Code(str(b)[:12])] for k, b in (row.get("builds") or {}).items()])
+    page.h(2, "Cells").table(["model", "candidate", "backend", "status", "parity", "probe"],
+                             [[untrusted(c.get("model")), untrusted(c.get("candidate")), untrusted(c.get("backend")),
+                               "ok" if c.get("status") == "ok" else Badge(str(c.get("status")).upper()), receipt(c.get("parity")), receipt(c.get("probe"))]
+                              for c in cells])
+    if row.get("blocked"):
+        page.h(2, "Blocking").table(["item"], [[untrusted(b)] for b in row["blocked"]])
+    page.h(2, "Relied on").table(["receipt", "sha256"], [[receipt(r.get("id")), Code(str(r.get("sha256"))[:16])] for r in row.get("relied_on") or []])
+    page.h(2, "Commands").table(["to", "run"], [["check the ledger and every receipt this sign-off names",
+                                                 Code(_cmd("harness", "ledger", "verify", *_ledger_opt_for(Path(ledger))))]])
+    try:
+        md, _ = page.write(out / REPORT_MD, out / REPORT_HTML)
+    except OSError as e:
+        raise InvalidInput(f"{out}: cannot write the report: {e.strerror or e}") from e
+    return md
+
+
+def _ledger_opt_for(ledger: Path) -> list[str]:
+    """``--ledger PATH`` for ``ledger`` unless it is the project's default one."""
+    from harness.config import load_config
+
+    try:
+        default = Path(load_config().ledger)
+    except HarnessError:
+        default = None
+    return [] if default is not None and ledger.resolve() == default.resolve() else ["--ledger", _shown_path(ledger)]
+
+
+PAGES = (SCHEMA_ID, PROBE_SCHEMA_ID, MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID)
+"""The receipt schemas ``write_report`` renders (a calibration receipt has no verdict page)."""
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -918,17 +1097,21 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InvalidInput(f"{out}: cannot create the report folder: {e.strerror or e}") from e
+    if rec.get("schema") not in PAGES:
+        raise InvalidInput(f"{loaded.json_path}: a {rec.get('schema')} receipt has no verdict page; harness report renders parity, probe, MTP "
+                           "and tokenizer receipts (harness ledger show lists the rows)")
     is_probe = rec.get("schema") == PROBE_SCHEMA_ID
+    summary = rec.get("schema") in (MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID)
     loc = ex.localization
-    plan = (loc or {}).get("plan") or localization_plan(rec)
+    plan = None if summary else (loc or {}).get("plan") or localization_plan(rec)
     try:
-        pngs = {} if is_probe else {"positions": plot_positions(rec, arrays, out).name, "margins": plot_margins(rec, arrays, out).name}
+        pngs = {} if is_probe or summary else {"positions": plot_positions(rec, arrays, out).name, "margins": plot_margins(rec, arrays, out).name}
         if loc is not None:
             if loc.get("per_layer"):
                 pngs["layers"] = plot_layers(loc, out).name
             (out / "localization.json").write_text(json.dumps(loc, indent=1, default=str, allow_nan=False) + "\n", encoding="utf-8")
         ctx = _Ctx(ex, plan, pngs, _receipt_link(loaded.json_path, out), _shown_path(loaded.json_path), _ledger_opt(loaded.json_path))
-        page = _probe_page(rec, ctx) if is_probe else _parity_page(rec, arrays, ctx)
+        page = _summary_page(rec, ctx) if summary else _probe_page(rec, ctx) if is_probe else _parity_page(rec, arrays, ctx)
         md, _ = page.write(out / REPORT_MD, out / REPORT_HTML)
     except BaseException as e:
         if created and out.is_dir() and not any(out.iterdir()):

@@ -94,6 +94,11 @@ def chunks_up_to(chunks: Sequence[int], n_tokens: int) -> list[int]:
     return out
 
 
+CANDIDATE_ARG_COMMANDS = ("parity", "probe")
+"""The subcommands that take ``--dtype`` and ``--mlx-folder`` (``harness localize`` runs the candidate
+as its engine table makes it)."""
+
+
 @dataclass(frozen=True)
 class Reproducer:
     """The case a failure happened on, enough to run it again by hand.
@@ -105,7 +110,8 @@ class Reproducer:
     ``thresholds_file`` the files the run read when not the ones found by default (None);
     ``config`` the config file that defines the engine (``{"path", "sha256"}``:
     ``harness.config.config_record``; None for an engine no config defines), which the
-    command carries as ``HARNESS_CONFIG=... HARNESS_CONFIG_SHA256=...``.
+    command carries as ``HARNESS_CONFIG=... HARNESS_CONFIG_SHA256=...``; ``candidate_args`` the
+    options that made the candidate (``candidate_flags``: ``--dtype bfloat16``, ``--mlx-folder``).
     """
 
     candidate: str
@@ -118,6 +124,7 @@ class Reproducer:
     prompts_file: str | None = None
     thresholds_file: str | None = None
     config: dict[str, str] | None = None
+    candidate_args: Sequence[str] = ()
 
     def where(self) -> str:
         """``candidate C, model M sha256 0123456789ab[ with --override-kv ...][, prompt 'id',
@@ -133,9 +140,11 @@ class Reproducer:
 
     def harness(self, subcommand: str, *args: object) -> str:
         """The shell-safe ``[HARNESS_CONFIG=FILE HARNESS_CONFIG_SHA256=HEX] harness SUBCOMMAND
-        --candidate C --model M [--override-kv ...] [--prompts FILE] [--thresholds FILE] ARGS``
-        command line of this case (``command``; the config assignments when ``config`` is set)."""
-        flags = [x for o in self.overrides for x in ("--override-kv", o)]
+        --candidate C --model M [--dtype ...] [--override-kv ...] [--prompts FILE] [--thresholds FILE]
+        ARGS`` command line of this case (``command``; the config assignments when ``config`` is
+        set; ``candidate_args`` after the model, for the subcommands that take them:
+        ``CANDIDATE_ARG_COMMANDS``)."""
+        flags = [*(self.candidate_args if subcommand in CANDIDATE_ARG_COMMANDS else ()), *(x for o in self.overrides for x in ("--override-kv", o))]
         flags += ["--prompts", self.prompts_file] if self.prompts_file else []
         flags += ["--thresholds", self.thresholds_file] if self.thresholds_file else []
         env = [printable(a) for a in reproduce_env(self.config)]

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 from harness.judge.calibrated import find_recorded
 from harness.runs.inputs import resolve_inputs, resolve_thresholds_path
 from harness.measure.prompts import load_prompt_set
+from harness.engines.options import candidate_flags, class_settings
 from harness.engines.registry import engine_build_id
 from harness.errors import HarnessError
 from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
@@ -255,9 +256,20 @@ def differences(planned: Mapping[str, Any], found: Mapping[str, Any]) -> list[st
     return [f"{k} {short(found.get(k))} → {short(planned.get(k))}" for k in INPUT_FIELDS if planned.get(k) != found.get(k)]
 
 
+def candidate_settings(pin: CandidatePin) -> dict[str, str]:
+    """The settings that make the candidate compute in its pinned class: ``{"dtype": "bfloat16"}``
+    for ``{engine: mlx, compute_class: bf16}`` (``harness.engines.options.class_settings``; the
+    transformers and mlx engines compute in float32 unless given a dtype), ``{}`` for an engine
+    whose class is its own. What a sweep's task runs with and ``run_command`` asks for."""
+    return class_settings(pin.engine, pin.compute_class)
+
+
 def run_command(m: Manifest, run: Run) -> str:
-    """The one ``harness`` command that makes ``run``'s receipt by hand (what a sweep runs)."""
-    args = ["harness", run.kind, "--candidate", run.cell.candidate.engine, "--model", run.cell.model.spec]
+    """The one ``harness`` command that makes ``run``'s receipt by hand (what a sweep runs): the
+    candidate with the ``--dtype`` of its pinned class where the engine takes one
+    (``candidate_settings``)."""
+    args = ["harness", run.kind, "--candidate", run.cell.candidate.engine, *candidate_flags(candidate_settings(run.cell.candidate)),
+            "--model", run.cell.model.spec]
     if run.kind == "parity" or "long" in m.probes:
         args += ["--reference", m.reference]
     if m.prompts is not None:

@@ -32,11 +32,10 @@ relied on with its sha256, each cell's status and each blocking line.
 
 from __future__ import annotations
 
-import ast
 import json
 import shlex
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +56,6 @@ from harness.runs.probes import covers_required
 
 OK, MISSING, UNMEASURED, STALE, FAILED, NA = "ok", "missing", "unmeasured", "stale", "failed", "n/a"
 BLOCKING_EXIT = {FAILED: 1, STALE: 1, MISSING: 5, UNMEASURED: 5}
-ACTIVATION_FIXTURES = ("subject_acts",)
-"""Fixtures of the shipped bound tests that need the candidate's activations (tests/contracts/conftest.py)."""
 
 
 @dataclass
@@ -157,33 +154,6 @@ def _lint(m: Manifest, ctx: PlanContext, so: Signoff) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=256)
-def _test_fixtures(path: Path, qualname: str) -> frozenset[str]:
-    """The argument names of a bound test function (its fixtures); empty when unparsable."""
-    try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError):
-        return frozenset()
-    body: list[ast.stmt] = tree.body
-    for i, name in enumerate(parts := qualname.split("::")):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name), None)
-        if node is None:
-            return frozenset()
-        if i == len(parts) - 1:
-            return frozenset(a.arg for a in node.args.args) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else frozenset()
-        body = node.body
-    return frozenset()
-
-
-def needs_activations(contract: Contract, ob: Obligation) -> bool:
-    """True when a bound test of ``ob`` takes a fixture that needs the candidate's activations."""
-    for t in ob.tests:
-        rel, func = t.split("::", 1)
-        if _test_fixtures(contract.root / rel, func) & set(ACTIVATION_FIXTURES):
-            return True
-    return False
-
-
 def _capabilities(engine: str, model_spec: str) -> list[str]:
     try:
         return list(resolve_engine(engine, resolve_model(model_spec)).info.capabilities)
@@ -203,11 +173,11 @@ def _contracts(m: Manifest, so: Signoff, discharge_dir: Path | None) -> None:
                 if not ob.tests:
                     so.items.append(Item("contract", label, NA, "no tests bound (UNBOUND)"))
                     continue
-                if needs_activations(contract, ob) and "activations" not in caps:
+                if dis.needs_activations(contract, ob) and "activations" not in caps:
                     so.items.append(Item("contract", label, NA, f"its bound tests need activations; {cand.engine} does not expose them"))
                     continue
                 row = dis.obligation_status(contract, ob, ev, cand.engine)
-                status = {dis.DISCHARGED: OK, dis.STALE: STALE}.get(row.status, MISSING if row.status == dis.BOUND and row.evidence is None else FAILED)
+                status = {dis.DISCHARGED: OK, dis.NOT_APPLICABLE: NA, dis.STALE: STALE}.get(row.status, MISSING if row.status == dis.BOUND and row.evidence is None else FAILED)
                 so.items.append(Item("contract", label, status, f"{row.status}: {row.detail}", None if status == OK else again))
 
 

@@ -33,7 +33,7 @@ from harness.evidence.ledger import CACHE_COLUMNS, append_row, row_from_receipt
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import iter_receipt_files, load_receipt
 from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
-from harness.release.cells import PlanContext, Run, known_receipt_keys, plan_context, plan_runs, run_command
+from harness.release.cells import PlanContext, Run, candidate_settings, known_receipt_keys, plan_context, plan_runs, run_command
 from harness.release.manifest import Manifest
 
 ENV_PASSED = ("HARNESS_CONFIG", "HARNESS_CACHE_DIR", "HARNESS_DEBUG")
@@ -48,11 +48,13 @@ coordinator's environment)."""
 
 def task_of(m: Manifest, ctx: PlanContext, run: Run, threads: int, ledger: Path) -> dict[str, Any]:
     """The picklable description of ``run`` a worker executes (``run_task``); ``ledger`` is read
-    (never written) for a calibration recorded for the model."""
+    (never written) for a calibration recorded for the model; ``candidate_settings`` make the
+    candidate compute in its pinned class (``cells.candidate_settings``: ``--dtype``)."""
     return {"ledger": str(ledger),
         "kind": run.kind, "key": run.key, "inputs": run.inputs, "model": run.cell.model.spec, "candidate": run.cell.candidate.engine,
         "reference": m.reference, "prompts": None if m.prompts is None else str(m.prompts), "thresholds": str(ctx.thresholds),
         "probes": list(m.probes), "threads": threads, "argv": shlex.split(run_command(m, run)), "cwd": os.getcwd(),
+        "candidate_settings": candidate_settings(run.cell.candidate),
         "env": {k: os.environ[k] for k in ENV_PASSED if k in os.environ},
     }
 
@@ -70,7 +72,8 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     common = dict(model=task["model"], candidate=task["candidate"], reference=task["reference"], prompts=task["prompts"],
                   thresholds=task["thresholds"], argv=task["argv"], write_evidence=False, ledger=task["ledger"],
-                  reference_settings={"n_threads": task["threads"]} if task["reference"] in ("llama.cpp", "llama.cpp-repack") else {})
+                  reference_settings={"n_threads": task["threads"]} if task["reference"] in ("llama.cpp", "llama.cpp-repack") else {},
+                  candidate_settings=dict(task.get("candidate_settings") or {}))
     try:
         if task["kind"] == "parity":
             out = run_parity(ParityRequest(**common))

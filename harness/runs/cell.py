@@ -122,7 +122,7 @@ def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, res
         "command": list(req.argv) or ["harness", "parity"],
         "model": inputs.model_record(),
         "engines": {"reference": engine_record(result.reference_info, req.reference),
-                    "candidate": engine_record(result.candidate_info, req.candidate)},
+                    "candidate": engine_record(result.candidate_info, req.candidate, req.candidate_settings)},
         "prompts": {
             "id": prompt_set.id,
             "path": str(prompt_set.path),

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence.index import refresh_index_quietly
 from harness.evidence.page import untrusted
-from harness.evidence.receipts import PROBE_SCHEMA_ID, load_receipt, receipts_root
+from harness.evidence.receipts import PROBE_SCHEMA_ID, SCHEMA_ID, load_receipt, receipts_root
 from harness.evidence.report import (
     Explanation,
     has_activations,
@@ -104,6 +104,8 @@ def localize_receipt(rec: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[st
 def _localization(rec: Mapping[str, Any], localize: bool | str, log: Log | None) -> tuple[dict[str, Any] | None, str]:
     """(localization or None, why there is none) following ``localize`` (True, False, "auto":
     a FAIL whose candidate has activations)."""
+    if rec.get("schema") not in (SCHEMA_ID, PROBE_SCHEMA_ID):
+        return None, "Not localized: an MTP or tokenizer receipt has no trunk logits to localize."
     verdict = rec["verdict"] if rec.get("schema") == PROBE_SCHEMA_ID else rec["gated"]["verdict"]
     cand = untrusted(rec["engines"]["candidate"]["name"])
     if not has_activations(rec):

@@ -22,6 +22,7 @@ from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import engine_build_id, resolve_engine
 from harness.errors import InvalidInput
 from harness.fixtures.resolve import resolve_model
+from harness.engines.options import candidate_flags
 from harness.judge.reproducer import Reproducer
 from harness.judge.thresholds import ResolvedThresholds, Thresholds, load_thresholds
 from harness.judge.tiers import Subject
@@ -99,18 +100,20 @@ class RunInputs:
         no tokens, ``EngineError`` when llama.cpp cannot load the vocabulary."""
         return tokenize_prompts(self.prompt_set, LlamaCppEngine(path, (), tokenizer_only=True))
 
-    def reproducer(self, candidate: str, *others: str) -> Reproducer:
+    def reproducer(self, candidate: str, *others: str, settings: Mapping[str, Any] | None = None) -> Reproducer:
         """The start of every failure message of this run (``harness.judge.reproducer``):
         ``candidate`` and the model as the user named them, its sha256, the overrides, the
         prompt and thresholds files when they are not the ones found by default, and the
         config file (path and sha256) that defines ``candidate`` or one of the ``others`` (the
-        reference) when one does (``harness.config.config_record``)."""
+        reference) when one does (``harness.config.config_record``), and the options that made
+        the candidate from its ``settings`` (``candidate_flags``: ``--dtype``, ``--mlx-folder``)."""
         th = self.thresholds.path
         cfg = next((r for r in map(config_record, (candidate, *others)) if r), None)
         return Reproducer(candidate, self.model_spec, self.model.sha256, overrides=[o.to_flag() for o in self.overrides],
                           prompts_file=None if self.prompt_set.path == DEFAULT_PROMPTS else str(self.prompt_set.path),
                           thresholds_file=None if Path(th).resolve() == resolve_thresholds_path(None).resolve() else str(th),
-                          config=cfg)
+                          config=cfg, candidate_args=candidate_flags(settings))
+
     def thresholds_for(self, candidate_info: Mapping[str, Any] | None = None) -> ResolvedThresholds:
         """The thresholds for this model judged with a candidate of ``candidate_info`` (its
         ``compute_class``; the assumed class when None or undeclared): the release gate, the
@@ -156,17 +159,21 @@ class RunRequest(InputsRequest):
     write_evidence: bool = True
 
 
-def engine_record(info: Mapping[str, Any], name: str) -> dict[str, Any]:
+def engine_record(info: Mapping[str, Any], name: str, requested: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A receipt's record of an engine: its ``info`` (``EngineInfo.to_dict()``) with ``build.id``, the
     build id of the engine ``name`` it was made as (``harness.engines.registry.engine_build_id``), so
     a receipt says which build of the engine's code produced it, and ``build.cpu_features``: the
     engine's own CPU feature line (llama.cpp: ``llama_print_system_info()``), None where the engine
-    states none, so receipts from two machines show how their engines saw the CPU; and, for an
-    engine a config file defines (``command:NAME``, ``http:NAME``), ``config``: that file's absolute
-    path and sha256 (``harness.config.config_record``), which the reproduce lines carry."""
+    states none, so receipts from two machines show how their engines saw the CPU; for an engine a
+    config file defines (``command:NAME``, ``http:NAME``), ``config``: that file's absolute path and
+    sha256 (``harness.config.config_record``), which the reproduce lines carry; and ``requested``:
+    the settings the run asked of it on the command line (``--dtype``: ``{"dtype": "bfloat16"}``,
+    ``--mlx-folder``: ``{"folder": "/abs/dir"}``), left out when none, so a reproduce line made from
+    the receipt alone asks for them again (``harness.judge.reproducer.candidate_flags``)."""
     rec = {**info, "build": {"cpu_features": None, **(info.get("build") or {}), "id": engine_build_id(name)}}
     cfg = config_record(name)
-    return rec | ({"config": cfg} if cfg else {})
+    asked = {k: v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in (requested or {}).items() if v is not None}
+    return rec | ({"config": cfg} if cfg else {}) | ({"requested": asked} if asked else {})
 
 
 def subject_of(model: GGUFModel, candidate_info: Mapping[str, Any] | None) -> Subject:

@@ -455,7 +455,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
         checks = [whole, cell.chunked(), seqs, cell.hidden()]
     resolved = inputs.thresholds_for(candidate.info.to_dict())
     verdict, message = overall(checks)
-    _add_reproducers(checks, inputs.reproducer(req.candidate))
+    _add_reproducers(checks, inputs.reproducer(req.candidate, settings=req.candidate_settings))
     if verdict is Verdict.FAIL:
         bad = next(c for c in checks if c.verdict is Verdict.FAIL)
         p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
@@ -483,7 +483,7 @@ def mtp_receipt(req: MtpRequest, inputs: RunInputs, candidate: Any, reference: A
         "harness": harness_info(),
         "command": list(req.argv) or ["harness", "parity", "--mtp"],
         "model": inputs.model_record(),
-        "engines": {"candidate": engine_record(candidate.info.to_dict(), req.candidate),
+        "engines": {"candidate": engine_record(candidate.info.to_dict(), req.candidate, req.candidate_settings),
                     "reference": engine_record(reference.info.to_dict(), req.reference)},
         "mtp_convention": conv,
         "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "max_tokens": req.max_tokens,

@@ -372,7 +372,8 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
                                                       measure, req.calibrate_max_tokens, log)
     excuses, cuts = router_near_ties(m, resolved, inputs.model, reference.engine)
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
-                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate), cuts, excuses)
+                        resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate, settings=req.candidate_settings),
+                        cuts, excuses)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
 

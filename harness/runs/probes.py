@@ -183,7 +183,7 @@ def probe_state(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, mode
     return _verdict("state", [comp], tol)
 
 
-MODEL_FOLDER_SETTINGS = ("mlx_folder",)
+MODEL_FOLDER_SETTINGS = ("folder",)
 """Candidate settings that name the candidate's own converted model: an engine made with one
 cannot be loaded on the state fixture, so the state probe is UNMEASURED for it."""
 
@@ -720,7 +720,7 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "harness": harness_info(),
         "command": list(req.argv) or ["harness", "probe"],
         "model": inputs.model_record(),
-        "engines": {"candidate": engine_record(engine.info.to_dict(), req.candidate),
+        "engines": {"candidate": engine_record(engine.info.to_dict(), req.candidate, req.candidate_settings),
                     "reference": None if ref_info is None else engine_record(ref_info, req.reference)},
         "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "main_tokens": main,
                     "decode_tokens": list(decode)},
@@ -774,7 +774,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
             progress(n)
         results.append(plan[n].run())
         if results[-1].verdict is Verdict.FAIL:
-            case = replace(inputs.reproducer(req.candidate), prompt=plan[n].prompt, n_tokens=plan[n].n_tokens)
+            case = replace(inputs.reproducer(req.candidate, settings=req.candidate_settings), prompt=plan[n].prompt, n_tokens=plan[n].n_tokens)
             if plan[n].model:  # the probe's own model (the state fixture) and the tokens its failing comparison fed
                 from harness.fixtures.resolve import resolve_model
                 from harness.provenance import sha256_file
