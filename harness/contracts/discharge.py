@@ -83,7 +83,7 @@ SESSION_TIMEOUT_S = 1200
 UNBOUND, BOUND, RED_SEEN, DISCHARGED, STALE = "UNBOUND", "BOUND", "RED-SEEN", "DISCHARGED", "STALE"
 NOT_APPLICABLE = "NOT-APPLICABLE"
 STATUSES = (UNBOUND, BOUND, RED_SEEN, DISCHARGED, NOT_APPLICABLE, STALE)
-NEEDS = {"subject_acts": "activations"}
+NEEDS = {"subject_acts": "activations", "served": "serve"}
 """Fixtures of the shipped bound tests (tests/contracts/conftest.py) and the candidate capability
 each needs: a test that takes one cannot be asked of a candidate without it."""
 # outcomes of one side of a discharge

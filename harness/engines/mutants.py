@@ -872,8 +872,8 @@ ALL_MUTANTS.update(PRECISION_MUTANTS)
 # Serving faults: the oracle's arithmetic and its plain ops are untouched, so parity and every
 # probe but the serving probe pass them; one rule of the serving scheduler's state handling
 # (harness.engines.oracle.serving) is wrong. The serving probe (harness.runs.serving) must FAIL
-# each, naming scenario, request and step. Kept apart from ALL_MUTANTS until the serving contract
-# obligation exists (their ``breaks`` are empty): contract tables and calibration do not see them.
+# each, naming scenario, request and step; each breaks obligations of contracts/qwen35-serving-v1.yaml.
+# Kept apart from MUTANTS (trunk calibration, which they cannot fail: their logits are the oracle's).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -950,6 +950,7 @@ SERVING_MUTANTS: dict[str, Mutant] = {m.name: m for m in [
 ]}
 """Serving mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the ``serving`` probe and
 PASSes parity and every other probe."""
+ALL_MUTANTS.update(SERVING_MUTANTS)
 SERVING_CAUGHT_BY: dict[str, str] = {
     "serve-slot-not-reset": "slot-reuse-finished", "serve-prefix-header-key": "shared-header",
     "serve-abort-leaves-state": "slot-reuse-aborted", "serve-checkpoint-grid": "block-grid",
@@ -960,15 +961,15 @@ SERVING_CAUGHT_BY: dict[str, str] = {
 
 
 def any_mutant(name: str) -> Mutant:
-    """The ``Mutant`` called ``name`` in ``ALL_MUTANTS`` or ``SERVING_MUTANTS``; ``KeyError`` if neither."""
-    return ALL_MUTANTS[name] if name in ALL_MUTANTS else SERVING_MUTANTS[name]
+    """The ``Mutant`` called ``name`` (``ALL_MUTANTS``, the serving ones included); ``KeyError`` if none."""
+    return ALL_MUTANTS[name]
 
 
 def _clean_doc(doc: str | None) -> str:
     return " ".join((doc or "").replace("``", "").split())
 
 
-for _m in [*ALL_MUTANTS.values(), *SERVING_MUTANTS.values()]:
+for _m in ALL_MUTANTS.values():
     object.__setattr__(_m, "description", _clean_doc(_m.description))
 del _m
 
@@ -980,8 +981,8 @@ def mutant_class(name: str, arch: str) -> type:
 
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
-    if name not in ALL_MUTANTS and name not in SERVING_MUTANTS:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join([*ALL_MUTANTS, *SERVING_MUTANTS])}")
+    if name not in ALL_MUTANTS:
+        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(ALL_MUTANTS)}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)

@@ -136,7 +136,7 @@ def known_engine_names() -> list[str]:
     """Every name ``resolve_engine`` accepts now: plain names, each mutant, each configured
     command engine. Raises ``InvalidInput`` for a malformed ``[tool.harness.engines]`` table."""
     names = [e.name for e in ENGINES if e.load is not None and not e.is_family]
-    names += [f"mutant:{m}" for m in [*mutants.ALL_MUTANTS, *mutants.SERVING_MUTANTS]]
+    names += [f"mutant:{m}" for m in mutants.ALL_MUTANTS]
     names += [f"command:{c}" for c in command.configured_commands()]
     names += [f"http:{c}" for c in http_engine.configured_servers()]
     return names

@@ -11,6 +11,8 @@ unmeasured for it, naming what did not happen, never passed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from contract_helpers import PROBE_SEED
@@ -35,7 +37,7 @@ RUN = "pytest tests/contracts/test_serving.py --candidate oracle, or harness dis
 
 
 @pytest.fixture(scope="module")
-def served(candidate_engine, harness_model_path, gate, hp, tmp_path_factory):
+def served(request, candidate_engine, harness_model_path, harness_model_spec, hp, tmp_path_factory):
     """``{scenario: row}`` of the serving judgement of the candidate on the contract's scenarios
     (run once per session); skips where the candidate does not serve or no tolerance fits."""
     from harness.measure.scenarios import load_scenarios
@@ -44,8 +46,15 @@ def served(candidate_engine, harness_model_path, gate, hp, tmp_path_factory):
 
     if not has_serve(candidate_engine):
         pytest.skip(f"{candidate_engine.info.name} does not declare 'serve': the obligation is unmeasured for it; checked with: {RUN}")
-    gate.gate("min_cosine", "probes"), gate.gate("max_kld", "probes")
-    tol = probes.probe_tolerance(gate, moe=hp.n_expert > 0)
+    from harness.judge.thresholds import load_thresholds
+    from harness.model.gguf_model import GGUFModel
+    from harness.runs.parity import subject_of
+
+    th = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml")
+    resolved = th.resolve(subject_of(GGUFModel(harness_model_path), candidate_engine.info.to_dict()), harness_model_spec)
+    tol = probes.probe_tolerance(resolved, moe=hp.n_expert > 0)
+    if tol is None:
+        pytest.skip(f"no probe tolerance for {candidate_engine.info.name}'s class ({resolved.row_misfit}); checked with: {RUN}")
     n_vocab = int(candidate_engine.n_vocab)
     rng = np.random.default_rng(PROBE_SEED + 49)
     prompts = [PromptTokens(f"p{i}", rng.integers(0, n_vocab, 90 + 17 * i).tolist(), "ids") for i in range(6)]
