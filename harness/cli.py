@@ -1038,6 +1038,8 @@ def ledger_show(ledger_path, candidate, model, kind, since, verdict, show_rows, 
         raise InvalidInput(f"{lp}: no such ledger")
     view = LedgerView.load(lp, candidate=candidate, model=model, kind=kind, since=since, verdict=verdict)
     fmt_ = "json" if as_json else fmt_
+    if fmt_ != "table" and view.cache_line():  # machines read stdout; the note goes to stderr
+        click.echo(_p(f"harness: {view.cache_line()}"), err=True)
     if fmt_ == "json":
         _echo_json(view.to_json())
     elif fmt_ == "csv":

@@ -1519,14 +1519,17 @@ def _check_signoff(receipts_dir: Path, row: dict[str, Any], earlier: Mapping[str
 def ledger_frame(ledger_path: str | Path) -> pd.DataFrame:
     """All rows as a DataFrame (one row per ledger row, columns ``ROW_FIELDS`` + optional ones),
     with ``time`` parsed to UTC timestamps and ``superseded_by`` (seq or NA). Read from the query
-    cache (``LedgerCache``: columns through ``pandas.read_sql_query``, no JSON parsed per row), so
-    100,000 rows take about a second. Raises ``InvalidInput`` naming a line that is not a row."""
+    cache (``LedgerCache``: columns through ``pandas.read_sql_query``) after the cache is compared
+    with the ledger and rebuilt where it disagrees (``LedgerCache.open(check=True)``;
+    ``df.attrs["cache_rebuilt"]`` says why, else None), so the verdicts shown are the ledger's.
+    Raises ``InvalidInput`` naming a line that is not a row."""
     cols = list(CACHE_COLUMNS)
-    with LedgerCache.open(ledger_path, CACHE_COLUMNS) as cache:
+    with LedgerCache.open(ledger_path, CACHE_COLUMNS, check=True) as cache:
         if cache.bad_line is not None:
             read_rows(ledger_path)  # names the bad line (InvalidInput)
         df = pd.read_sql_query(cache.frame_query(cols), cache.con)
         by = cache.superseded()
+        df.attrs["cache_rebuilt"] = cache.rebuilt
     for c in ("builds", "cells", "relied_on", "blocked"):  # JSON text in the cache
         df[c] = df[c].map(lambda v: json.loads(v) if isinstance(v, str) else v)
     df["time"] = pd.to_datetime(df["time"], utc=True)

@@ -54,6 +54,11 @@ def _sql_value(v: Any) -> Any:
     return v
 
 
+def _same(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same SQLite value (type and value; NaN is NaN)."""
+    return type(a) is type(b) and (a == b or (isinstance(a, float) and a != a and b != b))
+
+
 class LedgerCache:
     """An open cache for one ledger (``open``); ``columns`` are the row fields kept as columns.
 
@@ -67,14 +72,19 @@ class LedgerCache:
         self.persistent = persistent
         self.bad_line: tuple[int, str] | None = None
         """``(seq it would have, error)`` of the first line ``sync`` could not read, else None."""
+        self.rebuilt: str | None = None
+        """Why ``open(..., check=True)`` rebuilt the cache (``disagreement``), else None."""
 
     # ------------------------------------------------------------------ open / close
 
     @classmethod
-    def open(cls, ledger_path: str | Path, columns: Sequence[str]) -> "LedgerCache":
+    def open(cls, ledger_path: str | Path, columns: Sequence[str], check: bool = False) -> "LedgerCache":
         """Open (creating if needed) the cache of ``ledger_path`` and ``sync`` it. Falls back to an
-        in-memory cache when the file cannot be created or is damaged. Raises ``OSError`` only when
-        the ledger itself cannot be read."""
+        in-memory cache when the file cannot be created or is damaged. With ``check`` (what every
+        reader that judges or shows verdicts asks for: ``signoff``, ``sweep``, ``ledger show``),
+        the cache is compared with the ledger's bytes (``disagreement``, O(ledger)) and, when they
+        disagree, rebuilt from the ledger, ``rebuilt`` saying why. Raises ``OSError`` only when the
+        ledger itself cannot be read."""
         ledger_path = Path(ledger_path)
         path = cache_path(ledger_path)
         con, persistent = None, True
@@ -95,7 +105,64 @@ class LedgerCache:
                 persistent = False
         self = cls(ledger_path, con, columns, persistent)
         self.sync()
+        if check:
+            why = self.disagreement()
+            if why is not None:
+                self.rebuild()
+                self.rebuilt = why
         return self
+
+    def rebuild(self) -> None:
+        """Forget every derived table (rows, counts, receipt summaries and keys) and read the ledger
+        again from its first byte; in memory when the file cannot be written."""
+        try:
+            self.con.execute("BEGIN IMMEDIATE")
+            for table in ("rows", "standing", "summaries", "receipt_keys"):
+                self.con.execute(f"DELETE FROM {table}")
+            self.con.execute("DELETE FROM meta WHERE key IN ('size', 'last_line', 'index_seq', 'count')")
+            self.con.execute("COMMIT")
+        except sqlite3.Error:
+            if self.con.in_transaction:
+                self.con.execute("ROLLBACK")
+            self.con.close()
+            self.con = sqlite3.connect(":memory:", isolation_level=None)
+            self._schema(self.con, self.columns)
+            self.persistent = False
+        self.sync()
+
+    def disagreement(self) -> str | None:
+        """Where this cache disagrees with the ledger, in words (None when it does not): a row
+        whose line is not the ledger's bytes at its offset, a column that is not its line's field,
+        a row the ledger does not have or lacks, or kept counts that are not the rows' counts. The
+        cache is an index, never a source of a verdict: an edit to it (an UPDATE of a verdict
+        column, an inserted row) is found here. O(ledger bytes): every line is read and parsed once."""
+        name = cache_path(self.ledger_path).name
+        cols = [c for c in self.columns if c != "seq"]
+        names = ["seq", "offset", "length", "line", *cols]
+        size = int(self.meta("size") or 0)
+        cur = self.con.execute("SELECT " + ", ".join(f'"{c}"' for c in names) + " FROM rows ORDER BY seq")
+        expect = n = 0
+        try:
+            f = open(self.ledger_path, "rb")
+        except FileNotFoundError:
+            return None if cur.fetchone() is None else f"{name} holds rows of a ledger that does not exist"
+        with f:
+            for stored in cur:
+                n += 1
+                seq, offset = stored[0], stored[1]
+                raw = f.readline()
+                if offset != expect or len(raw) != stored[2] or raw[:-1].decode("utf-8", errors="replace") != stored[3]:
+                    return f"{name} row {seq}: its line is not the ledger's line {n} (byte {expect})"
+                want = self._values(json.loads(stored[3]), offset, stored[2], stored[3])
+                for col, a, b in zip(names, stored, want):
+                    if not _same(a, b):
+                        return f"{name} row {seq}: {col} is {str(a)[:40]!r} in the cache but {str(b)[:40]!r} in the ledger"
+                expect += stored[2]
+        if expect != size or n != self.count():
+            return f"{name} covers {n} rows ({expect} bytes), not the {self.count()} rows ({size} bytes) it claims"
+        if self.standing_counts() != self.standing_counts_scan():
+            return f"{name}: its kept verdict counts {self.standing_counts()} are not its rows' {self.standing_counts_scan()}"
+        return None
 
     @staticmethod
     def _schema(con: sqlite3.Connection, columns: Sequence[str]) -> None:
