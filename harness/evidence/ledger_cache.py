@@ -23,8 +23,17 @@ read each receipt once: ``harness.release.cells.receipt_keys_of``) and
 Staying in step (``sync``): the cache is current for a ledger whose first ``size`` bytes end in
 ``last_line``; new bytes after it are parsed and inserted (normally the one line just appended).
 A ledger shorter than ``size``, or whose line at that place differs, is read again from the start.
-An edit in the middle of the ledger that keeps its size and its last line is not seen here;
-``harness ledger verify`` reads the JSONL itself and finds it. Reading stops before a line that is
+An edit in the middle of the ledger that keeps its size and its last line is not seen by
+``sync``; ``harness ledger verify`` reads the JSONL itself and finds it.
+
+Trust: the cache is an index, never the source of a verdict. Every reader that judges or shows
+verdicts (``harness signoff``, ``sweep``, ``ledger show``, a full render) opens it with
+``check=True``: ``disagreement`` compares every line with the ledger's bytes and every column with
+its line (O(ledger), about 0.55 s per 20,000 rows), and a cache that disagrees (an UPDATE of a
+verdict column, an inserted row, an edit in the middle of the ledger) is rebuilt, ``rebuilt``
+saying why. Appends do not check (their cost must not grow with the ledger). A row whose ``seq``
+is beyond SQLite's INTEGER (``MAX_SEQ``) is a bad line; other integers beyond it are kept as their
+digits. Reading stops before a line that is
 not a JSON object (``bad_line`` says where), so the views show the rows up to it. When the cache
 cannot be written (a read-only checkout), an in-memory copy is built for the process.
 """
@@ -46,11 +55,29 @@ def cache_path(ledger_path: str | Path) -> Path:
     return p.with_name(p.name + CACHE_SUFFIX)
 
 
+MAX_SEQ = 2**63 - 1
+"""The largest seq a row may have (SQLite's INTEGER); a row beyond it is a bad line, never an
+``OverflowError``."""
+
+
+def seq_problem(row: Any) -> str | None:
+    """Why ``row`` (a parsed ledger line) cannot be a row of the cache, else None: not a JSON
+    object, or a ``seq`` that is not an integer from 1 to ``MAX_SEQ``."""
+    if not isinstance(row, dict):
+        return "not a JSON object with a seq"
+    seq = row.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        return "not a JSON object with a seq"
+    return None if 1 <= seq <= MAX_SEQ else f"seq {str(seq)[:30]} is out of range (1 to 2**63-1)"
+
+
 def _sql_value(v: Any) -> Any:
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     if isinstance(v, bool):
         return int(v)
+    if isinstance(v, int) and not -MAX_SEQ - 1 <= v <= MAX_SEQ:  # beyond SQLite's INTEGER: kept as its digits
+        return str(v)
     return v
 
 
@@ -256,7 +283,7 @@ class LedgerCache:
                     except ValueError as e:
                         row, err = None, f"not a JSON row: {e}"
                     else:
-                        err = None if isinstance(row, dict) and isinstance(row.get("seq"), int) else "not a JSON object with a seq"
+                        err = seq_problem(row)
                     if err:
                         self.bad_line = (offset, err)
                         break

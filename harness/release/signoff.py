@@ -23,6 +23,13 @@ each as an ``Item`` with a status (``ok``, ``missing``, ``unmeasured``, ``stale`
   by the candidate's current build. PASS is ok, FAIL failed, UNMEASURED unmeasured; none is
   missing, or stale when only another build of the candidate was checked.
 
+Every verdict comes from the receipt the row binds, never from the row or the query cache: the
+receipt's bytes must hash to the row's ``receipt_sha256`` and the row's verdict must be the
+receipt's (``_Found.problem``), the keys the cache files a picked receipt under are re-derived
+from it, and the cache is compared with the ledger before it is read (``LedgerCache.open(...,
+check=True)``): an edited cache is rebuilt and blocks this sign-off once (an ``evidence`` item
+naming the row and column), a mismatch between row and receipt fails its item, naming both.
+
 The verdict is SIGNED (exit 0) when every item is ok or n/a; else BLOCKED: exit 1 when anything
 failed or is stale (even if other things are missing), exit 5 when nothing failed but something is
 missing or unmeasured. Invalid manifests are exit 2 before anything is judged. The sign-off is
