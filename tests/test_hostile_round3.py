@@ -72,8 +72,12 @@ class RawServer:
                 conn.settimeout(5)
                 try:
                     data = b""
-                    while b"\r\n\r\n" not in data:
-                        data += conn.recv(65536)
+                    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                        data += chunk
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")), 0)
+                    while len(body) < length and (chunk := conn.recv(65536)):  # the whole request: unread bytes at close send a reset
+                        body += chunk
                     self.reply(conn, self.stop)
                 except OSError:
                     pass
