@@ -111,10 +111,18 @@ class HarnessConfig:
         return value
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""The most bytes a config file may have (``HARNESS_CONFIG=/dev/zero`` is one INVALID line)."""
+
+
 def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
-    """The TOML document at ``path`` and the sha256 (hex) of its bytes."""
+    """The TOML document at ``path`` (at most ``MAX_CONFIG_BYTES``; a FIFO is read as ``cat``
+    reads it) and the sha256 (hex) of its bytes."""
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise InvalidInput(f"{path}: config is larger than {MAX_CONFIG_BYTES:,} bytes; refused")
         return tomllib.loads(raw.decode("utf-8")), hashlib.sha256(raw).hexdigest()
     except OSError as e:
         raise InvalidInput(f"{path}: cannot read config ({e.strerror})") from None

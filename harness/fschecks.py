@@ -114,15 +114,34 @@ def require_writable_dir(path: str | os.PathLike, what: str) -> Path:
     return path
 
 
-def read_utf8(path: str | os.PathLike, what: str, hint: str = "") -> tuple[bytes, str]:
-    """A text file's bytes and its UTF-8 text. Raises ``InvalidInput`` (exit 2) naming ``path``
-    and ``what`` for an unreadable file, and the line and byte of the first invalid UTF-8 sequence
-    (then ``hint``, e.g. what the file should hold): text is never silently altered."""
+MAX_INPUT_BYTES = 64 << 20
+"""The most bytes an input file (prompts, thresholds, manifest) may have: ``read_limited`` stops
+reading there, so ``--prompts /dev/zero`` is one INVALID line, not a MemoryError."""
+
+
+def read_limited(path: str | os.PathLike, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """At most ``limit`` bytes of ``path``. A FIFO or device is read as ``cat`` would read it
+    (blocking until its writer writes or closes), but never past ``limit``. Raises
+    ``InvalidInput`` naming ``path`` and ``what`` for an unreadable file or one larger than
+    ``limit``."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        with open(p, "rb") as f:
+            raw = f.read(limit + 1)
     except OSError as e:
         raise InvalidInput(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if len(raw) > limit:
+        raise InvalidInput(f"{p}: the {what} is larger than {limit:,} bytes; refused")
+    return raw
+
+
+def read_utf8(path: str | os.PathLike, what: str, hint: str = "", limit: int = MAX_INPUT_BYTES) -> tuple[bytes, str]:
+    """A text file's bytes and its UTF-8 text (at most ``limit`` bytes: ``read_limited``). Raises
+    ``InvalidInput`` (exit 2) naming ``path`` and ``what`` for an unreadable or oversized file, and
+    the line and byte of the first invalid UTF-8 sequence (then ``hint``, e.g. what the file should
+    hold): text is never silently altered."""
+    p = Path(path)
+    raw = read_limited(p, what, limit)
     try:
         return raw, raw.decode("utf-8")
     except UnicodeDecodeError as e:

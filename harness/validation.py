@@ -87,3 +87,15 @@ def best_error(errors: Iterable["jsonschema.ValidationError"]) -> tuple[str, str
 
     e = jsonschema.exceptions.best_match(errors)
     return ".".join(str(k) for k in e.absolute_path), e.message
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads(..., object_pairs_hook=unique_keys)``: a JSON object's pairs as a dict, and
+    ``ValueError`` naming a key given twice (Python's default keeps the last silently, so two
+    readers of one file could disagree on its value)."""
+    d: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"key {k!r} appears twice")
+        d[k] = v
+    return d

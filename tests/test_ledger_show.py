@@ -145,3 +145,26 @@ def test_page_escapes_untrusted_text_for_markdown_and_html():
     row = text.splitlines()[2]
     assert row.count(" | ") == 1 + 0 and row.startswith("| ") and row.endswith(" |")  # the pipes inside stay escaped
     assert page.links() == ["x.md"] and page.links(html=True) == ["x.html"]
+
+
+def test_show_says_when_the_query_cache_does_not_match_the_ledger(ledger):
+    """Issue 44: an UPDATE in the query cache (row 2's FAIL set to PASS) was listed as PASS while
+    ``ledger verify`` said OK. ``show`` compares the cache with the ledger, says which row and
+    column disagreed, rebuilds it and lists the ledger's verdict; the next show says nothing."""
+    import sqlite3
+
+    from harness.evidence.ledger_cache import cache_path
+
+    show(ledger)  # the cache exists and matches
+    con = sqlite3.connect(cache_path(ledger))
+    assert con.execute("UPDATE rows SET verdict='PASS' WHERE seq=2").rowcount == 1
+    con.commit()
+    con.close()
+    out = show(ledger, "--rows")
+    assert " ".join(out.split()).startswith("query cache did not match the ledger's head (ledger.jsonl.cache.sqlite row 2: verdict is 'PASS' in the "
+                                   "cache but 'FAIL' in the ledger); rebuilt from the ledger: the rows shown are the ledger's")
+    assert "| 2 | FAIL |" not in out and [line.split()[:4] for line in out.splitlines() if line.split()[:1] == ["2"]] == [
+        ["2", "2026-11-02", "parity", "FAIL"]]
+    doc = json.loads(show(ledger, "--json"))
+    assert [r["verdict"] for r in doc["rows"] if r["seq"] == 2] == ["FAIL"]
+    assert "query cache" not in show(ledger, "--rows")

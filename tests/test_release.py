@@ -171,9 +171,10 @@ def test_signoff_reads_each_receipt_once_for_its_keys_then_only_the_receipts_it_
                    "--greedy-tokens", "0", monkeypatch=monkeypatch) in (0, 1)  # a standing receipt of another cell
     receipts = ledger_of(root).parent / "receipts"
     read: list[str] = []
-    real = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (read.append(self.stem) if receipts in self.parents else None)
-                        or real(self, *a, **k))
+    for method in ("read_text", "read_bytes"):  # keys are read as text, a picked receipt as bytes (its sha256 is checked)
+        real = getattr(Path, method)
+        monkeypatch.setattr(Path, method, lambda self, *a, _real=real, **k: (read.append(self.stem) if receipts in self.parents else None)
+                            or _real(self, *a, **k))
     cache_path(ledger_of(root)).unlink()
     standing = [r["receipt_id"] for r in read_rows(ledger_of(root)) if r["kind"] in ("parity", "probe")]
     rc, first = signoff_json(root, capsys, monkeypatch)
@@ -475,3 +476,65 @@ def test_signoff_requires_the_tokenizer_check_per_model_and_build(tmp_path, monk
     assert harness(root, "tokenizer", "--candidate", "command:bpe", "--model", "fixture:trained-qwen35", monkeypatch=monkeypatch) == 1
     rc, doc, items = tokenizer_items()
     assert [i["status"] for i in items] == ["failed"] and "tokenizer FAIL: prompt " in items[0]["detail"] and rc == 1
+
+
+def _tokenizer_fail_project(tmp_path: Path, monkeypatch) -> Path:
+    """A project whose manifest asks for the tokenizer check and whose only tokenizer row is a
+    FAIL (the BPE example engine with merge rank 0 forgotten)."""
+    root = make_project(tmp_path / "p", ["oracle"], ["trained-qwen35"])
+    src = (SOURCE_ROOT / "examples" / "bpe_tokenizer_engine.py").read_text()
+    (root / "bpe.py").write_text(src.replace('Tokenizer(req["model"], args.pre, args.drop_merge)', 'Tokenizer(req["model"], args.pre, 0)'))
+    (root / "pyproject.toml").write_text('[tool.harness.engines.bpe]\ncommand = ["{python}", "bpe.py", "--serve"]\n'
+                                         'protocol = 2\ntimeout_s = 60\ncapabilities = ["tokenize"]\n')
+    manifest = root / "release.yaml"
+    manifest.write_text(manifest.read_text().replace('engine: "oracle", compute_class: f64', 'engine: "command:bpe", compute_class: f32')
+                        + "tokenizer: true\n")
+    assert harness(root, "tokenizer", "--candidate", "command:bpe", "--model", "fixture:trained-qwen35", monkeypatch=monkeypatch) == 1
+    return root
+
+
+def test_an_edited_query_cache_cannot_flip_a_tokenizer_fail(tmp_path, monkeypatch, capsys):
+    """Issue 44, route 1: one UPDATE in the git-ignored query cache set the FAIL tokenizer row's
+    verdict to PASS and the sign-off took it. Verdicts now come from the receipt the row binds,
+    the cache is compared with the ledger and rebuilt: the tokenizer item stays failed, and an
+    evidence item names the cache row and column that disagreed."""
+    import sqlite3
+
+    from harness.evidence.ledger_cache import cache_path
+
+    root = _tokenizer_fail_project(tmp_path, monkeypatch)
+    con = sqlite3.connect(cache_path(ledger_of(root)))
+    assert con.execute("UPDATE rows SET verdict='PASS' WHERE kind='tokenizer'").rowcount == 1
+    con.commit()
+    con.close()
+    rc, doc = signoff_json(root, capsys, monkeypatch)
+    items = {i["what"]: i for i in doc["items"] if i["what"] in ("tokenizer", "evidence")}
+    assert rc == 1 and doc["verdict"] == "BLOCKED"
+    assert items["tokenizer"]["status"] == "failed" and "tokenizer FAIL: prompt " in items["tokenizer"]["detail"]
+    assert items["evidence"]["status"] == "failed"
+    assert "verdict is 'PASS' in the cache but 'FAIL' in the ledger; rebuilt from the ledger" in items["evidence"]["detail"]
+    rc, again = signoff_json(root, capsys, monkeypatch)  # the cache was rebuilt: only the tokenizer FAIL blocks now
+    assert rc == 1 and [i["what"] for i in again["items"] if i["status"] == "failed"] == ["tokenizer"]
+
+
+def test_a_rehashed_last_row_cannot_flip_a_tokenizer_fail(tmp_path, monkeypatch, capsys):
+    """Issue 44, route 2: the last row's verdict flipped to PASS and its row_hash recomputed (the
+    chain verifies) signed the release. The sign-off reads the verdict from the receipt: the
+    tokenizer item fails, naming the row's PASS and the receipt's FAIL."""
+    from harness.evidence.ledger import render_pages, row_hash
+    from harness.evidence.receipts import canonical_json
+
+    root = _tokenizer_fail_project(tmp_path, monkeypatch)
+    lines = ledger_of(root).read_bytes().splitlines(keepends=True)
+    last = json.loads(lines[-1])
+    assert last["kind"] == "tokenizer" and last["verdict"] == "FAIL"
+    last["verdict"] = "PASS"
+    last["row_hash"] = row_hash(last)
+    ledger_of(root).write_bytes(b"".join(lines[:-1]) + canonical_json(last) + b"\n")
+    render_pages(ledger_of(root), full=True)  # LEDGER.md re-rendered to the forged head
+    assert verify_ledger(ledger_of(root), deep=False) == []  # the forgery holds against the chain (and the rendering)
+    rc, doc = signoff_json(root, capsys, monkeypatch)
+    item = next(i for i in doc["items"] if i["what"] == "tokenizer")
+    assert rc == 1 and doc["verdict"] == "BLOCKED" and item["status"] == "failed"
+    assert item["detail"] == f"row {last['seq']} says 'PASS' but its receipt {last['receipt_id'][:12]} says 'FAIL'"
+    assert item["command"] == "harness ledger verify --deep"

@@ -66,6 +66,7 @@ from harness.engines.process import (
 from harness.errors import EngineError, InvalidInput, NotComparable
 from harness.model.gguf_model import GGUFModel, Override, Qwen35HParams
 from harness.rundir import run_dir, scratch_dir
+from harness.validation import unique_keys
 
 REQUEST_SCHEMA = "harness-engine-request/v1"
 RENDER_MAX_BYTES = 1 << 20
@@ -193,7 +194,7 @@ def parse_info(raw: bytes, who: str) -> dict[str, Any]:
     nested at most ``INFO_MAX_DEPTH`` deep, ``name``/``version`` strings or numbers, ``settings`` an object.
     Raises ``EngineError`` naming ``who``."""
     try:
-        info = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        info = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         msg = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EngineError(f"{who} wrote an unreadable info.json ({msg})") from None
@@ -338,9 +339,10 @@ def parse_speculation(raw_tokens: bytes | None, raw_counts: bytes | None, who: s
         raise EngineError(f"{who} wrote no speculative.json for a speculative generate request")
     try:
         ids = json.loads(raw_tokens.decode("utf-8"), parse_constant=_refuse_constant)
-        counts = json.loads(raw_counts.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise EngineError(f"{who} wrote a tokens.json or speculative.json that is not UTF-8 JSON") from None
+        counts = json.loads(raw_counts.decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        twice = f" ({e})" if "appears twice" in str(e) else ""
+        raise EngineError(f"{who} wrote a tokens.json or speculative.json that is not UTF-8 JSON{twice}") from None
     per = ids if n_seqs > 1 else [ids]
     if n_seqs > 1 and (not isinstance(ids, list) or len(ids) != n_seqs):
         raise EngineError(f"{who} wrote a tokens.json that is not {n_seqs} lists of token ids (one per sequence)")
@@ -753,7 +755,7 @@ def _serve_reply(engine: "CommandEngine", out_dir: Path, tail: str, scenario: An
     if path.stat().st_size > SERVE_JSON_MAX_BYTES:
         raise EngineError(f"{engine.who} wrote a serve.json over {SERVE_JSON_MAX_BYTES >> 20} MiB", tail)
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
+        doc = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise EngineError(f"{engine.who} wrote a serve.json that is not UTF-8 JSON", tail) from None
     rows_of = None

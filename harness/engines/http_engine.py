@@ -24,7 +24,9 @@ its response shape (tests/test_http_engine.py):
   tokens, control tokens) is ambiguous and its entry goes to the tail bucket.
 
 Errors: connection refused, timeout, an HTTP error status, a body that is not JSON (or larger than
-``MAX_RESPONSE_BYTES``), a response without the logprobs asked for are ``EngineError`` (exit 3);
+``MAX_RESPONSE_BYTES``) or cut short (fewer bytes than its Content-Length), a response without
+the logprobs asked for are ``EngineError`` (exit 3); ``timeout_s`` bounds each whole request, from
+connect to the body's last byte (``HttpEngine._exchange``), not each read;
 a server answering for another model than ``model``, or tokenizing the text differently, is
 ``NotComparable`` (exit 4). Every string a server sends is shown through ``harness.display``. The
 API key is read from the variable ``api_key_env`` names and never stored: receipts carry the URL
@@ -36,6 +38,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -97,7 +101,7 @@ class HttpSpec:
     ``url``: the server's base URL (``url_env``, when set in the environment, overrides it);
     ``model``: the model name the server must answer for; ``kind``: a ``KINDS`` key;
     ``api_key_env``: the environment variable holding a bearer token (never the token itself);
-    ``timeout_s``: per request; ``max_logprobs``: k, the logprobs asked per position;
+    ``timeout_s``: seconds for each whole request, connect to last byte; ``max_logprobs``: k, the logprobs asked per position;
     ``compute_class``: the precision the server computes in (picks the top-k row).
     """
 
@@ -262,19 +266,7 @@ class HttpEngine:
                 raise EngineError(f"{self.who}: the API key variable {self.spec.api_key_env} is not set")
             headers["Authorization"] = f"Bearer {key}"
         self.requests_sent += 1
-        import requests
-
-        try:
-            with self._session.post(url, json=body, headers=headers, timeout=self.spec.timeout_s, stream=True) as r:
-                raw = r.raw.read(MAX_RESPONSE_BYTES + 1, decode_content=True)
-                status = r.status_code
-        except requests.Timeout:
-            raise EngineError(f"{self.who} timed out after {self.spec.timeout_s:g} s ({self.spec.safe_url}{path})") from None
-        except requests.ConnectionError as e:
-            why = "connection refused" if "refused" in str(e).lower() else "connection failed"
-            raise EngineError(f"{self.who}: cannot reach {self.spec.safe_url} ({why})") from None
-        except requests.RequestException as e:
-            raise EngineError(f"{self.who}: request to {self.spec.safe_url}{path} failed ({type(e).__name__})") from None
+        status, raw = self._exchange(url, path, body, headers)
         if len(raw) > MAX_RESPONSE_BYTES:
             raise EngineError(f"{self.who} answered more than {MAX_RESPONSE_BYTES:,} bytes")
         if status >= 400:
@@ -287,6 +279,64 @@ class HttpEngine:
         if not isinstance(obj, dict):
             raise EngineError(f"{self.who} answered {path} with JSON that is not an object")
         return obj
+
+    def _exchange(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, bytes]:
+        """(HTTP status, at most ``MAX_RESPONSE_BYTES`` + 1 body bytes) of one POST, the whole
+        request (connect, headers, body) bounded by ``timeout_s``: it runs on a worker thread, and
+        past the deadline the connection is shut down and the session replaced (a server that
+        trickles a byte at a time never resets a per-read timeout into a hang). ``EngineError``
+        for a timeout, a refused or broken connection, a body cut short (its Content-Length not
+        met: urllib3's ``IncompleteRead``) or any other transport failure."""
+        import requests
+        import urllib3
+
+        timeout = self.spec.timeout_s
+        box: dict[str, Any] = {}
+
+        def exchange() -> None:
+            try:
+                with self._session.post(url, json=body, headers=headers, timeout=timeout, stream=True) as r:
+                    box["response"] = r
+                    box["result"] = (r.status_code, r.raw.read(MAX_RESPONSE_BYTES + 1, decode_content=True))
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=exchange, name=f"http {self.spec.name}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            self._abandon(box.get("response"))
+            raise EngineError(f"{self.who} timed out after {timeout:g} s ({self.spec.safe_url}{path}: the whole request, "
+                              "connect to last byte)")
+        e = box.get("error")
+        if e is None:
+            return box["result"]
+        if isinstance(e, (requests.Timeout, urllib3.exceptions.TimeoutError)):
+            raise EngineError(f"{self.who} timed out after {timeout:g} s ({self.spec.safe_url}{path})") from None
+        if isinstance(e, (urllib3.exceptions.ProtocolError, requests.exceptions.ChunkedEncodingError)):
+            cause = type(e.args[-1] if e.args else e).__name__
+            raise EngineError(f"{self.who}: the answer to {path} was cut short ({cause}: the connection closed before the body's "
+                              "announced length)") from None
+        if isinstance(e, requests.ConnectionError):
+            why = "connection refused" if "refused" in str(e).lower() else "connection failed"
+            raise EngineError(f"{self.who}: cannot reach {self.spec.safe_url} ({why})") from None
+        if isinstance(e, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)):
+            raise EngineError(f"{self.who}: request to {self.spec.safe_url}{path} failed ({type(e).__name__})") from None
+        raise e
+
+    def _abandon(self, response: Any) -> None:
+        """Stop a request that ran past its deadline: shut its socket down (the worker's blocked
+        read returns) and start a fresh session, so nothing of it is reused."""
+        import requests
+
+        sock = getattr(getattr(getattr(response, "raw", None), "connection", None), "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        old, self._session = self._session, requests.Session()
+        old.close()
 
     def _check_model(self, obj: dict[str, Any]) -> None:
         """``NotComparable`` when the response names another model than the configured one."""

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 from harness.engines.process import exit_status, kill_group, read_tail, start_engine, start_error, tail_lines
 from harness.errors import EngineError
 from harness.rundir import scratch_dir
+from harness.validation import unique_keys
 
 REPLY_MAX_BYTES = 1 << 20
 """A reply line longer than this (1 MiB) is refused: a reply names a few files."""
@@ -129,10 +130,11 @@ class PersistentProcess:
             raise self._fail(f"{self.who} closed its stdin (the process ended before request {req_id})") from None
         raw = self._read_line(time.monotonic() + timeout_s, timeout_s)
         try:
-            reply = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise self._fail(f"{self.who} answered request {req_id} with a line that is not JSON: {raw[:80]!r}") from None
-        if not isinstance(reply, dict) or reply.get("id") != req_id:
+            reply = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            why = f" ({e})" if "appears twice" in str(e) else ""
+            raise self._fail(f"{self.who} answered request {req_id} with a line that is not JSON{why}: {raw[:80]!r}") from None
+        if not isinstance(reply, dict) or type(reply.get("id")) is not int or reply["id"] != req_id:  # true == 1 in Python: not an id
             raise self._fail(f"{self.who} answered request {req_id} with {str(reply)[:80]!r}; expected a JSON object with \"id\": {req_id}")
         if reply.get("ok") is not True:
             err = reply.get("error")

@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
-from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, linked_pages, page_of, page_seqs, read_rows
+from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, ledger_lock, linked_pages, page_of, page_seqs, read_rows
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.page import Badge, Code, Inline, Link, Page, untrusted
 from harness.evidence.receipts import receipt_file
@@ -201,8 +201,8 @@ def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receip
     ledger_path = Path(ledger_path)
     out = reports_dir(ledger_path)
     try:
-        with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
-            with LedgerCache.open(ledger_path, CACHE_COLUMNS) as cache:
+        with ledger_lock(ledger_path, lock_timeout):
+            with LedgerCache.open(ledger_path, CACHE_COLUMNS, check=full) as cache:  # a full render is checked against the ledger
                 if cache.bad_line is not None:
                     read_rows(ledger_path)  # names the malformed line (InvalidInput)
                 last = cache.last_seq()

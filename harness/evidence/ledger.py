@@ -22,6 +22,7 @@ bytes and content match it) and by git history.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -29,20 +30,22 @@ import json
 import os
 import re
 import stat
+import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 from filelock import FileLock, Timeout
 
 from harness import display
 from harness.errors import InvalidInput
-from harness.evidence.ledger_cache import LedgerCache
+from harness.fschecks import read_limited
+from harness.evidence.ledger_cache import MAX_SEQ, LedgerCache, seq_problem
 from harness.evidence.receipts import (
     canonical_json,
     load_receipt,
@@ -53,7 +56,7 @@ from harness.evidence.receipts import (
 )
 from harness.provenance import sha256_bytes, sha256_file
 from harness.rundir import pid_alive
-from harness.validation import best_error, make_validator
+from harness.validation import best_error, make_validator, unique_keys
 
 
 class _Pandas:
@@ -410,7 +413,12 @@ def _parse_lines(data: bytes) -> list[tuple[int, dict[str, Any] | None, str | No
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             out.append((i, None, f"not a JSON row: {e}"))
             continue
-        out.append((i, row, None) if isinstance(row, dict) else (i, None, "not a JSON object"))
+        if not isinstance(row, dict):
+            out.append((i, None, "not a JSON object"))
+        elif isinstance(row.get("seq"), int) and not 1 <= row["seq"] <= MAX_SEQ:
+            out.append((i, None, seq_problem(row)))
+        else:
+            out.append((i, row, None))
     return out
 
 
@@ -457,6 +465,9 @@ def _chain(new: dict[str, Any], head: dict[str, Any] | None, rows: list[dict[str
     ``prev_hash``, then validate it against the row schema and its supersede target (among
     ``rows`` when given, else by seq: a chain's seqs run 1..head without gaps), then set
     ``row_hash``. Raises ``InvalidInput``."""
+    if head and head["seq"] >= MAX_SEQ:
+        raise InvalidInput(f"{ledger_path}: the last row's seq {str(head['seq'])[:30]} leaves no room for another (at most 2**63-1); "
+                           "run `harness ledger verify`")
     new["seq"] = head["seq"] + 1 if head else 1
     new.setdefault("time", None)
     if new["time"] is None:
@@ -472,6 +483,39 @@ def _chain(new: dict[str, Any], head: dict[str, Any] | None, rows: list[dict[str
         if not known:
             raise InvalidInput(f"{ledger_path}: cannot supersede seq {target}: no such row")
     new["row_hash"] = row_hash(new)
+
+
+LOCK_NOTICE_S = 5.0
+"""After this many seconds waiting for the ledger lock, ``ledger_lock`` says so on stderr, then
+every ``LOCK_NOTICE_EVERY_S``: a wait on a lock held by another live process is never silent."""
+LOCK_NOTICE_EVERY_S = 30.0
+
+
+@contextlib.contextmanager
+def ledger_lock(ledger_path: Path, timeout: float, notice: Any = None) -> Iterator[None]:
+    """Hold the ledger's file lock (``<ledger>.lock``, ``filelock``), waiting at most ``timeout``
+    seconds; while it waits longer than ``LOCK_NOTICE_S`` a line goes to ``notice`` (default:
+    stderr) then every ``LOCK_NOTICE_EVERY_S``: ``harness: waiting for the ledger lock … (held by
+    another process; N s of at most T s)``. Raises ``filelock.Timeout`` when the time runs out."""
+    lock = FileLock(str(ledger_path) + ".lock")
+    say = notice or (lambda line: print(line, file=sys.stderr, flush=True))
+    t0 = time.monotonic()
+    step = min(LOCK_NOTICE_S, timeout)
+    while True:
+        try:
+            lock.acquire(timeout=step)
+            break
+        except Timeout:
+            waited = time.monotonic() - t0
+            if waited >= timeout:
+                raise
+            say(display.plain(f"harness: waiting for the ledger lock {ledger_path}.lock (held by another process; "
+                              f"{waited:.0f} s of at most {timeout:g} s)"))
+            step = min(LOCK_NOTICE_EVERY_S, timeout - waited)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def append_row(
@@ -510,7 +554,7 @@ def append_row(
         _bind_receipt(new, Path(receipt_path))
     try:
         ledger_path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(ledger_path) + ".lock", timeout=lock_timeout):
+        with ledger_lock(ledger_path, lock_timeout):
             head = check_ledger_head(ledger_path)
             _chain(new, head, None, ledger_path)
             with open(ledger_path, "ab") as f:
@@ -828,7 +872,7 @@ def render_pages(ledger_path: str | Path, markdown_path: str | Path | None = Non
     ledger_path = Path(ledger_path)
     md = Path(markdown_path) if markdown_path else default_markdown_path(ledger_path)
     own = cache is None
-    cache = cache or LedgerCache.open(ledger_path, CACHE_COLUMNS)
+    cache = cache or LedgerCache.open(ledger_path, CACHE_COLUMNS, check=full)  # a full render is checked against the ledger
     try:
         last = cache.last_seq()
         head = cache.rows(last, last)[0] if last else None
@@ -947,6 +991,10 @@ class VerifyStats:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
 
+CHECKPOINT_MAX_BYTES = 64 << 10
+"""A checkpoint is a few hundred bytes; a larger file is refused unread (``Checkpoint.load``)."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """The last row a verification found sound: its ``seq``, ``row_hash``, the ledger's byte
@@ -976,18 +1024,20 @@ class Checkpoint:
     def load(cls, path: str | Path) -> "Checkpoint | None":
         """The checkpoint in ``path`` (None when there is none). Raises ``InvalidInput`` for a file
         that is not a checkpoint."""
-        try:
-            d = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        if not Path(path).exists():
             return None
-        except (OSError, ValueError) as e:
-            raise InvalidInput(f"{path}: not a verify checkpoint: {e}") from None
+        raw = read_limited(path, "verify checkpoint", CHECKPOINT_MAX_BYTES)
         try:
-            if d.get("schema") != "harness-verify-checkpoint/v1":
-                raise KeyError("schema")
-            return cls(str(d["ledger"]), int(d["seq"]), str(d["row_hash"]), int(d["offset"]), str(d["prefix_sha256"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InvalidInput(f"{path}: not a verify checkpoint (field {e})") from None
+            d = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+            raise InvalidInput(f"{path}: not a verify checkpoint: {why}") from None
+        if not isinstance(d, dict) or d.get("schema") != "harness-verify-checkpoint/v1":
+            raise InvalidInput(f"{path}: not a verify checkpoint (field 'schema')")
+        for key, kind in (("ledger", str), ("seq", int), ("row_hash", str), ("offset", int), ("prefix_sha256", str)):
+            if type(d.get(key)) is not kind or (kind is int and d[key] < 0):
+                raise InvalidInput(f"{path}: not a verify checkpoint (field {key!r} must be a {'non-negative integer' if kind is int else 'string'})")
+        return cls(d["ledger"], d["seq"], d["row_hash"], d["offset"], d["prefix_sha256"])
 
     def save(self, path: str | Path) -> Path:
         """Write the checkpoint to ``path`` (atomically; folders created)."""
@@ -1519,14 +1569,17 @@ def _check_signoff(receipts_dir: Path, row: dict[str, Any], earlier: Mapping[str
 def ledger_frame(ledger_path: str | Path) -> pd.DataFrame:
     """All rows as a DataFrame (one row per ledger row, columns ``ROW_FIELDS`` + optional ones),
     with ``time`` parsed to UTC timestamps and ``superseded_by`` (seq or NA). Read from the query
-    cache (``LedgerCache``: columns through ``pandas.read_sql_query``, no JSON parsed per row), so
-    100,000 rows take about a second. Raises ``InvalidInput`` naming a line that is not a row."""
+    cache (``LedgerCache``: columns through ``pandas.read_sql_query``) after the cache is compared
+    with the ledger and rebuilt where it disagrees (``LedgerCache.open(check=True)``;
+    ``df.attrs["cache_rebuilt"]`` says why, else None), so the verdicts shown are the ledger's.
+    Raises ``InvalidInput`` naming a line that is not a row."""
     cols = list(CACHE_COLUMNS)
-    with LedgerCache.open(ledger_path, CACHE_COLUMNS) as cache:
+    with LedgerCache.open(ledger_path, CACHE_COLUMNS, check=True) as cache:
         if cache.bad_line is not None:
             read_rows(ledger_path)  # names the bad line (InvalidInput)
         df = pd.read_sql_query(cache.frame_query(cols), cache.con)
         by = cache.superseded()
+        df.attrs["cache_rebuilt"] = cache.rebuilt
     for c in ("builds", "cells", "relied_on", "blocked"):  # JSON text in the cache
         df[c] = df[c].map(lambda v: json.loads(v) if isinstance(v, str) else v)
     df["time"] = pd.to_datetime(df["time"], utc=True)

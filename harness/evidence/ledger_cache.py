@@ -23,8 +23,17 @@ read each receipt once: ``harness.release.cells.receipt_keys_of``) and
 Staying in step (``sync``): the cache is current for a ledger whose first ``size`` bytes end in
 ``last_line``; new bytes after it are parsed and inserted (normally the one line just appended).
 A ledger shorter than ``size``, or whose line at that place differs, is read again from the start.
-An edit in the middle of the ledger that keeps its size and its last line is not seen here;
-``harness ledger verify`` reads the JSONL itself and finds it. Reading stops before a line that is
+An edit in the middle of the ledger that keeps its size and its last line is not seen by
+``sync``; ``harness ledger verify`` reads the JSONL itself and finds it.
+
+Trust: the cache is an index, never the source of a verdict. Every reader that judges or shows
+verdicts (``harness signoff``, ``sweep``, ``ledger show``, a full render) opens it with
+``check=True``: ``disagreement`` compares every line with the ledger's bytes and every column with
+its line (O(ledger), about 0.55 s per 20,000 rows), and a cache that disagrees (an UPDATE of a
+verdict column, an inserted row, an edit in the middle of the ledger) is rebuilt, ``rebuilt``
+saying why. Appends do not check (their cost must not grow with the ledger). A row whose ``seq``
+is beyond SQLite's INTEGER (``MAX_SEQ``) is a bad line; other integers beyond it are kept as their
+digits. Reading stops before a line that is
 not a JSON object (``bad_line`` says where), so the views show the rows up to it. When the cache
 cannot be written (a read-only checkout), an in-memory copy is built for the process.
 """
@@ -46,12 +55,35 @@ def cache_path(ledger_path: str | Path) -> Path:
     return p.with_name(p.name + CACHE_SUFFIX)
 
 
+MAX_SEQ = 2**63 - 1
+"""The largest seq a row may have (SQLite's INTEGER); a row beyond it is a bad line, never an
+``OverflowError``."""
+
+
+def seq_problem(row: Any) -> str | None:
+    """Why ``row`` (a parsed ledger line) cannot be a row of the cache, else None: not a JSON
+    object, or a ``seq`` that is not an integer from 1 to ``MAX_SEQ``."""
+    if not isinstance(row, dict):
+        return "not a JSON object with a seq"
+    seq = row.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        return "not a JSON object with a seq"
+    return None if 1 <= seq <= MAX_SEQ else f"seq {str(seq)[:30]} is out of range (1 to 2**63-1)"
+
+
 def _sql_value(v: Any) -> Any:
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     if isinstance(v, bool):
         return int(v)
+    if isinstance(v, int) and not -MAX_SEQ - 1 <= v <= MAX_SEQ:  # beyond SQLite's INTEGER: kept as its digits
+        return str(v)
     return v
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same SQLite value (type and value; NaN is NaN)."""
+    return type(a) is type(b) and (a == b or (isinstance(a, float) and a != a and b != b))
 
 
 class LedgerCache:
@@ -67,14 +99,19 @@ class LedgerCache:
         self.persistent = persistent
         self.bad_line: tuple[int, str] | None = None
         """``(seq it would have, error)`` of the first line ``sync`` could not read, else None."""
+        self.rebuilt: str | None = None
+        """Why ``open(..., check=True)`` rebuilt the cache (``disagreement``), else None."""
 
     # ------------------------------------------------------------------ open / close
 
     @classmethod
-    def open(cls, ledger_path: str | Path, columns: Sequence[str]) -> "LedgerCache":
+    def open(cls, ledger_path: str | Path, columns: Sequence[str], check: bool = False) -> "LedgerCache":
         """Open (creating if needed) the cache of ``ledger_path`` and ``sync`` it. Falls back to an
-        in-memory cache when the file cannot be created or is damaged. Raises ``OSError`` only when
-        the ledger itself cannot be read."""
+        in-memory cache when the file cannot be created or is damaged. With ``check`` (what every
+        reader that judges or shows verdicts asks for: ``signoff``, ``sweep``, ``ledger show``),
+        the cache is compared with the ledger's bytes (``disagreement``, O(ledger)) and, when they
+        disagree, rebuilt from the ledger, ``rebuilt`` saying why. Raises ``OSError`` only when the
+        ledger itself cannot be read."""
         ledger_path = Path(ledger_path)
         path = cache_path(ledger_path)
         con, persistent = None, True
@@ -95,7 +132,64 @@ class LedgerCache:
                 persistent = False
         self = cls(ledger_path, con, columns, persistent)
         self.sync()
+        if check:
+            why = self.disagreement()
+            if why is not None:
+                self.rebuild()
+                self.rebuilt = why
         return self
+
+    def rebuild(self) -> None:
+        """Forget every derived table (rows, counts, receipt summaries and keys) and read the ledger
+        again from its first byte; in memory when the file cannot be written."""
+        try:
+            self.con.execute("BEGIN IMMEDIATE")
+            for table in ("rows", "standing", "summaries", "receipt_keys"):
+                self.con.execute(f"DELETE FROM {table}")
+            self.con.execute("DELETE FROM meta WHERE key IN ('size', 'last_line', 'index_seq', 'count')")
+            self.con.execute("COMMIT")
+        except sqlite3.Error:
+            if self.con.in_transaction:
+                self.con.execute("ROLLBACK")
+            self.con.close()
+            self.con = sqlite3.connect(":memory:", isolation_level=None)
+            self._schema(self.con, self.columns)
+            self.persistent = False
+        self.sync()
+
+    def disagreement(self) -> str | None:
+        """Where this cache disagrees with the ledger, in words (None when it does not): a row
+        whose line is not the ledger's bytes at its offset, a column that is not its line's field,
+        a row the ledger does not have or lacks, or kept counts that are not the rows' counts. The
+        cache is an index, never a source of a verdict: an edit to it (an UPDATE of a verdict
+        column, an inserted row) is found here. O(ledger bytes): every line is read and parsed once."""
+        name = cache_path(self.ledger_path).name
+        cols = [c for c in self.columns if c != "seq"]
+        names = ["seq", "offset", "length", "line", *cols]
+        size = int(self.meta("size") or 0)
+        cur = self.con.execute("SELECT " + ", ".join(f'"{c}"' for c in names) + " FROM rows ORDER BY seq")
+        expect = n = 0
+        try:
+            f = open(self.ledger_path, "rb")
+        except FileNotFoundError:
+            return None if cur.fetchone() is None else f"{name} holds rows of a ledger that does not exist"
+        with f:
+            for stored in cur:
+                n += 1
+                seq, offset = stored[0], stored[1]
+                raw = f.readline()
+                if offset != expect or len(raw) != stored[2] or raw[:-1].decode("utf-8", errors="replace") != stored[3]:
+                    return f"{name} row {seq}: its line is not the ledger's line {n} (byte {expect})"
+                want = self._values(json.loads(stored[3]), offset, stored[2], stored[3])
+                for col, a, b in zip(names, stored, want):
+                    if not _same(a, b):
+                        return f"{name} row {seq}: {col} is {str(a)[:40]!r} in the cache but {str(b)[:40]!r} in the ledger"
+                expect += stored[2]
+        if expect != size or n != self.count():
+            return f"{name} covers {n} rows ({expect} bytes), not the {self.count()} rows ({size} bytes) it claims"
+        if self.standing_counts() != self.standing_counts_scan():
+            return f"{name}: its kept verdict counts {self.standing_counts()} are not its rows' {self.standing_counts_scan()}"
+        return None
 
     @staticmethod
     def _schema(con: sqlite3.Connection, columns: Sequence[str]) -> None:
@@ -189,7 +283,7 @@ class LedgerCache:
                     except ValueError as e:
                         row, err = None, f"not a JSON row: {e}"
                     else:
-                        err = None if isinstance(row, dict) and isinstance(row.get("seq"), int) else "not a JSON object with a seq"
+                        err = seq_problem(row)
                     if err:
                         self.bad_line = (offset, err)
                         break

@@ -69,13 +69,23 @@ class LedgerView:
     proposals: dict[str, Any]
     total: int
     filters: dict[str, Any]
+    cache_rebuilt: str | None = None
+    """Why the query cache did not match the ledger and was rebuilt before it was read, else None."""
 
     @classmethod
     def load(cls, ledger_path: str | Path, **filters: Any) -> "LedgerView":
         """Read and filter a ledger (``filter_frame`` keywords). Raises ``InvalidInput``."""
         df = ledger_frame(ledger_path)
         rows = filter_frame(df, **filters)
-        return cls(rows, candidate_trends(rows), proposed_report_only_thresholds(df), len(df), {k: v for k, v in filters.items() if v})
+        return cls(rows, candidate_trends(rows), proposed_report_only_thresholds(df), len(df), {k: v for k, v in filters.items() if v},
+                   df.attrs.get("cache_rebuilt"))
+
+    def cache_line(self) -> str | None:
+        """``query cache did not match the ledger's head (why); rebuilt from the ledger: the rows
+        shown are the ledger's``, or None when the cache matched."""
+        if self.cache_rebuilt is None:
+            return None
+        return f"query cache did not match the ledger's head ({self.cache_rebuilt}); rebuilt from the ledger: the rows shown are the ledger's"
 
     # -------------------------------------------------------------- machines
 
@@ -123,6 +133,8 @@ class LedgerView:
     def print(self, console: Console, rows: bool) -> None:
         """Print the tables (trends, or ``rows``), one per model, and the proposals to ``console``."""
         shown = len(self.rows)
+        if self.cache_line():
+            console.print(Text(untrusted(self.cache_line()), style="bold red"))
         what = f"{shown} of {self.total} rows" + (f" ({', '.join(f'{k} {v}' for k, v in self.filters.items())})" if self.filters else "")
         if shown == 0:
             console.print(Text(f"no rows match: {what}" if self.total else "(empty ledger)"))

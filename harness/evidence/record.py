@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness.config import load_config
+from harness.errors import InvalidInput
 from harness.evidence.index import refresh_index_quietly
 from harness.evidence.ledger import (
     append_row,
@@ -74,10 +75,15 @@ def preflight_evidence(ledger: str | Path | None) -> EvidencePaths:
     Refuses with ``InvalidInput`` (exit 2, one line) when: the ledger path is ambiguous or its
     rendering path holds a file the harness did not write; the ledger, its lock file or the
     rendering exists read-only or is not a regular file; the receipts folder, or the folder any
-    of them would be created in, cannot be written (``harness.fschecks``); or the ledger's last
+    of them would be created in, cannot be written (``harness.fschecks``); the receipts or
+    reports folder is a symbolic link (followed, it would put evidence outside the evidence
+    folder: docs/release.md, "Hostile evidence folders and inputs"); or the ledger's last
     row cannot be extended (partial, malformed or edited: ``check_ledger_head``).
     """
     paths = evidence_paths(ledger)
+    for folder, what in ((paths.receipts, "receipts folder"), (paths.ledger.parent / "reports", "reports folder")):
+        if folder.is_symlink():  # evidence stays inside its folder (the ledger, lock and cache files are refused as links too)
+            raise InvalidInput(f"{folder}: the {what} is a symbolic link; evidence is written only inside {paths.ledger.parent}")
     require_writable_file(paths.ledger, "ledger")
     require_writable_file(str(paths.ledger) + ".lock", "ledger lock file")
     require_writable_file(paths.markdown, "rendered ledger", replace=True)

@@ -221,8 +221,18 @@ def receipt_keys_of(path: Path) -> list[tuple[str, str]] | None:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(rec, dict):
-        return None
+    return keys_of_receipt(rec) if isinstance(rec, dict) else None
+
+
+def receipt_verdict(rec: Mapping[str, Any]) -> Any:
+    """The verdict a receipt holds (what its ledger row copies): a parity receipt's
+    ``gated.verdict``, else its ``verdict``. Every verdict a sweep or sign-off acts on is read here,
+    from the receipt the row binds by sha256, never from the row or the query cache."""
+    return (rec.get("gated") or {}).get("verdict") if isinstance(rec.get("gated"), dict) else rec.get("verdict")
+
+
+def keys_of_receipt(rec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``receipt_keys_of`` of a receipt already read (a JSON object)."""
     if rec.get("schema") == "harness-calibration-receipt/v1":
         return []
     inputs = receipt_inputs(rec)

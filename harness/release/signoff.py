@@ -23,6 +23,13 @@ each as an ``Item`` with a status (``ok``, ``missing``, ``unmeasured``, ``stale`
   by the candidate's current build. PASS is ok, FAIL failed, UNMEASURED unmeasured; none is
   missing, or stale when only another build of the candidate was checked.
 
+Every verdict comes from the receipt the row binds, never from the row or the query cache: the
+receipt's bytes must hash to the row's ``receipt_sha256`` and the row's verdict must be the
+receipt's (``_Found.problem``), the keys the cache files a picked receipt under are re-derived
+from it, and the cache is compared with the ledger before it is read (``LedgerCache.open(...,
+check=True)``): an edited cache is rebuilt and blocks this sign-off once (an ``evidence`` item
+naming the row and column), a mismatch between row and receipt fails its item, naming both.
+
 The verdict is SIGNED (exit 0) when every item is ok or n/a; else BLOCKED: exit 1 when anything
 failed or is stale (even if other things are missing), exit 5 when nothing failed but something is
 missing or unmeasured. Invalid manifests are exit 2 before anything is judged. The sign-off is
@@ -49,8 +56,9 @@ from harness.evidence.receipts import receipt_file
 from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence
 from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
-from harness.release.cells import (PlanContext, Run, differences, known_receipt_keys, plan_context, plan_runs, receipt_inputs,
-                                   run_command, same_cell_key)
+from harness.provenance import sha256_bytes
+from harness.release.cells import (PlanContext, Run, differences, keys_of_receipt, known_receipt_keys, plan_context, plan_runs,
+                                   receipt_inputs, receipt_verdict, run_command, same_cell_key)
 from harness.release.manifest import Manifest
 from harness.runs.probes import covers_required
 
@@ -203,13 +211,37 @@ class _Found:
         return receipt_file(self.receipts, self.row["receipt_id"])
 
     @cached_property
+    def _read(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(the receipt's JSON, its bytes' sha256), read once; (None, None) when the file cannot be
+        read or parsed."""
+        try:
+            data = self.path.read_bytes()
+            rec = json.loads(data.decode("utf-8"))
+        except (OSError, ValueError):
+            return None, None
+        return (rec, sha256_bytes(data)) if isinstance(rec, dict) else (None, None)
+
+    @property
     def receipt(self) -> dict[str, Any] | None:
         """The receipt's JSON, read once; None when the file cannot be read or parsed."""
-        try:
-            rec = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        return self._read[0]
+
+    @cached_property
+    def problem(self) -> str | None:
+        """What disagrees between the row and the receipt it binds, in words, else None: the
+        receipt's bytes are not the sha256 the row names, or the row's verdict is not the one its
+        receipt holds (a row re-hashed after its verdict was edited). A sign-off takes every
+        verdict from the receipt (``receipt_verdict``), never from the row."""
+        rec, sha = self._read
+        if rec is None:
             return None
-        return rec if isinstance(rec, dict) else None
+        rid, seq = str(self.row["receipt_id"])[:12], self.row["seq"]
+        if sha != self.row.get("receipt_sha256"):
+            return f"receipt {rid} has sha256 {sha[:12]}, not the {str(self.row.get('receipt_sha256'))[:12]} row {seq} binds"
+        got = receipt_verdict(rec)
+        if self.row.get("verdict") != got:
+            return f"row {seq} says {self.row.get('verdict')!r} but its receipt {rid} says {got!r}"
+        return None
 
     @cached_property
     def inputs(self) -> dict[str, Any]:
@@ -218,15 +250,18 @@ class _Found:
 
 
 _ROW_COLUMNS = ("kind", "receipt_id", "receipt_sha256", "model_sha256", "verdict")
-"""The ledger columns a sign-off reads of each standing row (from the query cache)."""
+"""The ledger columns a sign-off reads of each standing row (from the query cache, checked against
+the ledger: ``LedgerCache.open(..., check=True)``); ``verdict`` only to compare with the receipt's."""
 
 
 class _Standing:
     """The standing rows of some kinds with their receipts (``ledger_receipts``), indexed by each
     typed key, oldest first: ``by(kind, key)``."""
 
-    def __init__(self, found: list[_Found]):
+    def __init__(self, found: list[_Found], rebuilt: str | None = None):
         self.found = found
+        self.rebuilt = rebuilt
+        """Why the query cache was rebuilt before it was read (``LedgerCache.rebuilt``), else None."""
         self.index: dict[tuple[str, str], list[_Found]] = {}
         for f in found:
             for kind, key in f.keys.items():
@@ -256,9 +291,10 @@ def ledger_receipts(paths: EvidencePaths, kinds: tuple[str, ...] = ("parity", "s
     Cost: the cache's columns of every standing row (SQLite, no JSON), plus one read of each
     receipt the cache has not seen (about a millisecond each, once; a fresh clone, whose cache is
     rebuilt, reads every standing receipt once), plus the receipts the runs pick."""
-    with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
+    with LedgerCache.open(paths.ledger, CACHE_COLUMNS, check=True) as cache:
         rows = cache.standing_rows(kinds, _ROW_COLUMNS)
         known = known_receipt_keys(cache, [r["receipt_id"] for r in rows], lambda rid: receipt_file(paths.receipts, rid))
+        rebuilt = cache.rebuilt
     out = []
     for r in rows:
         typed = known.get(r["receipt_id"])
@@ -269,7 +305,7 @@ def ledger_receipts(paths: EvidencePaths, kinds: tuple[str, ...] = ("parity", "s
             kind, _, key = t.partition(":")
             keys[kind] = key
         out.append(_Found(r, paths.receipts, keys))
-    return _Standing(out)
+    return _Standing(out, rebuilt)
 
 
 def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff) -> tuple[str, str | None]:
@@ -281,6 +317,12 @@ def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff) -> tuple[st
     if exact or swept:
         f = exact or swept
         so.relied_on.append({"id": f.row["receipt_id"], "sha256": f.row["receipt_sha256"]})
+        held = {k for k, _ in keys_of_receipt(f.receipt)}
+        why = f.problem or (None if f"{'input' if exact else 'cell'}:{run.key}" in held else
+                            f"the query cache files receipt {f.row['receipt_id'][:12]} under this run, but the receipt was made from other inputs")
+        if why:
+            so.items.append(Item("cell", label, FAILED, why, _VERIFY))
+            return FAILED, f.row["receipt_id"]
         if not exact:  # made for this cell, but the engine reported other inputs (class, backend)
             diff = differences(run.inputs, f.inputs)
             so.items.append(Item("cell", label, FAILED, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made for this cell "
@@ -300,6 +342,10 @@ def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff) -> tuple[st
         return STALE, None
     so.items.append(Item("cell", label, MISSING, f"no receipt in the ledger (all missing cells: {cmd})", run_command(m, run)))
     return MISSING, None
+
+
+_VERIFY = "harness ledger verify --deep"
+"""What a sign-off names when a row and its receipt, or the cache and the ledger, disagree."""
 
 
 def _measure_command(run: Run) -> str:
@@ -327,6 +373,8 @@ def _receipt_status(run: Run, receipt: dict[str, Any]) -> tuple[str, str]:
 
 def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths, so: Signoff) -> None:
     found = ledger_receipts(paths)
+    if found.rebuilt:  # judged from the rebuilt cache; blocked once so that someone looks at the edit
+        so.items.append(Item("evidence", "query cache", FAILED, f"{found.rebuilt}; rebuilt from the ledger before judging", _VERIFY))
     order = [OK, NA, UNMEASURED, MISSING, STALE, FAILED]
     for i in range(0, len(runs), 2):
         parity, probe = runs[i], runs[i + 1]
@@ -352,7 +400,7 @@ def tokenizer_rows(paths: EvidencePaths) -> list[_Found]:
     """The standing ``tokenizer`` rows of the ledger with their receipts (oldest first), from the
     query cache; a row whose receipt cannot be read is left out (``harness ledger verify``
     reports it). Every standing tokenizer receipt is read (a sign-off compares their builds)."""
-    with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
+    with LedgerCache.open(paths.ledger, CACHE_COLUMNS, check=True) as cache:
         rows = cache.standing_rows(("tokenizer",), _ROW_COLUMNS)
     found = [_Found(r, paths.receipts) for r in rows]
     return [f for f in found if f.receipt is not None]
@@ -382,7 +430,10 @@ def _tokenizer(m: Manifest, ctx: PlanContext, paths: EvidencePaths, so: Signoff)
                 continue
             f = mine[-1]
             so.relied_on.append({"id": f.row["receipt_id"], "sha256": f.row["receipt_sha256"]})
-            v = f.row.get("verdict")
+            if f.problem:
+                so.items.append(Item("tokenizer", label, FAILED, f.problem, _VERIFY))
+                continue
+            v = receipt_verdict(f.receipt)
             status = {"PASS": OK, "UNMEASURED": UNMEASURED}.get(v, FAILED)
             so.items.append(Item("tokenizer", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): "
                                  f"tokenizer {v}: {str(f.receipt.get('message', ''))[:300]}", None if status == OK else again))

@@ -33,7 +33,9 @@ from harness.evidence.ledger import CACHE_COLUMNS, append_row, row_from_receipt
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import iter_receipt_files, load_receipt
 from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
-from harness.release.cells import PlanContext, Run, candidate_settings, known_receipt_keys, plan_context, plan_runs, run_command
+from harness.provenance import sha256_bytes
+from harness.release.cells import (PlanContext, Run, candidate_settings, keys_of_receipt, known_receipt_keys, plan_context, plan_runs,
+                                   receipt_verdict, run_command)
 from harness.release.manifest import Manifest
 
 ENV_PASSED = ("HARNESS_CONFIG", "HARNESS_CACHE_DIR", "HARNESS_DEBUG")
@@ -204,7 +206,7 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
     only the receipts it has not seen; the rows come from the cache by receipt id, not from
     parsing the ledger."""
     files = iter_receipt_files(paths.receipts)
-    with LedgerCache.open(paths.ledger, CACHE_COLUMNS) as cache:
+    with LedgerCache.open(paths.ledger, CACHE_COLUMNS, check=True) as cache:
         by_id = {p.stem: p for p in files}
         known = known_receipt_keys(cache, by_id, by_id.__getitem__)
         by_key: dict[str, tuple[str, Path]] = {}
@@ -227,6 +229,26 @@ def existing_receipts(paths: EvidencePaths) -> tuple[dict[str, Path], dict[str, 
             if seqs:
                 rows[rid] = cache.rows(max(seqs), max(seqs))[0]
     return found, rows
+
+
+def _current(run: Run, path: Path, row: dict[str, Any]) -> RunOutcome:
+    """The outcome of a run whose receipt ``path`` and ledger ``row`` exist: ``current``, its
+    verdict read from the receipt; ``error`` (INVALID, naming what disagrees, nothing run) when the
+    receipt's bytes are not the sha256 the row binds, its verdict is not the row's, or it was not
+    made for this run (the query cache's keys are an index, checked against the receipt here)."""
+    rid = path.stem
+    data = path.read_bytes()
+    rec = json.loads(data.decode("utf-8"))
+    verdict = receipt_verdict(rec)
+    sha = sha256_bytes(data)
+    why = (f"receipt {rid[:12]} has sha256 {sha[:12]}, not the {str(row.get('receipt_sha256'))[:12]} row {row.get('seq')} binds"
+           if sha != row.get("receipt_sha256") else
+           f"row {row.get('seq')} says {row.get('verdict')!r} but its receipt {rid[:12]} says {verdict!r}" if row.get("verdict") != verdict else
+           None if {f"input:{run.key}", f"cell:{run.key}"} & {k for k, _ in keys_of_receipt(rec)} else
+           f"the query cache files receipt {rid[:12]} under this run, but the receipt was made from other inputs")
+    if why:
+        return RunOutcome(run, "error", Verdict.INVALID.value, f"{why}; not run (harness ledger verify --deep)", rid, row.get("seq"))
+    return RunOutcome(run, "current", verdict, "receipt exists", rid, row.get("seq"))
 
 
 def _adopt(paths: EvidencePaths, path: Path) -> dict[str, Any]:
@@ -266,14 +288,12 @@ def sweep(m: Manifest, ledger: str | Path | None, executor: Any, jobs: int = 1,
         elif run.key in found:
             path = found[run.key]
             rid = path.stem
-            rec = json.loads(path.read_text(encoding="utf-8"))
-            verdict = rec.get("verdict") or (rec.get("gated") or {}).get("verdict")
             if rid in rows:
-                settle(i, RunOutcome(run, "current", verdict, "receipt exists", rid, rows[rid].get("seq")))
+                settle(i, _current(run, path, rows[rid]))
             else:
                 row = _adopt(paths, path)
                 rows[rid] = row
-                settle(i, RunOutcome(run, "adopted", verdict, "receipt written before an interruption: row appended", rid, row["seq"]))
+                settle(i, RunOutcome(run, "adopted", row.get("verdict"), "receipt written before an interruption: row appended", rid, row["seq"]))
         else:
             todo.append(i)
     threads = threads_per_job(jobs)
