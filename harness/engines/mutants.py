@@ -471,14 +471,16 @@ _M = [
            ("GDN-EQV-010", "GDN-INV-006", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
            ConvKernelFlipped),
     Mutant("conv-state-dropped", "conv state dropped between chunks", ConvStateDropped.__doc__,
-           ("GDN-EQV-010", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-PREFIX-008"),
+           ("GDN-EQV-010", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-PREFIX-008",
+            "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-PAD-006", "QSRV-TURN-007"),
            ConvStateDropped),
     Mutant("ssm-state-reset", "recurrent state reset between chunks", SsmStateReset.__doc__,
            ("GDN-EQV-009", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-SPEC-005",
-            "QMTP-ROLL-006", "QMTP-PREFIX-008"),
+            "QMTP-ROLL-006", "QMTP-PREFIX-008", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-PAD-006", "QSRV-TURN-007"),
            SsmStateReset),
     Mutant("gdn-chunk-state-not-carried", "chunked delta rule drops the state between chunks", GdnChunkStateNotCarried.__doc__,
-           ("GDN-EQV-008", "QE2E-EQV-003", "QE2E-PAR-001", "QE2E-REL-007", "QE2E-PRB-005", "QE2E-STATE-009", "QMTP-SPEC-005"),
+           ("GDN-EQV-008", "QE2E-EQV-003", "QE2E-PAR-001", "QE2E-REL-007", "QE2E-PRB-005", "QE2E-STATE-009", "QMTP-SPEC-005",
+            "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-TURN-007"),
            GdnChunkStateNotCarried),
     Mutant("gdn-read-before-decay", "delta rule reads the state before decaying it", GdnReadBeforeDecay.__doc__,
            # not QE2E-REL-007: above the release floor on the peaked tiny-qwen35, caught by the calibrated tier
@@ -936,17 +938,18 @@ class ServeTurnStateDropped(_MutantBase):
 
 
 SERVING_MUTANTS: dict[str, Mutant] = {m.name: m for m in [
-    Mutant("serve-slot-not-reset", "slot state not reset on reuse", ServeSlotNotReset.__doc__, (), ServeSlotNotReset),
-    Mutant("serve-prefix-header-key", "prefix-cache hit keyed on the header alone", ServePrefixHeaderKey.__doc__, (),
+    Mutant("serve-slot-not-reset", "slot state not reset on reuse", ServeSlotNotReset.__doc__,
+           ("QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-GRID-004"), ServeSlotNotReset),
+    Mutant("serve-prefix-header-key", "prefix-cache hit keyed on the header alone", ServePrefixHeaderKey.__doc__, ("QSRV-HDR-003", "QSRV-GRID-004"),
            ServePrefixHeaderKey),
-    Mutant("serve-abort-leaves-state", "an abort that leaves the state behind", ServeAbortLeavesState.__doc__, (), ServeAbortLeavesState),
-    Mutant("serve-checkpoint-grid", "checkpoints on a 64-token grid read on a 128-token grid", ServeCheckpointGrid.__doc__, (),
+    Mutant("serve-abort-leaves-state", "an abort that leaves the state behind", ServeAbortLeavesState.__doc__, ("QSRV-ABORT-002",), ServeAbortLeavesState),
+    Mutant("serve-checkpoint-grid", "checkpoints on a 64-token grid read on a 128-token grid", ServeCheckpointGrid.__doc__, ("QSRV-GRID-004",),
            ServeCheckpointGrid),
-    Mutant("serve-join-neighbour-conv", "a joining sequence reads a neighbour's conv state", ServeJoinNeighbourConv.__doc__, (),
+    Mutant("serve-join-neighbour-conv", "a joining sequence reads a neighbour's conv state", ServeJoinNeighbourConv.__doc__, ("QSRV-JOIN-005",),
            ServeJoinNeighbourConv),
-    Mutant("serve-pad-aliases-slot0", "a padded row that aliases slot 0", ServePadAliasesSlot0.__doc__, (), ServePadAliasesSlot0),
+    Mutant("serve-pad-aliases-slot0", "a padded row that aliases slot 0", ServePadAliasesSlot0.__doc__, ("QSRV-PAD-006",), ServePadAliasesSlot0),
     Mutant("serve-turn-state-dropped", "a continued conversation that drops the last turn's state update", ServeTurnStateDropped.__doc__,
-           (), ServeTurnStateDropped),
+           ("QSRV-TURN-007",), ServeTurnStateDropped),
 ]}
 """Serving mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the ``serving`` probe and
 PASSes parity and every other probe."""
