@@ -169,6 +169,23 @@ def test_no_serve_capability_is_unmeasured(dense):
     assert r.verdict is Verdict.UNMEASURED and "capability 'serve'" in r.reason
 
 
+def test_rows_past_the_tolerance_span_are_held_to_the_release_floor():
+    """The class's probe tolerance applies within the positions it was measured over (the decode
+    probe's); past them a row is held to the release floor, so a correct engine's long-history
+    drift (llama.cpp: 1 - cosine 6.9e-5 at position 3,036) is not called a fault, and a state fault
+    (cosine below 0.8) still is."""
+    from harness.runs.probes import DECODE_TOKENS
+    from harness.runs.serving import TOLERANCE_SPAN, _comparison
+
+    assert TOLERANCE_SPAN == DECODE_TOKENS
+    pm = {"cosine": np.array([1.0, 1 - 6.9e-5]), "kld": np.array([0.0, 1e-4]), "finite": np.array([True, True]),
+          "ref_argmax": np.array([1, 2]), "cand_argmax": np.array([1, 2])}
+    assert _comparison("near", pm, 100, F64).first_bad_position == 101
+    assert _comparison("far", pm, 3035, F64).ok
+    pm["cosine"][1] = 0.77
+    assert _comparison("far", pm, 3035, F64).first_bad_position == 3036
+
+
 # -- the near-tie continuation ---------------------------------------------------------------
 
 
