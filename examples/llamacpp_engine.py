@@ -244,6 +244,8 @@ class Running:
 
     @property
     def done(self):
+        """Whether the request has fed its prompt and emitted all it may (``n_tokens``, or
+        ``abort_after`` when the client cancels it)."""
         return self.pos >= len(self.prompt) and len(self.tokens) >= self.emits
 
     def piece(self):
@@ -290,6 +292,8 @@ class Server:
 
     # -- the prompt cache -----------------------------------------------------------------------
     def keep(self, tokens, seq):
+        """Keep sequence ``seq``'s state bytes under ``tokens`` (the history it follows), the
+        newest last; the oldest beyond ``SERVE_CACHE`` states is dropped."""
         key = tuple(tokens)
         self.cache.pop(key, None)
         self.cache[key] = self.ctx.save(seq)
@@ -411,6 +415,7 @@ class Server:
         return ["serve.json", "serve_logits.npy"]
 
     def close(self, done=()):
+        """Free the context and the row spills of the runs ``done``."""
         for r in done:
             r.spill.close()
         self.ctx.close()
