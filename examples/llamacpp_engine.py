@@ -13,10 +13,13 @@ from the harness. Two ways to run it:
   (llama.cpp's own tokenizer of the GGUF: ``tokens.json``), sessions
   (``session``: keep the state, checkpoint it, fork from a checkpoint), ``draft`` (the MTP head's
   draft logits through llama.cpp's own MTP context, llama.cpp's row convention; refused on a
-  model without an MTP block), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
+  model without an MTP block), ``serve`` (a whole serving scenario through this engine's own
+  scheduler: sequence ids as slots, continuous batching, a prompt cache of sequence states; see
+  ``Server``), ``drop``, ``shutdown``. Settings (``n_ubatch``) apply per request.
 - ``llamacpp_engine.py --capabilities`` prints ``{"version", "capabilities"}``: the protocol
   capabilities these bindings give (``mtp`` and ``speculative`` only where llama-cpp-python has the
-  nextn API, 0.3.36 but not 0.3.17); an engine table declares these (pyproject.toml).
+  nextn API, 0.3.36 but not 0.3.17; ``serve`` where they have the memory and sequence-state API);
+  an engine table declares these (pyproject.toml).
 
 Each request gets a fresh llama.cpp context on the loaded model (recurrent memory cannot be
 trimmed); a session's state between requests is kept as llama.cpp's own sequence state bytes
@@ -27,6 +30,8 @@ import ctypes
 import json
 import logging
 import sys
+import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 import llama_cpp
@@ -44,8 +49,13 @@ HAS_MTP = (llama_cpp_ext is not None and hasattr(llama_cpp, "llama_model_n_layer
 """Whether these bindings can run the MTP (nextn) head: the ``llama_cpp_ext`` staging module, the
 ``load_mtp`` model parameter, ``llama_model_n_layer_nextn`` and the MTP context type. llama-cpp-python
 0.3.17 (llama.cpp 49bfddec) has none of them; 0.3.36 has all."""
+HAS_SERVE = all(hasattr(llama_cpp, f) for f in ("llama_get_memory", "llama_memory_seq_rm", "llama_state_seq_get_size",
+                                                 "llama_state_seq_get_data", "llama_state_seq_set_data"))
+"""Whether these bindings have what op ``serve`` uses: clearing one sequence of the memory
+(``llama_memory_seq_rm``) and one sequence's state bytes (``llama_state_seq_get_data`` /
+``set_data``)."""
 CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize"] + (
-    ["mtp", "speculative"] if HAS_MTP else [])
+    ["mtp", "speculative"] if HAS_MTP else []) + (["serve"] if HAS_SERVE else [])
 """The protocol capabilities this engine has with the bindings it runs on (``--capabilities`` prints
 them): an engine table in the harness's config should declare these and no more."""
 NO_MTP = (f"these bindings (llama-cpp-python {llama_cpp.__version__}) have no MTP (nextn) API: "
@@ -205,6 +215,220 @@ def batches(seqs, chunks=None):
     per = max(1, 512 // len(seqs))
     for start in range(0, max(map(len, seqs)), per):
         yield [(q[p], p, i) for i, q in enumerate(seqs) for p in range(start, min(start + per, len(q)))]
+
+
+SERVE_SLOTS = 8
+"""Sequence ids of op ``serve``'s context (``n_seq_max``): the slots, more than any shipped
+scenario keeps in flight; a request takes the lowest free one."""
+SERVE_CHUNK = 64
+"""Most prompt tokens one request feeds in one ``llama_decode`` (a prefill chunk): 8 slots × 64
+fill one batch of 512."""
+SERVE_BLOCK = 64
+"""The prompt cache's grid: a request's sequence state is kept after every multiple of this many
+prompt tokens (prefill chunks are cut there), and at its end."""
+SERVE_CACHE = 256
+"""Sequence states the prompt cache keeps; the oldest is dropped first."""
+
+
+class Running:
+    """A request in a slot (sequence id ``seq``): its whole ``prompt`` (a continuation's history
+    included), the prefix restored from the cache (``cached``), the next position to feed
+    (``pos``), the tokens it emitted, and its logit rows from position ``cached`` on, spilled to a
+    temporary file as float32 as they are computed (``n_rows`` of them)."""
+
+    def __init__(self, req, seq, prompt, cached):
+        self.req, self.seq, self.prompt, self.cached, self.pos = req, seq, prompt, cached, cached
+        n, k = int(req["n_tokens"]), req.get("abort_after")
+        self.emits = n if k is None else min(int(k), n)
+        self.tokens, self.spill, self.n_rows = [], tempfile.TemporaryFile(), 0
+
+    @property
+    def done(self):
+        """Whether the request has fed its prompt and emitted all it may (``n_tokens``, or
+        ``abort_after`` when the client cancels it)."""
+        return self.pos >= len(self.prompt) and len(self.tokens) >= self.emits
+
+    def piece(self):
+        """What this request feeds in the next step: a prefill chunk (at most ``SERVE_CHUNK``
+        tokens, cut at the cache grid), or its last token (a decode)."""
+        if self.pos < len(self.prompt):
+            n = min(len(self.prompt) - self.pos, SERVE_CHUNK, SERVE_BLOCK - self.pos % SERVE_BLOCK)
+            return self.prompt[self.pos : self.pos + n]
+        return [self.tokens[-1]]
+
+
+class Server:
+    """Op ``serve``: one scenario (docs/engine-protocol.md, "Op serve") through a scheduler of
+    this engine's own, on one llama.cpp context with ``SERVE_SLOTS`` sequences (``n_seq_max``,
+    one KV cache shared by them, ``kv_unified``):
+
+    - **slots**: an admitted request takes the lowest free sequence id; the sequence is cleared
+      first (``llama_memory_seq_rm(mem, seq, -1, -1)``: its KV cells and its conv and recurrent
+      state), so a reused slot starts from nothing but what the cache restores;
+    - **continuous batching**: each step is one ``llama_decode`` holding one decode token of every
+      running request and a prefill chunk of each arriving one; a request is admitted at the
+      first step its arrival allows (``arrival.step``, and ``after`` having emitted ``tokens``),
+      and ends once it has emitted ``n_tokens`` (``abort_after``: that many; aborted);
+    - **prompt cache**: after a step in which a request's prefill reaches a multiple of
+      ``SERVE_BLOCK`` prompt tokens, and when it ends (not when aborted), its sequence state
+      (``llama_state_seq_get_data``: KV cells, conv and recurrent state) is kept under the tokens
+      it follows; an admitted request restores the longest kept state whose tokens begin its
+      prompt, leaving at least one prompt token to feed (``llama_state_seq_set_data`` into its
+      own sequence id), and reports that length as ``cached``. llama.cpp's recurrent memory
+      cannot be cut back to an earlier position, so only states kept at those positions can be
+      restored. A continuation (``continues``) runs the continued request's prompt and tokens and
+      its new turn, and finds that history's end state here;
+    - ``force`` (teacher forcing): the given ids are fed as the generated tokens.
+
+    The step log is built from the batches themselves: per step, each request's slot, the tokens
+    it put in that ``llama_decode`` (``fed``) and the token it emitted. Every fed position has
+    its logits row (float32, llama.cpp's ``llama_get_logits`` in batch order)."""
+
+    def __init__(self, llm, requests, n_ubatch):
+        self.n_vocab = llm.n_vocab
+        self.ctx = Context(llm, n_ctx_for(sum(history_bound(requests).values())), n_seq=SERVE_SLOTS, n_ubatch=n_ubatch)
+        self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        self.cache = OrderedDict()  # tuple(tokens) -> sequence state bytes after them
+
+    # -- the prompt cache -----------------------------------------------------------------------
+    def keep(self, tokens, seq):
+        """Keep sequence ``seq``'s state bytes under ``tokens`` (the history it follows), the
+        newest last; the oldest beyond ``SERVE_CACHE`` states is dropped."""
+        key = tuple(tokens)
+        self.cache.pop(key, None)
+        self.cache[key] = self.ctx.save(seq)
+        while len(self.cache) > SERVE_CACHE:
+            self.cache.popitem(last=False)
+
+    def lookup(self, prompt):
+        """The longest kept (length, state) whose tokens begin ``prompt``, at most
+        ``len(prompt) - 1`` long; (0, None) when none does."""
+        best = (0, None)
+        for key, state in self.cache.items():
+            if best[0] < len(key) <= len(prompt) - 1 and tuple(prompt[: len(key)]) == key:
+                best = (len(key), state)
+        return best
+
+    # -- slots ------------------------------------------------------------------------------------
+    def admit(self, req, seq, prompt):
+        """``req`` into sequence ``seq``: the sequence cleared, the longest cached prefix restored."""
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        cached, state = self.lookup(prompt)
+        if state is not None:
+            self.ctx.restore(state, seq)
+        return Running(req, seq, prompt, cached)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, running):
+        """One ``llama_decode`` of every running request's piece; returns the step's entries
+        ``{"request", "slot", "fed", "emitted"}`` as fed."""
+        pieces = [(r, r.piece()) for r in running]
+        items = [(t, r.pos + i, r.seq) for r, piece in pieces for i, t in enumerate(piece)]
+        logits = self.ctx.decode(items)
+        entries, at = [], 0
+        for r, piece in pieces:
+            rows = logits[at : at + len(piece)]
+            at += len(piece)
+            r.spill.write(np.ascontiguousarray(rows, np.float32).tobytes())
+            r.n_rows += len(piece)
+            r.pos += len(piece)
+            if r.pos <= len(r.prompt) and r.pos % SERVE_BLOCK == 0:
+                self.keep(r.prompt[: r.pos], r.seq)
+            emitted = 0
+            if r.pos >= len(r.prompt) and len(r.tokens) < r.emits:
+                force = r.req.get("force")
+                r.tokens.append(int(force[len(r.tokens)]) if force is not None else int(np.argmax(rows[-1])))
+                emitted = 1
+            entries.append({"request": r.req["id"], "slot": r.seq, "fed": len(piece), "emitted": emitted})
+        return entries
+
+    # -- the scenario -----------------------------------------------------------------------------
+    def run(self, requests):
+        """Serve ``requests`` (the request's ``requests``, in the order sent); returns
+        (finished runs by id, the step log). Raises ``ValueError`` when requests wait for arrivals
+        that never come."""
+        pending, running, done, steps, step = list(requests), [], {}, [], 0
+        while pending or running:
+            for req in [q for q in pending if self.due(q, step, steps, done)]:
+                free = sorted(set(range(SERVE_SLOTS)) - {r.seq for r in running})
+                if not free:
+                    break
+                prev = done.get(req.get("continues"))
+                prompt = list(req["tokens"]) if prev is None else prev.prompt + prev.tokens + list(req["tokens"])
+                running.append(self.admit(req, free[0], prompt))
+                pending.remove(req)
+            if not running:
+                later = [int(q["arrival"].get("step", 0)) for q in pending if int(q["arrival"].get("step", 0)) > step]
+                if not later:
+                    raise ValueError(f"requests {[q['id'] for q in pending]} wait for arrivals that never come")
+                step = min(later)
+                continue
+            steps.append({"index": step, "entries": self.step(running)})
+            for r in [r for r in running if r.done]:
+                if len(r.tokens) == int(r.req["n_tokens"]):  # an aborted request's state is not kept
+                    self.keep(r.prompt + r.tokens[:-1], r.seq)
+                done[r.req["id"]] = r
+                running.remove(r)
+            step += 1
+        return done, steps
+
+    @staticmethod
+    def due(req, step, steps, done):
+        """Whether ``req`` may be admitted at ``step``: not before ``arrival.step``, a
+        continuation only once the request it continues ended, and with ``arrival.after`` only
+        once that request has emitted ``arrival.tokens`` tokens in earlier steps."""
+        arrival = req.get("arrival") or {}
+        if step < int(arrival.get("step", 0)) or (req.get("continues") is not None and req["continues"] not in done):
+            return False
+        if arrival.get("after") is None:
+            return True
+        emitted = sum(e["emitted"] for s in steps for e in s["entries"] if e["request"] == arrival["after"])
+        return emitted >= int(arrival.get("tokens", 0))
+
+    def write(self, done, steps, requests, out, with_logits):
+        """``serve.json`` (per request: prompt, tokens, slot, cached, aborted, its rows in
+        ``serve_logits.npy``; the step log) and ``serve_logits.npy`` (float32 [Σ rows, V], copied
+        from each request's spill in blocks); returns the file names."""
+        doc, first = {"requests": [], "steps": steps}, 0
+        for q in requests:
+            r = done[q["id"]]
+            entry = {"id": q["id"], "prompt": r.prompt, "tokens": r.tokens, "slot": r.seq, "cached": r.cached,
+                     "aborted": len(r.tokens) < int(q["n_tokens"])}
+            if with_logits:
+                entry["logits"] = {"start": r.cached, "row": first, "rows": r.n_rows}
+                first += r.n_rows
+            doc["requests"].append(entry)
+        (out / "serve.json").write_text(json.dumps(doc))
+        if not with_logits:
+            return ["serve.json"]
+        arr = np.lib.format.open_memmap(out / "serve_logits.npy", mode="w+", dtype=np.float32, shape=(first, self.n_vocab))
+        at = 0
+        for q in requests:
+            r = done[q["id"]]
+            r.spill.seek(0)
+            for lo in range(0, r.n_rows, 256):
+                n = min(256, r.n_rows - lo)
+                arr[at : at + n] = np.frombuffer(r.spill.read(n * self.n_vocab * 4), np.float32).reshape(n, self.n_vocab)
+                at += n
+        arr.flush()
+        del arr
+        return ["serve.json", "serve_logits.npy"]
+
+    def close(self, done=()):
+        """Free the context and the row spills of the runs ``done``."""
+        for r in done:
+            r.spill.close()
+        self.ctx.close()
+
+
+def history_bound(requests):
+    """{id: positions} each request's history can reach (a continuation's: the continued
+    request's history, its tokens and the new turn): their sum bounds the KV cells in use."""
+    out = {}
+    for q in requests:
+        prev = out.get(q.get("continues"), 0) + (1 if q.get("continues") else 0)
+        out[q["id"]] = prev + len(q["tokens"]) + int(q["n_tokens"])
+    return out
 
 
 class Engine:
@@ -472,6 +696,20 @@ class Engine:
             trunk.close()
         return np.concatenate(drafts), np.concatenate(hidden)
 
+    def serve(self, req, out):
+        """Op ``serve``: the scenario through a ``Server`` on a fresh context (its prompt cache
+        lives as long as the scenario); returns the names of the files written into ``out``."""
+        if not HAS_SERVE:
+            raise ValueError(f"these bindings (llama-cpp-python {llama_cpp.__version__}) have no sequence memory or state API")
+        requests = req["requests"]
+        server = Server(self.llm, requests, int((req.get("settings") or {}).get("n_ubatch", 512)))
+        done = {}
+        try:
+            done, steps = server.run(requests)
+            return server.write(done, steps, requests, out, "logits" in (req.get("want") or ["logits"]))
+        finally:
+            server.close(done.values())
+
     def handle(self, req):
         """One request; returns the reply (without ``id``)."""
         op, out = req.get("op", "logits"), Path(req.get("out_dir", "."))
@@ -496,6 +734,8 @@ class Engine:
         if op == "generate":
             (out / "tokens.json").write_text(json.dumps(self.generate(req)))
             return {"ok": True, "files": ["tokens.json", "info.json"]}
+        if op == "serve":
+            return {"ok": True, "files": self.serve(req, out) + ["info.json"]}
         if op == "draft":
             logits, hidden = self.draft(req)
             np.save(out / "draft_logits.npy", logits)

@@ -208,17 +208,25 @@ def test_parity_and_a_full_probe_run_start_the_example_engine_once(tmp_path):
     assert fr["n_tokens"] == 64 and fr["identical"] == out.receipt["prompts"]["count"], fr  # llama.cpp against itself
     assert out.ledger_row["free_running"] == f"identical {fr['identical']}/{fr['identical']}, diverged 0 (near-tie 0, hard 0) over 64 tokens"
     assert "## Free-running greedy (report-only)" in write_report(out.receipt_path, tmp_path / "report").read_text()
-    run = run_probes(ProbeRequest(model=default_model(), candidate="command:example", ledger=str(ledger)))
+    # the serving probe on two shipped scenarios (the whole set is tests/test_example_serve.py's slow test: minutes)
+    import yaml
+    from harness.measure.scenarios import shipped_scenarios_path
+
+    doc = yaml.safe_load(shipped_scenarios_path().read_text())
+    doc["scenarios"] = [s for s in doc["scenarios"] if s["name"] in ("slot-reuse-finished", "concurrency-2")]
+    (tmp_path / "serving.yaml").write_text(yaml.safe_dump(doc))
+    run = run_probes(ProbeRequest(model=default_model(), candidate="command:example", ledger=str(ledger),
+                                  scenarios=str(tmp_path / "serving.yaml")))
     # the speculative probe has no MTP head to draft with on this trunk-only fixture: UNMEASURED, never PASS
-    # nor does it declare serving (op serve): the serving probe is UNMEASURED, naming the capability
-    assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == ["serving", "speculative"], run.message
-    assert "capability 'serve'" in next(p for p in run.receipt["probes"] if p["name"] == "serving")["reason"]
+    assert run.verdict is Verdict.PASS and run.receipt["unmeasured"] == ["speculative"], run.message
+    assert next(r for r in run.results if r.name == "serving").verdict is Verdict.PASS  # op serve, its solo runs restarted
     spec = next(p for p in run.receipt["probes"] if p["name"] == "speculative")
     assert "no MTP" in spec["reason"]
     assert {r.name for r in run.results} == {"split", "decode", "ubatch", "multiseq", "prefix", "determinism", "long", "state", "serving", "speculative"}
     assert next(r for r in run.results if r.name == "state").verdict is Verdict.PASS  # llama.cpp on the state fixture: f32
-    # one process for the model, for both runs, and one for the state probe's fixture
-    assert sorted(persistent.STARTS.values()) == [1, 1] and sum("state-qwen35" in str(k) for k in persistent.STARTS) == 1
+    # one process for the model, for both runs, started afresh once per served scenario for its solo runs; one for the
+    # state probe's fixture
+    assert sorted(persistent.STARTS.values()) == [1, 1 + 2] and sum("state-qwen35" in str(k) for k in persistent.STARTS) == 1
     from harness.evidence.ledger import verify_ledger
 
     assert verify_ledger(ledger, tmp_path / "receipts") == []  # the row's free_running is re-derived from its receipt
