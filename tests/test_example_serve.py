@@ -143,18 +143,8 @@ def test_the_example_engine_passes_quick_scenarios_through_the_cli(tmp_path):
     assert max(len(s["entries"]) for s in rows["concurrency-3"]["log"]["steps"]) == 3
 
 
-class LlamaCppBatchDrift(AssertionError):
-    """The one failure the dense fixture's multi-turn scenario is known to show (below)."""
-
-
-DENSE_MULTI_TURN = pytest.mark.xfail(strict=True, raises=LlamaCppBatchDrift, reason=(
-    "llama.cpp's own batch composition at a history of 3,036 on trained-qwen35: the same path alone with n_ubatch 7 "
-    "leaves the 512-token solo run by min cosine 0.99993205 there (13 of 3,080 positions below the f32 probe row's "
-    "0.999987); served, 0.99993131 (docs/engine-protocol.md, 'Op serve')"))
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [pytest.param("fixture:trained-qwen35", marks=DENSE_MULTI_TURN), "fixture:trained-qwen35moe"])
+@pytest.mark.parametrize("model", ["fixture:trained-qwen35", "fixture:trained-qwen35moe"])
 def test_the_example_engine_passes_every_shipped_scenario(tmp_path, model):
     """Acceptance of issue 50: every shipped scenario, each intent in the step log (minutes)."""
     rows = _by_scenario(_probe(tmp_path, model, shipped_scenarios_path()))
@@ -162,6 +152,6 @@ def test_the_example_engine_passes_every_shipped_scenario(tmp_path, model):
     assert [q["cached"] > 0 for q in rows["multi-turn"]["requests"]] == [False, True, True, True]
     assert max(len(s["entries"]) for s in rows["concurrency-7"]["log"]["steps"]) == 7
     bad = {n: r.get("failure") or r.get("reason") for n, r in rows.items() if r["verdict"] != "PASS"}
-    assert not {n: v for n, v in bad.items() if n != "multi-turn"}, bad
-    if bad:
-        raise LlamaCppBatchDrift(bad["multi-turn"])
+    # dense multi-turn: llama.cpp's own batch drift reaches 1 - cos 6.9e-5 at position 3,036, past the
+    # probe rows' span (harness.runs.serving.TOLERANCE_SPAN), where the release floor holds
+    assert not bad, bad
