@@ -710,6 +710,54 @@ def _session_spoiled(self) -> list[dict[str, Any]]:
     return states
 
 
+def _step_position_gap(self, t, k, given=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    new, a, r = SpecDecoder.step(self, t, k, given)
+    self.session.n_past += r  # the position advanced by k + 1, not a + 1: a gap of r after the rejection
+    return new, a, r
+
+
+def _step_early_commit(self, t, k, given=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    new, a, r = SpecDecoder.step(self, t, k, given)
+    if a >= 4:  # the recurrent and conv state of [t, d_1 … d_{a-1}]: one step before the last accepted token
+        probe = self.session.fork()
+        probe.states = copy_states(self.last_step.before)
+        probe.feed_hidden(self.last_step.batch[:a])
+        for i in _recurrent(probe.states):
+            self.session.states[i]["conv"] = probe.states[i]["conv"].copy()
+            self.session.states[i]["ssm"] = probe.states[i]["ssm"].copy()
+    return new, a, r
+
+
+def _crosses_block(first: int, n: int, cell: int = 256) -> bool:
+    return first // cell != (first + n - 1) // cell
+
+
+def _step_drop_last_row(self, t, k, given=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    self.drop_next = k > 0 and _crosses_block(self.session.n_past, 1 + k)
+    try:
+        return SpecDecoder.step(self, t, k, given)
+    finally:
+        self.drop_next = False
+
+
+def _feed_drop_last_row(self, toks, chunks=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    if not getattr(self, "drop_next", False) or len(toks) < 2:
+        return SpecDecoder.feed(self, toks, chunks)
+    self.drop_next = False  # the verify batch: its last row is never computed, its cell never written
+    logits = SpecDecoder.feed(self, list(toks)[:-1])
+    self.history.append(int(toks[-1]))
+    self.session.n_past += 1
+    return np.vstack([logits, logits[-1:]])
+
+
 class _SpecFault(_MutantBase):
     """A speculative-decoding fault: the decoder class the oracle's ``speculative`` uses."""
 
@@ -760,6 +808,32 @@ class SpecPrefixSpoiled(_SpecFault):
     spec_body = {"session_state": _session_spoiled}
 
 
+class SpecPositionGap(_SpecFault):
+    """After a rejection the position advances by k + 1 (the whole batch) instead of a + 1: the
+    tokens after it are fed with a gap of the rejected drafts' count in their positions (llama.cpp
+    logs only ``find_slot: non-consecutive token position``). The rope moves the trunk's logits by
+    about 1 − cosine 1e-5 on the MTP fixtures: seen by the verify rows, rarely by a token."""
+
+    spec_body = {"step": _step_position_gap}
+
+
+class SpecEarlyCommit(_SpecFault):
+    """With 4 or more drafts accepted, the Gated DeltaNet and conv state committed is the one a
+    step early (after [t, d_1 … d_{a−1}]), the KV cache right (xLLM #2247: accepting 4 or more
+    drafts committed the wrong GDN state)."""
+
+    spec_body = {"step": _step_early_commit}
+
+
+class SpecVerifyDropsLastRow(_SpecFault):
+    """A verification batch whose positions cross a 256-cell KV block drops its last row: the last
+    draft's cell and state update are never written, and the choice after it is read from the row
+    before (ROCmFPX PR #54: a verify batch crossing a 256-cell block flipped greedy tokens). Shows
+    when every draft of that batch is accepted (a rejection re-feeds the accepted tokens)."""
+
+    spec_body = {"step": _step_drop_last_row, "feed": _feed_drop_last_row}
+
+
 _SPEC = [
     Mutant("spec-rejected-kept-ssm", "rejected drafts kept in the recurrent state", SpecRejectedKeptSsm.__doc__,
            ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecRejectedKeptSsm),
@@ -771,6 +845,11 @@ _SPEC = [
            ("QMTP-PROMPT-007",), SpecPromptAsDecode),
     Mutant("spec-prefix-spoiled", "prefix reuse restoring the state after rejected drafts", SpecPrefixSpoiled.__doc__,
            ("QMTP-PREFIX-008",), SpecPrefixSpoiled),
+    Mutant("spec-position-gap", "a position gap after a rejection", SpecPositionGap.__doc__, ("QMTP-SPEC-005",), SpecPositionGap),
+    Mutant("spec-early-commit", "the state of one step early committed when 4 or more drafts are accepted", SpecEarlyCommit.__doc__,
+           ("QMTP-SPEC-005",), SpecEarlyCommit),
+    Mutant("spec-verify-drops-last-row", "a verify batch across a 256-cell block dropping its last row", SpecVerifyDropsLastRow.__doc__,
+           ("QMTP-SPEC-005",), SpecVerifyDropsLastRow),
 ]
 SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in _SPEC}
 """Speculative-decoding mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the
@@ -787,6 +866,9 @@ SPEC_CAUGHT_BY: dict[str, str] = {
     "spec-draftless-first-draft": "chunked prompt",
     "spec-prompt-as-decode": "3-token prompt",
     "spec-prefix-spoiled": "reused prefix",
+    "spec-position-gap": "given drafts, runs",
+    "spec-early-commit": "given drafts, runs",
+    "spec-verify-drops-last-row": "given drafts across cell 256",
 }
 """Speculative mutant → the first case of the speculative probe that fails on it (``SPEC_CASES``)."""
 
