@@ -121,7 +121,7 @@ def check_given(given: Sequence[int], n_tokens: int, draft_max: int, n_vocab: in
         raise EngineError(f"{who}: {len(toks)} given drafts for {n_tokens} tokens: at most one per generated token")
     bad = next((t for t in toks if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < n_vocab), None)
     if bad is not None:
-        raise EngineError(f"{who}: given draft {str(bad)[:20]!r} is not a token id in [0, {n_vocab})")
+        raise EngineError(f"{who}: given draft {bad!r:.20} is not a token id in [0, {n_vocab})")
     return [int(t) for t in toks]
 
 
