@@ -136,3 +136,27 @@ def test_each_given_draft_mutant_fails_naming_case_step_and_token(oracle, name):
     assert "step " in bad[0].label and "token " in bad[0].label, bad[0].label
     good, _ = run_given(oracle, [case], _plain(oracle), 1e-3, F64)
     assert all(c.ok for c in good), [c.label for c in good if not c.ok]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oracle", "command:example"])
+def test_the_whole_speculative_probe_passes_on_the_controls(name):
+    """The probe with every case, given drafts included, on the two known-good controls (slow: about
+    60 s for the oracle, 2 to 3 minutes for the example on 2 shared cores; run with
+    ``pytest -m slow tests/test_speculative_given.py``)."""
+    from harness.engines import persistent
+    from harness.engines.registry import resolve_engine
+    from harness.runs.probes import probe_speculative
+    from harness.errors import Verdict
+
+    engine = resolve_engine(name, resolve_model(MTP))
+    tol = F64 if name == "oracle" else ProbeTolerance(min_cosine=1 - 1.3e-5, max_kld=1.6e-3)
+    try:
+        res = probe_speculative(engine, LONG, [LONG[::-1]], None, tol=tol, history=HISTORY)
+    finally:
+        persistent.close_all()
+    assert res.verdict is Verdict.PASS, [c.label for c in res.comparisons if not c.ok]
+    given = res.details["given"]
+    assert [r["reported_accepted"] for r in given][0] == list(GIVEN_RUNS)
+    assert all(straddles(r["batches"], b) for r, b in zip(given[1:], GIVEN_BOUNDARIES))
+    assert sum(1 for c in res.comparisons if c.label.endswith("verify logits")) == 4
