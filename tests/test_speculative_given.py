@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from harness.engines.base import SPEC_GIVEN_MAX, Speculation
-from harness.engines.mutants import SPEC_CAUGHT_BY, load_mutant
+from harness.engines.mutants import load_mutant
 from harness.engines.oracle.qwen35 import Qwen35Oracle
 from harness.errors import EngineError
 from harness.fixtures.resolve import resolve_model
@@ -126,10 +126,14 @@ def test_forced_by_restarts_reads_the_choices_along_the_solo_path():
     assert forced_by_restarts(solo, [1, 2], lambda i: [7] * (5 - i)) == [1, 2, -1, 7, 7]
 
 
-@pytest.mark.parametrize("name", ["spec-position-gap", "spec-early-commit", "spec-verify-drops-last-row"])
+GIVEN_CAUGHT_BY = {"spec-position-gap": "given drafts, runs", "spec-early-commit": "given drafts, runs",
+                   "spec-verify-drops-last-row": "given drafts across cell 256"}
+
+
+@pytest.mark.parametrize("name", list(GIVEN_CAUGHT_BY))
 def test_each_given_draft_mutant_fails_naming_case_step_and_token(oracle, name):
     mutant = load_mutant(name, resolve_model(MTP))
-    case = _case(SPEC_CAUGHT_BY[name])
+    case = _case(GIVEN_CAUGHT_BY[name])
     comps, _ = run_given(mutant, [case], _plain(mutant), 1e-3, F64)
     bad = [c for c in comps if not c.ok]
     assert bad and all(c.label.startswith(case.label) for c in bad), [c.label for c in comps]

@@ -869,7 +869,7 @@ SPEC_CAUGHT_BY: dict[str, str] = {
     "spec-draftless-first-draft": "chunked prompt",
     "spec-prompt-as-decode": "3-token prompt",
     "spec-prefix-spoiled": "reused prefix",
-    "spec-position-gap": "given drafts, runs",
+    "spec-position-gap": "chunked prompt",
     "spec-early-commit": "given drafts, runs",
     "spec-verify-drops-last-row": "given drafts across cell 256",
 }
