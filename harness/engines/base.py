@@ -99,9 +99,30 @@ class Drafts:
     activations: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-SPEC_DRAFTS = ("mtp",)
-"""Draft sources a speculative request may name (``{"draft": "mtp", "draft_max": k}``): the
-model's own MTP (nextn) head."""
+SPEC_DRAFTS = ("mtp", "given")
+"""Draft sources a speculative request may name: ``{"draft": "mtp", "draft_max": k}``, the
+model's own MTP (nextn) head; ``{"draft": "given", "draft_max": k, "tokens": [g_0, g_1, ...]}``,
+drafts the harness gives (docs/engine-protocol.md, "Given drafts"): the draft for generated index
+j is ``g_j``, so a step after j generated tokens proposes ``g_j … g_{j+k'-1}``,
+k' = min(k, n_tokens − j − 1, len(g) − j)."""
+SPEC_GIVEN_MAX = 8
+"""The most drafts per step (``draft_max``) the oracle and the example engine verify with given
+drafts; a larger draft_max, or more given tokens than ``n_tokens``, is refused."""
+
+
+def check_given(given: Sequence[int], n_tokens: int, draft_max: int, n_vocab: int, who: str) -> list[int]:
+    """Drafts the harness gives (``SPEC_DRAFTS`` "given"), checked: ids in [0, n_vocab), at most
+    ``n_tokens`` of them (one per generated index), ``draft_max`` at most ``SPEC_GIVEN_MAX``.
+    Returns them as ints. Raises ``EngineError`` naming ``who`` and the first thing wrong."""
+    toks = list(given)
+    if draft_max > SPEC_GIVEN_MAX:
+        raise EngineError(f"{who}: given drafts with draft_max {draft_max}: at most {SPEC_GIVEN_MAX} drafts per step are verified")
+    if len(toks) > n_tokens:
+        raise EngineError(f"{who}: {len(toks)} given drafts for {n_tokens} tokens: at most one per generated token")
+    bad = next((t for t in toks if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < n_vocab), None)
+    if bad is not None:
+        raise EngineError(f"{who}: given draft {bad!r:.20} is not a token id in [0, {n_vocab})")
+    return [int(t) for t in toks]
 
 
 @dataclass
@@ -116,6 +137,9 @@ class Speculation:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
+    logits: np.ndarray | None = None
+    """float32 [len(tokens), V] or None: the row that chose each generated token (the prefill's
+    last row for token 0, then each verification batch's rows), where the engine returns them."""
 
     @property
     def proposed(self) -> int:
@@ -135,6 +159,16 @@ class Speculation:
             if index < done:
                 return i
         return None if index == 0 else len(self.accepted)
+
+    def batches(self, n_prompt: int) -> list[tuple[int, int]]:
+        """Each verification step's batch as (first position, last position), 0-based, for a
+        prompt of ``n_prompt`` tokens: step i feeds 1 + a_i + r_i tokens from position
+        n_prompt + Σ_{j<i}(a_j + 1) (the rejected drafts' cells are rolled back)."""
+        out, p = [], int(n_prompt)
+        for a, r in zip(self.accepted, self.rejected):
+            out.append((p, p + a + r))
+            p += a + 1
+        return out
 
 
 @runtime_checkable

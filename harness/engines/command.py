@@ -50,6 +50,7 @@ from harness.engines.base import (
     EngineInfo,
     Speculation,
     LogitBlock,
+    check_given,
     checked_token_ids,
     npy_rows,
     validate_chunks,
@@ -321,8 +322,17 @@ def load_activations(out_dir: Path, who: str, n_tokens: int, max_bytes: int, std
         raise EngineError(f"{who} wrote an unreadable activations.npz ({_first_line(e)})", stderr_tail) from None
 
 
+def given_request(given: Sequence[int], n_tokens: int, draft_max: int, n_vocab: int, who: str) -> dict[str, Any]:
+    """The ``speculative`` object of a request with drafts the harness gives: ``{"draft": "given",
+    "draft_max": k, "tokens": [...]}`` (docs/engine-protocol.md "Given drafts"). Raises
+    ``EngineError`` naming ``who`` before anything is sent: a draft outside [0, n_vocab), more
+    drafts than ``n_tokens``, a draft_max above ``SPEC_GIVEN_MAX``."""
+    toks = check_given(given, n_tokens, draft_max, n_vocab, who)
+    return {"draft": "given", "draft_max": int(draft_max), "tokens": toks}
+
+
 def parse_speculation(raw_tokens: bytes | None, raw_counts: bytes | None, who: str, n_seqs: int, n_tokens: int, draft_max: int,
-                      n_vocab: int) -> list[Speculation]:
+                      n_vocab: int, draft: str = "mtp") -> list[Speculation]:
     """The reply of a speculative ``generate`` (docs/engine-protocol.md, "Op generate with
     speculative") as one ``Speculation`` per sequence. ``raw_tokens``: ``tokens.json``, a list of
     at most ``n_tokens`` ids in ``[0, n_vocab)`` (one sequence) or ``n_seqs`` such lists (a
@@ -350,8 +360,8 @@ def parse_speculation(raw_tokens: bytes | None, raw_counts: bytes | None, who: s
         if (not isinstance(q, list) or len(q) > n_tokens
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in q)):
             raise EngineError(f"{who} wrote a tokens.json that is not a list of at most {n_tokens} token ids in [0, {n_vocab})")
-    if not isinstance(counts, dict) or counts.get("draft") != "mtp" or counts.get("draft_max") != draft_max:
-        raise EngineError(f"{who} wrote a speculative.json that is not an object with draft \"mtp\" and draft_max {draft_max}")
+    if not isinstance(counts, dict) or counts.get("draft") != draft or counts.get("draft_max") != draft_max:
+        raise EngineError(f"{who} wrote a speculative.json that is not an object with draft \"{draft}\" and draft_max {draft_max}")
     seqs = counts.get("sequences")
     if not isinstance(seqs, list) or len(seqs) != n_seqs:
         raise EngineError(f"{who} wrote a speculative.json whose sequences is not a list of {n_seqs} entries")
@@ -622,14 +632,17 @@ class CommandEngine:
         return ids
 
     def speculative(self, tokens: Sequence[int], n_tokens: int, *, draft_max: int, chunks: Sequence[int] | None = None,
-                    session: dict[str, Any] | None = None) -> Speculation:
+                    session: dict[str, Any] | None = None, given: Sequence[int] | None = None) -> Speculation:
         """Greedy speculative continuation with drafts from the engine's MTP head (capability
         ``speculative``, protocol 2; ``harness.engines.base.Engine``): op ``generate`` with
         ``"speculative": {"draft": "mtp", "draft_max": k}``, ``tokens`` fed in ``chunks``
         (capability ``chunks`` too) and, with ``session`` (``{"id", "parent", "after"}``), the state
         kept or continued from. Returns a ``Speculation`` (at most ``n_tokens`` ids; the accepted and
         rejected drafts per verification step) read from ``tokens.json`` and ``speculative.json``
-        by ``parse_speculation``. Raises ``EngineError`` (capability not declared, draft_max not an
+        by ``parse_speculation``. ``given``: drafts the harness gives (``"speculative": {"draft":
+        "given", "draft_max": k, "tokens": given}``, docs/engine-protocol.md "Given drafts"); the
+        reply's ``logits.npy`` (float32 [len(tokens), V], the row that chose each token), when named,
+        becomes ``Speculation.logits``. Raises ``EngineError`` (capability not declared, draft_max not an
         int ≥ 1, an empty prompt, a refusal, a missing or malformed reply file)."""
         self._need("speculative")
         tokens = [int(t) for t in tokens]
@@ -641,7 +654,7 @@ class CommandEngine:
             body["session"] = {"id": None if session.get("id") is None else str(session["id"]),
                                "parent": None if session.get("parent") is None else str(session["parent"]),
                                "after": int(session.get("after", 0))}
-        return self._v2_speculative(body, 1, n_tokens, draft_max)[0]
+        return self._v2_speculative(body, 1, n_tokens, draft_max, given)[0]
 
     def speculative_multi(self, sequences: Sequence[Sequence[int]], n_tokens: int, *, draft_max: int) -> list[Speculation]:
         """``speculative`` of several sequences generated together, one sequence id (state slot)
@@ -656,21 +669,29 @@ class CommandEngine:
             raise EngineError(f"{self.who}: speculative_multi needs at least one sequence")
         return self._v2_speculative({"sequences": [{"tokens": q, "chunks": None} for q in seqs]}, len(seqs), n_tokens, draft_max)
 
-    def _v2_speculative(self, body: dict[str, Any], n_seqs: int, n_tokens: int, draft_max: int) -> list[Speculation]:
+    def _v2_speculative(self, body: dict[str, Any], n_seqs: int, n_tokens: int, draft_max: int,
+                        given: Sequence[int] | None = None) -> list[Speculation]:
         """One speculative-``generate`` exchange for ``n_seqs`` sequences; its two files read
-        (bounded) and checked by ``parse_speculation``."""
+        (bounded) and checked by ``parse_speculation``; with ``given``, the drafts the harness gives
+        (checked by ``given_request``) and a ``logits.npy`` of the verify rows read when named."""
         if isinstance(draft_max, bool) or not isinstance(draft_max, (int, np.integer)) or draft_max < 1:
             raise EngineError(f"{self.who}: draft_max must be an integer >= 1, not {draft_max!r}")
         seqs = [q["tokens"] for q in body["sequences"]] if "sequences" in body else [body["tokens"]]
         if any(not q for q in seqs):
             raise EngineError(f"{self.who}: speculative generation needs at least one prompt token per sequence")
         n, k = int(n_tokens), int(draft_max)
-        req = {"op": "generate", **body, "n_tokens": n, "speculative": {"draft": "mtp", "draft_max": k}}
+        spec: dict[str, Any] = {"draft": "mtp", "draft_max": k}
+        if given is not None:
+            spec = given_request(given, n, k, self.n_vocab, self.who)
+        req = {"op": "generate", **body, "n_tokens": n, "speculative": spec, "want": ["logits"]}
         with self._exchange(req) as (out_dir, tail):
             try:
                 raw_ids = read_small_file(out_dir / "tokens.json", self.who, n_seqs * (32 * n + 8) + 64)
                 raw_counts = read_small_file(out_dir / "speculative.json", self.who, n_seqs * (48 * n + 64) + 256)
-                return parse_speculation(raw_ids, raw_counts, self.who, n_seqs, n, k, self.n_vocab)
+                out = parse_speculation(raw_ids, raw_counts, self.who, n_seqs, n, k, self.n_vocab, spec["draft"])
+                if n_seqs == 1 and "logits.npy" in self._reply_files:
+                    out[0].logits = np.array(load_logits(out_dir, self.who, len(out[0].tokens), self.n_vocab, tail))
+                return out
             except EngineError as e:
                 raise EngineError(str(e), tail) from None
 

@@ -462,7 +462,8 @@ _M = [
            ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
            DtBiasDropped),
     Mutant("gdn-l2norm-skipped", "L2 norm of q/k skipped", GdnL2NormSkipped.__doc__,
-           ("GDN-INV-007", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           # QMTP-GIVEN-009: its q/k overflow float64 in the 1,020-token given-draft case (a non-finite engine fails it)
+           ("GDN-INV-007", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-GIVEN-009"),
            GdnL2NormSkipped),
     Mutant("beta-sigmoid-dropped", "DeltaNet beta sigmoid dropped", BetaSigmoidDropped.__doc__,
            ("GDN-BND-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
@@ -472,15 +473,17 @@ _M = [
            ConvKernelFlipped),
     Mutant("conv-state-dropped", "conv state dropped between chunks", ConvStateDropped.__doc__,
            ("GDN-EQV-010", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-PREFIX-008",
-            "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-PAD-006", "QSRV-TURN-007"),
+            "QMTP-GIVEN-009", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-PAD-006",
+            "QSRV-TURN-007"),
            ConvStateDropped),
     Mutant("ssm-state-reset", "recurrent state reset between chunks", SsmStateReset.__doc__,
            ("GDN-EQV-009", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-SPEC-005",
-            "QMTP-ROLL-006", "QMTP-PREFIX-008", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-PAD-006", "QSRV-TURN-007"),
+            "QMTP-ROLL-006", "QMTP-PREFIX-008", "QMTP-GIVEN-009", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005",
+            "QSRV-PAD-006", "QSRV-TURN-007"),
            SsmStateReset),
     Mutant("gdn-chunk-state-not-carried", "chunked delta rule drops the state between chunks", GdnChunkStateNotCarried.__doc__,
            ("GDN-EQV-008", "QE2E-EQV-003", "QE2E-PAR-001", "QE2E-REL-007", "QE2E-PRB-005", "QE2E-STATE-009", "QMTP-SPEC-005",
-            "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-TURN-007"),
+            "QMTP-GIVEN-009", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-TURN-007"),
            GdnChunkStateNotCarried),
     Mutant("gdn-read-before-decay", "delta rule reads the state before decaying it", GdnReadBeforeDecay.__doc__,
            # not QE2E-REL-007: above the release floor on the peaked tiny-qwen35, caught by the calibrated tier
@@ -506,8 +509,10 @@ _M = [
            ResidualAfterNorm),
     Mutant("nondeterministic", "run-to-run nondeterministic reduction", Nondeterministic.__doc__,
            # the determinism probe's to catch: on the peaked tiny-qwen35 the split and decode probes see
-           # KLD 2e-10 to 5e-10 from it, below the f64 step (PROBE_MIN_STEP, 1e-9)
-           ("QE2E-DET-002",),
+           # KLD 2e-10 to 5e-10 from it, below the f64 step (PROBE_MIN_STEP, 1e-9). QMTP-GIVEN-009 compares
+           # verify rows with plain rows of histories to 1,036 tokens under the f64 KLD 1e-9: RED in the
+           # mutant matrix's session (its draws there), GREEN run alone; the noise is a real run-to-run fault
+           ("QE2E-DET-002", "QMTP-GIVEN-009"),
            Nondeterministic),
     Mutant("moe-weights-unnormalized", "MoE top-k weights not renormalized", MoeWeightsUnnormalized.__doc__,
            ("QHF-MOE-010",),
@@ -712,6 +717,54 @@ def _session_spoiled(self) -> list[dict[str, Any]]:
     return states
 
 
+def _step_position_gap(self, t, k, given=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    new, a, r = SpecDecoder.step(self, t, k, given)
+    self.session.n_past += r  # the position advanced by k + 1, not a + 1: a gap of r after the rejection
+    return new, a, r
+
+
+def _step_early_commit(self, t, k, given=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    new, a, r = SpecDecoder.step(self, t, k, given)
+    if a >= 4:  # the recurrent and conv state of [t, d_1 … d_{a-1}]: one step before the last accepted token
+        probe = self.session.fork()
+        probe.states = copy_states(self.last_step.before)
+        probe.feed_hidden(self.last_step.batch[:a])
+        for i in _recurrent(probe.states):
+            self.session.states[i]["conv"] = probe.states[i]["conv"].copy()
+            self.session.states[i]["ssm"] = probe.states[i]["ssm"].copy()
+    return new, a, r
+
+
+def _crosses_block(first: int, n: int, cell: int = 256) -> bool:
+    return first // cell != (first + n - 1) // cell
+
+
+def _step_drop_last_row(self, t, k, given=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    self.drop_next = k > 0 and _crosses_block(self.session.n_past, 1 + k)
+    try:
+        return SpecDecoder.step(self, t, k, given)
+    finally:
+        self.drop_next = False
+
+
+def _feed_drop_last_row(self, toks, chunks=None):
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    if not getattr(self, "drop_next", False) or len(toks) < 2:
+        return SpecDecoder.feed(self, toks, chunks)
+    self.drop_next = False  # the verify batch: its last row is never computed, its cell never written
+    logits = SpecDecoder.feed(self, list(toks)[:-1])
+    self.history.append(int(toks[-1]))
+    self.session.n_past += 1
+    return np.vstack([logits, logits[-1:]])
+
+
 class _SpecFault(_MutantBase):
     """A speculative-decoding fault: the decoder class the oracle's ``speculative`` uses."""
 
@@ -762,6 +815,34 @@ class SpecPrefixSpoiled(_SpecFault):
     spec_body = {"session_state": _session_spoiled}
 
 
+class SpecPositionGap(_SpecFault):
+    """After a rejection the position advances by k + 1 (the whole batch) instead of a + 1: the
+    tokens after it are fed with a gap of the rejected drafts' count in their positions (llama.cpp
+    logs only ``find_slot: non-consecutive token position``). After a gap of one step's rejected
+    drafts the rope moves the trunk's logits by 1 − cosine 4e-5 to 8e-5 on ``fixture:tiny-qwen35-mtp``:
+    the verify rows see it where no token flips (the head there drafts nothing right, so the
+    head-drafted cases' gaps grow every step and flip tokens too)."""
+
+    spec_body = {"step": _step_position_gap}
+
+
+class SpecEarlyCommit(_SpecFault):
+    """With 4 or more drafts accepted, the Gated DeltaNet and conv state committed is the one a
+    step early (after [t, d_1 … d_{a−1}]), the KV cache right (xLLM #2247: accepting 4 or more
+    drafts committed the wrong GDN state)."""
+
+    spec_body = {"step": _step_early_commit}
+
+
+class SpecVerifyDropsLastRow(_SpecFault):
+    """A verification batch whose positions cross a 256-cell KV block drops its last row: the last
+    draft's cell and state update are never written, and the choice after it is read from the row
+    before (ROCmFPX PR #54: a verify batch crossing a 256-cell block flipped greedy tokens). Shows
+    when every draft of that batch is accepted (a rejection re-feeds the accepted tokens)."""
+
+    spec_body = {"step": _step_drop_last_row, "feed": _feed_drop_last_row}
+
+
 _SPEC = [
     Mutant("spec-rejected-kept-ssm", "rejected drafts kept in the recurrent state", SpecRejectedKeptSsm.__doc__,
            ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecRejectedKeptSsm),
@@ -773,6 +854,12 @@ _SPEC = [
            ("QMTP-PROMPT-007",), SpecPromptAsDecode),
     Mutant("spec-prefix-spoiled", "prefix reuse restoring the state after rejected drafts", SpecPrefixSpoiled.__doc__,
            ("QMTP-PREFIX-008",), SpecPrefixSpoiled),
+    Mutant("spec-position-gap", "a position gap after a rejection", SpecPositionGap.__doc__,
+           ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-GIVEN-009"), SpecPositionGap),
+    Mutant("spec-early-commit", "the state of one step early committed when 4 or more drafts are accepted", SpecEarlyCommit.__doc__,
+           ("QMTP-GIVEN-009",), SpecEarlyCommit),
+    Mutant("spec-verify-drops-last-row", "a verify batch across a 256-cell block dropping its last row", SpecVerifyDropsLastRow.__doc__,
+           ("QMTP-GIVEN-009",), SpecVerifyDropsLastRow),
 ]
 SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in _SPEC}
 """Speculative-decoding mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the
@@ -789,6 +876,9 @@ SPEC_CAUGHT_BY: dict[str, str] = {
     "spec-draftless-first-draft": "chunked prompt",
     "spec-prompt-as-decode": "3-token prompt",
     "spec-prefix-spoiled": "reused prefix",
+    "spec-position-gap": "chunked prompt",
+    "spec-early-commit": "given drafts, runs",
+    "spec-verify-drops-last-row": "given drafts across cell 256",
 }
 """Speculative mutant → the first case of the speculative probe that fails on it (``SPEC_CASES``)."""
 

@@ -12,7 +12,8 @@ compared with the solo token at that position, again excused only at a near-tie.
 ``first_divergence`` judges a free-running path (after the first divergence the two paths see
 other histories, so nothing later is comparable); ``forced_divergences`` judges choices along the
 solo path (every position is comparable); ``judge_greedy`` runs the two in that order, asking for
-the forced choices only when the free path parted at a near-tie.
+the forced choices only when the free path parted at a near-tie. ``forced_by_restarts`` gets those
+choices from a run that can only be restarted on a prefix (the speculative probe's decoder).
 """
 
 from __future__ import annotations
@@ -87,3 +88,23 @@ def judge_greedy(solo: Sequence[int], free: Sequence[int], margin_at: Callable[[
     divs = forced_divergences(solo, list(forced_choices()), margin_at, delta)
     hard = next((d for d in divs if not d.near_tie), None)
     return GreedyJudgement(hard, [first] + [d for d in divs if d.near_tie and d.index != first.index], True)
+
+
+def forced_by_restarts(solo: Sequence[int], free: Sequence[int], restart: Callable[[int], Sequence[int]]) -> list[int]:
+    """The other run's choices along the solo path (what ``forced_divergences`` judges) for a run
+    that cannot be fed a path row by row (a speculative decoder): from each index i where it left
+    ``solo``, it is restarted on the solo path's prefix (``restart(i)``: its tokens for indices
+    i, i + 1, … when the solo tokens before i are given as its history, teacher forcing the solo
+    token), and its choices are read until it leaves again. ``free``: its free-running tokens
+    (the first restart's). A missing token counts as -1 (a divergence)."""
+    n, out, i, run = len(solo), [], 0, list(free)
+    while i < n:
+        j = next((x for x in range(n - i) if x >= len(run) or int(run[x]) != int(solo[i + x])), None)
+        if j is None:
+            out += [int(t) for t in run[: n - i]]
+            break
+        out += [int(t) for t in run[:j]] + [int(run[j]) if j < len(run) else -1]
+        i += j + 1
+        if i < n:
+            run = list(restart(i))
+    return out

@@ -55,6 +55,7 @@ from harness.measure import metrics
 from harness.measure.prompts import PromptTokens
 from harness.runs.inputs import RunInputs, RunRequest, engine_record
 from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, outside  # noqa: F401 (re-exported)
+from harness.runs.spec_given import _spec_checked, given_cases, judge_case, run_given  # noqa: F401 (_spec_checked re-exported)
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
 MAIN_TOKENS = 160
@@ -337,41 +338,17 @@ def has_speculative(engine: Engine) -> bool:
             and "generate" in engine.info.capabilities)
 
 
-def _spec_checked(out: Any, n_tokens: int, draft_max: int, n_vocab: int, who: str) -> Any:
-    """``out`` (a ``Speculation``) checked: at most n_tokens ids in the vocab, counts per step
-    non-negative with accepted + rejected ≤ draft_max. Raises ``EngineError``."""
-    toks = list(getattr(out, "tokens", None) or [])
-    acc, rej = list(getattr(out, "accepted", []) or []), list(getattr(out, "rejected", []) or [])
-    if len(toks) > n_tokens or not all(isinstance(t, (int, np.integer)) and 0 <= t < n_vocab for t in toks):
-        raise EngineError(f"{who} generated {str(toks)[:80]!r} speculatively: expected at most {n_tokens} token ids in [0, {n_vocab})")
-    if len(acc) != len(rej) or any(not isinstance(x, (int, np.integer)) or x < 0 for x in acc + rej) or any(a + r > draft_max for a, r in zip(acc, rej)):
-        raise EngineError(f"{who}: speculative.json counts are not per-step non-negative accepted/rejected pairs within draft_max {draft_max}")
-    return out
-
-
-def compare_speculative(label: str, plain: Sequence[int], spec: Any, margin_at: Callable[[int], float], delta: float) -> tuple[Comparison, dict[str, Any]]:
+def compare_speculative(label: str, plain: Sequence[int], spec: Any, margin_at: Callable[[int], float], delta: float,
+                        rerun: Callable[[int], Sequence[int]] | None = None) -> tuple[Comparison, dict[str, Any]]:
     """One case: the speculative continuation ``spec`` (``Speculation``) against the plain greedy
-    ``plain`` token by token. At the first differing token i the plain path's margin
-    ``margin_at(i)`` (top-1 minus top-2 logit after the prompt and plain[:i]) decides: below
-    ``delta`` a near-tie (excused: the comparison ends there, PASS), else FAIL at token i, with
-    the verification step that produced it. Returns the ``Comparison`` and the case's row."""
-    toks = [int(t) for t in spec.tokens]
-    n = min(len(plain), len(toks)) if len(toks) < len(plain) else len(plain)
-    row: dict[str, Any] = {"case": label, "tokens": len(plain), "accepted": int(sum(spec.accepted)), "proposed": int(spec.proposed),
-                           "acceptance": spec.acceptance(), "steps": len(spec.accepted)}
-    for i in range(len(plain)):
-        c = toks[i] if i < len(toks) else None
-        if c != plain[i]:
-            m = float(margin_at(i))
-            row.update(first_differing_token=i, plain_token=int(plain[i]), speculative_token=c, step=spec.step_of(i), margin=m)
-            if np.isfinite(m) and m < delta:
-                row["near_tie"] = True
-                return Comparison(label, i, True, None, None, None, None), row
-            row["near_tie"] = False
-            return Comparison(label + f" (step {spec.step_of(i)}, token {i}: plain {plain[i]}, speculative {c}, margin {m:.4g})",
-                              i, False, None, None, None, i), row
-    del n
-    return Comparison(label, len(plain), True, None, None, None, None), row
+    ``plain`` token by token (``harness.runs.spec_given.judge_case``). At the first differing token
+    i the plain path's margin ``margin_at(i)`` (top-1 minus top-2 logit after the prompt and
+    plain[:i]) decides: at or above ``delta`` FAIL at token i, with the verification step that
+    produced it; below, a near-tie, excused, and with ``rerun`` (``rerun(i)``: the engine's
+    speculative tokens continuing prompt + plain[:i]) the comparison goes on by teacher forcing the
+    plain token; without ``rerun`` it ends there (the row says ``forced: false``). Returns the
+    ``Comparison`` and the case's row."""
+    return judge_case(label, plain, spec, margin_at, delta, rerun)
 
 
 def _has_head(engine: Any) -> bool:
@@ -387,7 +364,8 @@ def _has_head(engine: Any) -> bool:
 
 
 def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequence[int]], reference: Engine | None = None,
-                      n_tokens: int = SPEC_TOKENS, draft_maxes: Sequence[int] = SPEC_DRAFT_MAX, delta: float | None = None) -> ProbeResult:
+                      n_tokens: int = SPEC_TOKENS, draft_maxes: Sequence[int] = SPEC_DRAFT_MAX, delta: float | None = None,
+                      tol: ProbeTolerance | None = None, history: Sequence[int] | None = None, given: bool = True) -> ProbeResult:
     """Speculative greedy (``Engine.speculative``, drafts from the MTP head) equals the engine's
     own plain greedy (``generate``), step by step, in ``SPEC_CASES``: ``long`` fed in chunks
     [64, 1, rest] with each draft_max in ``draft_maxes``; ``long[:48]`` and ``others[0][:48]`` generated
@@ -397,8 +375,15 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     2 (a prompt of 1 + k tokens). A divergence is excused only at a near-tie of the plain path's
     margin (< ``delta``, default ``SPEC_NEAR_TIE``). Acceptance (accepted / proposed) is
     report-only, beside the reference's teacher-forced one (``reference.draft`` on the plain
-    continuation: the share of its first drafts that equal the next token). UNMEASURED without the
-    ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for malformed output. Long because the four cases share the plain continuation and the margin lookup defined in it."""
+    continuation: the share of its first drafts that equal the next token). After an excused
+    near-tie each case goes on by teacher forcing the plain token (the engine restarted on the
+    plain prefix, ``compare_speculative`` with ``rerun``). Then, with ``given``, the given-draft
+    cases of ``harness.runs.spec_given`` (``given_cases`` on ``long`` and ``history``, every
+    prompt cycled; default ``long``): counts checked against the plain path, verify rows against
+    the plain rows under ``tol`` (None: those comparisons unmeasured, said in ``details``).
+    UNMEASURED without the ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for
+    malformed output or a refused case (naming it). Long because the cases share the plain
+    continuation and the margin lookup defined in it."""
     if not has_speculative(engine):
         return ProbeResult("speculative", Verdict.UNMEASURED,
                            reason=f"{engine.info.name} does not declare speculative generation (capabilities 'speculative' and 'generate')")
@@ -424,7 +409,10 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     comps, rows = [], []
 
     def add(label: str, prompt: Sequence[int], ref: list[int], spec: Any, k: int) -> None:
-        c, r = compare_speculative(label, ref, _spec_checked(spec, n_tokens, k, nv, who), margin(prompt, ref), delta)
+        def rerun(i: int) -> list[int]:
+            out = engine.speculative(list(prompt) + ref[:i], n_tokens - i, draft_max=k)  # type: ignore[attr-defined]
+            return [int(t) for t in _spec_checked(out, n_tokens - i, k, nv, who).tokens]
+        c, r = compare_speculative(label, ref, _spec_checked(spec, n_tokens, k, nv, who), margin(prompt, ref), delta, rerun)
         r["draft_max"] = k
         comps.append(c)
         rows.append(r)
@@ -452,11 +440,19 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     drop = getattr(engine, "drop_sessions", None)
     if callable(drop):
         drop()
+    given_rows: list[dict[str, Any]] = []
+    if given:
+        cases, short = given_cases(long, history if history is not None else long)
+        gcomps, given_rows = run_given(engine, cases, plain, delta, tol)
+        comps += gcomps
+        if short:
+            given_rows.append({"unmeasured": f"no case across cells {short}: the history has only {len(history or long)} tokens"})
     acc = sum(r["accepted"] for r in rows)
     prop = sum(r["proposed"] for r in rows)
     details = {"near_tie": {"delta": delta, **({"basis": SPEC_NEAR_TIE["basis"]} if delta == SPEC_NEAR_TIE["value"] else {})},
                "cases": rows, "accepted": acc, "proposed": prop, "acceptance": acc / prop if prop else None,
-               "reference_acceptance": _reference_acceptance(reference, long, base), "report_only": ["acceptance", "reference_acceptance"]}
+               "reference_acceptance": _reference_acceptance(reference, long, base), "report_only": ["acceptance", "reference_acceptance"],
+               "given": given_rows}
     res = ProbeResult("speculative", Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps,
                       bounds=f"speculative greedy = plain greedy; a divergence excused only at a plain-path margin < {delta:g}", details=details)
     return res
@@ -617,7 +613,7 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "serving": ProbeCase(plan_serving(req, engine, reference, tol, ptoks, inputs, min_cosine),
                              f"scenarios {req.scenarios or 'shipped'}", 0),
         "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
-                                                           reference() if has_speculative(engine) else None),
+                                                           reference() if has_speculative(engine) else None, tol=tol, history=long),
                                  first.id, len(main)),
     }
     if tol is None:

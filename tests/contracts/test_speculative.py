@@ -86,3 +86,42 @@ def test_reused_prefix_equals_fresh(spec, prompts, where):
     _check(spec, f"reused prefix ({len(hist)} tokens), sequence 0, draft_max 3", hist + tail, out, 3, where)
     if callable(getattr(spec, "drop_sessions", None)):
         spec.drop_sessions()
+
+
+@pytest.fixture(scope="module")
+def spec_tolerance(request, spec, harness_model_path, harness_model_spec):
+    """The probe tolerances of the calibrated row for the candidate's class (``probes.probe_tolerance``,
+    as the e2e contract's ``probe_tolerance``); skipped, naming why, where no row fits."""
+    from pathlib import Path
+
+    from harness.judge.thresholds import load_thresholds
+    from harness.model.gguf_model import GGUFModel
+    from harness.runs.parity import subject_of
+    from harness.runs.probes import probe_tolerance
+
+    th = load_thresholds(Path(request.config.rootpath) / "thresholds.yaml")
+    model = GGUFModel(harness_model_path)
+    resolved = th.resolve(subject_of(model, spec.info.to_dict()), harness_model_spec)
+    tol = probe_tolerance(resolved, moe=model.hparams.n_expert > 0)
+    if tol is None:
+        pytest.skip(f"no probes row for {spec.info.name}'s class ({resolved.row_misfit}); checked with: {MTP_RUN}")
+    return tol
+
+
+def test_given_drafts_accept_what_the_plain_path_implies(spec, prompts, spec_tolerance, where):
+    """QMTP-GIVEN-009: given drafts (``harness.runs.spec_given``): runs of 0 … 8 accepted with a
+    rejection at every depth on the 160-token prompt, and verification batches across cells 256,
+    512 and 1,024 of the prompts cycled; tokens, counts and verify rows as the plain path implies."""
+    from harness.runs.probes import long_tokens
+    from harness.runs.spec_given import given_cases, run_given
+
+    cases, short = given_cases(prompts[0], long_tokens([prompts[0], prompts[1]], 1024))
+    assert not short
+    from harness.errors import EngineError
+
+    try:
+        comps, _ = run_given(spec, cases, lambda p, n: [int(t) for t in spec.generate(list(p), n)], SPEC_NEAR_TIE["value"], spec_tolerance)
+    except EngineError as e:  # an engine that computes non-finite values on a long history fails the obligation
+        raise AssertionError(f"QMTP-GIVEN-009: the candidate failed on the given drafts: {e} ({where})") from None
+    bad = [c.label for c in comps if not c.ok]
+    assert not bad, f"QMTP-GIVEN-009: {bad[0]} ({where}); {len(bad)} of {len(comps)} comparisons failed"

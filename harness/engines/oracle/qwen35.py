@@ -867,13 +867,15 @@ class Qwen35Oracle:
         return self.spec_decoder or SpecDecoder
 
     def speculative(self, tokens: Sequence[int], n_tokens: int, *, draft_max: int, chunks: Sequence[int] | None = None,
-                    session: dict[str, Any] | None = None) -> Any:
+                    session: dict[str, Any] | None = None, given: Sequence[int] | None = None) -> Any:
         """Speculative greedy continuation with drafts from the MTP head (capability
         ``speculative``, ``harness.engines.base.Engine``): returns a ``Speculation`` (the ids and
         the accepted/rejected drafts per step). ``session``: ``{"id", "parent", "after"}``: the
         decoder's state after the prompt and every generated token but the last is kept under
         ``id``; with ``parent`` it starts from that session's state, ``after`` its length.
-        Raises ``EngineError`` (no MTP block, draft_max < 1, an unknown session or length)."""
+        ``given``: drafts the harness gives instead of the head's (``speculate``; the returned
+        ``Speculation.logits`` holds the verify rows either way). Raises ``EngineError`` (no MTP
+        block, draft_max < 1, an unknown session or length, given drafts refused)."""
         from harness.engines.oracle.speculative import fork_decoder, new_decoder, speculate
 
         toks = [int(t) for t in tokens]
@@ -888,7 +890,7 @@ class Qwen35Oracle:
                 raise EngineError(f"oracle: session {parent!r} keeps its state after {len(dec.history)} tokens, not {after}")
         else:
             dec = new_decoder(self, self._spec_class())
-        out = speculate(dec, toks, int(n_tokens), int(draft_max), chunks)
+        out = speculate(dec, toks, int(n_tokens), int(draft_max), chunks, given=given)
         if session and session.get("id"):
             self._spec_sessions[str(session["id"])] = dec
         return out

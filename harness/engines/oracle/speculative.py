@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.engines.base import Speculation, validate_chunks
+from harness.engines.base import Speculation, check_given, validate_chunks
 from harness.engines.oracle.session import OracleSession
 from harness.errors import EngineError
 
@@ -66,7 +66,8 @@ class SpecDecoder:
     post-norm hidden state after the last of them; ``mtp``: the head's K/V state (rows 0 … len(history) − 1,
     llama.cpp convention); ``last_step``: the last verification step with drafts (None: none yet);
     ``spoiled``: the trunk states after the last batch whose drafts were rejected, before its
-    rollback (what a faulty prompt cache would save)."""
+    rollback (what a faulty prompt cache would save); ``rows``: float64 [V] each, the row that
+    chose each generated token (``speculate`` returns them as ``Speculation.logits``)."""
 
     session: OracleSession
     mtp: dict[str, Any]
@@ -76,6 +77,7 @@ class SpecDecoder:
     h_pre_last: np.ndarray | None = None
     last_step: _Step | None = None
     spoiled: list[dict[str, Any]] | None = None
+    rows: list[np.ndarray] = field(default_factory=list)
 
     @property
     def oracle(self) -> Any:
@@ -145,14 +147,17 @@ class SpecDecoder:
         self.session.states = copy.deepcopy(states)
         self.session.n_past = n_past
 
-    def step(self, t: int, k: int) -> tuple[list[int], int, int]:
-        """One verification step after the chosen token t with up to k drafts: returns (the new
-        tokens after t: accepted drafts and the next choice, accepted, rejected)."""
+    def step(self, t: int, k: int, given: Sequence[int] | None = None) -> tuple[list[int], int, int]:
+        """One verification step after the chosen token t with up to k drafts (``given``: the
+        drafts to verify instead of the head's, k of them): returns (the new tokens after t:
+        accepted drafts and the next choice, accepted, rejected). The rows that chose them are
+        appended to ``rows`` (float64 [V] each)."""
         if k == 0:
             self.draftless_state()
             logits = self.feed([t])
+            self.rows.append(logits[-1])
             return [int(np.argmax(logits[-1]))], 0, 0
-        drafts = self.draft(t, k)
+        drafts = self.draft(t, k) if given is None else [int(d) for d in given]
         _kv_keep(self.mtp, len(self.history))  # the draft rows out; verify feeds the true ones
         before, n_past, hist, h_last, h_pre = self.snapshot(), self.session.n_past, list(self.history), self.h_last, self.h_pre_last
         mtp_before = copy.deepcopy(self.mtp)
@@ -163,6 +168,7 @@ class SpecDecoder:
         while a < k and drafts[a] == int(choice[a]):
             a += 1
         after = self.snapshot()
+        self.rows.extend(logits[: a + 1])
         if a < k:
             self.spoiled = after
             self.history, self.h_last, self.h_pre_last, self.mtp = hist, h_last, h_pre, mtp_before
@@ -190,29 +196,40 @@ class SpecDecoder:
 
 
 def speculate(dec: SpecDecoder, tokens: Sequence[int], n_tokens: int, draft_max: int, chunks: Sequence[int] | None = None,
-              first_logits: np.ndarray | None = None) -> Speculation:
+              first_logits: np.ndarray | None = None, given: Sequence[int] | None = None) -> Speculation:
     """Greedy speculative continuation of ``tokens`` (fed in ``chunks``) by ``dec``: ``n_tokens``
-    ids with the accepted and rejected draft counts of every verification step. Raises
-    ``EngineError`` for a draft_max below 1 or an empty prompt."""
+    ids with the accepted and rejected draft counts of every verification step, and the rows that
+    chose them (``Speculation.logits`` float32 [n, V]). ``given``: drafts the harness gives (the
+    draft for generated index j is given[j]; a step after j tokens proposes
+    given[j : j + min(draft_max, n_tokens − j − 1, len(given) − j)], none past the list) instead of
+    the head's. Raises ``EngineError`` for a draft_max below 1, an empty prompt, or given drafts
+    refused by ``harness.engines.base.check_given``."""
     if draft_max < 1:
         raise EngineError(f"oracle: draft_max {draft_max} must be at least 1")
     if not tokens:
         raise EngineError("oracle: speculative generation needs at least one prompt token")
+    given = None if given is None else check_given(given, n_tokens, draft_max, int(dec.oracle.n_vocab), "oracle")
     out: list[int] = []
     acc: list[int] = []
     rej: list[int] = []
     if n_tokens <= 0:
         return Speculation(out, acc, rej)
+    dec.rows = []
     logits = dec.feed(tokens, chunks)
     dec.after_prompt(len(tokens), draft_max)
     out.append(int(np.argmax(logits[-1])))
+    dec.rows.append(logits[-1])
     while len(out) < n_tokens:
-        k = min(draft_max, n_tokens - len(out) - 1)
-        new, a, r = dec.step(out[-1], k)
+        j = len(out)
+        k = min(draft_max, n_tokens - j - 1)
+        if given is not None:
+            k = max(0, min(k, len(given) - j))
+        new, a, r = dec.step(out[-1], k, None if given is None else given[j:j + k])
         out += new
         acc.append(a)
         rej.append(r)
-    return Speculation(out[:n_tokens], acc, rej)
+    rows = np.asarray(dec.rows[:n_tokens], np.float32)
+    return Speculation(out[:n_tokens], acc, rej, rows)
 
 
 def new_decoder(oracle: Any, cls: type = SpecDecoder) -> SpecDecoder:
