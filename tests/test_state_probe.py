@@ -102,7 +102,7 @@ def test_a_candidate_pinned_to_its_own_model_folder_is_unmeasured():
     from harness.runs.inputs import RunInputs
     from harness.runs.probes import plan_state
 
-    req = ProbeRequest(model=default_model(), candidate="mlx", only=["state"], candidate_settings={"mlx_folder": "/nonexistent"})
+    req = ProbeRequest(model=default_model(), candidate="mlx", only=["state"], candidate_settings={"folder": "/nonexistent"})
     r = plan_state(req, RunInputs.__new__(RunInputs))()
     assert r.verdict is Verdict.UNMEASURED and "--mlx-folder" in r.reason
 

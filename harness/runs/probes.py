@@ -207,7 +207,7 @@ def plan_state(req: "ProbeRequest", inputs: RunInputs) -> Callable[[], ProbeResu
     def run() -> ProbeResult:
         pinned = [k for k in MODEL_FOLDER_SETTINGS if req.candidate_settings.get(k)]
         if pinned:
-            return ProbeResult("state", Verdict.UNMEASURED, reason=f"--{pinned[0].replace('_', '-')} names the candidate's own model; "
+            return ProbeResult("state", Verdict.UNMEASURED, reason=f"--mlx-{pinned[0].replace('_', '-')} names the candidate's own model; "
                                f"the state probe loads the candidate on {name}")
         path = resolve_model(name)
         try:
