@@ -87,7 +87,7 @@ HOOKS = {
     "npz-temp-written": lambda: _link_hook(".npz", after=False),
     "npz-linked-no-json": lambda: _link_hook(".npz", after=True),
     "json-temp-written": lambda: _link_hook(".json", after=False),
-    "receipt-written-no-ledger-row": lambda: setattr(harness.evidence.record, "append_row", _die),  # record.py's own name
+    "receipt-written-no-ledger-row": lambda: setattr(harness.evidence.record, "receipt_row", _die),  # record.py's own name: after the receipt, before its row
     "row-appended-markdown-not-rendered": lambda: setattr(harness.evidence.ledger, "_write_text_atomic", _die),
     "report-half-written": lambda: setattr(harness.evidence.report, "plot_margins", _die),
 }

@@ -40,7 +40,7 @@ def copy(tmp_path: Path) -> Path:
 def test_the_tree_keeps_its_layers_and_has_no_cycle():
     r = lint(ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"Contracts: 2 kept, 0 broken", r.stdout), r.stdout
+    assert re.search(r"Contracts: 4 kept, 0 broken", r.stdout), r.stdout
 
 
 def plant(copy: Path, module: str, line: str) -> None:
@@ -129,3 +129,16 @@ def test_design_md_names_every_module_in_its_layer():
     missing = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
                if "suite" not in p.parts and not (p.name == "__init__.py" and p.parent.name != "calibrate") and p.name not in block]
     assert not missing, f"modules docs/design.md's layout does not name: {missing}"
+
+
+def test_evidence_enters_through_one_door():
+    """Only the evidence door (``harness/evidence/record.py``) writes a receipt or appends a row:
+    every run, the sweep, the sign-off and ``ledger merge`` call ``record_evidence`` or
+    ``record_row``, so each gets the row, the query cache, LEDGER.md and the index refreshed once
+    under one lock (a sign-off that appended its row itself left the index without it)."""
+    door = {PACKAGE / "evidence" / "record.py", PACKAGE / "evidence" / "receipts.py", PACKAGE / "evidence" / "chain.py"}
+    calls = re.compile(r"\b(write_receipt|append_row|append_locked|chain\.append)\(")
+    found = [f"{p.relative_to(ROOT)}:{i}: {ln.strip()}" for p in sorted(PACKAGE.rglob("*.py")) if p not in door
+             for i, ln in enumerate(p.read_text().splitlines(), 1)
+             if calls.search(ln) and not ln.lstrip().startswith(("def ", "#", '"', "``"))]
+    assert not found, "evidence written outside the door:\n" + "\n".join(found)

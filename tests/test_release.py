@@ -186,6 +186,23 @@ def test_signoff_reads_each_receipt_once_for_its_keys_then_only_the_receipts_it_
     assert rc == 0 and sorted(read) == sorted(picked) and again["cells"] == first["cells"]
 
 
+def test_after_a_signoff_the_index_lists_its_signed_row(tmp_path, monkeypatch, capsys):
+    """``harness signoff`` appends its row through the evidence door, which refreshes the reports
+    index under the same lock: index.md and index.html list the SIGNED row at once (before the
+    door the sign-off skipped the index, so its row was missing until the next report)."""
+    root = make_project(tmp_path / "p", ["oracle"], ["tiny-qwen35"])
+    assert harness(root, "sweep", "release.yaml", monkeypatch=monkeypatch) == 0
+    rc, doc = signoff_json(root, capsys, monkeypatch)
+    row = read_rows(ledger_of(root))[-1]
+    assert rc == 0 and doc["verdict"] == "SIGNED" and row["kind"] == "signoff" and row["verdict"] == "SIGNED"
+    reports = ledger_of(root).parent / "reports"
+    line = next(ln for ln in (reports / "index.md").read_text().splitlines() if ln.startswith(f"| {row['seq']} |"))
+    assert "SIGNED" in line and "signoff" in line and "release demo-1" in line
+    assert f"{len(row['cells'])}/{len(row['cells'])} cells ok; {len(row['relied_on'])} receipts" in line
+    html = (reports / "index.html").read_text()
+    assert "release demo-1" in html and f"{row['seq']} rows" in html and "SIGNED" in html
+
+
 def test_a_changed_candidate_source_makes_its_cells_stale(tmp_path, monkeypatch, capsys):
     """command:example's parity receipt made by the exact command the sign-off names counts (its
     probe is still missing: exit 5); one changed line of the engine's program changes its build,

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from harness.display import md_text
 from harness.errors import InvalidInput
-from harness.evidence.ledger import read_rows
+from harness.evidence.rows import read_rows
 from harness.evidence.receipts import receipt_file
 
 DEFAULT_LEDGER = "evidence/engines/ledger.jsonl"

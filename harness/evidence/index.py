@@ -2,7 +2,7 @@
 
 One line per ledger row, newest first: verdict, kind, candidate, model, class (the planted bug
 class of a ``mutant:*`` candidate, i.e. known-bad evidence), key numbers, and links to the
-row's verdict page and receipt. It is regenerated after every append (``record_evidence``) and
+row's verdict page and receipt. It is regenerated after every append (the evidence door, ``record.record``) and
 after every report written to the default folder (``write_report``), under the ledger's file
 lock so concurrent runs leave the newest view. It is a rendering for people: the hash-chained
 ``ledger.jsonl`` stays the record (``harness ledger verify``), and the index links to it.
@@ -23,13 +23,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from filelock import Timeout
 
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
-from harness.evidence.ledger import CACHE_COLUMNS, default_markdown_path, ledger_lock, linked_pages, page_of, page_seqs, read_rows
+from harness.evidence.chain import ledger_lock
+from harness.evidence.pages import default_markdown_path, linked_pages, page_of, page_seqs
+from harness.evidence.rows import CACHE_COLUMNS, read_rows
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.page import Badge, Code, Inline, Link, Page, untrusted
 from harness.evidence.receipts import receipt_file
@@ -46,13 +48,20 @@ def reports_dir(ledger_path: str | Path) -> Path:
     return Path(ledger_path).parent / "reports"
 
 
-def _summary(receipts: Path, rid: str) -> tuple[str | None, str | None]:
-    """``(candidate engine name, bug class)`` from receipt ``rid`` (None, None when unreadable)."""
+def receipt_summary(rec: Any) -> tuple[str | None, str | None]:
+    """``(candidate engine name, bug class)`` of a parsed receipt (None, None where it has none)."""
     try:
-        rec = json.loads(receipt_file(receipts, rid).read_text(encoding="utf-8"))
         cand = rec.get("engines", {}).get("candidate", {})
         return cand.get("name"), (cand.get("build") or {}).get("bug_class")
-    except (OSError, ValueError, AttributeError):
+    except AttributeError:
+        return None, None
+
+
+def _summary(receipts: Path, rid: str) -> tuple[str | None, str | None]:
+    """``receipt_summary`` of receipt ``rid``, read from its file (None, None when unreadable)."""
+    try:
+        return receipt_summary(json.loads(receipt_file(receipts, rid).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
         return None, None
 
 
@@ -190,47 +199,67 @@ def index_page(ledger_path: Path, cache: LedgerCache, page_no: int) -> Page:
     return page
 
 
+def render_index(ledger_path: str | Path, cache: LedgerCache, *, receipt_id: str | None = None, full: bool = False,
+                 known: Sequence[Mapping[str, Any]] = ()) -> tuple[Path, Path]:
+    """Write the pages of the index that changed (module docstring) from the open query cache
+    ``cache`` (synced with the ledger by its caller), with the ledger's lock held by the caller
+    (the evidence door, ``harness.evidence.record.record``, or ``refresh_index``): the newest,
+    pages completed since the last refresh, the pages of rows new supersede rows withdraw and,
+    given ``receipt_id``, the pages of the rows naming it; every page when ``full`` or when the
+    index was never rendered. ``known``: receipts the caller holds (the door's new one), whose
+    summaries are stored without reading their files again. Return the paths of ``index.md`` and
+    ``index.html``. Raises ``InvalidInput`` for a malformed ledger line and ``OSError`` when a
+    page cannot be written."""
+    ledger_path = Path(ledger_path)
+    out = reports_dir(ledger_path)
+    cache.add_summaries({r["id"]: receipt_summary(r) for r in known if receipt_summary(r) != (None, None)})
+    if cache.bad_line is not None:
+        read_rows(ledger_path)  # names the malformed line (InvalidInput)
+    last = cache.last_seq()
+    top = page_of(last) if last else 1
+    done = cache.meta("index_seq")
+    if full or done is None or not (out / INDEX_MD).is_file() or int(done) > last:
+        todo = set(range(1, top + 1))
+    else:
+        shown = int(done)
+        todo = set(range(page_of(max(shown, 1)), top + 1))
+        todo |= {page_of(t) for t in cache.supersede_targets(shown + 1, last) if 1 <= t <= last}
+    if receipt_id:
+        todo |= {page_of(s) for s in cache.seqs_of_receipt(receipt_id)}
+    md = html = None
+    cache.con.execute("BEGIN IMMEDIATE")  # the summaries and index_seq in one write transaction
+    try:
+        for n in sorted(todo):
+            page = index_page(ledger_path, cache, n)
+            if n == top:
+                md, html = page.write(out / INDEX_MD, out / INDEX_HTML)
+            else:
+                page.write(out / INDEX_PAGES / f"page-{n:06d}.md", out / INDEX_PAGES / f"page-{n:06d}.html")
+        cache.set_meta("index_seq", last)
+        cache.con.execute("COMMIT")
+    except BaseException:
+        if cache.con.in_transaction:
+            cache.con.execute("ROLLBACK")
+        raise
+    return md or out / INDEX_MD, html or out / INDEX_HTML
+
+
 def refresh_index(ledger_path: str | Path, *, lock_timeout: float = 60.0, receipt_id: str | None = None,
                   full: bool = False) -> tuple[Path, Path]:
-    """Regenerate the pages of the index that changed (module docstring) under the ledger's
-    lock: the newest, pages completed since the last refresh, the pages of rows new supersede
-    rows withdraw and, given ``receipt_id``, the pages of the rows naming it; every page when
-    ``full`` or when the index was never rendered. Return the paths of ``index.md`` and
+    """``render_index`` under the ledger's lock, from the query cache opened for it (checked
+    against the ledger when ``full``): what a verdict page written after its run, ``harness
+    ledger index`` and ``harness ledger render`` call. Return the paths of ``index.md`` and
     ``index.html``. Raises ``InvalidInput`` (malformed ledger, unwritable folder, lock not
     obtained within ``lock_timeout`` seconds)."""
     ledger_path = Path(ledger_path)
-    out = reports_dir(ledger_path)
     try:
         with ledger_lock(ledger_path, lock_timeout):
             with LedgerCache.open(ledger_path, CACHE_COLUMNS, check=full) as cache:  # a full render is checked against the ledger
-                if cache.bad_line is not None:
-                    read_rows(ledger_path)  # names the malformed line (InvalidInput)
-                last = cache.last_seq()
-                top = page_of(last) if last else 1
-                done = cache.meta("index_seq")
-                if full or done is None or not (out / INDEX_MD).is_file() or int(done) > last:
-                    todo = set(range(1, top + 1))
-                else:
-                    shown = int(done)
-                    todo = set(range(page_of(max(shown, 1)), top + 1))
-                    todo |= {page_of(t) for t in cache.supersede_targets(shown + 1, last) if 1 <= t <= last}
-                if receipt_id:
-                    todo |= {page_of(s) for s in cache.seqs_of_receipt(receipt_id)}
-                md = html = None
-                cache.con.execute("BEGIN IMMEDIATE")  # the summaries and index_seq in one write transaction
-                for n in sorted(todo):
-                    page = index_page(ledger_path, cache, n)
-                    if n == top:
-                        md, html = page.write(out / INDEX_MD, out / INDEX_HTML)
-                    else:
-                        page.write(out / INDEX_PAGES / f"page-{n:06d}.md", out / INDEX_PAGES / f"page-{n:06d}.html")
-                cache.set_meta("index_seq", last)
-                cache.con.execute("COMMIT")
+                return render_index(ledger_path, cache, receipt_id=receipt_id, full=full)
     except Timeout as e:
         raise InvalidInput(f"{ledger_path}: could not take the ledger lock within {lock_timeout:g} s to render the index") from e
     except OSError as e:
-        raise InvalidInput(f"{out}: cannot write the index: {e.strerror or e}") from e
-    return md or out / INDEX_MD, html or out / INDEX_HTML
+        raise InvalidInput(f"{reports_dir(ledger_path)}: cannot write the index: {e.strerror or e}") from e
 
 
 def refresh_index_quietly(ledger_path: str | Path, receipt_id: str | None = None) -> bool:

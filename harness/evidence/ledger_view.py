@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.evidence import fmt
-from harness.evidence.ledger import (
+from harness.evidence.views import (
     REPORT_ONLY_MIN_RECORDS,
     _num,
     candidate_trends,

@@ -12,7 +12,8 @@ it), or a ledger's folder (``DIR/ledger.jsonl``), or a ledger file. Merging is a
    refused naming both paths;
 3. the new ones are copied (sidecar first, never replacing a file) and their rows appended in a
    deterministic order: by the source row's time, then receipt id, whatever the order of the
-   folders on the command line. Each row is re-derived from its receipt (``row_from_receipt``)
+   folders on the command line, each through the evidence door (``record.record_row``). Each row
+   is re-derived from its receipt (``row_from_receipt``)
    and keeps the source row's time and timings.
 
 Merging the same folders again adds nothing. Supersede and sign-off rows are not carried over:
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import InvalidInput
-from harness.evidence.ledger import TIMING_FIELDS, append_row, default_markdown_path, read_rows, row_from_receipt, verify_ledger
+from harness.evidence.pages import default_markdown_path
+from harness.evidence.rows import TIMING_FIELDS, read_rows, row_from_receipt
+from harness.evidence.verify import verify_ledger
 from harness.evidence.receipts import load_receipt, receipt_file, shard_dir, write_new
-from harness.evidence.record import preflight_evidence
+from harness.evidence.record import preflight_evidence, record_row
 
 RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration", "tokenizer")
 
@@ -109,5 +112,5 @@ def merge_ledgers(target: str | Path | None, folders: list[str | Path]) -> Merge
                 write_new(dest, src.name, lambda f, data=data: f.write(data))
         receipt = load_receipt(dest / path.name).receipt
         fields = {**row_from_receipt(receipt), "time": row.get("time"), **{k: row[k] for k in TIMING_FIELDS if k in row}}
-        result.appended.append(append_row(paths.ledger, fields, dest / path.name, paths.markdown))
+        result.appended.append(record_row(paths.ledger, fields, dest / path.name, paths.markdown))
     return result

@@ -1,21 +1,35 @@
-"""Recording a run's evidence: its receipt (JSON + array sidecar) and its ledger row, in that
-order, the one path every command that writes evidence takes (parity, probe, and what builds on
-them), followed by the evidence index (``harness.evidence.index``: reports/index.md and .html),
-a rendering regenerated from the ledger that never stands in for it.
+"""The evidence door: every run's evidence enters the record through ``record``.
 
-Layout: ``<ledger dir>/receipts/<id>.json`` and ``<id>.npz`` beside the ledger (by default the
-project's: ``[tool.harness] ledger``, else ``<evidence>/parity/ledger.jsonl`` with ``<evidence>``
-= ``[tool.harness] evidence`` or ``evidence/`` at the project root, ``harness.config``), and the
-ledger's Markdown rendering (``ledger.markdown_path_for``).
+A run hands its receipt (or, for a sign-off, a supersede or an adopted receipt, its row) to
+``record``, which does each step once, in this order, under the ledger's file lock
+(``chain.ledger_lock``):
 
-``preflight_evidence`` checks, before any engine runs, everything ``record_evidence`` will need
-to write, so a run never spends engine time and then fails to record (or records a receipt
-without its row).
+1. write the receipt and its array sidecar (``receipts.write_receipt``);
+2. append its row, chained after the last one (``rows.row_from_receipt``, ``chain.append_locked``);
+3. bring the query cache up to the ledger (``LedgerCache.open``: reads the one new line);
+4. rewrite the LEDGER.md pages the row changed (``pages.render_pages``, from that cache);
+5. rewrite the reports index pages it changed (``index.render_index``, from that cache; a failure
+   there is a warning line, not an error: the evidence is already written).
+
+Parity, top-k, MTP, probe (serving included), tokenizer, calibration subject, sweep, sign-off and
+``ledger merge`` all come through here (``record_evidence`` for a new receipt, ``record_row`` for a
+row); the cache and the pages are renderings and indexes of the ledger, never the source of a
+verdict. A verdict page written after its run (``harness.runs.explain``) refreshes its own index
+row with ``index.refresh_index``.
+
+Layout: ``<ledger dir>/receipts/<id[:2]>/<id>.json`` and ``.npz`` beside the ledger (by default
+the project's: ``[tool.harness] ledger``, else ``<evidence>/parity/ledger.jsonl`` with
+``<evidence>`` = ``[tool.harness] evidence`` or ``evidence/`` at the project root,
+``harness.config``), and the ledger's Markdown rendering (``pages.markdown_path_for``).
+
+``preflight_evidence`` checks, before any engine runs, everything ``record`` will need to write,
+so a run never spends engine time and then fails to record (or records a receipt without its row).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,16 +37,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness.config import load_config
-from harness.errors import InvalidInput
-from harness.evidence.index import refresh_index_quietly
-from harness.evidence.ledger import (
-    append_row,
-    check_ledger_head,
-    markdown_path_for,
-    row_from_receipt,
-    timing_fields,
-)
+from harness.errors import HarnessError, InvalidInput
+from harness.evidence.chain import append, check_ledger_head
+from harness.evidence.index import render_index
+from harness.evidence.ledger_cache import LedgerCache
+from harness.evidence.page import untrusted
+from harness.evidence.pages import markdown_path_for, render_pages
 from harness.evidence.receipts import write_receipt
+from harness.evidence.rows import CACHE_COLUMNS, receipt_row
 from harness.fschecks import require_writable_dir, require_writable_file
 
 
@@ -43,11 +55,11 @@ def default_ledger() -> Path:
 
 @dataclass
 class Recorded:
-    """What ``record_evidence`` wrote: the receipt as on disk, its path, the ledger row and the
-    ledger it was appended to."""
+    """What ``record`` wrote: the receipt as on disk (None for a row without a new receipt), its
+    path, the ledger row and the ledger it was appended to."""
 
-    receipt: dict[str, Any]
-    receipt_path: Path
+    receipt: dict[str, Any] | None
+    receipt_path: Path | None
     row: dict[str, Any]
     ledger_path: Path
 
@@ -61,15 +73,15 @@ class EvidencePaths:
     receipts: Path
 
 
-def evidence_paths(ledger: str | Path | None) -> EvidencePaths:
-    """The paths for ``ledger`` (None: ``default_ledger()``); raises ``InvalidInput`` for an
-    ambiguous ledger path or a rendering path holding a file the harness did not write
-    (``markdown_path_for``)."""
+def evidence_paths(ledger: str | Path | None, markdown: str | Path | None = None) -> EvidencePaths:
+    """The paths for ``ledger`` (None: ``default_ledger()``) and its rendering ``markdown`` (None:
+    the default beside it); raises ``InvalidInput`` for an ambiguous ledger path or a rendering
+    path holding a file the harness did not write (``markdown_path_for``)."""
     ledger_path = Path(ledger) if ledger else default_ledger()
-    return EvidencePaths(ledger_path, markdown_path_for(ledger_path), ledger_path.parent / "receipts")
+    return EvidencePaths(ledger_path, markdown_path_for(ledger_path, markdown), ledger_path.parent / "receipts")
 
 
-def preflight_evidence(ledger: str | Path | None) -> EvidencePaths:
+def preflight_evidence(ledger: str | Path | None, head: bool = True) -> EvidencePaths:
     """Check that a run's evidence can be recorded, before any engine runs; nothing is created.
 
     Refuses with ``InvalidInput`` (exit 2, one line) when: the ledger path is ambiguous or its
@@ -77,8 +89,9 @@ def preflight_evidence(ledger: str | Path | None) -> EvidencePaths:
     rendering exists read-only or is not a regular file; the receipts folder, or the folder any
     of them would be created in, cannot be written (``harness.fschecks``); the receipts or
     reports folder is a symbolic link (followed, it would put evidence outside the evidence
-    folder: docs/release.md, "Hostile evidence folders and inputs"); or the ledger's last
-    row cannot be extended (partial, malformed or edited: ``check_ledger_head``).
+    folder: docs/release.md, "Hostile evidence folders and inputs"); or, with ``head``, the
+    ledger's last row cannot be extended (partial, malformed or edited: ``check_ledger_head``;
+    the door checks it again under the lock before it writes anything).
     """
     paths = evidence_paths(ledger)
     for folder, what in ((paths.receipts, "receipts folder"), (paths.ledger.parent / "reports", "reports folder")):
@@ -88,25 +101,86 @@ def preflight_evidence(ledger: str | Path | None) -> EvidencePaths:
     require_writable_file(str(paths.ledger) + ".lock", "ledger lock file")
     require_writable_file(paths.markdown, "rendered ledger", replace=True)
     require_writable_dir(paths.receipts, "receipts folder")
-    check_ledger_head(paths.ledger)
+    if head:
+        check_ledger_head(paths.ledger)
     return paths
 
 
-def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | None) -> Recorded:
-    """Write ``receipt`` (and ``arrays``, per-position float/int arrays) into the receipts folder
-    beside ``ledger`` (None: ``default_ledger()``), then append its row to the ledger, then
-    regenerate the evidence index (a failure there is a warning, not an error).
+def record(paths: EvidencePaths, *, receipt: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
+           row: Mapping[str, Any] | None = None, receipt_path: str | Path | None = None, index: bool = True,
+           lock_timeout: float = 120.0) -> Recorded:
+    """The evidence door (module docstring): under the ledger's lock (``chain.append``), once the
+    head is known to be extendable, write ``receipt`` (with ``arrays``: per-position numeric
+    arrays, into ``paths.receipts``), append its row (``row`` fields over it, e.g. a merged row's
+    time; without a receipt, ``row`` is the whole row and ``receipt_path`` the existing receipt
+    file it binds, if any), update the query cache, rewrite the LEDGER.md pages and, with
+    ``index``, the reports index: each once.
 
-    Runs ``preflight_evidence`` again first (cheap), so nothing is written when the row could
-    not be. Raises ``InvalidInput`` (receipt breaks its schema, an unwritable or ambiguous path)
-    and whatever ``append_row`` raises (a ledger that does not verify, a lock not obtained in
-    time).
+    The row carries this run's timings (``receipt``'s, ``rows.receipt_row``), also when an
+    identical earlier run wrote the receipt file. Raises ``InvalidInput`` when the receipt breaks
+    its schema or cannot be written, the row breaks the row schema or names another receipt, the
+    ledger's last row cannot be extended (nothing is written then), the lock is not taken within
+    ``lock_timeout`` seconds, or the ledger or LEDGER.md cannot be written (naming the row
+    already appended).
     """
-    paths = preflight_evidence(ledger)
-    json_path, _ = write_receipt(receipt, {k: np.asarray(v) for k, v in arrays.items()}, paths.receipts)
-    written = json.loads(json_path.read_text(encoding="utf-8"))
-    # The row carries this run's timings (``receipt``), also when an identical earlier run wrote
-    # the receipt file (``written``) and so its timings.
-    row = append_row(paths.ledger, {**row_from_receipt(written), **timing_fields(receipt)}, json_path, paths.markdown)
-    refresh_index_quietly(paths.ledger)
-    return Recorded(written, json_path, row, paths.ledger)
+    written: list[dict[str, Any]] = []  # the receipt as on disk, once written
+    bound: list[Path | None] = [Path(receipt_path) if receipt_path is not None else None]
+
+    def make_row() -> tuple[Mapping[str, Any], Path | None]:
+        if receipt is None:
+            return row or {}, bound[0]
+        bound[0], _ = write_receipt(receipt, {k: np.asarray(v) for k, v in (arrays or {}).items()}, paths.receipts)
+        written.append(json.loads(bound[0].read_text(encoding="utf-8")))
+        return {**receipt_row(written[0], receipt), **(row or {})}, bound[0]
+
+    def render(new: dict[str, Any]) -> None:
+        cache = LedgerCache.open(paths.ledger, CACHE_COLUMNS)  # the query cache reads the new line
+        try:
+            try:
+                render_pages(paths.ledger, paths.markdown, cache=cache)
+            except OSError as e:
+                raise InvalidInput(f"{paths.markdown}: row seq {new['seq']} was appended to {paths.ledger}, but the rendering "
+                                   f"could not be rewritten ({e.strerror or e}); the next append re-renders it") from None
+            if index:
+                _index_quietly(paths.ledger, cache, written)
+        finally:
+            cache.close()
+
+    new = append(paths.ledger, make_row, render, lock_timeout=lock_timeout)
+    return Recorded(written[0] if written else None, bound[0], new, paths.ledger)
+
+
+def _index_quietly(ledger_path: Path, cache: LedgerCache, written: list[dict[str, Any]]) -> None:
+    """``render_index`` from the door's cache, the new receipt given so it is not read again; a
+    failure is one warning line on stderr (the index is only a rendering of the ledger)."""
+    try:
+        render_index(ledger_path, cache, known=written)
+    except OSError as e:
+        sys.stderr.write(f"harness: warning: evidence index not regenerated: {untrusted(e.strerror or e)}\n")
+    except HarnessError as e:
+        sys.stderr.write(f"harness: warning: evidence index not regenerated: {untrusted(e)}\n")
+
+
+def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | None) -> Recorded:
+    """A run's new receipt through the door: ``preflight_evidence`` again (cheap: the files may
+    have changed while the engines ran; the head is checked by ``record`` under the lock, before
+    the receipt is written), then ``record``. ``ledger`` None: ``default_ledger()``. Raises as
+    they do."""
+    return record(preflight_evidence(ledger, head=False), receipt=receipt, arrays=arrays)
+
+
+def record_row(ledger: str | Path | None, row: Mapping[str, Any], receipt_path: str | Path | None = None,
+               markdown: str | Path | None = None) -> dict[str, Any]:
+    """A row without a new receipt through the door (a sign-off, a supersede row, a receipt a
+    killed sweep wrote, a merged host's receipt): ``record`` with the reports index; returns the
+    row. Raises as ``record`` does, and ``InvalidInput`` for a refused ledger or rendering path."""
+    return record(evidence_paths(ledger, markdown), row=row, receipt_path=receipt_path).row
+
+
+def append_row(ledger_path: str | Path, row: Mapping[str, Any], receipt_path: str | Path | None = None,
+               markdown_path: str | Path | None = None, *, lock_timeout: float = 120.0) -> dict[str, Any]:
+    """The library call of earlier releases: ``record`` of ``row`` without the reports index
+    (the ledger, the query cache and LEDGER.md only); returns the row. Every command uses
+    ``record_evidence`` or ``record_row``. Raises as ``record`` does."""
+    paths = evidence_paths(ledger_path, markdown_path)
+    return record(paths, row=row, receipt_path=receipt_path, index=False, lock_timeout=lock_timeout).row

@@ -38,6 +38,7 @@ from harness.measure.prompts import load_prompt_set
 from harness.engines.options import candidate_flags, class_settings
 from harness.engines.registry import engine_build_id
 from harness.errors import HarnessError
+from harness.evidence.index import receipt_summary
 from harness.evidence.receipts import PROBE_SCHEMA_ID, canonical_json
 from harness.provenance import numbers_sha256, sha256_bytes, sha256_file
 from harness.release.manifest import PROBE_NAMES, CandidatePin, Manifest, ModelPin
@@ -210,18 +211,30 @@ def same_cell_key(inputs: Mapping[str, Any], model_sha256: str | None = None) ->
     return sha256_bytes(canonical_json(picked))
 
 
-def receipt_keys_of(path: Path) -> list[tuple[str, str]] | None:
+class ReceiptKeys(list):
+    """``receipt_keys_of``'s ``[(typed key, created)]``, with ``summary``: the receipt's index
+    summary from the same read (``harness.evidence.index.receipt_summary``)."""
+
+    summary: tuple[str | None, str | None] = (None, None)
+
+
+def receipt_keys_of(path: Path) -> ReceiptKeys | None:
     """``[(typed key, created)]`` of one parity or probe receipt file: ``input:`` + the key of the
     inputs it was made from (``input_key(receipt_inputs(...))``), ``cell:`` + its planned
     ``cell.key`` when a sweep made it, ``same:`` + ``same_cell_key``; ``created`` is the receipt's
     time. ``[]`` for a calibration receipt (it has no key); None for a file that cannot be read
     (the caller does not remember those: it reads them again next time). What the ledger's query cache keeps per
-    receipt (``LedgerCache.add_receipt_keys``), so ``sweep`` and ``signoff`` read a receipt once."""
+    receipt (``LedgerCache.add_receipt_keys``), so ``sweep`` and ``signoff`` read a receipt once;
+    its ``summary`` (``ReceiptKeys``) is what the index keeps (``LedgerCache.add_summaries``)."""
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return keys_of_receipt(rec) if isinstance(rec, dict) else None
+    if not isinstance(rec, dict):
+        return None
+    keys = ReceiptKeys(keys_of_receipt(rec))
+    keys.summary = receipt_summary(rec)
+    return keys
 
 
 def receipt_verdict(rec: Mapping[str, Any]) -> Any:
@@ -248,14 +261,19 @@ def known_receipt_keys(cache: Any, receipt_ids: Iterable[str], path_of: Callable
     ``receipt_ids`` it had not: those are read once from ``path_of(id)`` and their keys stored.
     Receipts are content-addressed and never replaced, so a stored key never goes stale; an
     unreadable receipt maps to nothing and is read again next time. What ``sweep`` (ids from
-    the receipts folder) and ``signoff`` (ids of the standing rows) both use."""
+    the receipts folder) and ``signoff`` (ids of the standing rows) both use. The same read stores
+    each receipt's index summary, so the door's index refresh after a sign-off reads it no more."""
     known = cache.receipt_keys()
     new: dict[str, list[tuple[str, str]] | None] = {}
+    summaries: dict[str, tuple[str | None, str | None]] = {}
     for rid in receipt_ids:
         if rid not in known and rid not in new:
             new[rid] = receipt_keys_of(path_of(rid))
-    read = {k: v for k, v in new.items() if v is not None}
+            if getattr(new[rid], "summary", (None, None)) != (None, None):
+                summaries[rid] = new[rid].summary
+    read = {k: list(v) for k, v in new.items() if v is not None}
     cache.add_receipt_keys(read)
+    cache.add_summaries(summaries)  # the same read gives the index its summary (``index.receipt_summary``)
     known.update(read)
     return known
 

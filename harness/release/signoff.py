@@ -50,10 +50,10 @@ from harness.contracts import discharge as dis
 from harness.contracts.loader import Contract, Obligation, load_contract
 from harness.engines.registry import resolve_engine
 from harness.errors import HarnessError, Verdict
-from harness.evidence.ledger import CACHE_COLUMNS, append_row
+from harness.evidence.rows import CACHE_COLUMNS
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import receipt_file
-from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence
+from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence, record_row
 from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
 from harness.provenance import sha256_bytes
@@ -461,7 +461,7 @@ def signoff(m: Manifest, ledger: str | Path | None = None, discharge_dir: str | 
     seen: set[str] = set()
     so.relied_on = [r for r in so.relied_on if not (r["id"] in seen or seen.add(r["id"]))]
     if record:
-        so.row = append_row(paths.ledger, signoff_row(so), None, paths.markdown)
+        so.row = record_row(paths.ledger, signoff_row(so), None, paths.markdown)
     return so
 
 

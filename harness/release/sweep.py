@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from harness.errors import HarnessError, InvalidInput, Verdict
-from harness.evidence.ledger import CACHE_COLUMNS, append_row, row_from_receipt
+from harness.evidence.rows import CACHE_COLUMNS, row_from_receipt
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import iter_receipt_files, load_receipt
-from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence
+from harness.evidence.record import EvidencePaths, preflight_evidence, record_evidence, record_row
 from harness.provenance import sha256_bytes
 from harness.release.cells import (PlanContext, Run, candidate_settings, keys_of_receipt, known_receipt_keys, plan_context, plan_runs,
                                    receipt_verdict, run_command)
@@ -254,7 +254,7 @@ def _current(run: Run, path: Path, row: dict[str, Any]) -> RunOutcome:
 def _adopt(paths: EvidencePaths, path: Path) -> dict[str, Any]:
     """Append the row of a receipt written before a kill (checked by ``load_receipt`` first)."""
     receipt = load_receipt(path).receipt
-    return append_row(paths.ledger, row_from_receipt(receipt), path, paths.markdown)
+    return record_row(paths.ledger, row_from_receipt(receipt), path, paths.markdown)
 
 
 def sweep(m: Manifest, ledger: str | Path | None, executor: Any, jobs: int = 1,
