@@ -351,8 +351,10 @@ def _render_parity(outcome) -> None:
               "against llama.cpp's own MTP context, in the candidate's mtp_convention (an MTP receipt and ledger row).")
 @click.option("--mtp-max-tokens", default=256, show_default=True, type=click.IntRange(min=3),
               help="With --mtp: tokens per prompt the draft head is compared over.")
+@click.option("--no-reference-cache", is_flag=True, help="Run the reference even where its logits are in the cache "
+              "($HARNESS_REFERENCE_CACHE, default ~/.cache/qwen35-harness/reference; docs/design.md).")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, mlx_folder,
-           no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens) -> None:
+           no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens, no_reference_cache) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class. With --mtp: the MTP draft head instead."""
@@ -373,6 +375,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
             measure_tier=_measure_tier(no_calibrate), require_calibrated=require_calibrated,
             candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder), greedy_tokens=greedy_tokens,
+            reference_cache=not no_reference_cache,
         )
         try:
             outcome = _with_progress(lambda cb: run_parity(req, cb, log=_stderr_log(as_json)), quiet=as_json)
