@@ -1,7 +1,4 @@
 #!/usr/bin/env python3
-10. The reference cache (bench_reference_cache.py): the section 2 cell cold and warm with one
-   fresh cache folder, the seconds a sweep of 4 candidates saves; ``--only reference-cache``
-   rewrites only its part of the page.
 """The benchmark suite: every figure of docs/benchmarks.md from one run on one machine.
 
     make bench                     # = .venv/bin/python benchmarks/run_all.py
@@ -38,6 +35,9 @@ of things measured side by side in this run, and the page records the machine an
 9. The speculative probe's given drafts (bench_speculative.py): one given-draft case per draft
    depth 1 … 8 at a 1,020-token prompt on the oracle and the example engine, seconds and peak
    memory; ``--only speculative`` rewrites only its part of the page.
+10. The reference cache (bench_reference_cache.py): the section 2 cell cold and warm with one
+   fresh cache folder, the seconds a sweep of 4 candidates saves; ``--only reference-cache``
+   rewrites only its part of the page.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
