@@ -11,7 +11,8 @@ of things measured side by side in this run, and the page records the machine an
 2. A 2,048-position parity run at V = 248,320 (``fixture:tiny-qwen35-v248k``, oracle vs
    llama.cpp, through ``harness parity``): the harness's own time as a fraction of the run
    (target ≤ 10 %), the harness process's peak RSS above the in-process oracle's own (target
-   < 512 MB), the llama.cpp worker's peak RSS, and a cProfile of where the time goes.
+   < 512 MB), the llama.cpp worker's peak RSS, and a cProfile of where the time goes; with the
+   reference cache off (``--no-reference-cache``: the reference is computed, as issue 47 asks).
 3. Oracle vs llama.cpp wall time and peak RSS on ``fixture:small-qwen35`` (bench_oracle.py).
 4. A 64-position parity run at Qwen3.5-0.8B's real shapes (24 layers, d_model 1024, FFN 3584,
    8/2 heads × 256, DeltaNet 16/16 heads × 128, vocab 248,320, tied output, Q4_K_M; random
@@ -34,6 +35,9 @@ of things measured side by side in this run, and the page records the machine an
 9. The speculative probe's given drafts (bench_speculative.py): one given-draft case per draft
    depth 1 … 8 at a 1,020-token prompt on the oracle and the example engine, seconds and peak
    memory; ``--only speculative`` rewrites only its part of the page.
+10. The reference cache (bench_reference_cache.py): the section 2 cell cold and warm with one
+   fresh cache folder, the seconds a sweep of 4 candidates saves; ``--only reference-cache``
+   rewrites only its part of the page.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -63,6 +67,7 @@ sys.path.insert(0, str(HERE))
 import bench_evidence  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
+import bench_reference_cache  # noqa: E402
 import bench_speculative  # noqa: E402
 import bench_tokenizer  # noqa: E402
 
@@ -293,7 +298,7 @@ def main() -> None:
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
-    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative"], default=None,
+    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "reference-cache"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -319,6 +324,17 @@ def main() -> None:
         print(f"wrote the speculative section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
+    if a.only == "reference-cache":
+        print("10. the reference cache ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
+            work = Path(d)
+            prompts, _, _ = build_prompts(fx.build("tiny-qwen35-v248k"), a.positions, work)
+            common = ["--model", "fixture:tiny-qwen35-v248k", "--prompts", str(prompts), "--candidate", "oracle", "--reference", "llama.cpp"]
+            rc = bench_reference_cache.measure(parity_probe, common, work)
+        splice_section(Path(a.out), "The reference cache", bench_reference_cache.section(rc), "reference_cache", rc)
+        print(f"wrote the reference-cache section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+
     print("1. metrics vs plain pass at V=248,320 ...", flush=True)
     r["metrics"] = bench_metrics.measure(positions=256, block=64, repeat=5)
     r["load"]["metrics"] = load()
@@ -329,6 +345,8 @@ def main() -> None:
         v248 = fx.build("tiny-qwen35-v248k")
         prompts, lists, from_text = build_prompts(v248, a.positions, work)
         common = ["--model", "fixture:tiny-qwen35-v248k", "--prompts", str(prompts), "--candidate", "oracle", "--reference", "llama.cpp"]
+        r["reference_cache"] = bench_reference_cache.measure(parity_probe, common, work)
+        common = common + ["--no-reference-cache"]  # the harness's share is measured with the reference computed
         run = parity_probe(common + ["--ledger", str(work / "ev" / "ledger.jsonl")])
         run["state_mb"] = state_mb(v248, max(512, -(-max(len(x) for x in lists) // 256) * 256))
         run["model_mb"] = v248.stat().st_size / 2**20
@@ -514,6 +532,8 @@ def render(r: dict) -> str:
         lines += ["", *bench_tokenizer.section(r["tokenizer"])]
     if "speculative" in r:
         lines += ["", *bench_speculative.section(r["speculative"])]
+    if "reference_cache" in r:
+        lines += ["", *bench_reference_cache.section(r["reference_cache"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness.fixtures.synthetic import build
+
+# The reference cache (harness/runs/reference_cache.py) is off for the suite, subprocesses
+# included: a test that fakes or breaks the reference must see it run. Its own tests turn it on
+# in a temporary folder.
+os.environ["HARNESS_REFERENCE_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,9 @@ class ParityRequest(RunRequest):
     candidate_settings: dict[str, Any] = field(default_factory=dict)
     greedy_tokens: int = greedy.DEFAULT_TOKENS
     """Free-running greedy steps per prompt (``harness.runs.greedy``, report-only); 0: skipped."""
+    reference_cache: bool = True
+    """Read and store the reference's logits in the content-addressed cache
+    (``harness.runs.reference_cache``; its folder from the environment); False: always run it."""
 
 
 @dataclass
@@ -168,12 +171,14 @@ def _add_free_running(req: ParityRequest, inputs: RunInputs, reference: Any, can
 
 
 def finish(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens], result: CellResult,
-            receipt: dict[str, Any], cal_path: Path | None = None) -> ParityOutcome:
-    """A judged cell's receipt completed (free-running greedy, both engines' timings) and, unless
-    ``req.write_evidence`` is off, recorded with its ledger row; a dry run still refuses the
-    receipt a recording run would refuse (``prepare_receipt``)."""
+            receipt: dict[str, Any], cal_path: Path | None = None, reference_cache: dict[str, Any] | None = None) -> ParityOutcome:
+    """A judged cell's receipt completed (free-running greedy, both engines' timings, whether the
+    reference's rows came from the cache: ``reference_cache``, ``ReferenceCache.record()``) and,
+    unless ``req.write_evidence`` is off, recorded with its ledger row; a dry run still refuses
+    the receipt a recording run would refuse (``prepare_receipt``)."""
     _add_free_running(req, inputs, reference, candidate, prompts, receipt)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
+    receipt["timings"]["reference_cache"] = reference_cache or {"enabled": False}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)
         return ParityOutcome(result, receipt, None, None, None)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from harness import display
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, config_record
 from harness.engines.base import ASSUMED_CLASS, Engine
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.registry import engine_build_id, resolve_engine
-from harness.errors import InvalidInput
+from harness.errors import HarnessError, InvalidInput
 from harness.fixtures.resolve import resolve_model
 from harness.engines.options import candidate_flags
 from harness.judge.reproducer import Reproducer
@@ -207,3 +207,16 @@ def resolve_inputs(model: str, *, thresholds: str | Path | None = None, override
     gm = GGUFModel(path, ov)
     gm.hparams  # validates arch and required keys (InvalidInput) before any engine runs
     return RunInputs(model, path, ov, gm, th, load_prompt_set(Path(prompts).absolute() if prompts else None))
+
+
+def run_each(specs: list[str], run: Callable[[str], Any]) -> Iterator[tuple[str, Any, HarnessError | None]]:
+    """``run(spec)`` for each model spec of a multi-model run, in order: ``(spec, outcome, None)``,
+    or ``(spec, None, error)`` when it raised a ``HarnessError`` and other models follow or came
+    before (one spec: the error is raised, its verdict the run's)."""
+    for spec in specs:
+        try:
+            yield spec, run(spec), None
+        except HarnessError as e:
+            if len(specs) == 1:
+                raise
+            yield spec, None, e

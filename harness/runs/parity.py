@@ -38,6 +38,7 @@ from harness.model.gguf_model import GGUFModel
 from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest, Progress, build_receipt, check_comparable, finish
 from harness.runs.inputs import subject_of
 from harness.runs.localize import DEFAULT_MAX_TOKENS
+from harness.runs import reference_cache
 from harness.runs.topk import run_topk_parity
 
 __all__ = ["CellResult", "Measured", "ParityOutcome", "ParityRequest", "Progress", "build_receipt", "check_comparable",
@@ -366,7 +367,8 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     prompts = inputs.tokens(reference.engine)
     if "topk" in candidate.info.capabilities:
         return run_topk_parity(req, inputs, reference, candidate, prompts)
-    m = measure_cell(inputs.model, reference, candidate, prompts, inputs.thresholds.near_tie_margin, progress)
+    cached = reference_cache.wrap(reference, inputs.model.sha256, req.reference_cache)  # the gated rows only
+    m = measure_cell(inputs.model, cached, candidate, prompts, inputs.thresholds.near_tie_margin, progress)
     measure = req.measure_tier if req.write_evidence else None
     resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
                                                       measure, req.calibrate_max_tokens, log)
@@ -375,7 +377,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate, settings=req.candidate_settings),
                         cuts, excuses)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
-    return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path)
+    return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path, reference_cache.record_of(cached))
 
 
 # ---------------------------------------------------------------------------------------------

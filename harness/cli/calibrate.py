@@ -1,0 +1,267 @@
+"""``harness calibrate``: adapters over ``harness.runs.calibrate`` and ``harness.runs.subject``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from harness.display import plain as _p
+from harness.errors import HarnessError
+from harness.fschecks import require_writable_file
+from harness.cli.app import cli
+from harness.cli.render import _console, _echo_json
+from harness.cli.runs import _parity_defaults
+
+
+@cli.command()
+@click.option("--model", "subject", default=None, metavar="SPEC",
+              help="Measure the calibrated tier on this model itself (with --class) and record it; without it, calibrate every row.")
+@click.option("--class", "compute_class", default="f32", show_default=True, type=click.Choice(["f64", "f32", "bf16", "f16", "mixed"]),
+              help="With --model: the compute class to measure.")
+@click.option("--base-model", default="fixture:trained-qwen35", show_default=True, help="F32 trained model: the mutants run on it.")
+@click.option("--moe-model", default="fixture:trained-qwen35moe", show_default=True)
+@click.option("--ladder", multiple=True, help="Models for the file-type rows (default: every shipped file type of the 256-wide trained bases).")
+@click.option("--classes", multiple=True, type=click.Choice(["f64", "f32", "bf16", "f16", "mixed"]), help="Classes to measure (default: all).")
+@click.option("--max-tokens", default=None, type=int,
+              help="Tokens per prompt (default: whole prompts on the F32 trained models, as parity judges them; 128 with --model; 256 with --topk).")
+@click.option("--ladder-max-tokens", default=None, type=int, help="Tokens per prompt on the file-type ladder (default: whole prompts).")
+@click.option("--mutant", "mutants", multiple=True, help="Only these mutants (default: all).")
+@click.option("--ledger", default=None, type=click.Path(), help="With --model: the ledger the calibration receipt and row go to.")
+@click.option("--out", default="thresholds.yaml", show_default=True, type=click.Path(), help="Where to write the measured thresholds.")
+@click.option("--matrix-out", default="docs/gates-matrix.md", show_default=True, type=click.Path(), help="Where to write the per-class mutant matrix.")
+@click.option("--dry-run", is_flag=True, help="Measure and print; do not write.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--topk", "topk_k", default=None, type=click.IntRange(1, 1000), metavar="K",
+              help="Measure only the top-k rows (http:NAME candidates) for K logprobs per position, on the F32 trained models, "
+                   "for --classes (default f64, f32), and merge them into --out.")
+@click.option("--probes", "probes_only", is_flag=True,
+              help="Measure only the probe tolerances (each class's own split/decode floor on --base-model, the MoE excursion "
+                   "allowance on --moe-model) for --classes (default: all) and merge them into --out, keeping every other number.")
+@click.option("--mtp", "mtp_only", is_flag=True,
+              help="Measure only the MTP rows (the calibrated tier of `harness parity --mtp`) for --classes (default f64, f32) "
+                   "on the MTP fixtures, every MTP mutant as known-bad, and merge them into --out, keeping every other number.")
+@click.option("--state", "state_only", is_flag=True,
+              help="Measure only the state probe's rows (each class's known-good engines against themselves on fixture:state-qwen35, "
+                   "the precision mutants as known-bad) for --classes (default: f64, f32, bf16, f16) and merge them into --out.")
+@click.option("--mtp-model", "mtp_models", multiple=True, metavar="SPEC", help="With --mtp: the models (default: the MTP fixtures).")
+def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
+              dry_run, as_json, topk_k, probes_only, mtp_only, mtp_models, state_only) -> None:
+    """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
+    compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
+    every gate); with --model, measure one row on that model and record it as evidence; with
+    --topk K, measure only the top-k rows and merge them into thresholds.yaml; with --probes, only
+    the probe tolerances; with --mtp, only the MTP draft head's rows; with --state, only the state
+    probe's rows. Long because it is the full calibration's steps after the dispatch to each
+    partial mode."""
+    if state_only:
+        _calibrate_state(tuple(classes) or None, out, dry_run, as_json)
+        return
+    if mtp_only:
+        _calibrate_mtp(tuple(mtp_models) or None, tuple(classes) or None, tuple(mutants) or None, max_tokens, out, dry_run, as_json)
+        return
+    if probes_only:
+        _calibrate_probes(tuple(classes) or None, base_model, moe_model, out, dry_run, as_json)
+        return
+    if topk_k:
+        _calibrate_topk(topk_k, tuple(classes) or None, (base_model, moe_model), tuple(mutants) or None, max_tokens or 256, out, dry_run, as_json)
+        return
+    if subject:
+        _calibrate_subject(subject, compute_class, max_tokens or 128, ledger, as_json)
+        return
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate import (
+        CalibrationPlan,
+        CalibrationRefused,
+        matrix_markdown,
+        thresholds_document,
+        write_thresholds,
+    )
+    from harness.runs.calibrate import calibrate as run
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
+    plan = CalibrationPlan(base_model=base_model, moe_model=moe_model, mutants=tuple(mutants) or None,
+                           ladder=tuple(ladder) or None, classes=tuple(classes) or CalibrationPlan.classes,
+                           max_tokens=max_tokens, ladder_max_tokens=ladder_max_tokens)
+    con = _console(stderr=True)
+    res = run(plan, log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads],
+                    "rows": [{k: v for k, v in r.items() if k != "goods"} for r in res.rows], "probes": res.probes,
+                    "localization": res.localization, "matrix": res.matrix, "class_matrix": res.class_matrix,
+                    "moe_excursions": res.moe_excursions, "skipped": res.skipped, "problems": res.problems})
+    else:
+        _render_calibration(res)
+    if res.problems:
+        raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
+    if not dry_run:
+        command = "harness " + " ".join(sys.argv[1:])
+        doc = thresholds_document(res, command, harness_info().get("git_commit"))
+        for section in ("topk", "mtp", "state"):  # measured by `harness calibrate --topk K` / `--mtp` / `--state`, each with its own basis
+            doc[section] = _kept_rows(out, section)
+            if not doc[section]:
+                del doc[section]
+        write_thresholds(doc, out)
+        click.echo(f"wrote {out}")
+        from pathlib import Path
+
+        from harness.runs.calibrate.document import kept_matrix_sections
+
+        old = Path(matrix_out).read_text(encoding="utf-8", errors="replace") if Path(matrix_out).is_file() else ""
+        Path(matrix_out).write_text(matrix_markdown(res, command, kept_matrix_sections(old)))
+        click.echo(f"wrote {matrix_out}")
+
+
+def _kept_rows(path, section: str) -> list:
+    """The ``section`` rows (``topk``, ``mtp``) of the thresholds file a full calibration replaces
+    (none when it is absent or unreadable): they are measured separately (``--topk K``, ``--mtp``)
+    and kept."""
+    # deferred: startup
+    from pathlib import Path
+
+    from harness.errors import HarnessError
+    from harness.judge.thresholds import load_thresholds
+
+    try:
+        return list(load_thresholds(path).data.get(section, [])) if Path(path).is_file() else []
+    except HarnessError:
+        return []
+
+
+def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_json) -> None:
+    """``harness calibrate --topk K``: the top-k rows only (``gates.calibrate.calibrate_topk``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate import TOPK_CLASSES, calibrate_topk, merge_topk_rows
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else f"harness calibrate --topk {k}"
+    rows = calibrate_topk(k, classes or TOPK_CLASSES, [m for m in models if m], mutants, max_tokens,
+                          log=lambda m: con.print(_p(m), markup=False), command=command, commit=harness_info().get("git_commit"))
+    if as_json:
+        _echo_json(rows)
+    if not dry_run:
+        merge_topk_rows(out, rows)
+        click.echo(f"wrote {len(rows)} top-k row(s) to {out}")
+
+
+def _calibrate_mtp(models, classes, mutants, max_tokens, out, dry_run, as_json) -> None:
+    """``harness calibrate --mtp``: the ``mtp:`` rows only (``harness.runs.calibrate.mtp.calibrate_mtp``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate.mtp import MTP_KNOWN_GOOD, MTP_MAX_TOKENS, MTP_MODELS, calibrate_mtp, merge_mtp_rows, refuse
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --mtp"
+    res = calibrate_mtp(models or MTP_MODELS, classes or tuple(MTP_KNOWN_GOOD), mutants, max_tokens or MTP_MAX_TOKENS, command,
+                        harness_info().get("git_commit"), log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"goods": [g.to_dict() for g in res.goods], "bads": [b.to_dict() for b in res.bads], "rows": res.rows,
+                    "caught": res.caught, "problems": res.problems})
+    else:
+        for label, c in res.caught.items():
+            by = [g for g, hit in c.items() if hit]
+            click.echo(_p(f"{label}: " + (f"caught by {', '.join(by)}" if by else "NOT caught")))
+    refuse(res)
+    if not dry_run:
+        merge_mtp_rows(out, res.rows)
+        click.echo(f"wrote {len(res.rows)} MTP row(s) to {out}")
+
+
+def _calibrate_state(classes, out, dry_run, as_json) -> None:
+    """``harness calibrate --state``: the ``state:`` rows only (``harness.runs.calibrate.state.calibrate_state``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate.state import STATE_KNOWN_GOOD, calibrate_state, merge_state_rows, refuse
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --state"
+    res = calibrate_state(classes or tuple(STATE_KNOWN_GOOD), command=command, commit=harness_info().get("git_commit"),
+                          log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"goods": {c: [g.to_dict() for g in gs] for c, gs in res.goods.items()}, "bads": [b.to_dict() for b in res.bads],
+                    "rows": res.rows, "skipped": res.skipped, "problems": res.problems})
+    else:
+        for b in res.bads:
+            click.echo(_p(f"{b.label}: min cosine {b.min_cosine:.10f}, max KLD {b.max_kld:.3g}"))
+    refuse(res)
+    if not dry_run:
+        merge_state_rows(out, res.rows)
+        click.echo(f"wrote {len(res.rows)} state row(s) to {out}")
+
+
+def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> None:
+    """``harness calibrate --probes``: the probe tolerances only (``gates.calibrate.calibrate_probes``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate import calibrate_probes, merge_probe_rows
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)
+    con = _console(stderr=True)
+    classes = classes or ("f64", "f32", "bf16", "f16", "mixed")
+    probes, ex = calibrate_probes(base_model, moe_model or None, classes, log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"probes": probes, "moe_excursions": ex})
+    else:
+        for cls, p in probes.items():
+            click.echo(f"class {cls}: probe min cosine {p['min_cosine']['value']} (floor {p['min_cosine']['floor']:.10f}), "
+                       f"max KLD {p['max_kld']['value']:g} (floor {p['max_kld']['floor']:.3g})")
+        if ex:
+            click.echo(f"MoE excursions: {ex['value']} positions (known-good worst {ex['floor']} on {_p(str(ex['model']))})")
+    if not dry_run:
+        command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --probes"
+        merge_probe_rows(out, probes, ex, command, base_model, harness_info().get("git_commit"))
+        click.echo(f"wrote the probe tolerances of {len(probes)} class(es) to {out}")
+
+
+def _render_calibration(res) -> None:
+    # deferred: startup
+    from rich.table import Table
+
+    from harness.runs.calibrate import GATES
+
+    t = Table(title="known-bad pairs x gates at f64 (X = caught)")
+    t.add_column("known-bad pair")
+    for g in GATES:
+        t.add_column(g, justify="center")
+    for label, row in res.matrix.items():
+        t.add_row(label, *("X" if row[g] else "." for g in GATES))
+    _console().print(t)
+    rows = Table(title="calibrated rows (weights x class)")
+    for col in ("weights", "class", "file types", "min cosine", "KLD mean", "KLD p99", "pairs"):
+        rows.add_column(col)
+    for r in res.rows:
+        g = r["gates"]
+        rows.add_row(r["weights"], r["class"], ", ".join(r["file_types"]), str(g["min_cosine"]["value"]), f"{g['max_kld_mean']['value']:.2g}",
+                     f"{g['max_kld_p99']['value']:.2g}", str(len(r["goods"])))
+    _console().print(rows)
+    for cls, col in res.class_matrix.items():
+        below = [m for m, v in col.items() if v.startswith("below")]
+        click.echo(f"class {cls}: {len(col) - len(below)} of {len(col)} mutants caught" + (f"; below the class floor: {', '.join(below)}" if below else ""))
+    for s_ in res.skipped:
+        click.echo(f"skipped: {s_}")
+
+
+def _calibrate_subject(spec: str, compute_class: str, max_tokens: int, ledger: str | None, as_json: bool) -> None:
+    # deferred: startup
+    from harness.runs.subject import describe_row, measure_and_record
+
+    con = _console(stderr=True)
+    row, rid, path = measure_and_record(spec, compute_class, ledger or _parity_defaults()["ledger"], ["harness", *sys.argv[1:]],
+                                        max_tokens, log=lambda m: con.print(m, markup=False))
+    if as_json:
+        _echo_json({"receipt": str(path), "id": rid, "row": row.to_receipt()})
+        return
+    click.echo(f"calibrated tier for {spec} ({row.weights}, class {compute_class}): {describe_row(row)}")
+    click.echo(f"receipt: {path}")

@@ -1,0 +1,415 @@
+"""``harness parity`` (and ``--mtp``), ``probe``, ``tokenizer``, ``localize`` and ``report``: options in,
+a run of ``harness.runs`` out, its outcome rendered."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+from rich.text import Text
+
+from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
+from harness.display import markup as _m
+from harness.display import plain as _p
+from harness.errors import InvalidInput, Verdict
+from harness.fschecks import require_writable_dir
+from harness.cli.app import override_option, cli
+from harness.cli.render import _console, _echo_json, _stderr_log, _with_progress, _write_report
+
+
+def _parity_defaults() -> dict[str, Any]:
+    # deferred: startup
+    from harness.fixtures.resolve import default_model
+
+    cfg = load_config()
+    models = cfg.model_specs() or [default_model()]
+    path = lambda key: None if cfg.path(key) is None else str(cfg.path(key))  # noqa: E731
+    return {
+        "model": models[0],
+        "models": models,
+        "candidate": (cfg.names("candidate") or [DEFAULT_CANDIDATE])[0],
+        "reference": cfg.get("reference", DEFAULT_REFERENCE),
+        "prompts": path("prompts"),
+        "thresholds": path("thresholds"),
+        "ledger": str(cfg.ledger),
+    }
+
+
+def _render_parity(outcome) -> None:
+    r, rec = outcome.result, outcome.receipt
+    con = _console()
+    t = Table(title=_m(f"parity: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']} on {rec['model']['name']} ({rec['model']['file_type']})"))
+    for col in ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing"):
+        t.add_column(col, justify="right" if col != "prompt" else "left")
+    f = lambda v, spec: "-" if v is None else format(v, spec)
+    for p in r.per_prompt:
+        t.add_row(_m(p["id"]), str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
+                  f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
+    con.print(t)
+    g = rec["gated"]
+    con.print(_p(g["release"]["line"]), markup=False)
+    con.print(_p(g["calibrated"]["line"]), markup=False)
+    th = rec["thresholds"]
+    if th.get("self_calibration"):
+        con.print(f"calibrated tier measured on this model: calibration receipt {th['self_calibration'][:12]}", markup=False)
+    if not g.get("class_declared", True):
+        con.print(f"compute class: {g['compute_class']} (assumed: the candidate declares none)", markup=False)
+    ro = rec["report_only"]
+    aa = ro["argmax_agreement"]
+    if aa["rate"] is not None:
+        con.print(_m(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
+                  f"flips {ro['flips']['near_tie']} near-tie / {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']})"
+                  + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else "")))
+    fr = ro.get("free_running")
+    if fr:
+        from harness.evidence.ledger import free_running_headline
+
+        con.print(_m(f"report-only: free-running greedy {free_running_headline(fr)}"), markup=False)
+        for p in fr.get("prompts", []):
+            if p["diverged_at"] is not None:
+                kind = "near-tie" if p["near_tie"] else "hard" if p["near_tie"] is False else "margin unknown"
+                con.print(_m(f"  {p['prompt']}: first divergence at step {p['diverged_at']} (reference {p['reference_token']}, "
+                             f"candidate {p['candidate_token']}; reference margin {p['margin'] if p['margin'] is None else format(p['margin'], '.3g')}, {kind})"), markup=False)
+    if rec["kind"] == "self-consistency":
+        con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
+    con.print(f"[bold]{r.verdict.value}[/bold]: {_m(r.message)}", soft_wrap=True)  # a reproducer line is never broken
+    if outcome.receipt_path:
+        con.print(_m(f"receipt: {outcome.receipt_path}"))
+        con.print(_m(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})"))
+
+
+@cli.command()
+@click.option("--model", "models", multiple=True, metavar="SPEC", help="GGUF path or fixture:NAME (repeat for a multi-model run). Default: [tool.harness] models / model, else the trained default model.")
+@click.option("--candidate", default=None, help="Candidate engine (oracle, mutant:NAME, command:NAME, http:NAME, transformers, mlx, llama.cpp).")
+@click.option("--reference", default=None, help="Reference engine (default llama.cpp, extra buffer types off; llama.cpp-repack: on, as llama.cpp's own default).")
+@click.option("--prompts", default=None, type=click.Path(), help="JSONL prompt file (id + text or tokens). Default: the shipped set.")
+@click.option("--thresholds", default=None, type=click.Path(), help="thresholds.yaml (default ./thresholds.yaml, else the shipped one).")
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger JSONL (default [tool.harness] ledger, else <evidence>/parity/ledger.jsonl of the project; receipts go beside it).")
+@override_option
+@click.option("--json", "as_json", is_flag=True, help="Print the receipt (JSON) instead of the table.")
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
+@click.option("--localize/--no-localize", "localize_", default=None,
+              help="Localize the first divergence in the report: default on a FAIL whose candidate exposes activations.")
+@click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
+              help="transformers or mlx candidate: the dtype it runs in (its compute class follows; mlx: not float64).")
+@click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
+              help="mlx candidate: load this transformers folder instead of converting the GGUF.")
+@click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tier on the model: leave it UNMEASURED.")
+@click.option("--require-calibrated", is_flag=True, help="An unmeasured calibrated tier makes the verdict UNMEASURED (exit 5).")
+@click.option("--greedy-tokens", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Free-running greedy steps per prompt, both engines (report-only; 0: skip).")
+@click.option("--mtp", is_flag=True, help="Judge the MTP (nextn) draft head instead of the trunk: the candidate's draft logits "
+              "against llama.cpp's own MTP context, in the candidate's mtp_convention (an MTP receipt and ledger row).")
+@click.option("--mtp-max-tokens", default=256, show_default=True, type=click.IntRange(min=3),
+              help="With --mtp: tokens per prompt the draft head is compared over.")
+@click.option("--no-reference-cache", is_flag=True, help="Run the reference even where its logits are in the cache "
+              "($HARNESS_REFERENCE_CACHE, default ~/.cache/qwen35-harness/reference; docs/design.md).")
+def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, mlx_folder,
+           no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens, no_reference_cache) -> None:
+    """Run a candidate and the reference on the same token ids; judge the release gate (cosine
+    >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
+    candidate's compute class. With --mtp: the MTP draft head instead."""
+    # deferred: startup
+    from harness.runs.inputs import run_each
+    from harness.runs.parity import ParityRequest, run_parity
+
+    d = _parity_defaults()
+    specs = list(models) or d["models"]
+    if mtp:
+        _mtp_cells(specs, candidate or d["candidate"], reference or d["reference"], prompts or d["prompts"],
+                   thresholds or d["thresholds"], ledger or d["ledger"], overrides, as_json, no_evidence, dtype, mtp_max_tokens)
+        return
+    settings, tier = _dtype_settings(dtype, candidate or d["candidate"], mlx_folder), _measure_tier(no_calibrate)
+
+    def request(spec: str) -> ParityRequest:
+        return ParityRequest(
+            model=spec, candidate=candidate or d["candidate"], reference=reference or d["reference"],
+            prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
+            overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+            measure_tier=tier, require_calibrated=require_calibrated, candidate_settings=settings, greedy_tokens=greedy_tokens,
+            reference_cache=not no_reference_cache,
+        )
+
+    verdicts = []
+    each = run_each(specs, lambda spec: _with_progress(lambda cb: run_parity(request(spec), cb, log=_stderr_log(as_json)), quiet=as_json))
+    for spec, outcome, e in each:
+        if e is not None:
+            click.echo(f"harness: {e.verdict.value}: {_p(spec)}: {_p(e)}", err=True)
+            verdicts.append(e.verdict)
+            continue
+        verdicts.append(outcome.result.verdict)
+        report_path = None
+        if outcome.receipt_path is not None:
+            report_path = _write_report(outcome.receipt_path, localize_, quiet=as_json)
+        if as_json:
+            _echo_json(outcome.receipt)
+        else:
+            _render_parity(outcome)
+            if report_path:
+                click.echo(_p(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})"))
+            elif outcome.result.verdict.value == "FAIL":
+                click.echo(_p(f"next: localize the first divergence with: harness localize --candidate {candidate or d['candidate']} --model {spec}"))
+    worst = Verdict.worst(verdicts)
+    if len(specs) > 1:
+        click.echo(_p(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}"))
+    sys.exit(worst.exit_code)
+
+
+def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, dtype, max_tokens) -> None:
+    """``harness parity --mtp``: one MTP cell per model (``harness.runs.mtp``), a table of its
+    checks, the implied acceptance, the receipt's path; exit code the worst verdict."""
+    # deferred: startup
+    from harness.runs.inputs import run_each
+    from harness.runs.mtp import MtpRequest, run_mtp
+
+    settings = _dtype_settings(dtype, candidate)
+
+    def one(spec: str):
+        req = MtpRequest(model=spec, candidate=candidate, reference=reference, prompts=prompts, thresholds=thresholds, ledger=ledger,
+                         overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+                         candidate_settings=settings, max_tokens=max_tokens)
+        return run_mtp(req, None if as_json else (lambda m: click.echo(_p(f"mtp: {m}"), err=True)))
+
+    verdicts = []
+    for spec, run, e in run_each(specs, one):
+        if e is not None:
+            click.echo(f"harness: {e.verdict.value}: {_p(spec)}: {_p(e)}", err=True)
+            verdicts.append(e.verdict)
+            continue
+        verdicts.append(run.verdict)
+        if as_json:
+            _echo_json(run.receipt)
+            continue
+        table = Table(title=Text(f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)"))
+        for col in ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"):
+            table.add_column(col, no_wrap=True)
+        for c in run.checks:
+            ff = c.first_failing
+            table.add_row(c.name, c.verdict.value, str(c.positions), "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
+                          "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
+                          Text("—" if not ff else f"{ff['prompt']} row {ff['row']}"))
+        _console().print(table)
+        acc = run.receipt["report_only"].get("acceptance")
+        if acc:
+            click.echo(_p("implied acceptance (report-only): " + ", ".join(
+                f"{side} {v['accepted']}/{v['rows']} = {v['rate']:.3f}" for side, v in acc.items() if v["rate"] is not None)))
+        for c in run.checks:
+            if c.reproducer:
+                click.echo(_p(c.reproducer))
+        click.echo(_p(f"{run.verdict.value}: {run.message}"))
+        if run.receipt_path is not None:
+            click.echo(_p(f"receipt: {run.receipt_path}"))
+    worst = Verdict.worst(verdicts)
+    sys.exit(worst.exit_code)
+
+
+def _dtype_settings(dtype: str | None, candidate: str, mlx_folder: str | None = None) -> dict[str, Any]:
+    """The candidate's engine settings from ``--dtype`` (transformers, mlx) and ``--mlx-folder``
+    (mlx); ``InvalidInput`` when an option is given to an engine it does not apply to."""
+    out: dict[str, Any] = {}
+    if dtype is not None:
+        if candidate not in ("transformers", "mlx"):
+            raise InvalidInput(f"--dtype applies to the transformers and mlx engines, not {candidate}")
+        out["dtype"] = dtype
+    if mlx_folder is not None:
+        if candidate != "mlx":
+            raise InvalidInput(f"--mlx-folder applies to the mlx engine, not {candidate}")
+        out["folder"] = str(Path(mlx_folder).resolve())  # absolute: the receipt's reproduce line works from anywhere
+    return out
+
+
+def _measure_tier(no_calibrate: bool):
+    """What measures the calibrated tier on the model when no row fits (None: ``--no-calibrate``)."""
+    if no_calibrate:
+        return None
+    # deferred: startup
+    from harness.runs.subject import measure_and_record
+
+    return measure_and_record
+
+
+@cli.command()
+@click.option("--candidate", default=None, help="Engine to probe (default oracle).")
+@click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
+@click.option("--reference", default=None, help="Reference for the long and serving probes (default llama.cpp; llama.cpp-repack: extra buffer types on).")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, state, serving, speculative).")
+@click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
+              help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")
+@click.option("--prompts", default=None, type=click.Path())
+@click.option("--thresholds", default=None, type=click.Path())
+@click.option("--ledger", default=None, type=click.Path())
+@override_option
+@click.option("--json", "as_json", is_flag=True, help="Print the probe receipt (JSON).")
+@click.option("--localize/--no-localize", "localize_", default=None,
+              help="Localize a failing probe in the report: default on a FAIL whose candidate exposes activations.")
+@click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
+              help="transformers or mlx candidate: the dtype it runs in (its compute class follows; mlx: not float64).")
+@click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
+              help="mlx candidate: load this transformers folder instead of converting the GGUF.")
+@click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
+@click.option("--scenarios", default=None, type=click.Path(),
+              help="Serving probe: a scenario file (harness-serving-scenarios/v1; default: the shipped set, docs/engine-protocol.md \"Op serve\").")
+def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, mlx_folder,
+          no_calibrate, scenarios) -> None:
+    """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
+    decode and determinism were measured, or with --only every named probe passes; 1: a probe
+    failed; 5: a required or named probe unmeasured)."""
+    # deferred: startup
+    from harness.runs.probes import ProbeRequest, run_probes
+
+    d = _parity_defaults()
+    req = ProbeRequest(model=model or d["model"], candidate=candidate or d["candidate"], reference=reference or d["reference"],
+                       only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
+                       ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
+                       measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
+                       scenarios=scenarios, **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
+    con = _console(stderr=True)
+    run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
+    report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
+    if as_json:
+        _echo_json(run.receipt)
+    else:
+        t = Table(title=_m(f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
+        for col in ("probe", "verdict", "comparisons", "detail"):
+            t.add_column(col)
+        for r in run.results:
+            t.add_row(_m(r.name), r.verdict.value, str(len(r.comparisons)), _m(r.summary()))
+        _console().print(t)
+        for r in run.results:
+            if r.reproducer:
+                click.echo(_p(r.reproducer))
+        click.echo(_p(f"{run.verdict.value}: {run.message}"))
+        if run.receipt_path:
+            click.echo(_p(f"receipt: {run.receipt_path}"))
+        if report_path:
+            click.echo(_p(f"report:  {report_path}"))
+    sys.exit(run.verdict.exit_code)
+
+
+@cli.command()
+@click.option("--candidate", default=None, help="Engine whose own tokenizer is judged (capability 'tokenize').")
+@click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
+@click.option("--prompts", default=None, type=click.Path(), help="Prompt file (default: the hostile tokenizer set).")
+@click.option("--add-special", is_flag=True, help="Ask both sides for the BOS/EOS the vocabulary adds (llama_tokenize add_special).")
+@click.option("--tokenizer-dir", default=None, type=click.Path(file_okay=False),
+              help="transformers candidate: the model folder whose tokenizer files it loads (without: UNMEASURED).")
+@click.option("--mlx-folder", default=None, type=click.Path(file_okay=False),
+              help="mlx candidate: the model folder mlx-lm loads, tokenizer files included (without: UNMEASURED).")
+@click.option("--ledger", default=None, type=click.Path())
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
+@override_option
+@click.option("--json", "as_json", is_flag=True, help="Print the tokenizer receipt (JSON).")
+def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder, ledger, no_evidence, overrides, as_json) -> None:
+    """The candidate's own token ids for each prompt's text against llama.cpp's (exit 0: all equal;
+    1: a text differs, naming the prompt, position and tokens; 5: no tokenizer of its own to ask)."""
+    # deferred: startup
+    from harness.runs import second_opinion
+    from harness.runs.tokenizer import TokenizerRequest, run_tokenizer
+
+    d = _parity_defaults()
+    cand = candidate or d["candidate"]
+    req = TokenizerRequest(model=model or d["model"], candidate=cand, prompts=prompts, ledger=ledger or d["ledger"],
+                           overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
+                           add_special=add_special,
+                           candidate_settings={**({"tokenizer_dir": tokenizer_dir} if tokenizer_dir else {}), **_dtype_settings(None, cand, mlx_folder)})
+    run = run_tokenizer(req)
+    if as_json:
+        _echo_json(run.receipt)
+    else:
+        t = Table(title=_m(f"tokenizer: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
+        for col in ("prompt", "llama.cpp", "candidate", "first difference"):
+            t.add_column(col)
+        for c in run.comparisons:
+            t.add_row(_m(c.prompt), str(len(c.reference)), str(len(c.candidate)), "—" if c.ok else str(c.first_diff))
+        _console().print(t)
+        for f in run.receipt["second_opinion"]["findings"]:
+            click.echo(_p(second_opinion.finding_line(f)))
+        click.echo(_p(f"{run.verdict.value}: {run.message}"))
+        if run.receipt_path:
+            click.echo(_p(f"receipt: {run.receipt_path}"))
+    sys.exit(run.verdict.exit_code)
+
+
+@cli.command()
+@click.option("--candidate", required=True, help="Engine exposing activations (oracle, mutant:NAME, llama.cpp, transformers, command:NAME).")
+@click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
+@click.option("--prompt", "prompt_id", default=None, help="Prompt id from the prompt set (default: the first).")
+@click.option("--prompts", default=None, type=click.Path())
+@click.option("--chunks", default=None, metavar="N,N,...", help="Feed the prompt in pieces of these lengths (state carried); LxN repeats L N times (16,1x64).")
+@click.option("--max-tokens", default=None, type=int, help="Compare at most this many positions (default 128: LocalizeRequest.max_tokens).")
+@click.option("--thresholds", default=None, type=click.Path())
+@override_option
+@click.option("--json", "as_json", is_flag=True)
+def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, thresholds, overrides, as_json) -> None:
+    """Compare a candidate's named activations with the oracle's, in forward order, and name the
+    first tensor over the bounds (exit 0 clean, 1 divergence, 5 nothing compared)."""
+    # deferred: startup
+    from harness.runs.localize import LocalizeRequest, run_localize
+    from harness.judge.reproducer import parse_chunks_arg
+
+    d = _parity_defaults()
+    try:
+        pieces = parse_chunks_arg(chunks) if chunks else None
+    except ValueError:
+        raise InvalidInput(f"--chunks {chunks!r}: expected comma-separated positive integers (LxN: L repeated N times)") from None
+    if pieces is not None and any(p <= 0 for p in pieces):
+        raise InvalidInput(f"--chunks {chunks!r}: lengths must be positive")
+    req = LocalizeRequest(model=model or d["model"], candidate=candidate, prompt=prompt_id, prompts=prompts or d["prompts"],
+                          chunks=pieces, thresholds=thresholds or d["thresholds"], overrides=list(overrides))
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    loc = run_localize(req)
+    if as_json:
+        _echo_json(loc.to_dict())
+    else:
+        t = Table(title=_m(f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})"))
+        for col in ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine"):
+            t.add_column(col, justify="right")
+        for e in loc.per_layer:
+            t.add_row(str(e["layer"]) if e["layer"] >= 0 else "output", _m(e["type"]), str(e["compared"]), str(e["missing"]), str(e["over"]),
+                      f"{e['max_nmse']:.3g}", f"{e['min_cosine']:.6f}")
+        _console().print(t)
+        click.echo(f"{loc.compared} tensors compared")
+        if loc.first:
+            click.echo(_p(f"{loc.verdict.value}: {loc.message}"))
+        elif loc.verdict.value == "UNMEASURED":
+            click.echo("UNMEASURED: no tensor of the candidate could be compared with the oracle")
+        else:
+            click.echo("no tensor over the bounds")
+    sys.exit(loc.verdict.exit_code)
+
+
+@cli.command()
+@click.argument("receipt", type=click.Path(), required=False)
+@click.option("--out", "out_dir", default=None, type=click.Path(), help="Output directory (default: reports/<id>/ beside the receipts).")
+@click.option("--localize/--no-localize", "localize_", default=None,
+              help="Localize the candidate against the oracle and plot the per-layer profile "
+                   "(default: on a FAIL whose candidate exposes activations).")
+@click.option("--signoff", "signoff_seq", default=None, type=click.IntRange(min=1), metavar="SEQ",
+              help="The page of the sign-off at ledger row SEQ instead of a receipt's (harness ledger show --kind signoff).")
+@click.option("--ledger", default=None, type=click.Path(), help="With --signoff: the ledger (default: the project's).")
+def report(receipt, out_dir, localize_, signoff_seq, ledger) -> None:
+    """Write the verdict page of a parity, probe, MTP or tokenizer receipt (report.md, report.html,
+    PNG plots; the reports index beside the ledger is regenerated), or with --signoff SEQ the page
+    of a sign-off row."""
+    # deferred: startup
+    from harness.runs.explain import write_explained_report
+
+    if (receipt is None) == (signoff_seq is None):
+        raise InvalidInput("harness report takes a RECEIPT or --signoff SEQ (one of them)")
+    if out_dir:
+        require_writable_dir(out_dir, "report folder")  # before any localization is spent
+    if signoff_seq is not None:
+        from harness.evidence.report import write_signoff_report
+
+        md = write_signoff_report(ledger or load_config().ledger, signoff_seq, out_dir)
+        click.echo(_p(f"report: {md}"))
+        click.echo(_p(f"html:   {md.with_suffix('.html')}"))
+        return
+    con = _console(stderr=True)
+    md = write_explained_report(receipt, out_dir, localize="auto" if localize_ is None else localize_, log=lambda m: con.print(Text(m)))
+    click.echo(_p(f"report: {md}"))
+    click.echo(_p(f"html:   {md.with_suffix('.html')}"))

@@ -1,0 +1,256 @@
+"""The reference's logits computed once (issue 47): a content-addressed cache on disk.
+
+A sign-off or a sweep over N candidates on one model compares each candidate with the same
+reference rows (llama.cpp on the same token ids, same build, same settings). Like
+``llama-perplexity --kl-divergence-base``, the rows are saved once and read back for every
+later comparison.
+
+Key: sha256 of a canonical JSON of the model file's sha256, the token ids, the reference
+engine's name, version and build (``info.build``: its ``cpu_features`` line, llama.cpp's
+``llama_print_system_info()``) and its settings (``info.settings``: threads, n_ctx, n_batch,
+n_ubatch, ``type_k``/``type_v`` (KV type), ``use_extra_bufts`` (buffer setting), GGUF overrides).
+
+An entry is two files in the cache folder: ``<key>.f32`` (the rows, little-endian float32,
+C order, ``[n_tokens, n_vocab]``, exactly as the reference streamed them) and ``<key>.json``
+(``n_tokens``, ``n_vocab``, ``dtype``, ``sha256`` of the ``.f32`` bytes, the key's inputs).
+Both are written to temporary names and renamed (``os.replace``) under a ``filelock`` lock on
+``<key>.lock``, held while the reference computes: a parallel job on the same key waits, then
+reads the entry; a reader takes the same lock. Before use the ``.f32`` file's size and sha256 are
+checked against its ``.json``: a corrupted or truncated entry is removed and recomputed, never
+used. A file in the folder that is not a valid entry is ignored and reported (``invalid``).
+
+Location: ``$HARNESS_REFERENCE_CACHE`` if set (``off``/``0``/empty turns the cache off), else
+``$XDG_CACHE_HOME/qwen35-harness/reference`` (``~/.cache/qwen35-harness/reference``). Size bound:
+``$HARNESS_REFERENCE_CACHE_MAX_GB`` (default 20 GB); after each write the least recently used
+entries (by the ``.json`` file's mtime, touched on every hit; an entry whose lock is held is
+kept) are removed until the folder fits.
+One cell at 2,048 × 248,320 float32 is about 2 GB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from filelock import FileLock, Timeout
+
+DTYPE = "<f4"
+DEFAULT_MAX_GB = 20.0
+BLOCK_ROWS = 64
+_CHUNK = 1 << 24
+
+
+def default_dir() -> Path | None:
+    """The cache folder from the environment (module docstring), or None when it is turned off."""
+    env = os.environ.get("HARNESS_REFERENCE_CACHE")
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "no", "false") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qwen35-harness" / "reference"
+
+
+def _max_bytes() -> int:
+    try:
+        return int(float(os.environ.get("HARNESS_REFERENCE_CACHE_MAX_GB", DEFAULT_MAX_GB)) * 1e9)
+    except ValueError:
+        return int(DEFAULT_MAX_GB * 1e9)
+
+
+def _sha256_path(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(model_sha256: str, tokens: Sequence[int], info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The entry's key (sha256 hex) and the inputs it hashes. ``info``: the reference's
+    ``EngineInfo.to_dict()`` (name, version, settings, build)."""
+    toks = np.asarray([int(t) for t in tokens], dtype="<i8")
+    inputs = {"model_sha256": model_sha256, "tokens_sha256": hashlib.sha256(toks.tobytes()).hexdigest(), "n_tokens": int(toks.size),
+              "engine": info.get("name"), "version": info.get("version"), "settings": info.get("settings", {}),
+              "build": info.get("build", {})}
+    blob = json.dumps(inputs, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest(), inputs
+
+
+@dataclass
+class ReferenceCache:
+    """The cache folder and what this run did with it: ``hits``/``misses`` (prompts), ``invalid``
+    (files that were not valid entries, each ``"name: why"``; corrupted entries among them are
+    removed and recomputed)."""
+
+    root: Path
+    max_bytes: int = field(default_factory=_max_bytes)
+    hits: int = 0
+    misses: int = 0
+    invalid: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
+        """Report files that are not part of an entry (never read as one)."""
+        for p in sorted(self.root.iterdir()):
+            stem, suf = p.stem, p.suffix
+            ok_name = len(stem) == 64 and all(c in "0123456789abcdef" for c in stem) and suf in (".f32", ".json", ".lock")
+            if not ok_name and not p.name.startswith(".tmp"):
+                self.invalid.append(f"{p.name}: not a cache entry (ignored)")
+
+    def record(self) -> dict[str, Any]:
+        """The receipt's ``reference_cache`` field."""
+        return {"enabled": True, "dir": str(self.root), "hits": self.hits, "misses": self.misses,
+                "from_cache": self.hits > 0 and self.misses == 0, "invalid": list(self.invalid)}
+
+    def _lock(self, key: str) -> FileLock:
+        return FileLock(str(self.root / f"{key}.lock"))
+
+    def load(self, key: str, n_tokens: int) -> np.ndarray | None:
+        """The entry's rows (a read-only memory map ``[n_tokens, n_vocab]`` float32, ``n_vocab``
+        from its ``.json``) once its size and sha256 match; None when there is none. A
+        mismatching entry is removed and reported. The caller holds the key's lock."""
+        meta_p, data_p = self.root / f"{key}.json", self.root / f"{key}.f32"
+        if not meta_p.exists() and not data_p.exists():
+            return None
+        why, n_vocab = self._invalid_reason(meta_p, data_p, n_tokens)
+        if why:
+            self.invalid.append(f"{key[:16]}: {why} (removed, recomputed)")
+            for p in (meta_p, data_p):
+                p.unlink(missing_ok=True)
+            return None
+        os.utime(meta_p)
+        return np.memmap(data_p, dtype=DTYPE, mode="r", shape=(n_tokens, n_vocab))
+
+    @staticmethod
+    def _invalid_reason(meta_p: Path, data_p: Path, n_tokens: int) -> tuple[str | None, int]:
+        try:
+            meta = json.loads(meta_p.read_text())
+            n_rows, n_vocab, dtype, sha = int(meta["n_tokens"]), int(meta["n_vocab"]), str(meta["dtype"]), str(meta["sha256"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "metadata missing or unreadable", 0
+        if (n_rows, dtype) != (n_tokens, DTYPE) or n_vocab <= 0:
+            return f"{n_rows} rows of {n_vocab} {dtype} do not match {n_tokens} rows of {DTYPE}", 0
+        if not data_p.exists() or data_p.stat().st_size != n_tokens * n_vocab * 4:
+            return "rows truncated or missing", 0
+        if _sha256_path(data_p) != sha:
+            return "sha256 of the rows does not match", 0
+        return None, n_vocab
+
+    def store(self, key: str, inputs: dict[str, Any], blocks: Iterator[tuple[int, np.ndarray]],
+              n_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Pass ``blocks`` through while writing them to a temporary file; once all ``n_tokens``
+        rows went by, rename it (with its ``.json``) into place under the lock. A stream that
+        stops early or raises leaves no entry."""
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".f32", dir=self.root)
+        h, rows, done, n_vocab = hashlib.sha256(), 0, False, 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for start, block in blocks:
+                    b = np.ascontiguousarray(block, dtype=DTYPE)
+                    if b.ndim != 2 or (n_vocab and b.shape[1] != n_vocab) or start != rows:
+                        rows = -1  # malformed: the consumer rejects it; nothing is stored
+                    if rows >= 0:
+                        n_vocab = b.shape[1]
+                        f.write(b.data)
+                        h.update(b.data)
+                        rows += b.shape[0]
+                    yield start, block
+            done = rows == n_tokens
+            if done:
+                self._commit(key, inputs, Path(tmp), h.hexdigest(), n_tokens, n_vocab)
+        finally:
+            if not done:
+                Path(tmp).unlink(missing_ok=True)
+
+    def _commit(self, key: str, inputs: dict[str, Any], tmp: Path, sha: str, n_tokens: int, n_vocab: int) -> None:
+        meta = {"n_tokens": n_tokens, "n_vocab": n_vocab, "dtype": DTYPE, "sha256": sha, "inputs": inputs}
+        fd, tmp_meta = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.root)
+        with os.fdopen(fd, "w") as f:
+            json.dump(meta, f, sort_keys=True)
+        os.replace(tmp, self.root / f"{key}.f32")  # the caller holds the key's lock
+        os.replace(tmp_meta, self.root / f"{key}.json")
+        self.evict(keep=key)
+
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Remove least-recently-used entries (``.json`` mtime) until the folder's entries fit
+        ``max_bytes``; ``keep`` is never removed. Returns the keys removed."""
+        entries = []
+        for meta_p in self.root.glob("*.json"):
+            data_p = meta_p.with_suffix(".f32")
+            try:
+                entries.append((meta_p.stat().st_mtime, meta_p.stem, data_p.stat().st_size if data_p.exists() else 0))
+            except OSError:
+                continue
+        total, removed = sum(e[2] for e in entries), []
+        for _, key, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if key == keep:
+                continue
+            lock = self._lock(key)
+            try:
+                lock.acquire(timeout=0)  # an entry in use (read or computed elsewhere) stays
+            except Timeout:
+                continue
+            try:
+                for suf in (".json", ".f32"):
+                    (self.root / f"{key}{suf}").unlink(missing_ok=True)
+            finally:
+                lock.release()
+            total -= size
+            removed.append(key)
+        return removed
+
+
+class CachedReference:
+    """A reference engine whose ``logits(tokens)`` come from ``cache`` when an entry for
+    (``model_sha256``, tokens, the engine's info) exists, else from the engine (streamed, and
+    stored). Every other attribute is the wrapped engine's."""
+
+    def __init__(self, engine: Any, cache: ReferenceCache, model_sha256: str):
+        self._engine, self._cache, self._model_sha256 = engine, cache, model_sha256
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """Blocks ``(start, [B, n_vocab] float32)`` in position order, as ``Engine.logits``."""
+        if chunks is not None:
+            yield from self._engine.logits(tokens, chunks)
+            return
+        n = len(tokens)
+        key, inputs = cache_key(self._model_sha256, tokens, self._engine.info.to_dict())
+        lock = self._cache._lock(key)
+        lock.acquire()  # held while the reference computes: a parallel job waits, then reads the entry
+        try:
+            rows = self._cache.load(key, n)
+            if rows is None:
+                self._cache.misses += 1
+                yield from self._cache.store(key, inputs, self._engine.logits(tokens), n)
+                return
+        finally:
+            lock.release()
+        self._cache.hits += 1
+        for s in range(0, n, BLOCK_ROWS):
+            yield s, np.array(rows[s:s + BLOCK_ROWS])
+
+
+def wrap(engine: Any, model_sha256: str, enabled: bool = True) -> Any:
+    """``engine`` behind the cache (``CachedReference``) when ``enabled`` and the environment
+    names a folder (``default_dir``); else ``engine`` itself."""
+    root = default_dir() if enabled else None
+    return engine if root is None else CachedReference(engine, ReferenceCache(root), model_sha256)
+
+
+def record_of(engine: Any) -> dict[str, Any]:
+    """The receipt's ``timings.reference_cache``: ``ReferenceCache.record()`` of a
+    ``CachedReference``, else ``{"enabled": False}``."""
+    return engine._cache.record() if isinstance(engine, CachedReference) else {"enabled": False}
