@@ -37,6 +37,7 @@ def test_a_real_head_fixture_reads_back_qwen35s_head_sizes_and_lints_clean(name)
     assert (hp.arch, hp.head_dim, hp.n_rot, hp.ssm_d_state, hp.ssm_d_conv) == (arch, 256, 64, 128, 4)
     assert (hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_inner // hp.ssm_dt_rank) == (n_k, n_v, 128)
     assert tuple(hp.rope_sections)[:3] == (11, 11, 10) and hp.n_embd == 128
+    assert GGUFModel(path).metadata(f"{arch}.context_length") == 32_768  # a long-context file lint accepts
     report = lint_path(path)
     assert not report.errors, [f.code for f in report.errors]
 
