@@ -9,7 +9,9 @@ a signal (ggml ``abort()`` → SIGABRT), or whose stream ends early, becomes ``E
 llama.cpp's own error line and the worker's last stderr lines; the harness itself never dies.
 
 Settings that change numerics (recorded in ``info``): n_ctx, n_batch, n_ubatch, n_threads,
-type_k/type_v (KV cache types), flash_attn, use_extra_bufts, kv overrides.
+type_k/type_v (KV cache types, ``KV_TYPES``, checked when the settings are made), flash_attn,
+use_extra_bufts, kv overrides; after a decode, ``flash_attn_ran`` (whether llama.cpp's log says
+flash attention ran, which ``auto`` leaves to llama.cpp).
 
 Extra buffer types (``llama_model_params.use_extra_bufts``, llama.cpp's ``--repack`` /
 ``--no-repack``) are off by default, where llama.cpp's own default is on: with them the CPU
