@@ -144,6 +144,8 @@ def test_the_key_changes_with_each_input_it_names():
                cache_key("a" * 64, [1, 2, 3], {**info, "settings": {**info["settings"], "use_extra_bufts": True}})[0],
                cache_key("a" * 64, [1, 2, 3], {**info, "build": {"cpu_features": "AVX512 = 1"}})[0]]
     assert len({base, *changed}) == 6
+    # what llama.cpp's log said after a decode is no input: the key before and after it is the same
+    assert cache_key("a" * 64, [1, 2, 3], {**info, "settings": {**info["settings"], "flash_attn_ran": "enabled"}})[0] == base
 
 
 def test_an_early_stop_leaves_no_entry_and_eviction_keeps_the_bound(tmp_path):

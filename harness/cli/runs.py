@@ -39,9 +39,11 @@ def _parity_defaults() -> dict[str, Any]:
 
 
 def _render_parity(outcome) -> None:
+    from harness.engines.options import engine_label  # deferred: startup
+
     r, rec = outcome.result, outcome.receipt
     con = _console()
-    t = Table(title=_m(f"parity: {rec['engines']['candidate']['name']} vs {rec['engines']['reference']['name']} on {rec['model']['name']} ({rec['model']['file_type']})"))
+    t = Table(title=_m(f"parity: {engine_label(rec['engines']['candidate'])} vs {engine_label(rec['engines']['reference'])} on {rec['model']['name']} ({rec['model']['file_type']})"))
     for col in ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing"):
         t.add_column(col, justify="right" if col != "prompt" else "left")
     f = lambda v, spec: "-" if v is None else format(v, spec)
@@ -107,12 +109,20 @@ def _render_parity(outcome) -> None:
               help="With --mtp: tokens per prompt the draft head is compared over.")
 @click.option("--no-reference-cache", is_flag=True, help="Run the reference even where its logits are in the cache "
               "($HARNESS_REFERENCE_CACHE, default ~/.cache/qwen35-harness/reference; docs/design.md).")
+@click.option("--cache-type-k", default=None, metavar="TYPE", help="llama.cpp-based candidate: KV-cache K type (f32, f16, bf16, q8_0, q4_0; default f16).")
+@click.option("--cache-type-v", default=None, metavar="TYPE", help="llama.cpp-based candidate: KV-cache V type (same types; quantized needs flash attention).")
+@click.option("--flash-attn", default=None, metavar="auto|on|off", help="llama.cpp-based candidate: flash attention (default auto).")
+@click.option("--reference-cache-type-k", default=None, metavar="TYPE", help="llama.cpp reference: KV-cache K type (default f16).")
+@click.option("--reference-cache-type-v", default=None, metavar="TYPE", help="llama.cpp reference: KV-cache V type (default f16).")
+@click.option("--reference-flash-attn", default=None, metavar="auto|on|off", help="llama.cpp reference: flash attention (default auto).")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, mlx_folder,
-           no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens, no_reference_cache) -> None:
+           no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens, no_reference_cache, cache_type_k, cache_type_v,
+           flash_attn, reference_cache_type_k, reference_cache_type_v, reference_flash_attn) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class. With --mtp: the MTP draft head instead."""
     # deferred: startup
+    from harness.engines.options import kv_settings
     from harness.runs.inputs import run_each
     from harness.runs.parity import ParityRequest, run_parity
 
@@ -122,7 +132,11 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
         _mtp_cells(specs, candidate or d["candidate"], reference or d["reference"], prompts or d["prompts"],
                    thresholds or d["thresholds"], ledger or d["ledger"], overrides, as_json, no_evidence, dtype, mtp_max_tokens)
         return
-    settings, tier = _dtype_settings(dtype, candidate or d["candidate"], mlx_folder), _measure_tier(no_calibrate)
+    settings = {**_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
+                **kv_settings(candidate or d["candidate"], cache_type_k, cache_type_v, flash_attn)}
+    reference_settings = kv_settings(reference or d["reference"], reference_cache_type_k, reference_cache_type_v,
+                                     reference_flash_attn, prefix="--reference-")
+    tier = _measure_tier(no_calibrate)
 
     def request(spec: str) -> ParityRequest:
         return ParityRequest(
@@ -130,7 +144,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"], ledger=ledger or d["ledger"],
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
             measure_tier=tier, require_calibrated=require_calibrated, candidate_settings=settings, greedy_tokens=greedy_tokens,
-            reference_cache=not no_reference_cache,
+            reference_settings=reference_settings, reference_cache=not no_reference_cache,
         )
 
     verdicts = []

@@ -9,7 +9,9 @@ a signal (ggml ``abort()`` → SIGABRT), or whose stream ends early, becomes ``E
 llama.cpp's own error line and the worker's last stderr lines; the harness itself never dies.
 
 Settings that change numerics (recorded in ``info``): n_ctx, n_batch, n_ubatch, n_threads,
-type_k/type_v (KV cache types), flash_attn, use_extra_bufts, kv overrides.
+type_k/type_v (KV cache types, ``KV_TYPES``, checked when the settings are made), flash_attn,
+use_extra_bufts, kv overrides; after a decode, ``flash_attn_ran`` (whether llama.cpp's log says
+flash attention ran, which ``auto`` leaves to llama.cpp).
 
 Extra buffer types (``llama_model_params.use_extra_bufts``, llama.cpp's ``--repack`` /
 ``--no-repack``) are off by default, where llama.cpp's own default is on: with them the CPU
@@ -45,7 +47,7 @@ import numpy as np
 
 from harness.engines.base import MTP_CONVENTIONS, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.engines.process import exit_status, read_tail, tail_lines
-from harness.errors import EngineError
+from harness.errors import EngineError, InvalidInput
 from harness.model.gguf_model import Override
 from harness.rundir import scratch_dir
 
@@ -56,6 +58,21 @@ llama.cpp runs by default): for users who want the reference as llama.cpp's own 
 EXTRA_BUFFERS = ("AMX", "CPU_REPACK")
 """The CPU backend's extra buffer types a repacked weight lands in (ggml-cpu ``amx/amx.cpp``,
 ``repack.cpp``; the names llama.cpp's load log prints)."""
+
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+"""The KV-cache types (``llama_context_params.type_k`` / ``type_v``; llama.cpp's ``--cache-type-k`` /
+``--cache-type-v``) the harness runs and judges: the float ones and the two quantized ones the
+KV-type matrix measures (docs/gates-matrix.md, "KV-cache types")."""
+
+QUANTIZED_KV = ("q8_0", "q4_0")
+"""The quantized ones: llama.cpp needs flash attention for a quantized V cache (``llama_context``:
+"quantized V cache requires flash_attn to be enabled")."""
+
+FLASH_ATTN_MODES = ("auto", "on", "off")
+"""``llama_context_params.flash_attn_type``: ``LLAMA_FLASH_ATTN_TYPE_AUTO`` / ``ENABLED`` / ``DISABLED``
+(llama.cpp's ``--flash-attn auto|on|off``)."""
+
+_FLASH_ATTN_LOG = re.compile(r"llama_context: flash_attn\s+=\s+(\w+)|Flash Attention (enabled)|Flash Attention not supported, set to (disabled)")
 
 _MODEL_BUFFER = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) MiB")
 
@@ -78,6 +95,21 @@ class LlamaCppSettings:
     """``llama_model_params.use_extra_bufts`` (llama.cpp ``--repack``): weights repacked into the
     CPU backend's extra buffer types (``EXTRA_BUFFERS``). Off: the AMX path segfaults on Intel
     Xeon (module docstring); the ``llama.cpp-repack`` engine turns it on."""
+
+    def __post_init__(self) -> None:
+        """Check ``type_k`` / ``type_v`` (``KV_TYPES``) and ``flash_attn`` (``FLASH_ATTN_MODES``) before
+        any worker starts. Raises ``InvalidInput`` (exit 2), one line naming the allowed values; also
+        for a quantized V cache with flash attention off, which llama.cpp refuses (its context fails
+        to initialize)."""
+        for key in ("type_k", "type_v"):
+            if getattr(self, key) not in KV_TYPES:
+                raise InvalidInput(f"llama.cpp {key} {getattr(self, key)!r} is not a KV-cache type the harness runs; "
+                                   f"allowed: {', '.join(KV_TYPES)}")
+        if self.flash_attn not in FLASH_ATTN_MODES:
+            raise InvalidInput(f"llama.cpp flash_attn {self.flash_attn!r} is not one of {', '.join(FLASH_ATTN_MODES)}")
+        if self.type_v in QUANTIZED_KV and self.flash_attn == "off":
+            raise InvalidInput(f"llama.cpp needs flash attention for a quantized V cache (type_v {self.type_v}): "
+                               "flash_attn on or auto")
 
     def resolved(self, n_tokens: int) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -103,6 +135,20 @@ def model_buffers(log_lines: Iterable[str]) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
+
+
+def flash_attn_ran(log_lines: Iterable[str]) -> str | None:
+    """Whether llama.cpp's context ran flash attention, from its log: ``"enabled"`` or
+    ``"disabled"`` (``llama_context: flash_attn = enabled|disabled``, or, for ``auto``, what
+    ``resolve_fused_ops`` settled on: ``Flash Attention enabled``, ``... not supported, set to
+    disabled``); None when the log says neither (no context was made)."""
+    ran = None
+    for line in log_lines:
+        m = _FLASH_ATTN_LOG.search(line)
+        if m:
+            v = next(g for g in m.groups() if g)
+            ran = v if v in ("enabled", "disabled") else ran
+    return ran
 
 
 def crash_cause(rc: int, buffers: Mapping[str, float]) -> str:
@@ -141,6 +187,15 @@ def _scan_buffers(stderr_path: Path) -> dict[str, float]:
         return {}
 
 
+def _scan_flash_attn(stderr_path: Path) -> str | None:
+    """``flash_attn_ran`` of a worker's whole stderr file, read a line at a time."""
+    try:
+        with open(stderr_path, "r", encoding="utf-8", errors="replace") as f:
+            return flash_attn_ran(f)
+    except OSError:
+        return None
+
+
 class LlamaCppEngine:
     """llama.cpp as an engine (the reference). One model file, fixed settings.
 
@@ -174,6 +229,10 @@ class LlamaCppEngine:
         ``llama_decode``), ``n_tokens`` (tokens decoded)."""
         self.worker_peak_rss_mb = 0.0
         """The largest decoding worker's peak RSS so far (its ``VmHWM``, MB): benchmarks, tests."""
+        self.flash_attn_ran: str | None = None
+        """Whether the last decoding run ran flash attention (``flash_attn_ran``: ``enabled`` /
+        ``disabled``; None before one): ``info.settings["flash_attn_ran"]``, so a receipt says which
+        rows ran with it whatever ``flash_attn`` asked (``auto``)."""
 
     def with_settings(self, **changes: Any) -> "LlamaCppEngine":
         """The same model with some settings changed (e.g. ``n_ubatch=7``)."""
@@ -234,6 +293,7 @@ class LlamaCppEngine:
             for key in ("load_s", "decode_s", "n_tokens"):
                 self.timings[key] = self.timings.get(key, 0) + info.get(key, 0)
             self.worker_peak_rss_mb = max(self.worker_peak_rss_mb, float(info.get("peak_rss_mb") or 0))
+            self.flash_attn_ran = _scan_flash_attn(workdir / "stderr.txt") or self.flash_attn_ran
         return info
 
     def _run(self, request: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -255,7 +315,8 @@ class LlamaCppEngine:
         return EngineInfo(
             name=self.name,
             version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
-            settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides]},
+            settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides],
+                      **({"flash_attn_ran": self.flash_attn_ran} if self.flash_attn_ran else {})},
             capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"] + (["mtp"] if si.get("n_layer_nextn") else []),
             build={"cpu_features": si.get("system_info", ""), "model_desc": si.get("model_desc", ""),
                    "model_buffers": si.get("model_buffers", {})},

@@ -44,6 +44,7 @@ DTYPE = "<f4"
 DEFAULT_MAX_GB = 20.0
 BLOCK_ROWS = 64
 _CHUNK = 1 << 24
+OBSERVED_SETTINGS = frozenset({"flash_attn_ran"})  # what an engine read from its own log, not what was asked
 
 
 def default_dir() -> Path | None:
@@ -74,8 +75,11 @@ def cache_key(model_sha256: str, tokens: Sequence[int], info: dict[str, Any]) ->
     """The entry's key (sha256 hex) and the inputs it hashes. ``info``: the reference's
     ``EngineInfo.to_dict()`` (name, version, settings, build)."""
     toks = np.asarray([int(t) for t in tokens], dtype="<i8")
+    # Observations recorded beside the settings after a decode (llama.cpp's ``flash_attn_ran``) are
+    # not inputs: the key is made before and after the first decode alike.
+    settings = {k: v for k, v in (info.get("settings") or {}).items() if k not in OBSERVED_SETTINGS}
     inputs = {"model_sha256": model_sha256, "tokens_sha256": hashlib.sha256(toks.tobytes()).hexdigest(), "n_tokens": int(toks.size),
-              "engine": info.get("name"), "version": info.get("version"), "settings": info.get("settings", {}),
+              "engine": info.get("name"), "version": info.get("version"), "settings": settings,
               "build": info.get("build", {})}
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest(), inputs
