@@ -97,6 +97,14 @@ def test_parity_refuses_a_bad_type_name_in_one_line_exit_2():
                                 "allowed: f32, f16, bf16, q8_0, q4_0")
 
 
+def test_parity_mtp_refuses_kv_options_rather_than_ignoring_them():
+    r = _harness("parity", "--mtp", "--model", "fixture:tiny-qwen35-mtp", "--candidate", "oracle", "--reference-cache-type-k", "q8_0",
+                 "--no-evidence")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("harness: INVALID: --reference-cache-type-k: not with --mtp (the MTP cells run llama.cpp's MTP "
+                                "context at its default KV settings)")
+
+
 def test_parity_receipt_and_title_name_the_kv_types(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "p", "tokens": [(7 * i + 3) % 500 for i in range(80)]}) + "\n")

@@ -129,6 +129,11 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
     d = _parity_defaults()
     specs = list(models) or d["models"]
     if mtp:
+        kv = {"--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--flash-attn": flash_attn,
+              "--reference-cache-type-k": reference_cache_type_k, "--reference-cache-type-v": reference_cache_type_v,
+              "--reference-flash-attn": reference_flash_attn}
+        if given := [k for k, v in kv.items() if v is not None]:
+            raise InvalidInput(f"{', '.join(given)}: not with --mtp (the MTP cells run llama.cpp's MTP context at its default KV settings)")
         _mtp_cells(specs, candidate or d["candidate"], reference or d["reference"], prompts or d["prompts"],
                    thresholds or d["thresholds"], ledger or d["ledger"], overrides, as_json, no_evidence, dtype, mtp_max_tokens)
         return
