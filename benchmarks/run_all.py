@@ -34,6 +34,10 @@ of things measured side by side in this run, and the page records the machine an
 9. The speculative probe's given drafts (bench_speculative.py): one given-draft case per draft
    depth 1 … 8 at a 1,020-token prompt on the oracle and the example engine, seconds and peak
    memory; ``--only speculative`` rewrites only its part of the page.
+10. The serving probe's cost (bench_serving.py): the shipped concurrency-N scenarios (1 … 7
+   requests in flight) and a two-turn conversation reaching 1K, 4K and 16K positions on the
+   oracle, each judged whole (served once, every request alone), seconds and peak memory;
+   ``--only serving`` (``--serving-histories`` to choose the histories) rewrites only its part.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -63,6 +67,7 @@ sys.path.insert(0, str(HERE))
 import bench_evidence  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
+import bench_serving  # noqa: E402
 import bench_speculative  # noqa: E402
 import bench_tokenizer  # noqa: E402
 
@@ -293,7 +298,8 @@ def main() -> None:
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
-    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative"], default=None,
+    ap.add_argument("--serving-histories", default="1024,4096,16384", help="history lengths of section 10")
+    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "serving"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -317,6 +323,13 @@ def main() -> None:
         sp = bench_speculative.measure()
         splice_section(Path(a.out), "The speculative probe's given drafts", bench_speculative.section(sp), "speculative", sp)
         print(f"wrote the speculative section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+    histories = tuple(int(h) for h in a.serving_histories.split(",") if h)
+    if a.only == "serving":
+        print("10. the serving probe's cost ...", flush=True)
+        sv = bench_serving.measure(histories)
+        splice_section(Path(a.out), "The serving probe's cost", bench_serving.section(sv), "serving", sv)
+        print(f"wrote the serving section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
     print("1. metrics vs plain pass at V=248,320 ...", flush=True)
@@ -371,6 +384,8 @@ def main() -> None:
     r["tokenizer"] = bench_tokenizer.measure()
     print("9. the speculative probe's given drafts ...", flush=True)
     r["speculative"] = bench_speculative.measure()
+    print("10. the serving probe's cost ...", flush=True)
+    r["serving"] = bench_serving.measure(histories)
     r["load"]["end"] = load()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -514,6 +529,8 @@ def render(r: dict) -> str:
         lines += ["", *bench_tokenizer.section(r["tokenizer"])]
     if "speculative" in r:
         lines += ["", *bench_speculative.section(r["speculative"])]
+    if "serving" in r:
+        lines += ["", *bench_serving.section(r["serving"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
 
