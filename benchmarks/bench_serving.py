@@ -74,8 +74,10 @@ def measure(histories: tuple[int, ...] = HISTORIES, model: str = "fixture:tiny-q
         peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
         row = r.details["scenarios"][0]
-        return {"seconds": round(s, 2), "peak_mb": round(peak, 1), "verdict": r.verdict.value,
-                "served_steps": len(row.get("log", {}).get("steps", []))}
+        got = {"seconds": round(s, 2), "peak_mb": round(peak, 1), "verdict": r.verdict.value,
+               "served_steps": len(row.get("log", {}).get("steps", []))}
+        print(f"{sc.name}: {got}", file=sys.stderr, flush=True)
+        return got
 
     shipped = {s.name: s for s in load_scenarios()}
     for n in CONCURRENCY:
