@@ -97,7 +97,7 @@ def section(r: dict[str, Any]) -> list[str]:
              f"`benchmarks/bench_serving.py`: the oracle on `{r['model']}`, each scenario judged whole by the serving probe "
              "(served once, every request run alone with `generate` and `logits`), no reference comparison. Memory: the peak of "
              f"numpy and Python allocations during the scenario (tracemalloc). Load average {r['load_start']} at the start, "
-             f"{r['load_end']} at the end; process peak RSS {r['process_peak_rss_mb']:.0f} MB.", "",
+             f"{r['load_end']} at the end" + (f"; process peak RSS {r['process_peak_rss_mb']:.0f} MB." if r.get("process_peak_rss_mb") else "."), "",
              "| requests in flight | seconds | peak MB | steps served | verdict |", "|---:|---:|---:|---:|---|"]
     lines += [f"| {n} | {v['seconds']:.2f} | {v['peak_mb']:.1f} | {v['served_steps']} | {v['verdict']} |" for n, v in c.items()]
     lines += ["", "| history (positions) | seconds | peak MB | steps served | verdict |", "|---:|---:|---:|---:|---|"]
