@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-slow test-release-slow parity-tests bench bench-evidence fuzz clean
+.PHONY: setup run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,6 +47,11 @@ bench: setup
 ## minutes, about 5 GB of temporary files): rewrites only that section of docs/benchmarks.md
 bench-evidence: setup
 	$(PY) benchmarks/run_all.py --only evidence
+
+## section 10 alone (the serving probe's cost: concurrency 1 to 7, histories 1K, 4K and 16K; minutes):
+## rewrites only that section of docs/benchmarks.md
+bench-serving: setup
+	$(PY) benchmarks/run_all.py --only serving
 
 ## a longer, randomly seeded fuzzing campaign (the default suite runs a few fixed-seed examples per
 ## target): GGUF reader + lint, thresholds and contract loaders, the engine-output reader, the prompt

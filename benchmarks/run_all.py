@@ -38,6 +38,10 @@ of things measured side by side in this run, and the page records the machine an
 10. The reference cache (bench_reference_cache.py): the section 2 cell cold and warm with one
    fresh cache folder, the seconds a sweep of 4 candidates saves; ``--only reference-cache``
    rewrites only its part of the page.
+11. The serving probe's cost (bench_serving.py): the shipped concurrency-N scenarios (1 … 7
+   requests in flight) and a two-turn conversation reaching 1K and 4K positions (16K on
+   request) on the oracle, each judged whole (served once, every request alone), seconds and peak memory;
+   ``--only serving`` (``--serving-histories`` to choose the histories) rewrites only its part.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -68,6 +72,7 @@ import bench_evidence  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
 import bench_reference_cache  # noqa: E402
+import bench_serving  # noqa: E402
 import bench_speculative  # noqa: E402
 import bench_tokenizer  # noqa: E402
 
@@ -298,7 +303,9 @@ def main() -> None:
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
-    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "reference-cache"], default=None,
+    ap.add_argument("--serving-histories", default="1024,4096", help="history lengths of section 11 (16384 on request: "
+                    "about 25 GB at the 4K run's growth)")
+    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "reference-cache", "serving"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -322,6 +329,13 @@ def main() -> None:
         sp = bench_speculative.measure()
         splice_section(Path(a.out), "The speculative probe's given drafts", bench_speculative.section(sp), "speculative", sp)
         print(f"wrote the speculative section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+    histories = tuple(int(h) for h in a.serving_histories.split(",") if h)
+    if a.only == "serving":
+        print("11. the serving probe's cost ...", flush=True)
+        sv = bench_serving.measure(histories)
+        splice_section(Path(a.out), "The serving probe's cost", bench_serving.section(sv), "serving", sv)
+        print(f"wrote the serving section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
     if a.only == "reference-cache":
@@ -389,6 +403,8 @@ def main() -> None:
     r["tokenizer"] = bench_tokenizer.measure()
     print("9. the speculative probe's given drafts ...", flush=True)
     r["speculative"] = bench_speculative.measure()
+    print("11. the serving probe's cost ...", flush=True)
+    r["serving"] = bench_serving.measure(histories)
     r["load"]["end"] = load()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -534,6 +550,8 @@ def render(r: dict) -> str:
         lines += ["", *bench_speculative.section(r["speculative"])]
     if "reference_cache" in r:
         lines += ["", *bench_reference_cache.section(r["reference_cache"])]
+    if "serving" in r:
+        lines += ["", *bench_serving.section(r["serving"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
 

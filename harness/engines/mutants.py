@@ -1053,6 +1053,54 @@ SERVING_CAUGHT_BY: dict[str, str] = {
 """Serving mutant → the first shipped scenario (``harness/data/scenarios/serving.yaml``) that fails on it."""
 
 
+class ServeSpecPadScratch(_MutantBase):
+    """Padded verification rows alias request 0's scratch slot: in a step of 3, 5 or 7 requests
+    (padded to a power of two), the snapshot the request in slot 0 rolls back to after rejected
+    drafts has had a pad row's token written into its conv and Gated DeltaNet state (sglang PR
+    #27202: ``ssm_state_indices`` covered only the unpadded rows, the padded tail zero-filled, so
+    the post-verify restore read corrupted data; vLLM PR #34077)."""
+
+    serve_faults = {"spec_pad_scratch": True}
+
+
+class ServeSpecAcceptedRow0(_MutantBase):
+    """In a step where several requests verify drafts, each one's conv and recurrent state is
+    committed for the accepted count of the batch's first verifying request, its KV cache and tokens
+    right (vLLM PR #30632 / issue #30631: redundant, repeated tokens with MTP when 4 prompts were
+    batched)."""
+
+    serve_faults = {"spec_accepted_row0": True}
+
+
+class ServeSpecCacheSpoiled(_MutantBase):
+    """The prefix cache keeps a finished speculating request's conv and recurrent state as its last
+    batch with rejected drafts left it, before the rollback, so a conversation continued from the
+    cache starts from rejected drafts (vllm-ascend #14339: MTP together with a prefix cache gives
+    wrong accuracy; vLLM #43559)."""
+
+    serve_faults = {"spec_cache_spoiled": True}
+
+
+SERVE_SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in [
+    Mutant("serve-spec-pad-scratch", "padded verify rows aliasing request 0's scratch slot", ServeSpecPadScratch.__doc__,
+           ("QMTP-SERVE-010",), ServeSpecPadScratch),
+    Mutant("serve-spec-accepted-row0", "a batched verify committing another row's accepted count", ServeSpecAcceptedRow0.__doc__,
+           ("QMTP-SERVE-010",), ServeSpecAcceptedRow0),
+    Mutant("serve-spec-cache-spoiled", "a prefix cache keeping a speculating request's state before the rollback",
+           ServeSpecCacheSpoiled.__doc__, ("QMTP-SERVE-010",), ServeSpecCacheSpoiled),
+]}
+"""Speculation-under-traffic mutants (engine ``mutant:NAME``): serving faults that act only on a
+speculating request's verification steps, so they FAIL the serving probe on the speculative
+scenarios (``harness/data/scenarios/serving-speculative.yaml``, a model with an MTP block) and
+PASS parity, the speculative probe and the plain serving scenarios."""
+ALL_MUTANTS.update(SERVE_SPEC_MUTANTS)
+SERVE_SPEC_CAUGHT_BY: dict[str, str] = {
+    "serve-spec-pad-scratch": "spec-join-odd", "serve-spec-accepted-row0": "spec-batched-4",
+    "serve-spec-cache-spoiled": "spec-prefix-hit",
+}
+"""Speculation-under-traffic mutant → the speculative scenario that fails on it."""
+
+
 def any_mutant(name: str) -> Mutant:
     """The ``Mutant`` called ``name`` (``ALL_MUTANTS``, the serving ones included); ``KeyError`` if none."""
     return ALL_MUTANTS[name]

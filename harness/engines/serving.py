@@ -59,10 +59,14 @@ class ServeRequest:
     abort_after: int | None = None
     continues: str | None = None
     force: list[int] | None = None
+    draft_max: int | None = None
+    """Speculative decoding (capability ``speculative``): the engine drafts up to this many tokens
+    per step with its MTP head and verifies them in one batch; None: plain decoding."""
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "tokens": list(self.tokens), "n_tokens": self.n_tokens, "arrival": self.arrival.to_json(),
-                "abort_after": self.abort_after, "continues": self.continues, "force": self.force}
+                "abort_after": self.abort_after, "continues": self.continues, "force": self.force,
+                **({"draft_max": self.draft_max} if self.draft_max is not None else {})}
 
     @property
     def emits(self) -> int:
@@ -88,12 +92,22 @@ class ServeScenario:
 @dataclass(frozen=True)
 class StepEntry:
     """What one request did in one step of the engine: its ``slot``, the tokens it ``fed`` (a
-    prefill chunk, or 1 for a decode) and the tokens it ``emitted`` (0 or 1 without speculation)."""
+    prefill chunk, 1 for a decode, 1 + ``drafts`` for a verification batch) and the tokens it
+    ``emitted`` (0 or 1 without speculation; ``accepted`` + 1 after a verification batch).
+    ``drafts``: the drafts verified in this step; ``accepted``: how many of them were accepted (the
+    ``drafts - accepted`` rejected ones are rolled back, so they are fed but not kept)."""
 
     request: str
     slot: int
     fed: int
     emitted: int
+    drafts: int = 0
+    accepted: int = 0
+
+    @property
+    def kept(self) -> int:
+        """History positions this step added: ``fed`` less the rejected drafts."""
+        return self.fed - (self.drafts - self.accepted)
 
 
 @dataclass
@@ -160,9 +174,9 @@ class ServeResult:
         served = self.requests[rid]
         at = served.cached
         for idx, e in self.entries_of(rid):
-            if at <= position < at + e.fed:
+            if at <= position < at + e.kept:
                 return idx
-            at += e.fed
+            at += e.kept
         return None
 
     def in_flight(self, index: int, besides: str | None = None) -> list[StepEntry]:
@@ -236,6 +250,20 @@ def _check_request(req: ServeRequest, got: ServedRequest, want_prompt: list[int]
                           "(the rows that chose its tokens must be there)")
 
 
+def _check_verify(scenario: ServeScenario, index: int, e: StepEntry, who: str) -> None:
+    """A verification entry: drafts only for a request asked to speculate and at most its
+    ``draft_max``, accepted at most drafts, fed 1 + drafts and emitted accepted + 1."""
+    if not e.drafts and not e.accepted:
+        return
+    want = next((r.draft_max for r in scenario.requests if r.id == e.request), None)
+    where = f"{who}: serve step {index}, request {e.request!r}"
+    if want is None or e.drafts > want:
+        raise EngineError(f"{where} verified {e.drafts} drafts; the request asked for " + ("no speculation" if want is None else f"at most {want}"))
+    if e.accepted > e.drafts or e.fed != 1 + e.drafts or e.emitted != e.accepted + 1:
+        raise EngineError(f"{where}: a verification batch of {e.drafts} drafts feeds 1 + drafts and emits accepted + 1 "
+                          f"(fed {e.fed}, emitted {e.emitted}, accepted {e.accepted})")
+
+
 def _check_steps(scenario: ServeScenario, result: ServeResult, who: str) -> None:
     """The step log: in order, known requests, integer slots and counts, one slot per request and
     no slot shared within a step, tokens fed and emitted adding up, arrivals honoured."""
@@ -248,8 +276,10 @@ def _check_steps(scenario: ServeScenario, result: ServeResult, who: str) -> None
         for e in s.entries:
             if e.request not in result.requests:
                 raise EngineError(f"{who}: serve step {s.index} names request {str(e.request)[:40]!r}, which is not in the scenario")
-            if not all(_is_int(x) and x >= 0 for x in (e.slot, e.fed, e.emitted)):
-                raise EngineError(f"{who}: serve step {s.index}, request {e.request!r}: slot, fed and emitted must be non-negative integers")
+            if not all(_is_int(x) and x >= 0 for x in (e.slot, e.fed, e.emitted, e.drafts, e.accepted)):
+                raise EngineError(f"{who}: serve step {s.index}, request {e.request!r}: slot, fed, emitted, drafts and accepted must be "
+                                  "non-negative integers")
+            _check_verify(scenario, s.index, e, who)
             if e.slot != result.requests[e.request].slot:
                 raise EngineError(f"{who}: serve step {s.index} runs request {e.request!r} in slot {e.slot}, "
                                   f"but the request reports slot {result.requests[e.request].slot}")
@@ -259,7 +289,7 @@ def _check_steps(scenario: ServeScenario, result: ServeResult, who: str) -> None
     for req in scenario.requests:
         got = result.requests[req.id]
         entries = result.entries_of(req.id)
-        fed, emitted = sum(e.fed for _, e in entries), sum(e.emitted for _, e in entries)
+        fed, emitted = sum(e.kept for _, e in entries), sum(e.emitted for _, e in entries)
         want_fed = len(got.prompt) - got.cached + max(len(got.tokens) - 1, 0)
         if fed != want_fed or emitted != len(got.tokens):
             raise EngineError(f"{who}: serve request {req.id!r}: its steps feed {fed} tokens and emit {emitted}; its prompt, cache "
@@ -325,18 +355,20 @@ def parse_serve_reply(doc: Any, scenario: ServeScenario, rows_of: Callable[[int,
     for s in doc["steps"]:
         if not isinstance(s, Mapping) or not isinstance(s.get("entries"), list) or not all(isinstance(e, Mapping) for e in s["entries"]):
             raise EngineError(f"{who}: serve.json steps must be objects with an 'index' and a list of 'entries'")
-        steps.append(Step(s.get("index"), [StepEntry(e.get("request"), e.get("slot"), e.get("fed"), e.get("emitted", 0))
-                                           for e in s["entries"]]))
+        steps.append(Step(s.get("index"), [StepEntry(e.get("request"), e.get("slot"), e.get("fed"), e.get("emitted", 0),
+                                                     e.get("drafts", 0), e.get("accepted", 0)) for e in s["entries"]]))
     return ServeResult(out, steps)
 
 
 def result_to_json(result: ServeResult) -> dict[str, Any]:
     """The step log and per-request summary of ``result`` (no logits) as JSON: what a probe
-    receipt records of a served scenario."""
+    receipt records of a served scenario. A step entry is ``[request, slot, fed, emitted]``, and
+    for a verification batch also ``drafts, accepted``."""
     return {
         "requests": [{"id": r.id, "slot": r.slot, "cached": r.cached, "aborted": r.aborted, "prompt_tokens": len(r.prompt),
                       "tokens": list(r.tokens), "logits_start": r.logits_start} for r in result.requests.values()],
-        "steps": [{"index": s.index, "entries": [[e.request, e.slot, e.fed, e.emitted] for e in s.entries]} for s in result.steps],
+        "steps": [{"index": s.index, "entries": [[e.request, e.slot, e.fed, e.emitted] + ([e.drafts, e.accepted] if e.drafts else [])
+                                                 for e in s.entries]} for s in result.steps],
     }
 
 

@@ -11,7 +11,9 @@ engine keeps. ``expect`` states what must happen for the scenario to be measured
 serving probe checks it in the engine's step log): ``overlap: [A, B]`` B's prefill shares a step
 with A's decode; ``slot_reuse: [A, B]`` B runs in the slot A had, after A ended; ``cache_hit``:
 some of these requests report prefix tokens reused from a cache; ``in_flight: N`` some step runs
-N requests.
+N requests; ``speculated``: each of these requests verified drafts in some step (it asked to
+speculate with ``draft_max``, capability ``speculative``); ``verify_together``: some step in which
+all of these requests verified drafts.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ def shipped_scenarios_path() -> Path:
     return Path(str(resources.files("harness") / "data" / "scenarios" / "serving.yaml"))
 
 
+def speculative_scenarios_path() -> Path:
+    """The shipped speculation-under-traffic set, ``harness/data/scenarios/serving-speculative.yaml``
+    (requests with ``draft_max``; for a model with an MTP block)."""
+    return Path(str(resources.files("harness") / "data" / "scenarios" / "serving-speculative.yaml"))
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One scenario as written: ``name``, ``why`` (the public bug class it stands for), the raw
@@ -58,7 +66,12 @@ class Scenario:
             n_tokens=int(r["n_tokens"]),
             arrival=Arrival(int(r.get("arrival", {}).get("step", 0)), r.get("arrival", {}).get("after"),
                             int(r.get("arrival", {}).get("tokens", 0))),
-            abort_after=r.get("abort_after"), continues=r.get("continues")) for r in self.requests])
+            abort_after=r.get("abort_after"), continues=r.get("continues"), draft_max=r.get("draft_max")) for r in self.requests])
+
+    @property
+    def speculative(self) -> bool:
+        """Whether a request of the scenario is served with speculative decoding (``draft_max``)."""
+        return any(r.get("draft_max") is not None for r in self.requests)
 
     def history_tokens(self) -> int:
         """The most positions any request's history reaches (its continued histories, prompt and
@@ -103,10 +116,15 @@ def _check_references(path: Path, root: Any, i: int, sc: dict[str, Any]) -> None
                 raise InvalidInput(f"{where}: arrival.tokens {r['arrival']['tokens']} is more than request {after!r} emits ({emits})")
         seen[r["id"]] = r
     ex = sc["expect"]
-    for name in [*ex.get("overlap", []), *ex.get("slot_reuse", []), *ex.get("cache_hit", [])]:
+    for name in [*ex.get("overlap", []), *ex.get("slot_reuse", []), *ex.get("cache_hit", []), *ex.get("speculated", []),
+                 *ex.get("verify_together", [])]:
         if name not in seen:
             raise InvalidInput(f"{path}:{line_of(root, ['scenarios', i, 'expect'])}: scenario {sc['name']!r}: expect names "
                                f"request {name!r}, which it does not have")
+    for name in [*ex.get("speculated", []), *ex.get("verify_together", [])]:
+        if seen[name].get("draft_max") is None:
+            raise InvalidInput(f"{path}:{line_of(root, ['scenarios', i, 'expect'])}: scenario {sc['name']!r}: expect names request "
+                               f"{name!r} as speculating, but it has no draft_max")
     if ex.get("in_flight", 0) > len(sc["requests"]):
         raise InvalidInput(f"{path}:{line_of(root, ['scenarios', i, 'expect'])}: scenario {sc['name']!r}: expect.in_flight "
                            f"{ex['in_flight']} is more than its {len(sc['requests'])} requests")

@@ -232,7 +232,8 @@ class _Judge:
     def _where(self, rid: str, step: int | None) -> str:
         served = self.result.requests[rid]
         others = self.result.in_flight(step, besides=rid) if step is not None else []
-        beside = ", ".join(f"{e.request!r} (slot {e.slot}, fed {e.fed})" for e in others) or "nothing else"
+        beside = ", ".join(f"{e.request!r} (slot {e.slot}, fed {e.fed}" + (f", verifying {e.drafts} drafts, {e.accepted} accepted" if e.drafts else "")
+                           + ")" for e in others) or "nothing else"
         return f"step {step}, slot {served.slot}, cached prefix {served.cached}; in flight beside it: {beside}"
 
     def _forced(self, req: ServeRequest, solo: _Solo) -> Callable[[], Sequence[int]] | None:
@@ -264,6 +265,9 @@ class _Judge:
                               self.delta, self._forced(req, solo))
         row = {"request": req.id, "slot": served.slot, "cached": served.cached, "aborted": served.aborted, "tokens": len(served.tokens),
                "near_ties": [d.to_dict() for d in judged.near_ties], "forced": judged.forced}
+        if req.draft_max is not None:  # report-only, as in the speculative probe
+            entries = [e for _, e in self.result.entries_of(req.id)]
+            row |= {"draft_max": req.draft_max, "proposed": sum(e.drafts for e in entries), "accepted": sum(e.accepted for e in entries)}
         if comp is not None:
             self.comparisons.append(comp)
             if not comp.ok:
@@ -320,11 +324,11 @@ def intent_missing(scenario: Scenario, result: ServeResult) -> str | None:
         for idx, e in result.entries_of(a):
             if at_a >= pa:
                 decode_a.add(idx)
-            at_a += e.fed
+            at_a += e.kept
         for idx, e in result.entries_of(b):
             if at_b < pb and e.fed:
                 prefill_b.add(idx)
-            at_b += e.fed
+            at_b += e.kept
         if not decode_a & prefill_b:
             return f"request {b!r}'s prefill never shared a step with request {a!r}'s decode"
     if "slot_reuse" in ex:
@@ -335,6 +339,13 @@ def intent_missing(scenario: Scenario, result: ServeResult) -> str | None:
                     f"{result.requests[a].slot}) ended in")
     if "cache_hit" in ex and not any(result.requests[r].cached for r in ex["cache_hit"]):
         return f"none of requests {', '.join(ex['cache_hit'])} reported prefix tokens reused from a cache"
+    for rid in ex.get("speculated", []):
+        if not any(e.drafts for _, e in result.entries_of(rid)):
+            return f"request {rid!r} asked to speculate (draft_max) but verified no drafts in any step"
+    if "verify_together" in ex:
+        together = set(ex["verify_together"])
+        if not any(together <= {e.request for e in s.entries if e.drafts} for s in result.steps):
+            return f"requests {', '.join(ex['verify_together'])} never verified drafts in the same step"
     if "in_flight" in ex:
         most = max((len(s.entries) for s in result.steps), default=0)
         if most < int(ex["in_flight"]):

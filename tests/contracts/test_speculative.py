@@ -1,5 +1,5 @@
 """Bound tests of contracts/qwen35-mtp-v1.yaml's speculative obligations (QMTP-SPEC-005 …
-QMTP-PREFIX-008): the candidate's speculative greedy generation with MTP drafts
+QMTP-PREFIX-008, QMTP-SERVE-010): the candidate's speculative greedy generation with MTP drafts
 (``Engine.speculative``) equals its own plain greedy generation (``Engine.generate``) token for
 token, a divergence excused only at a near-tie of the plain path's margin below
 ``harness.runs.probes.SPEC_NEAR_TIE`` (the comparison of ``harness.runs.probes.compare_speculative``,
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from contract_helpers import MTP_RUN, PROBE_SEED
 
+from harness.errors import Verdict
 from harness.runs.probes import SPEC_NEAR_TIE, SPEC_TOKENS, _spec_checked, compare_speculative, has_speculative
 from harness.engines.base import last_row
 from harness.measure import metrics
@@ -125,3 +126,24 @@ def test_given_drafts_accept_what_the_plain_path_implies(spec, prompts, spec_tol
         raise AssertionError(f"QMTP-GIVEN-009: the candidate failed on the given drafts: {e} ({where})") from None
     bad = [c.label for c in comps if not c.ok]
     assert not bad, f"QMTP-GIVEN-009: {bad[0]} ({where}); {len(bad)} of {len(comps)} comparisons failed"
+
+
+def test_speculation_under_traffic(spec, spec_tolerance, where):
+    """QMTP-SERVE-010: every scenario of harness/data/scenarios/serving-speculative.yaml served by
+    the candidate's scheduler with speculative decoding, each request against itself alone with
+    plain greedy (the serving probe's judgement, no reference), under the calibrated probes row of
+    the candidate's class."""
+    from harness.measure.prompts import PromptTokens
+    from harness.measure.scenarios import load_scenarios, speculative_scenarios_path
+    from harness.runs.serving import has_serve, probe_serving
+
+    if not has_serve(spec):
+        pytest.skip(f"{spec.info.name} does not declare 'serve': the obligation is unmeasured for it; checked with: {MTP_RUN}")
+    rng = np.random.default_rng(PROBE_SEED + 50)
+    prompts = [PromptTokens(f"p{i}", rng.integers(0, int(spec.n_vocab), 160 + 17 * i).tolist(), "ids") for i in range(6)]
+    r = probe_serving(spec, prompts, spec_tolerance, load_scenarios(speculative_scenarios_path()))
+    rows = {row["scenario"]: row for row in r.details["scenarios"]}
+    unmeasured = [f"{n}: {row['reason']}" for n, row in rows.items() if row["verdict"] == "UNMEASURED"]
+    if unmeasured and r.verdict is not Verdict.FAIL:
+        pytest.skip(f"QMTP-SERVE-010 unmeasured: {'; '.join(unmeasured)}; checked with: {MTP_RUN}")
+    assert r.verdict is Verdict.PASS, f"QMTP-SERVE-010: {r.reason} ({where})"
