@@ -159,3 +159,13 @@ def test_an_early_stop_leaves_no_entry_and_eviction_keeps_the_bound(tmp_path):
         _read(CachedReference(fake, cache, "m" * 64), list(range(n)))
     assert len(list(tmp_path.glob("*.f32"))) == 2
     assert cache_key("m" * 64, list(range(10)), fake.info.to_dict())[0] not in {p.stem for p in tmp_path.glob("*.f32")}
+
+
+def test_a_cache_folder_that_cannot_be_made_leaves_the_cache_off(tmp_path, monkeypatch):
+    from harness.runs import reference_cache
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("HARNESS_REFERENCE_CACHE", str(tmp_path / "file" / "cache"))
+    fake = _Fake()
+    engine = reference_cache.wrap(fake, "m" * 64)
+    assert engine is fake and reference_cache.record_of(engine) == {"enabled": False}

@@ -249,9 +249,15 @@ class CachedReference:
 
 def wrap(engine: Any, model_sha256: str, enabled: bool = True) -> Any:
     """``engine`` behind the cache (``CachedReference``) when ``enabled`` and the environment
-    names a folder (``default_dir``); else ``engine`` itself."""
+    names a folder (``default_dir``) that can be made and listed; else ``engine`` itself (the
+    reference is computed, the receipt says the cache was off)."""
     root = default_dir() if enabled else None
-    return engine if root is None else CachedReference(engine, ReferenceCache(root), model_sha256)
+    if root is None:
+        return engine
+    try:
+        return CachedReference(engine, ReferenceCache(root), model_sha256)
+    except OSError:  # an unwritable cache folder costs time, never the run
+        return engine
 
 
 def record_of(engine: Any) -> dict[str, Any]:
