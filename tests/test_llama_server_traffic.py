@@ -281,6 +281,11 @@ def test_every_scenario_passes_with_4_slots_and_1_slot_is_serialized(reference):
         print(name, r["verdict"], r.get("reason", ""), [(q["request"], q["slot"], q["cached"], q["max_topk_kld_vs_alone"])
                                                         for q in r.get("requests", [])])
     assert not [r for r in rows4.values() if r["verdict"] == "FAIL"], res4.reason
+    # Not a PASS: llama-server restores a hybrid model's slot only at its context checkpoints (4 and
+    # 4 + n_ubatch tokens before a prompt's end), so a shared header or shorter prefix is never a hit.
+    unmeasured = {n for n, r in rows4.items() if r["verdict"] == "UNMEASURED"}
+    assert unmeasured == {"shared-header", "block-grid"}, res4.reason
+    assert all("reused from a cache" in rows4[n]["reason"] for n in unmeasured)
     res1, wall1 = _probe(1, reference)
     rows1 = {r["scenario"]: r for r in res1.details["scenarios"]}
     print("parallel 1:", res1.verdict, res1.reason, f"{wall1:.1f} s")
@@ -304,3 +309,16 @@ def test_issue_29092_same_slot_after_three_requests():
     print("29092:", out)
     assert out["slots"] == [0, 0, 0, 0, 0]
     assert out["tokens_agree"] and out["max_topk_kld"] <= _tolerances()[0].max_kld
+
+
+def test_reference_tier_pools_solo_positions():
+    """The top-k tier judges every solo reply's positions pooled, with the row's mean and p99."""
+    from harness.runs.http_serving import _reference_tier
+
+    gate = TopkGate(1e-7, 1e-6)
+    comps, details = [], {}
+    assert _reference_tier([1e-8] * 300, gate, comps, details) == [] and comps[-1].ok
+    assert details["solo_vs_reference"]["positions"] == 300
+    bad = _reference_tier([1e-8] * 290 + [1e-5] * 10, gate, comps, details)
+    assert bad and "p99" in bad[0] and not comps[-1].ok
+    assert _reference_tier([], gate, comps, {}) == [] and _reference_tier([1.0], None, comps, {}) == []
