@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
+.PHONY: setup llama-server test-llama-server run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -12,6 +12,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+## llama.cpp's own llama-server (and LLAMA_TARGETS="llama-server llama-quantize llama-imatrix
+## llama-perplexity" for the other tools, same build dir) from the installed llama-cpp-python's
+## vendored llama.cpp, cached by its commit in ~/.cache/qwen35-harness/llama.cpp-<commit>/ (outside
+## the checkout): about 14 minutes on 2 cores the first time, a no-op after (scripts/build_llama_server.sh)
+LLAMA_TARGETS ?= llama-server
+llama-server: setup
+	LLAMA_TARGETS="$(LLAMA_TARGETS)" nice scripts/build_llama_server.sh $(PY)
+
+## the real llama-server under concurrent clients (issue 51's acceptance: every shipped scenario at
+## --parallel 4 and 1 on fixture:trained-qwen35, and llama.cpp #29092 on one slot); a few minutes
+test-llama-server: llama-server
+	$(PY) -m pytest -q -s -m slow tests/test_llama_server_traffic.py
 
 ## the main job on its built-in default: oracle vs llama.cpp on the default model and prompts.
 ## Its receipt, ledger row, LEDGER.md and report go to out/run/ (git-ignored): the evidence

@@ -1,0 +1,247 @@
+"""llama.cpp's own ``llama-server`` as a real candidate: find the binary ``make llama-server`` built,
+start it on a free loopback port with parallel slots and its prompt cache, wait for ``/health``,
+read from its log which cache features it enabled, and stop it (docs/engines.md, "llama-server").
+
+The binary is built from the llama.cpp that the installed llama-cpp-python vendors (the reference's
+own commit) by ``scripts/build_llama_server.sh`` into
+``$HARNESS_CACHE_DIR/llama.cpp-<commit>/build/bin/`` (default cache root
+``~/.cache/qwen35-harness``); ``$HARNESS_LLAMA_SERVER`` names another binary.
+
+Flags (llama.cpp ``tools/server`` README, ``common/arg.cpp`` at that commit): ``--host 127.0.0.1``,
+``--port`` a free port, ``-np N`` slots, ``-c N·n_ctx_slot`` (llama-server splits the context
+between its slots and caps each at the model's training context), ``-cb`` continuous batching,
+``--cache-reuse 16`` (prompt-cache reuse by KV shifting; a hybrid model's recurrent memory cannot
+shift, and the server disables it: ``server-context.cpp`` "cache_reuse is not supported by this
+context"), ``--ctx-checkpoints 8`` (recurrent-state checkpoints of a hybrid model's slot),
+``--no-webui``, ``-lv 4`` (trace lines: which prompt cache and checkpoints were set up), ``-t``
+threads. Requests set ``cache_prompt`` themselves (``harness.engines.http_traffic``).
+
+Errors: ``EngineError`` (exit 3), one line naming the command and the tail of its stderr, for a
+binary that is missing, a port already in use, a server that exits before it is healthy or is not
+healthy within ``health_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Sequence
+
+from harness.display import plain
+from harness.errors import EngineError
+
+BUILD_COMMAND = "make llama-server"
+"""The command that builds the binary (named by every 'not built' message)."""
+
+
+def cache_root() -> Path:
+    """``$HARNESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen35-harness`` (``~/.cache``): where the
+    build script keeps the sdist and ``llama.cpp-<commit>/`` (scripts/build_llama_server.sh)."""
+    env = os.environ.get("HARNESS_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen35-harness"
+
+
+def built_binary(name: str = "llama-server") -> Path | None:
+    """The tool ``name`` built from the installed llama-cpp-python's llama.cpp: the
+    ``llama.cpp-<commit>/`` build whose ``VERSION`` file is that version (the newest such build),
+    or ``$HARNESS_LLAMA_SERVER`` for ``llama-server``. None when it is not built."""
+    if name == "llama-server" and os.environ.get("HARNESS_LLAMA_SERVER"):
+        p = Path(os.environ["HARNESS_LLAMA_SERVER"])
+        return p if p.is_file() and os.access(p, os.X_OK) else None
+    try:
+        version = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        return None
+    found = []
+    for root in cache_root().glob("llama.cpp-*"):
+        v = root / "VERSION"
+        b = root / "build" / "bin" / name
+        if v.is_file() and v.read_text().strip() == version and b.is_file() and os.access(b, os.X_OK):
+            found.append((b.stat().st_mtime, b))
+    return max(found)[1] if found else None
+
+
+def build_commit(binary: Path) -> str | None:
+    """The llama.cpp commit the build folder of ``binary`` was made from (its ``COMMIT`` file)."""
+    c = binary.parent.parent.parent / "COMMIT"
+    return c.read_text().strip() if c.is_file() else None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bound to port 0 and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+FEATURE_LINES = {
+    "cache_reuse": (r"cache_reuse is not supported by (this context|multimodal)", None),
+    "ctx_shift": (r"ctx_shift is not supported by (this context|multimodal)", None),
+    "prompt_cache": (r"prompt cache is disabled", r"prompt cache is enabled, size limit: (\d+) MiB"),
+    "ctx_checkpoints": (r"context checkpoints disabled", r"context checkpoints enabled, max = (\d+)"),
+}
+"""Feature → (the log line that says llama-server refused or disabled it, the line that says it
+enabled it), from ``tools/server/server-context.cpp`` ``load_model`` at commit 0c1e570."""
+
+
+def log_features(log: str, asked: dict[str, Any]) -> dict[str, str]:
+    """Which cache features the server enabled, from its log: ``enabled`` (with the log's value),
+    ``refused`` (the line that said so, quoted) or ``not reported`` (neither line: nothing is
+    assumed). ``asked``: the features the command line asked for (``cache_reuse`` is refused only
+    if asked)."""
+    out: dict[str, str] = {}
+    for name, (refused, enabled) in FEATURE_LINES.items():
+        m = re.search(refused, log)
+        if m:
+            line = next(ln for ln in log.splitlines() if m.group(0) in ln)
+            out[name] = f"refused: {plain(line.split(': ', 1)[-1].strip())[:120]}"
+            continue
+        e = re.search(enabled, log) if enabled else None
+        if e:
+            out[name] = f"enabled ({e.group(1)})"
+        elif name in asked:
+            out[name] = f"enabled ({asked[name]}; no refusal in the log)" if enabled is None else "not reported in the log"
+        else:
+            out[name] = "not asked"
+    return out
+
+
+@dataclass
+class LlamaServer:
+    """One ``llama-server`` process (module docstring). ``parallel``: slots (``-np``);
+    ``n_ctx_slot``: context per slot (tokens); ``threads``: ``-t``; ``extra``: more flags.
+    ``start()`` then ``url``; ``stop()`` (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+
+    model: Path
+    binary: Path | None = None
+    parallel: int = 4
+    n_ctx_slot: int = 4608
+    threads: int = 2
+    cache_reuse: int = 16
+    ctx_checkpoints: int = 8
+    extra: Sequence[str] = ()
+    health_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    port: int | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _log: Any = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        """The command line (``binary`` resolved by ``built_binary``; ``EngineError`` naming
+        ``make llama-server`` when it is not built)."""
+        binary = self.binary or built_binary()
+        if binary is None:
+            raise EngineError(f"llama-server is not built for the installed llama-cpp-python: run `{BUILD_COMMAND}`")
+        self.binary = Path(binary)
+        return [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+                "-np", str(self.parallel), "-c", str(self.parallel * self.n_ctx_slot), "-cb",
+                "--cache-reuse", str(self.cache_reuse), "--ctx-checkpoints", str(self.ctx_checkpoints),
+                "-t", str(self.threads), "--no-webui", "-lv", "4", *self.extra]
+
+    def log_text(self) -> str:
+        """Everything the server wrote to stdout and stderr so far."""
+        if self._log is None:
+            return ""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")
+
+    def stderr_tail(self, n: int = 3) -> str:
+        """The last ``n`` non-empty lines of its log, escaped, joined by `` | ``."""
+        lines = [ln.strip() for ln in self.log_text().splitlines() if ln.strip()]
+        return plain(" | ".join(lines[-n:]))[:400] or "(no output)"
+
+    def _fail(self, why: str) -> EngineError:
+        cmd = shlex.join(self.command())
+        tail = self.stderr_tail()
+        self.stop()
+        return EngineError(f"llama-server {why}: {cmd[:300]}; stderr: {tail}")
+
+    def start(self) -> "LlamaServer":
+        """Start it and wait for ``/health`` 200 (``EngineError`` for a port in use, an exit
+        before healthy, or no health within ``health_timeout_s``)."""
+        import httpx
+
+        if self.port is not None and not _port_free(self.port):
+            self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+            raise self._fail(f"cannot listen on port {self.port}: it is already in use")
+        self.port = self.port or free_port()
+        cmd = self.command()
+        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.health_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = self.log_text()
+                why = (f"could not listen on port {self.port} (already in use?)" if re.search(r"bind|in use|listen", log, re.I)
+                       else f"exited with status {self.proc.returncode} before it was healthy")
+                raise self._fail(why)
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200 and f"listening on {self.url}" in self.log_text():
+                    return self  # healthy, and the one answering is this process (its log says it listens there)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise self._fail(f"was not healthy within {self.health_timeout_s:g} s")
+
+    def features(self) -> dict[str, str]:
+        """``log_features`` of its log so far, for what this command line asked."""
+        return log_features(self.log_text(), {"cache_reuse": self.cache_reuse, "ctx_checkpoints": self.ctx_checkpoints,
+                                              "prompt_cache": "default"})
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL after ``stop_timeout_s``; idempotent."""
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                p.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def close(self) -> None:
+        """``stop()`` and remove the log file."""
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+            Path(self._log.name).unlink(missing_ok=True)
+            self._log = None
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
