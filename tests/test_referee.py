@@ -14,6 +14,7 @@ from harness.measure.prompts import load_prompt_set, tokenize_prompts
 from harness.model.gguf_model import GGUFModel
 from harness.runs.inputs import subject_of
 from harness.runs.parity import compare_prompt, judge_cell, measure_cell
+from harness.runs.explain import divergent_side
 from harness.runs.referee import referee
 
 pytestmark = pytest.mark.parity
@@ -86,6 +87,18 @@ def test_a_candidate_off_the_oracle_at_the_reference_noise_still_fails(cell):
     res, ruling = _judge(model, ref, bad, oracle, prompts, with_referee=True)
     assert ruling.count == 0 and len(ruling.reference_off) == 1
     assert res.verdict is Verdict.FAIL
+    # the FAIL line says whose divergence it is, and names the command that localizes the reference
+    assert "that divergence is the reference's" in res.message
+    assert f"harness localize --candidate llama.cpp --model MODEL --prompt {prompts[TARGET_PROMPT].id}" in res.message
+
+
+def test_the_divergent_side_is_the_reference_where_the_candidate_is_the_oracle_or_the_reference_is_off():
+    cand = {"engines": {"candidate": {"name": "oracle"}, "reference": {"name": "llama.cpp"}}, "gated": {"release": {}}}
+    assert divergent_side(cand) == "reference"
+    other = {"engines": {"candidate": {"name": "mlx"}, "reference": {"name": "llama.cpp"}}, "gated": {"release": {}}}
+    assert divergent_side(other) == "candidate"
+    other["gated"]["release"]["oracle_referee"] = {"reference_off_oracle": [{"prompt": "non-ascii", "position": 82}]}
+    assert divergent_side(other) == "reference"
 
 
 def test_a_fault_where_the_reference_agrees_with_the_oracle_is_the_candidates(cell):

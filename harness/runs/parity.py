@@ -225,8 +225,18 @@ def failure_text(gate: dict[str, Any], message: str, prompts: list[PromptTokens]
     if any(g["ok"] is False and g["observed"] is not None for g in gate["distribution_gates"]) and gate.get("max_kld_where"):
         w = gate["max_kld_where"]
         parts.append(f"largest KLD {gate['max_kld']:.3g} at prompt {w['prompt']!r} position {w['position']}")
+    off = (gate["release"].get("oracle_referee") or {}).get("reference_off_oracle") or []
+    if off:  # the reference's own divergence (harness.runs.referee): localize the reference, not the candidate
+        e = off[0]
+        ref_case = replace(case, candidate=REFERENCE_NAME, candidate_args=(), prompt=e["prompt"])
+        parts.append(f"the reference is off the exact oracle at {len(off)} of these positions (first: prompt {e['prompt']!r} position "
+                     f"{e['position']}, oracle vs reference cosine {e['oracle_vs_reference']:.4f}): that divergence is the reference's; "
+                     f"`{_localize_command(ref_case, e)}` names its first op off the oracle")
     fallback = f"the first op that leaves the oracle, which `{_localize_command(case, gate['first_failing'])}` names"
     return failure_message("; ".join(parts), case, causes_breaking(PARITY_OBLIGATION), fallback)
+
+
+REFERENCE_NAME = "llama.cpp"
 
 
 def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) -> str:
