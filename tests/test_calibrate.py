@@ -195,3 +195,17 @@ def test_the_matrix_page_keeps_the_sections_calibration_does_not_write():
     assert kept.startswith("\n## ") and "Precision mutants" in kept and "MTP draft-head mutants" in kept
     assert "| mutant | f64 |" not in kept
     assert kept_matrix_sections("# title\n\n| a | b |\n") == ""
+
+
+def test_a_known_good_pair_below_the_release_floor_writes_no_row_and_says_so():
+    """Issue 59: on IQ2_M the self-measured calibration set cosine 0.98 from a pair at 0.962, and
+    the cell then FAILed its own calibration pair; such a group makes no row, with the reason."""
+    from harness.runs.calibrate.fit import rows_from_goods
+    dims = {"arch": "qwen35", "name": "fixture:x"}
+    ok = pair("oracle-iq3", True, [0.9995, 0.9993], 1e-4, file_type="IQ3_S", dims=dims)
+    low = pair("oracle-iq2m", True, [0.9995, 0.96213], 1e-3, file_type="IQ2_M", dims=dims)
+    for p, w in ((ok, "IQ3_S"), (low, "IQ2_M")):
+        p.compute_class, p.weights = "f64", w
+    rows, skipped = rows_from_goods([ok, low], ["f64"], use_torch=False)
+    assert [r["weights"] for r in rows] == ["IQ3_S"]
+    assert any("oracle-iq2m measures cosine 0.96213, below the release floor 0.98; no row written" in s for s in skipped)

@@ -184,3 +184,13 @@ def test_head_without_shared_head_norm_is_legal_and_named_as_the_fallback(tmp_pa
     report = lint_path(str(path), [])
     assert report.findings == [], report.render()
     assert _shape_line(report).endswith("head norm = output_norm.weight (fallback)")
+
+
+def test_lowbit_iquant_made_with_an_imatrix_is_clean_and_the_finding_names_the_type(defect):
+    """QL501 fires on the keys alone: an IQ2_M file made by llama-quantize --imatrix carries
+    quantize.imatrix.* and lints clean of it; the planted one (no imatrix keys) names IQ2_M."""
+    report = lint_path(defect("iquant-without-imatrix"), [])
+    (f,) = [f for f in report.findings if f.code == "QL501"]
+    assert f.severity == "warning" and "IQ2_M" in f.message and "--imatrix" in f.remedy
+    made = lint_path(resolve_model("fixture:trained-qwen35-256-IQ2_M"), [])
+    assert "QL501" not in {x.code for x in made.findings}

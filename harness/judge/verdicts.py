@@ -56,6 +56,7 @@ class TierResult:
     position the release gate excused at one)."""
     router_cuts: dict[str, Any] | None = None
     router_excuses: dict[str, Any] | None = None
+    oracle_referee: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {"tier": self.tier, "status": self.status, "line": self.line, "source": self.source,
@@ -65,6 +66,8 @@ class TierResult:
             d["router_cuts"] = self.router_cuts
         if self.router_excuses is not None:
             d["router_excuses"] = self.router_excuses
+        if self.oracle_referee is not None:
+            d["oracle_referee"] = self.oracle_referee
         return d
 
 
@@ -85,7 +88,7 @@ def worst_position(per_position: Mapping[str, np.ndarray], fails: np.ndarray) ->
 
 
 def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, Mapping[str, Any]],
-                  excuses: RouterExcuses | None = None) -> TierResult:
+                  excuses: RouterExcuses | None = None, referee: Any = None) -> TierResult:
     """The release gate over concatenated per-position metrics (``metrics.position_metrics``).
 
     ``release``: ``{"min_cosine": {"value": 0.98, ...}, "min_positions": {"value": 64, ...}}``.
@@ -93,12 +96,16 @@ def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, 
     failure among them is still ``fail``). ``excuses`` (``harness.measure.near_ties.RouterExcuses``,
     MoE models): positions below the floor at a reference router near-tie, which are not
     failures; the minimum and the count are over the other positions, and the line names them.
+    ``referee`` (``harness.runs.referee.OracleReferee``): positions where the reference is off the
+    exact oracle and the candidate was judged against the oracle instead; left out the same way.
     """
     thr = float(release["min_cosine"]["value"])
     need = int(release["min_positions"]["value"])
     kind = release["min_cosine"].get("basis", {}).get("kind", "declared")
     n = int(np.asarray(per_position["cosine"]).size)
-    keep = np.flatnonzero(~excuses.mask) if excuses is not None and excuses.count else None
+    masks = [e.mask for e in (excuses, referee) if e is not None and e.count]
+    left_out = np.logical_or.reduce(masks) if masks else None
+    keep = np.flatnonzero(~left_out) if left_out is not None else None
     if keep is None:
         check, fails = _cosine_check("release", per_position, thr, kind)
     else:
@@ -117,10 +124,12 @@ def judge_release(per_position: Mapping[str, np.ndarray], release: Mapping[str, 
         line += f" ({fails.size} below)"
     if excuses is not None and (excuses.excused or excuses.notes):
         line += "; " + excuses.line()
+    if referee is not None and (referee.judged or referee.notes):
+        line += "; " + referee.line()
     return TierResult("release", status, [check], line, "thresholds.yaml release", None, None, int(fails.size),
                       int(fails[0]) if fails.size else None, worst_position(per_position, fails),
-                      not_judged=None if keep is None else excuses.mask,
-                      router_excuses=None if excuses is None else excuses.to_dict())
+                      not_judged=left_out, router_excuses=None if excuses is None else excuses.to_dict(),
+                      oracle_referee=None if referee is None else referee.to_dict())
 
 
 def judge_calibrated(per_position: Mapping[str, np.ndarray], summary: Mapping[str, Any], row: Row | None,

@@ -40,6 +40,8 @@ QL403  error    shifted norm has mean > 1.5 (double +1 shift)
 QL404  error    ssm_norm has mean > 1.5 (wrongly shifted; the converter does not shift it)
 QL405  error    SSM scalar, conv kernel or norm weight not stored F32
 QL406  error    NaN or Inf in token_embd, output, a norm weight or ssm_a (llama.cpp computes garbage)
+QL501  warning  a low-bit i-quant file (general.file_type IQ1_S … IQ3_M) that llama-quantize made without
+                an importance matrix (no quantize.imatrix.* keys): far noisier than the published kind
 ====== ======== =============================================================================
 """
 
@@ -96,7 +98,14 @@ _CODE_TABLE: list[tuple[str, str, str]] = [
     ("QL404", "error", "ssm_norm wrongly shifted"),
     ("QL405", "error", "tensor must be F32"),
     ("QL406", "error", "non-finite tensor values"),
+    ("QL501", "warning", "i-quant made without an importance matrix"),
 ]
+
+IMATRIX_FILE_TYPES = {19: "IQ2_XXS", 20: "IQ2_XS", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 26: "IQ3_S", 27: "IQ3_M",
+                      28: "IQ2_S", 29: "IQ2_M", 31: "IQ1_M"}
+"""``general.file_type`` values (llama.cpp ``llama_ftype``: ``LLAMA_FTYPE_MOSTLY_*``) of the low-bit
+i-quants whose published files are made with an importance matrix (llama-quantize refuses
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS and IQ2_S without one, unless forced)."""
 CODES: dict[str, str] = {c: t for c, _, t in _CODE_TABLE}
 """Finding code → short title (stable; documented in the module docstring)."""
 SEVERITY: dict[str, str] = {c: s for c, s, _ in _CODE_TABLE}
@@ -279,6 +288,21 @@ def check_float_keys(model: GGUFModel) -> list[Finding]:
             out.append(_finding("QL111", f"key {key} is {v!r}; it must be a finite positive number", "re-convert with the "
                                 "model's config value (rms_norm_eps, rope_theta)", key=key, found=repr(v)))
     return out
+
+
+def check_imatrix(model: GGUFModel) -> list[Finding]:
+    """QL501: a file whose ``general.file_type`` is a low-bit i-quant (``IMATRIX_FILE_TYPES``) and
+    that says it was quantized by llama-quantize (``general.quantization_version``) but carries
+    none of the ``quantize.imatrix.*`` keys llama-quantize writes when given ``--imatrix``."""
+    ftype = model.metadata("general.file_type")
+    if not isinstance(ftype, int) or ftype not in IMATRIX_FILE_TYPES or model.metadata("general.quantization_version") is None:
+        return []
+    if any(k.startswith("quantize.imatrix.") for k in model.keys):
+        return []
+    name = IMATRIX_FILE_TYPES[ftype]
+    return [_finding("QL501", f"general.file_type is {name} but the file has no quantize.imatrix.* keys: it was quantized without "
+                     "an importance matrix", f"re-quantize with an importance matrix: llama-imatrix -m F16.gguf -f calibration.txt -o "
+                     f"imatrix.gguf, then llama-quantize --imatrix imatrix.gguf F16.gguf out.gguf {name}", key="general.file_type", found=name)]
 
 
 def check_hparams(h: Qwen35HParams, model: GGUFModel) -> list[Finding]:
@@ -727,6 +751,7 @@ def lint_model(model: GGUFModel) -> LintReport:
                                "overrides": [o.to_flag() for o in model.overrides.values()],
                                "n_tensors": len(model.tensor_names)})
     report.findings += check_keys(model)
+    report.findings += check_imatrix(model)
     try:
         h = model.hparams
     except InvalidInput as e:

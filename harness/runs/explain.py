@@ -82,6 +82,17 @@ def vocabulary(model: Mapping[str, Any]) -> tuple[Vocab | None, str]:
     return Vocab(tokens, kind), ""
 
 
+def divergent_side(rec: Mapping[str, Any]) -> str:
+    """Whose divergence a receipt's FAIL is: ``"reference"`` when the candidate is the exact
+    oracle itself, or when the release gate found the reference off the oracle
+    (``gated.release.oracle_referee.reference_off_oracle``, ``harness.runs.referee``), else
+    ``"candidate"``. That side is localized against the oracle."""
+    if str(rec["engines"]["candidate"].get("name")) == "oracle":
+        return "reference"
+    ruling = ((rec.get("gated") or {}).get("release") or {}).get("oracle_referee") or {}
+    return "reference" if ruling.get("reference_off_oracle") else "candidate"
+
+
 def localize_receipt(rec: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, Any]:
     """First-divergence localization of the receipt's candidate against the oracle on ``plan``
     (``localization_plan``: token ids and pieces); ``Localization.to_dict()`` plus the plan.
@@ -93,10 +104,12 @@ def localize_receipt(rec: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[st
     if path is None:
         raise InvalidInput(f"cannot localize: {why}")
     th = (rec.get("thresholds") or {}).get("file")
-    req = LocalizeRequest(model=str(path), candidate=rec["engines"]["candidate"]["name"], tokens=list(plan["tokens"]),
+    side = divergent_side(rec)
+    req = LocalizeRequest(model=str(path), candidate=rec["engines"][side]["name"], tokens=list(plan["tokens"]),
                           chunks=plan["chunks"], max_tokens=len(plan["tokens"]), overrides=list(rec["model"].get("overrides") or []),
                           thresholds=th if th and Path(th).is_file() else None)
     loc = run_localize(req).to_dict()
+    loc["divergent"] = side
     loc["plan"] = {k: v for k, v in plan.items() if k != "tokens"}
     return loc
 

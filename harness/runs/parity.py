@@ -39,6 +39,7 @@ from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest
 from harness.runs.inputs import subject_of
 from harness.runs.localize import DEFAULT_MAX_TOKENS
 from harness.runs import reference_cache
+from harness.runs.referee import OracleReferee, referee
 from harness.runs.topk import run_topk_parity
 
 __all__ = ["CellResult", "Measured", "ParityOutcome", "ParityRequest", "Progress", "build_receipt", "check_comparable",
@@ -225,8 +226,18 @@ def failure_text(gate: dict[str, Any], message: str, prompts: list[PromptTokens]
     if any(g["ok"] is False and g["observed"] is not None for g in gate["distribution_gates"]) and gate.get("max_kld_where"):
         w = gate["max_kld_where"]
         parts.append(f"largest KLD {gate['max_kld']:.3g} at prompt {w['prompt']!r} position {w['position']}")
+    off = (gate["release"].get("oracle_referee") or {}).get("reference_off_oracle") or []
+    if off:  # the reference's own divergence (harness.runs.referee): localize the reference, not the candidate
+        e = off[0]
+        ref_case = replace(case, candidate=REFERENCE_NAME, candidate_args=(), prompt=e["prompt"])
+        parts.append(f"the reference is off the exact oracle at {len(off)} of these positions (first: prompt {e['prompt']!r} position "
+                     f"{e['position']}, oracle vs reference cosine {e['oracle_vs_reference']:.4f}): that divergence is the reference's; "
+                     f"`{_localize_command(ref_case, e)}` names its first op off the oracle")
     fallback = f"the first op that leaves the oracle, which `{_localize_command(case, gate['first_failing'])}` names"
     return failure_message("; ".join(parts), case, causes_breaking(PARITY_OBLIGATION), fallback)
+
+
+REFERENCE_NAME = "llama.cpp"
 
 
 def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) -> str:
@@ -242,18 +253,20 @@ def _localize_command(case: Reproducer, first_failing: dict[str, Any] | None) ->
 def judge_cell(m: Measured, release: dict[str, dict[str, Any]], row: tiers.Row | None, subject: tiers.Subject,
                near_tie_margin: float = metrics.NEAR_TIE_MARGIN, unmeasured_reason: str = "",
                command: str | None = None, require_calibrated: bool = False, case: Reproducer | None = None,
-               cuts: near_ties.RouterCuts | None = None, excuses: near_ties.RouterExcuses | None = None) -> CellResult:
+               cuts: near_ties.RouterCuts | None = None, excuses: near_ties.RouterExcuses | None = None,
+               referee: OracleReferee | None = None) -> CellResult:
     """Judge a measured cell with the two tiers (``harness.judge.verdicts``): the release gate
     (``release``: ``{"min_cosine": {"value"}, "min_positions": {"value"}}``) and the calibrated
     row (None: unmeasured, with ``unmeasured_reason`` and the ``command`` that would measure it).
     ``case`` starts a failure's reproducer (default: the candidate's name and the model's sha256).
     ``cuts``: MoE prompts the calibrated tier judges only up to a router near-tie (``router_cuts``);
     ``excuses``: positions below the release floor excused at one (``release_excuses``), which
-    neither tier counts (``router_near_ties`` finds both)."""
+    neither tier counts (``router_near_ties`` finds both); ``referee``: positions where the
+    reference is off the exact oracle, judged against the oracle instead (``harness.runs.referee``),
+    which neither tier counts against the reference either."""
     pp = m.per_position
-    rel = verdicts.judge_release(pp, release, excuses)
-    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts,
-                                    None if excuses is None else excuses.mask)
+    rel = verdicts.judge_release(pp, release, excuses, referee)
+    cal = verdicts.judge_calibrated(pp, m.summary, row, subject, unmeasured_reason, command, cuts, rel.not_judged)
     verdict, msg = verdicts.overall(rel, cal, subject, require_calibrated)
     gate = cell_gate(m, rel, cal, release, row, subject)
     if verdict is Verdict.FAIL:
@@ -315,6 +328,28 @@ def router_near_ties(m: Measured, resolved: ResolvedThresholds, model: GGUFModel
     return excuses, router_cuts_for(m, resolved, model, reference, None if excuses is None else excuses.mask)
 
 
+def oracle_referee(m: Measured, resolved: ResolvedThresholds, inputs: Any, reference: Engine, candidate: Engine,
+                   excuses: near_ties.RouterExcuses | None) -> OracleReferee | None:
+    """``harness.runs.referee.referee`` of the cell at the release floor, on the positions below it
+    that no router near-tie excused; the oracle is the candidate itself when it is ``oracle``,
+    else a float64 ``oracle`` loaded on the model (None when every position is above the floor)."""
+    floor = float(resolved.release["min_cosine"].value)
+    pp = dict(m.per_position)
+    if excuses is not None and excuses.count:
+        pp["cosine"] = np.where(excuses.mask, 1.0, pp["cosine"])
+    with np.errstate(invalid="ignore"):
+        if bool(np.all(np.asarray(pp["cosine"]) >= floor)):
+            return None
+    is_oracle = m.candidate_info.get("name") == "oracle"
+    oracle: Any = candidate if is_oracle else None
+    if oracle is None:
+        try:
+            oracle = inputs.engine("oracle")
+        except HarnessError:
+            oracle = None
+    return referee(pp, floor, m.prompts, reference, candidate, oracle, is_oracle, m.n_vocab, compare_prompt)
+
+
 def run_cell(
     model: GGUFModel,
     reference: Engine,
@@ -373,9 +408,10 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     resolved, cal_id, cal_path, command = resolve_row(inputs.thresholds_for(m.candidate_info), req.model, req.ledger,
                                                       measure, req.calibrate_max_tokens, log)
     excuses, cuts = router_near_ties(m, resolved, inputs.model, reference.engine)
+    ruling = oracle_referee(m, resolved, inputs, reference.engine, candidate.engine, excuses)
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate, settings=req.candidate_settings),
-                        cuts, excuses)
+                        cuts, excuses, ruling)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path, reference_cache.record_of(cached))
 
