@@ -11,9 +11,10 @@ import gguf
 import pytest
 
 from harness.fixtures import lowbit
+from harness.paths import llama_tool
 from harness.fixtures import synthetic as fx
 
-pytestmark = pytest.mark.skipif(not (lowbit.llama_bin_dir() / "llama-quantize").exists(),
+pytestmark = pytest.mark.skipif(llama_tool("llama-quantize") is None,
                                 reason=f"llama.cpp's tools are not built: {lowbit.BUILD_HINT}")
 
 

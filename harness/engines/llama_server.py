@@ -32,44 +32,25 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
 from harness.display import plain
 from harness.errors import EngineError
+from harness.paths import llama_tool
 
 BUILD_COMMAND = "make llama-server"
 """The command that builds the binary (named by every 'not built' message)."""
 
 
-def cache_root() -> Path:
-    """``$HARNESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen35-harness`` (``~/.cache``): where the
-    build script keeps the sdist and ``llama.cpp-<commit>/`` (scripts/build_llama_server.sh)."""
-    env = os.environ.get("HARNESS_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen35-harness"
-
-
 def built_binary(name: str = "llama-server") -> Path | None:
-    """The tool ``name`` built from the installed llama-cpp-python's llama.cpp: the
-    ``llama.cpp-<commit>/`` build whose ``VERSION`` file is that version (the newest such build),
-    or ``$HARNESS_LLAMA_SERVER`` for ``llama-server``. None when it is not built."""
+    """The tool ``name`` built from the installed llama-cpp-python's llama.cpp
+    (``harness.paths.llama_tool``), or ``$HARNESS_LLAMA_SERVER`` for ``llama-server``. None when
+    it is not built."""
     if name == "llama-server" and os.environ.get("HARNESS_LLAMA_SERVER"):
         p = Path(os.environ["HARNESS_LLAMA_SERVER"])
         return p if p.is_file() and os.access(p, os.X_OK) else None
-    try:
-        version = metadata.version("llama_cpp_python")
-    except metadata.PackageNotFoundError:
-        return None
-    found = []
-    for root in cache_root().glob("llama.cpp-*"):
-        v = root / "VERSION"
-        b = root / "build" / "bin" / name
-        if v.is_file() and v.read_text().strip() == version and b.is_file() and os.access(b, os.X_OK):
-            found.append((b.stat().st_mtime, b))
-    return max(found)[1] if found else None
+    return llama_tool(name)
 
 
 def build_commit(binary: Path) -> str | None:
