@@ -249,6 +249,38 @@ def _probe(parallel, reference, names=None):
     return res, time.monotonic() - t0
 
 
+def test_a_harness_killed_by_sigkill_leaves_no_server_behind():
+    """The server runs in its own session (out of the harness's process group), so only
+    PR_SET_PDEATHSIG stops it when the harness dies without running ``stop()`` (a test timeout, a
+    SIGKILL): five servers were once left running that way."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    binary = _binary()
+    code = ("import sys; from pathlib import Path; from harness.engines.llama_server import LlamaServer; "
+            f"s = LlamaServer(Path({str(MODEL)!r}), binary=Path({str(binary)!r}), parallel=1); s.start(); "
+            "print(s.proc.pid, flush=True); import time; time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[1].startswith("Z"):  # exited, not yet reaped by init
+                return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"llama-server {pid} outlived the harness that started it")
+
+
 def test_real_server_start_stop_and_port_in_use():
     binary = _binary()
     with LlamaServer(MODEL, binary=binary, parallel=2) as s:

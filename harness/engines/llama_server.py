@@ -29,6 +29,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,20 @@ from harness.paths import llama_tool
 
 BUILD_COMMAND = "make llama-server"
 """The command that builds the binary (named by every 'not built' message)."""
+
+
+def _die_with_parent() -> None:
+    """In the server's child process before exec: on Linux, ask for SIGTERM when the process that
+    started it dies (``prctl(PR_SET_PDEATHSIG)``), so a harness killed by SIGKILL or a test timeout
+    leaves no llama-server behind (servers in their own session are not in its process group).
+    Elsewhere a no-op: ``stop()`` is then the only cleanup."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
 
 
 def built_binary(name: str = "llama-server") -> Path | None:
@@ -173,7 +188,7 @@ class LlamaServer:
         cmd = self.command()
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -473,17 +473,18 @@ _M = [
            ConvKernelFlipped),
     Mutant("conv-state-dropped", "conv state dropped between chunks", ConvStateDropped.__doc__,
            ("GDN-EQV-010", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-PREFIX-008",
-            "QMTP-GIVEN-009", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-PAD-006",
-            "QSRV-TURN-007"),
+            "QMTP-GIVEN-009", "QMTP-SERVE-010", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005",
+            "QSRV-PAD-006", "QSRV-TURN-007"),
            ConvStateDropped),
     Mutant("ssm-state-reset", "recurrent state reset between chunks", SsmStateReset.__doc__,
            ("GDN-EQV-009", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-SPEC-005",
-            "QMTP-ROLL-006", "QMTP-PREFIX-008", "QMTP-GIVEN-009", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005",
+            "QMTP-ROLL-006", "QMTP-PREFIX-008", "QMTP-GIVEN-009", "QMTP-SERVE-010", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005",
             "QSRV-PAD-006", "QSRV-TURN-007"),
            SsmStateReset),
     Mutant("gdn-chunk-state-not-carried", "chunked delta rule drops the state between chunks", GdnChunkStateNotCarried.__doc__,
            ("GDN-EQV-008", "QE2E-EQV-003", "QE2E-PAR-001", "QE2E-REL-007", "QE2E-PRB-005", "QE2E-STATE-009", "QMTP-SPEC-005",
-            "QMTP-GIVEN-009", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005", "QSRV-TURN-007"),
+            "QMTP-GIVEN-009", "QMTP-SERVE-010", "QSRV-SLOT-001", "QSRV-ABORT-002", "QSRV-HDR-003", "QSRV-GRID-004", "QSRV-JOIN-005",
+            "QSRV-TURN-007"),
            GdnChunkStateNotCarried),
     Mutant("gdn-read-before-decay", "delta rule reads the state before decaying it", GdnReadBeforeDecay.__doc__,
            # not QE2E-REL-007: above the release floor on the peaked tiny-qwen35, caught by the calibrated tier
@@ -511,8 +512,9 @@ _M = [
            # the determinism probe's to catch: on the peaked tiny-qwen35 the split and decode probes see
            # KLD 2e-10 to 5e-10 from it, below the f64 step (PROBE_MIN_STEP, 1e-9). QMTP-GIVEN-009 compares
            # verify rows with plain rows of histories to 1,036 tokens under the f64 KLD 1e-9: RED in the
-           # mutant matrix's session (its draws there), GREEN run alone; the noise is a real run-to-run fault
-           ("QE2E-DET-002", "QMTP-GIVEN-009"),
+           # mutant matrix's session (its draws there), GREEN run alone; the noise is a real run-to-run fault.
+           # QMTP-SERVE-010 the same way: served rows against solo rows of the same request, RED in that session
+           ("QE2E-DET-002", "QMTP-GIVEN-009", "QMTP-SERVE-010"),
            Nondeterministic),
     Mutant("moe-weights-unnormalized", "MoE top-k weights not renormalized", MoeWeightsUnnormalized.__doc__,
            ("QHF-MOE-010",),
