@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup llama-server test-llama-server run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
+.PHONY: setup llama-server llama-tools test-llama-server run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,12 @@ LLAMA_TARGETS ?= llama-server
 llama-server: setup
 	LLAMA_TARGETS="$(LLAMA_TARGETS)" nice scripts/build_llama_server.sh $(PY)
 
+## all four of llama.cpp's tools the tests use (the real-server tests, the low-bit fixtures), in
+## one build: what `make test` builds first (a no-op when cached)
+LLAMA_TOOLS := llama-server llama-quantize llama-imatrix llama-perplexity
+llama-tools: setup
+	LLAMA_TARGETS="$(LLAMA_TOOLS)" nice scripts/build_llama_server.sh $(PY)
+
 ## the real llama-server under concurrent clients (issue 51's acceptance: every shipped scenario at
 ## --parallel 4 and 1 on fixture:trained-qwen35, and llama.cpp #29092 on one slot); a few minutes
 test-llama-server: llama-server
@@ -34,8 +40,9 @@ RUN_LEDGER ?= out/run/evidence/parity/ledger.jsonl
 run: setup
 	$(VENV)/bin/harness parity --ledger $(RUN_LEDGER)
 
-## the test suite (what CI runs): the layers contract (import-linter, pyproject.toml), then pytest
-test: setup
+## the test suite (what CI runs): llama.cpp's tools (built once, cached), the layers contract
+## (import-linter, pyproject.toml), then pytest
+test: setup llama-tools
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
