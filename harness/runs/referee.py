@@ -85,7 +85,8 @@ def referee(per_position: Mapping[str, np.ndarray], floor: float, prompts: Seque
     cos = np.asarray(per_position["cosine"], np.float64)
     out = OracleReferee(np.zeros(cos.size, bool), float(floor))
     with np.errstate(invalid="ignore"):
-        below = ~(cos >= floor) & np.asarray(per_position["ref_finite"], bool)
+        # a non-finite candidate row is the candidate's own fault: never refereed
+        below = ~(cos >= floor) & np.asarray(per_position["ref_finite"], bool) & np.isfinite(cos)
     if not below.any():
         return out
     if oracle is None:
@@ -106,8 +107,8 @@ def referee(per_position: Mapping[str, np.ndarray], floor: float, prompts: Seque
             k = int(ppos[j])
             if not ro[k] < floor:
                 continue
-            e = {"prompt": p.id, "position": k, "cosine": float(cos[j]), "oracle_vs_reference": float(ro[k]),
-                 "candidate_vs_oracle": float(co[k])}
+            e = {"prompt": p.id, "position": k, "cosine": _finite(cos[j]), "oracle_vs_reference": _finite(ro[k]),
+                 "candidate_vs_oracle": _finite(co[k])}
             out.reference_off.append(e)
             if co[k] >= floor:
                 out.mask[j] = True
@@ -117,3 +118,9 @@ def referee(per_position: Mapping[str, np.ndarray], floor: float, prompts: Seque
         out.notes.append(f"{n_other} position{'s' if n_other != 1 else ''} below it where the reference agrees with the oracle "
                          f"or the candidate is off the oracle too: the candidate's")
     return out
+
+
+def _finite(x: float) -> float | None:
+    """``x`` as a float, or None where it is not finite (evidence records undefined values as null)."""
+    v = float(x)
+    return v if np.isfinite(v) else None
