@@ -54,6 +54,7 @@ from harness.judge.thresholds import ResolvedThresholds
 from harness.measure import metrics
 from harness.measure.prompts import PromptTokens
 from harness.runs.inputs import RunInputs, RunRequest, engine_record
+from harness.runs.explain import explain
 from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, outside  # noqa: F401 (re-exported)
 from harness.runs.spec_given import _spec_checked, given_cases, judge_case, run_given  # noqa: F401 (_spec_checked re-exported)
 
@@ -516,6 +517,8 @@ class ProbeRun:
     receipt: dict[str, Any]
     receipt_path: Any = None
     ledger_row: dict[str, Any] | None = None
+    report_path: Any = None
+    """The verdict page's ``report.md``, when the run asked for it (``ProbeRequest.report``)."""
 
 
 def overall_verdict(results: Sequence[ProbeResult], only: Sequence[str] = ()) -> tuple[Verdict, str]:
@@ -748,8 +751,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if unknown:
         raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
     inputs = req.resolve()
-    if req.write_evidence:
-        preflight_evidence(req.ledger)
+    evidence = preflight_evidence(req.ledger) if req.write_evidence else None
     engine = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     resolved, cal_id, _, command = resolve_row(inputs.thresholds_for(engine.info.to_dict()), req.model, req.ledger,
                                                req.measure_tier if req.write_evidence else None, log=progress)
@@ -787,5 +789,6 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if not req.write_evidence:
         prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)
-    rec = record_evidence(receipt, {}, req.ledger)
-    return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row)
+    page = explain(receipt, req.localize, None) if req.report else None
+    rec = record_evidence(receipt, {}, evidence, page)
+    return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row, rec.report_path)
