@@ -206,7 +206,7 @@ def ledger_engines_page(ledger_path, out, check) -> None:
             sys.exit(1)
         click.echo(_p(f"{out}: equals its regeneration from {ledger_path}"))
         return
-    Path(out).write_text(text)
+    engines_page.write(ledger_path, out)
     click.echo(_p(f"wrote {out} from {ledger_path}"))
 
 
