@@ -333,6 +333,9 @@ class Server:
     ``llama_get_logits`` in batch order); a verification keeps the rows of its accepted positions."""
 
     def __init__(self, llm, requests, n_ubatch):
+        big = [q["id"] for q in requests if int(q.get("draft_max") or 0) > SERVE_CHUNK - 1]
+        if big:  # a step's batch (8 slots × at most 64 tokens) must fit llama_batch_init's 512
+            raise ValueError(f"requests {big} ask for draft_max above {SERVE_CHUNK - 1}, more than a step of this engine verifies")
         self.n_vocab, self.n_embd = llm.n_vocab, llm.n_embd
         self.spec = HAS_MTP and llm.n_nextn > 0 and any(q.get("draft_max") is not None for q in requests)
         n_ctx = n_ctx_for(sum(history_bound(requests).values()))

@@ -169,6 +169,12 @@ def test_speculation_rolls_back_the_state_it_caches_and_a_forced_request_verifie
     assert done[reqs[0]["id"]].tokens == forced and ver and sum(e["accepted"] for e in ver) < sum(e["drafts"] for e in ver)
 
 
+def test_a_draft_max_a_step_cannot_hold_is_refused_in_one_line(example, engine):
+    req = {"id": "big", "tokens": [1, 2, 3], "n_tokens": 4, "arrival": {"step": 0}, "draft_max": 64}
+    with pytest.raises(ValueError, match=r"^requests \['big'\] ask for draft_max above 63, more than a step of this engine verifies$"):
+        example.Server(engine.llm, [req], 512)
+
+
 def test_a_model_without_an_mtp_block_is_served_plainly(example, engine):
     done, steps = _served(example, engine, "spec-join-odd", path=speculative_scenarios_path())
     assert not _verifications(steps) and all(e["fed"] >= 1 and e["emitted"] <= 1 for s in steps for e in s["entries"])
