@@ -755,7 +755,7 @@ class Engine:
                     ks = {q: max(0, min(ks[q], len(given) - len(outs[q]))) for q in live}
                     drafts = {q: given[len(outs[q]):len(outs[q]) + ks[q]] for q in live}
                 else:
-                    drafts = propose(head, {q: (outs[q][-1], pos[q], h_last[q], ks[q]) for q in live})  # 1. draft
+                    drafts = self.propose(head, {q: (outs[q][-1], pos[q], h_last[q], ks[q]) for q in live})  # 1. draft
                 for q in live:
                     if ks[q] > 0:
                         llama_cpp.llama_memory_seq_rm(mem, q, pos[q], -1)
@@ -809,6 +809,10 @@ class Engine:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.llm.n_vocab for t in toks):
             raise ValueError(f"a given draft is not a token id in [0, {self.llm.n_vocab})")
         return toks
+
+    def propose(self, head, wants):
+        """Step 1 of ``speculative``: the module's ``propose`` (a subclass may draft otherwise)."""
+        return propose(head, wants)
 
     def draft(self, req):
         """Op ``draft``: the MTP head's teacher-forced draft logits through llama.cpp's MTP context,
