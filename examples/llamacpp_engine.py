@@ -218,6 +218,29 @@ def batches(seqs, chunks=None):
         yield [(q[p], p, i) for i, q in enumerate(seqs) for p in range(start, min(start + per, len(q)))]
 
 
+def propose(head, wants):
+    """Step 1 of ``Engine.speculative`` and of a speculating request's step in ``Server``: chained
+    drafts from the MTP context ``head`` for each sequence q in ``wants`` = {q: (t, P, h_{P-1}, k)}:
+    the head decodes (h_{P-1}, t) at P, then
+    (g_i, d_i) at P + i, g_i its own nextn embedding (post-norm) of the row before, d_i the
+    argmax (ties: lowest id), all drafting sequences in one batch per round. Returns
+    {q: [d_1 ... d_k]}; the draft rows stay in the head's KV cache (the caller removes them)."""
+    drafts = {q: [] for q in wants}
+    rows = [(t, p, q) for q, (t, p, _, k) in wants.items() if k > 0]
+    embd = [h for _, _, h, k in wants.values() if k > 0]
+    while rows:
+        logits = head.decode(rows, np.stack(embd))
+        g = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(head.ctx), shape=(len(rows), head.n_embd)).copy()
+        nxt, nemb = [], []
+        for j, (_, p, q) in enumerate(rows):
+            drafts[q].append(int(np.argmax(logits[j])))
+            if len(drafts[q]) < wants[q][3]:
+                nxt.append((drafts[q][-1], p + 1, q))
+                nemb.append(g[j])
+        rows, embd = nxt, nemb
+    return drafts
+
+
 SERVE_SLOTS = 8
 """Sequence ids of op ``serve``'s context (``n_seq_max``): the slots, more than any shipped
 scenario keeps in flight; a request takes the lowest free one."""
@@ -235,13 +258,22 @@ class Running:
     """A request in a slot (sequence id ``seq``): its whole ``prompt`` (a continuation's history
     included), the prefix restored from the cache (``cached``), the next position to feed
     (``pos``), the tokens it emitted, and its logit rows from position ``cached`` on, spilled to a
-    temporary file as float32 as they are computed (``n_rows`` of them)."""
+    temporary file as float32 as they are computed (``n_rows`` of them). ``draft_max``: the
+    request's own (None: it does not speculate)."""
 
     def __init__(self, req, seq, prompt, cached):
         self.req, self.seq, self.prompt, self.cached, self.pos = req, seq, prompt, cached, cached
         n, k = int(req["n_tokens"]), req.get("abort_after")
         self.emits = n if k is None else min(int(k), n)
+        self.draft_max = None if req.get("draft_max") is None else int(req["draft_max"])
         self.tokens, self.spill, self.n_rows = [], tempfile.TemporaryFile(), 0
+
+    def n_drafts(self):
+        """Drafts this request verifies in its next step: ``draft_max``, fewer near the end (tokens
+        it may still emit − 1); 0 while it prefills or when it does not speculate."""
+        if self.draft_max is None or self.pos < len(self.prompt):
+            return 0
+        return max(0, min(self.draft_max, self.emits - len(self.tokens) - 1))
 
     @property
     def done(self):
@@ -281,15 +313,81 @@ class Server:
       its new turn, and finds that history's end state here;
     - ``force`` (teacher forcing): the given ids are fed as the generated tokens.
 
+    - **speculation under traffic** (requests with ``draft_max``, on a model with an MTP block and
+      bindings with the nextn API): the scenario's context has its nextn embeddings on and an MTP
+      context beside it (``LLAMA_CONTEXT_TYPE_MTP``, the same sequence ids), fed every trunk row
+      (h_{p-1}, x_p) as ``Engine.speculative`` feeds it, so a cached state carries the head's K/V
+      and the last h too. A speculating request's decode step is ``Engine.speculative``'s step
+      inside the shared batch: its drafts (``propose``, every drafting request in one head batch
+      per round; a forced request's drafts are its forced ids) are verified as 1 + k rows of the
+      step's one ``llama_decode`` beside the other requests' pieces, its trunk sequence state
+      saved before; with a rejected draft that state is restored, the head's rows from the
+      position trimmed, and the accepted tokens fed again in one more ``llama_decode`` after the
+      step's (every rolled-back request together: a repair of the step, not a step of the log).
+      Its rows are the verify rows that chose its tokens. On a model without an MTP block the
+      requests are served plainly (no drafts: the probe says the scenario is UNMEASURED).
+
     The step log is built from the batches themselves: per step, each request's slot, the tokens
-    it put in that ``llama_decode`` (``fed``) and the token it emitted. Every fed position has
-    its logits row (float32, llama.cpp's ``llama_get_logits`` in batch order)."""
+    it put in that ``llama_decode`` (``fed``) and the tokens it emitted, and for a verification
+    ``drafts`` and ``accepted``. Every fed position has its logits row (float32, llama.cpp's
+    ``llama_get_logits`` in batch order); a verification keeps the rows of its accepted positions."""
 
     def __init__(self, llm, requests, n_ubatch):
-        self.n_vocab = llm.n_vocab
-        self.ctx = Context(llm, n_ctx_for(sum(history_bound(requests).values())), n_seq=SERVE_SLOTS, n_ubatch=n_ubatch)
+        big = [q["id"] for q in requests if int(q.get("draft_max") or 0) > SERVE_CHUNK - 1]
+        if big:  # a step's batch (8 slots × at most 64 tokens) must fit llama_batch_init's 512
+            raise ValueError(f"requests {big} ask for draft_max above {SERVE_CHUNK - 1}, more than a step of this engine verifies")
+        self.n_vocab, self.n_embd = llm.n_vocab, llm.n_embd
+        self.spec = HAS_MTP and llm.n_nextn > 0 and any(q.get("draft_max") is not None for q in requests)
+        n_ctx = n_ctx_for(sum(history_bound(requests).values()))
+        self.ctx = Context(llm, n_ctx, n_seq=SERVE_SLOTS, n_ubatch=n_ubatch)
         self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
-        self.cache = OrderedDict()  # tuple(tokens) -> sequence state bytes after them
+        self.head = self.head_mem = None
+        self.h_last = {}  # seq -> the trunk's nextn embedding of its last fed position (speculation only)
+        if self.spec:
+            llama_cpp_ext.llama_set_embeddings_nextn(self.ctx.ctx, True, False)
+            self.head = Context(llm, n_ctx, n_seq=SERVE_SLOTS, n_ubatch=n_ubatch, other=self.ctx)
+            llama_cpp_ext.llama_set_embeddings_nextn(self.head.ctx, True, False)
+            self.head_mem = llama_cpp.llama_get_memory(self.head.ctx)
+        self.cache = OrderedDict()  # tuple(tokens) -> the sequence's state after them (``snapshot``)
+
+    # -- a sequence's state -----------------------------------------------------------------------
+    def snapshot(self, seq):
+        """Sequence ``seq``'s state: the trunk's state bytes, and with speculation the head's and
+        the last h too (trunk bytes, head bytes, h)."""
+        if not self.spec:
+            return self.ctx.save(seq)
+        return self.ctx.save(seq), self.head.save(seq), self.h_last[seq].copy()
+
+    def clear(self, seq):
+        """Sequence ``seq`` emptied in the trunk (KV cells, conv and recurrent state) and the head."""
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        if self.spec:
+            llama_cpp.llama_memory_seq_rm(self.head_mem, seq, -1, -1)
+            self.h_last[seq] = np.zeros(self.n_embd, np.float32)
+
+    def restore(self, state, seq):
+        """A ``snapshot`` into sequence ``seq``."""
+        if not self.spec:
+            return self.ctx.restore(state, seq)
+        trunk, head, h = state
+        self.ctx.restore(trunk, seq)
+        self.head.restore(head, seq)
+        self.h_last[seq] = h.copy()
+
+    def decode(self, items):
+        """One trunk ``llama_decode`` of items [(token, pos, seq)]; with speculation the head then
+        gets the same rows with (h_{p-1}, x_p) (``Engine.speculative``'s ``trunk_rows``). Returns
+        the trunk's logits float32 [n, V]."""
+        logits = self.ctx.decode(items)
+        if self.spec:
+            h = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(self.ctx.ctx), shape=(len(items), self.n_embd)).copy()
+            embd, prev = [], {}
+            for j, (_, _, q) in enumerate(items):
+                embd.append(prev.get(q, self.h_last[q]))
+                prev[q] = h[j]
+            self.head.run(items, np.stack(embd))
+            self.h_last.update(prev)
+        return logits
 
     # -- the prompt cache -----------------------------------------------------------------------
     def keep(self, tokens, seq):
@@ -297,7 +395,7 @@ class Server:
         newest last; the oldest beyond ``SERVE_CACHE`` states is dropped."""
         key = tuple(tokens)
         self.cache.pop(key, None)
-        self.cache[key] = self.ctx.save(seq)
+        self.cache[key] = self.snapshot(seq)
         while len(self.cache) > SERVE_CACHE:
             self.cache.popitem(last=False)
 
@@ -313,23 +411,33 @@ class Server:
     # -- slots ------------------------------------------------------------------------------------
     def admit(self, req, seq, prompt):
         """``req`` into sequence ``seq``: the sequence cleared, the longest cached prefix restored."""
-        llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.clear(seq)
         cached, state = self.lookup(prompt)
         if state is not None:
-            self.ctx.restore(state, seq)
+            self.restore(state, seq)
         return Running(req, seq, prompt, cached)
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, running):
-        """One ``llama_decode`` of every running request's piece; returns the step's entries
-        ``{"request", "slot", "fed", "emitted"}`` as fed."""
-        pieces = [(r, r.piece()) for r in running]
+        """One ``llama_decode`` of every running request's piece (a speculating request's: its last
+        token and its drafts); returns the step's entries ``{"request", "slot", "fed", "emitted"}``
+        as fed, with ``drafts`` and ``accepted`` for a verification."""
+        drafts = self.drafts(running)
+        saved = {}
+        for r in running:
+            if drafts.get(r.seq):  # 2. verify: the head's draft rows out, the trunk's state kept for a rollback
+                llama_cpp.llama_memory_seq_rm(self.head_mem, r.seq, r.pos, -1)
+                saved[r.seq] = (self.ctx.save(r.seq), self.h_last[r.seq])
+        pieces = [(r, r.piece() + drafts.get(r.seq, [])) for r in running]
         items = [(t, r.pos + i, r.seq) for r, piece in pieces for i, t in enumerate(piece)]
-        logits = self.ctx.decode(items)
-        entries, at = [], 0
+        logits = self.decode(items)
+        entries, at, refeed = [], 0, []
         for r, piece in pieces:
             rows = logits[at : at + len(piece)]
             at += len(piece)
+            if r.seq in saved:
+                entries.append(self.verified(r, piece, rows, saved[r.seq], refeed))
+                continue
             r.spill.write(np.ascontiguousarray(rows, np.float32).tobytes())
             r.n_rows += len(piece)
             r.pos += len(piece)
@@ -341,7 +449,49 @@ class Server:
                 r.tokens.append(int(force[len(r.tokens)]) if force is not None else int(np.argmax(rows[-1])))
                 emitted = 1
             entries.append({"request": r.req["id"], "slot": r.seq, "fed": len(piece), "emitted": emitted})
+        if refeed:  # 3. roll back: the accepted tokens of every request that rejected a draft, fed again
+            self.decode(refeed)
         return entries
+
+    def drafts(self, running):
+        """Step 1 for every speculating request in decode: {seq: [d_1 ... d_k]}, k = ``n_drafts``;
+        drafted by the head (``propose``), or a forced request's next forced ids; none without an
+        MTP head (the scenario is served plainly)."""
+        drafts, wants = {}, {}
+        if not self.spec:
+            return drafts
+        for r in running:
+            k = r.n_drafts()
+            if k and r.req.get("force") is not None:
+                drafts[r.seq] = [int(t) for t in r.req["force"][len(r.tokens) : len(r.tokens) + k]]
+            elif k:
+                wants[r.seq] = (r.tokens[-1], r.pos, self.h_last[r.seq], k)
+        if wants:
+            drafts.update(propose(self.head, wants))
+        return drafts
+
+    def verified(self, r, piece, rows, saved, refeed):
+        """Step 2's verdict for ``r``, which fed ``piece`` = [t, d_1 ... d_k] (``rows``: their logits):
+        d_i accepted while it is the argmax of the row before; the rows of t and the accepted
+        drafts kept; after a rejection the trunk's ``saved`` state restored, the head trimmed and
+        [t, d_1 ... d_a] appended to ``refeed``. Returns the step entry."""
+        k = len(piece) - 1
+        choice = [int(np.argmax(row)) for row in rows]
+        a = 0
+        while a < k and piece[1 + a] == choice[a]:
+            a += 1
+        r.spill.write(np.ascontiguousarray(rows[: 1 + a], np.float32).tobytes())
+        r.n_rows += 1 + a
+        if a < k:
+            self.ctx.restore(saved[0], r.seq)
+            llama_cpp.llama_memory_seq_rm(self.head_mem, r.seq, r.pos, -1)
+            self.h_last[r.seq] = saved[1]
+            refeed += [(t, r.pos + i, r.seq) for i, t in enumerate(piece[: 1 + a])]
+        force = r.req.get("force")
+        j = len(r.tokens)
+        r.tokens += [int(t) for t in force[j : j + a + 1]] if force is not None else piece[1 : 1 + a] + [choice[a]]
+        r.pos += 1 + a
+        return {"request": r.req["id"], "slot": r.seq, "fed": 1 + k, "emitted": a + 1, "drafts": k, "accepted": a}
 
     # -- the scenario -----------------------------------------------------------------------------
     def run(self, requests):
@@ -416,19 +566,22 @@ class Server:
         return ["serve.json", "serve_logits.npy"]
 
     def close(self, done=()):
-        """Free the context and the row spills of the runs ``done``."""
+        """Free the contexts and the row spills of the runs ``done``."""
         for r in done:
             r.spill.close()
+        if self.head is not None:
+            self.head.close()
         self.ctx.close()
 
 
 def history_bound(requests):
     """{id: positions} each request's history can reach (a continuation's: the continued
-    request's history, its tokens and the new turn): their sum bounds the KV cells in use."""
+    request's history, its tokens and the new turn; a speculating request's drafts beyond it): their
+    sum bounds the KV cells in use."""
     out = {}
     for q in requests:
         prev = out.get(q.get("continues"), 0) + (1 if q.get("continues") else 0)
-        out[q["id"]] = prev + len(q["tokens"]) + int(q["n_tokens"])
+        out[q["id"]] = prev + len(q["tokens"]) + int(q["n_tokens"]) + int(q.get("draft_max") or 0)
     return out
 
 
@@ -658,25 +811,8 @@ class Engine:
         return toks
 
     def propose(self, head, wants):
-        """Step 1 of ``speculative``: chained drafts from the MTP context ``head`` for each sequence
-        q in ``wants`` = {q: (t, P, h_{P-1}, k)}: the head decodes (h_{P-1}, t) at P, then
-        (g_i, d_i) at P + i, g_i its own nextn embedding (post-norm) of the row before, d_i the
-        argmax (ties: lowest id), all drafting sequences in one batch per round. Returns
-        {q: [d_1 ... d_k]}; the draft rows stay in the head's KV cache (the caller removes them)."""
-        drafts = {q: [] for q in wants}
-        rows = [(t, p, q) for q, (t, p, _, k) in wants.items() if k > 0]
-        embd = [h for _, _, h, k in wants.values() if k > 0]
-        while rows:
-            logits = head.decode(rows, np.stack(embd))
-            g = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(head.ctx), shape=(len(rows), head.n_embd)).copy()
-            nxt, nemb = [], []
-            for j, (_, p, q) in enumerate(rows):
-                drafts[q].append(int(np.argmax(logits[j])))
-                if len(drafts[q]) < wants[q][3]:
-                    nxt.append((drafts[q][-1], p + 1, q))
-                    nemb.append(g[j])
-            rows, embd = nxt, nemb
-        return drafts
+        """Step 1 of ``speculative``: the module's ``propose`` (a subclass may draft otherwise)."""
+        return propose(head, wants)
 
     def draft(self, req):
         """Op ``draft``: the MTP head's teacher-forced draft logits through llama.cpp's MTP context,

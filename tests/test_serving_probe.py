@@ -360,7 +360,7 @@ def test_intent_reads_the_step_log():
 def test_the_serving_oracle_passes_every_shipped_scenario(model):
     """Acceptance: every shipped scenario, multi-turn to 4,096 positions included, on a dense and
     an MoE fixture (pytest -m slow tests/test_serving_probe.py; minutes)."""
-    eng = load_oracle(fx.build(model) if model in fx.FIXTURES else fx.trained_fixtures()[model])
+    eng = load_oracle(fx.build(model))  # fx.build resolves a committed trained fixture too
     r = probe_serving(eng, _prompts(eng.n_vocab), F64, load_scenarios(), context_length=eng.hp.context_length)
     assert r.verdict is Verdict.PASS, r.reason
     assert all(row["verdict"] == "PASS" for row in r.details["scenarios"])

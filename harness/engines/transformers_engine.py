@@ -14,6 +14,23 @@ f32 islands are the ones every such engine keeps. Without flash-linear-attention
 transformers uses its reference PyTorch kernels (chunked gated delta rule for prompts, the
 recurrent rule for single-token steps).
 
+Several sequences (capability ``multi_seq``) are run as transformers-based trainers and engines
+run them: **packed** into one row (``pack_sequences``), position ids restarting at 0 for each
+sequence and, with ``packed="cu_seqlens"`` (the default), ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+with ``max_length_q`` / ``max_length_k``, the keyword arguments
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives; ``packed="position_ids"`` gives
+the position ids alone (the collator's default). The attention layers find the packing in the
+position ids (``masking_utils.find_packed_sequence_indices``: a block-diagonal causal mask); the
+Gated DeltaNet layers have only ``cu_seq_lens_q`` to go by, which they pass on as ``cu_seqlens``:
+the flash-linear-attention kernels reset the conv and recurrent state there, and transformers 5.25's
+PyTorch fallback refuses it (``ValueError``: "can't keep packed sequences apart without
+flash-linear-attention"; transformers PR #46859: state leaked between packed sequences in the torch
+fallback), so on CPU the default is UNMEASURED, naming that refusal. With the position ids alone
+the fallback runs the row as one sequence, the conv and recurrent state carried across each
+boundary: measured on ``fixture:trained-qwen35`` (sequences of 70, 45 and 90 tokens), the third
+sequence's row 0 is at cosine 0.835 from its solo run (KLD 5.66, 11 of 90 argmaxes differ). Each
+sequence's rows are judged against its solo run by the ``multiseq`` probe.
+
 Needs the ``hf`` extra: ``pip install -e .[hf]`` (torch, transformers).
 """
 
@@ -31,6 +48,9 @@ from harness.errors import EngineError, InvalidInput, Unmeasured
 from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+PACKED = ("cu_seqlens", "position_ids")
+"""How ``logits_multi`` tells transformers where each packed sequence starts: ``cu_seqlens`` (the
+position ids and ``cu_seq_lens_q/k``) or ``position_ids`` (the position ids alone)."""
 DTYPE_CLASS = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 """torch dtype → the engine's compute class (``harness.engines.base.COMPUTE_CLASSES``)."""
 
@@ -66,9 +86,13 @@ class TransformersEngine:
         threads: int | None = None,
         block_size: int = 256,
         tokenizer_dir: str | os.PathLike | None = None,
+        packed: str = "cu_seqlens",
     ):
         if dtype not in DTYPES:
             raise InvalidInput(f"transformers engine dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+        if packed not in PACKED:
+            raise InvalidInput(f"transformers engine packed {packed!r}: use one of {', '.join(PACKED)}")
+        self.packed = packed
         self.torch = _require_torch()
         self.model_path = Path(model_path)
         self.overrides = list(overrides)
@@ -105,9 +129,10 @@ class TransformersEngine:
                 "threads": self.torch.get_num_threads(),
                 "attn_implementation": "sdpa",
                 "device": "cpu",
+                "multi_seq": f"packed: one row, position ids restarting per sequence{', cu_seq_lens_q/k' if self.packed == 'cu_seqlens' else ''}",
                 "overrides": [o.to_flag() for o in self.overrides],
             },
-            capabilities=["chunks", "activations", "tokenize"],
+            capabilities=["chunks", "activations", "tokenize", "multi_seq"],
             build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.fixtures.convert.to_transformers",
                    "tokenizer_dir": None if self.tokenizer_dir is None else str(self.tokenizer_dir)},
             compute_class=DTYPE_CLASS[self.dtype],
@@ -167,9 +192,46 @@ class TransformersEngine:
                     pos += n
         return torch.cat(outs, dim=0)
 
+    def _packed(self, sequences: Sequence[Sequence[int]]) -> Any:
+        """Logits tensor [Σ T_i, V] (model dtype) of ``sequences`` packed into one row
+        (``pack_sequences``), one forward without a cache. Raises ``Unmeasured`` where transformers
+        refuses packed sequences (its PyTorch fallback of the gated delta rule given ``cu_seqlens``)."""
+        torch = self.torch
+        seqs = [self._check_tokens(q) for q in sequences]
+        if not seqs or any(not q for q in seqs):
+            raise EngineError("transformers: packed sequences need at least one sequence, each of at least one token")
+        ids, pos, cu = pack_sequences(seqs)
+        longest = int(np.diff(cu).max())
+        flash = {"cu_seq_lens_q": torch.from_numpy(cu), "cu_seq_lens_k": torch.from_numpy(cu), "max_length_q": longest,
+                 "max_length_k": longest} if self.packed == "cu_seqlens" else {}
+        try:
+            with torch.inference_mode():
+                return self.lm(input_ids=torch.from_numpy(ids)[None], position_ids=torch.from_numpy(pos)[None], use_cache=False,
+                               **flash).logits[0]
+        except ValueError as e:
+            if "packed sequences apart" not in str(e):
+                raise
+            import transformers
+
+            raise Unmeasured(f"transformers {transformers.__version__} refuses packed sequences on this device "
+                             f"({str(e).splitlines()[0][:200]})") from None
+
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
         """Yield ``(start, float32 [B, V])`` logit blocks; row t follows ``tokens[:t+1]``."""
-        out = self._run(tokens, chunks).float().numpy()
+        yield from self._blocks(self._run(tokens, chunks))
+
+    def logits_multi(self, sequences: Sequence[Sequence[int]]) -> Iterator[LogitBlock]:
+        """Capability ``multi_seq``: the sequences packed into one row and run in one forward
+        (``pack_sequences``: position ids restarting per sequence, ``cu_seq_lens_q/k``); yields
+        ``(start, float32 [B, V])`` blocks of the rows in order, ``sum(len(q))`` in all: row
+        ``offset_i + t`` follows ``sequences[i][:t+1]`` when the packed path keeps the sequences
+        apart. Raises ``EngineError`` for an empty sequence, token ids out of range or non-finite
+        output, ``Unmeasured`` where transformers refuses packed sequences (``_packed``)."""
+        yield from self._blocks(self._packed(sequences))
+
+    def _blocks(self, logits: Any) -> Iterator[LogitBlock]:
+        """A logits tensor [T, V] as float32 blocks; ``EngineError`` at its first non-finite row."""
+        out = logits.float().numpy()
         if not np.isfinite(out).all():
             t = int(np.argwhere(~np.isfinite(out))[0, 0])
             raise EngineError(f"transformers: non-finite logits at position {t}")
@@ -222,13 +284,26 @@ class TransformersEngine:
         return out
 
 
+def pack_sequences(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sequences packed into one row as transformers' ``DataCollatorWithFlattening`` packs them:
+    ``input_ids`` int64 [N] (the sequences concatenated, N = Σ T_i), ``position_ids`` int64 [N]
+    (0 … T_i − 1 for each sequence) and ``cu_seqlens`` int32 [S + 1] (0, T_0, T_0 + T_1, …, N:
+    each sequence's first row, the flash-attention and flash-linear-attention convention)."""
+    lengths = [len(q) for q in sequences]
+    ids = np.asarray([int(t) for q in sequences for t in q], dtype=np.int64)
+    pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths]) if lengths else np.zeros(0, np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return ids, pos, cu
+
+
 def load_transformers(
     model_path: str | os.PathLike, overrides: Sequence[Override] = (), dtype: str = "float32", **settings: Any
 ) -> TransformersEngine:
     """The ``transformers`` engine for a qwen35 / qwen35moe GGUF (registry name ``transformers``).
 
     ``dtype`` ``float32`` (default), ``float64``, ``bfloat16`` or ``float16``; other settings: ``threads``, ``block_size``,
-    ``tokenizer_dir`` (the model folder whose tokenizer files ``tokenize_text`` uses; None: UNMEASURED).
+    ``tokenizer_dir`` (the model folder whose tokenizer files ``tokenize_text`` uses; None: UNMEASURED),
+    ``packed`` (``PACKED``: how ``logits_multi`` marks the packed sequences).
     Raises ``InvalidInput`` with the install command when torch or transformers is missing.
     """
     return TransformersEngine(model_path, overrides, dtype=dtype, **settings)

@@ -46,7 +46,7 @@ import numpy as np
 from harness.engines.base import Engine, gather, last_row
 from harness.engines.llama_server import SERVE_CAPABILITY
 from harness.engines.timing import timed
-from harness.errors import EngineError, InvalidInput, Verdict
+from harness.errors import EngineError, InvalidInput, Unmeasured, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
 from harness.evidence.record import preflight_evidence, record_evidence
 from harness.judge.calibrated import MeasureTier, resolve_row
@@ -242,10 +242,19 @@ def probe_ubatch(engine: Engine, tokens: Sequence[int], tol: ProbeTolerance, siz
 
 
 def probe_multiseq(engine: Engine, prompts: Sequence[Sequence[int]], tol: ProbeTolerance, n_copies: int = 3) -> ProbeResult:
-    """N identical prompts together vs solo; N distinct prompts together vs each solo run."""
+    """N identical prompts together vs solo; N distinct prompts together vs each solo run.
+    UNMEASURED without ``multi_seq``, or naming why where the engine raises ``Unmeasured`` (the
+    transformers engine where transformers refuses packed sequences)."""
     multi: Callable | None = getattr(engine, "logits_multi", None)
     if multi is None or "multi_seq" not in engine.info.capabilities:
         return ProbeResult("multiseq", Verdict.UNMEASURED, reason=f"{engine.info.name} cannot batch several sequences")
+    try:
+        return _multiseq(engine, multi, prompts, tol, n_copies)
+    except Unmeasured as e:
+        return ProbeResult("multiseq", Verdict.UNMEASURED, reason=f"{engine.info.name}: {e}")
+
+
+def _multiseq(engine: Engine, multi: Callable, prompts: Sequence[Sequence[int]], tol: ProbeTolerance, n_copies: int) -> ProbeResult:
     comps = []
     first = list(prompts[0])
     solo = gather(engine.logits(first), len(first))
