@@ -33,3 +33,240 @@ def test_long_names_stay_whole_in_a_table_and_other_columns_fold(monkeypatch, ca
     lines = capsys.readouterr().out.splitlines()
     assert any(name in ln and "│" in ln for ln in lines)  # whole, inside the table
     assert sum("word" in ln for ln in lines) > 1  # the other column folds instead
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 48 (1, 2): every table at COLUMNS=80, on a terminal and not, keeps its ids and numbers
+# whole; the compute class shows where results are scanned.
+
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pty  # noqa: E402
+import re  # noqa: E402
+import struct  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import termios  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from harness.evidence import ledger as L  # noqa: E402
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)")
+MODES = ["terminal", "pipe"]
+
+
+def run_cli(args, *, tty: bool, columns: int | None = 80, cwd=None, timeout: float = 300) -> tuple[int, str]:
+    """``python -m harness ARGS`` with ``$COLUMNS`` set, stdout a pseudo-terminal 200 columns wide
+    (``tty``) or a pipe; returns (exit code, stdout without colour codes or carriage returns)."""
+    env = {**os.environ, "TERM": "xterm-256color"}
+    env.pop("COLUMNS", None)
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    cmd = [sys.executable, "-m", "harness", *map(str, args)]
+    if not tty:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+        return r.returncode, r.stdout
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # a wide terminal: $COLUMNS must win
+    p = subprocess.Popen(cmd, stdout=slave, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    rc = p.wait(timeout=timeout)
+    return rc, _ANSI.sub("", b"".join(chunks).decode("utf-8", "replace")).replace("\r\n", "\n")
+
+
+def whole_on_a_line(out: str, values) -> list[str]:
+    """The values that are not whole on any one line of ``out``."""
+    lines = out.splitlines()
+    return [v for v in values if not any(v in ln for ln in lines)]
+
+
+LONG_CAND = "command:an-engine-with-a-rather-long-name-v2"
+
+
+@pytest.fixture()
+def class_ledger(tmp_path):
+    """A ledger whose rows differ in compute class (f32, bf16, none) and carry long names."""
+    p = tmp_path / "ledger.jsonl"
+    base = {"kind": "parity", "model": "fixture:trained-qwen35", "quant": "ALL_F32", "reference": "llama.cpp llama-cpp-python 0.3.36",
+            "positions": 1479, "near_tie_flips": 0, "hard_flips": 0, "argmax_agreement": 0.99961, "basis_kind": "measured",
+            "receipt_id": None}
+    rows = [
+        dict(base, candidate=f"{LONG_CAND} 1.0", min_cosine=0.9999123, kld_mean=1.26e-05, verdict="PASS", time="2026-11-01T10:00:00Z",
+             compute_class="f32", release="ok", calibrated="ok", receipt_id="a1b2c3d4" + "0" * 56),
+        dict(base, candidate=f"{LONG_CAND} 1.0", min_cosine=0.9912345, kld_mean=0.0042, verdict="FAIL", time="2026-11-02T10:00:00Z",
+             compute_class="bf16", release="ok", calibrated="fail", receipt_id="e5f6a7b8" + "0" * 56),
+        dict(base, candidate="mutant:qk-norm-skipped qwen35-float64", min_cosine=0.9366118590100881, kld_mean=0.008472548427883307,
+             verdict="FAIL", time="2026-11-03T10:00:00Z", receipt_id="c0ffee12" + "0" * 56),
+        dict(base, kind="mtp", candidate="oracle qwen35-float64", min_cosine=0.99999, kld_mean=None, verdict="PASS",
+             time="2026-11-04T10:00:00Z", compute_class="f64", receipt_id="d00dfeed" + "0" * 56),
+    ]
+    for r in rows:
+        L.append_row(p, r)
+    L.append_row(p, {"kind": "signoff", "verdict": "BLOCKED", "release_name": "demo-1", "builds": {}, "cells": [], "relied_on": [],
+                     "blocked": ["x"]})
+    return p
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ledger_show_rows_at_80_columns_keeps_every_id_and_number_whole(class_ledger, mode):
+    rc, out = run_cli(["ledger", "show", "--rows", "--ledger", class_ledger], tty=mode == "terminal")
+    assert rc == 0, out
+    assert "…" not in out
+    ids = ["a1b2c3d4", "e5f6a7b8", "c0ffee12", "d00dfeed", LONG_CAND, "mutant:qk-norm-skipped", "fixture:trained-qwen35",
+           "1 − 8.8e-05", "0.9912", "0.9366", "1.3e-05", "0.0042", "0.0085", "99.96%"]
+    assert whole_on_a_line(out, ids) == []
+    lines = out.splitlines()
+    # every row's class is on the row's own record: seq 1 f32, seq 2 bf16, seq 3 none recorded
+    for seq, cls in ((1, "f32"), (2, "bf16"), (4, "f64")):
+        at = next(i for i, ln in enumerate(lines) if re.match(rf"\s*{seq}\s+2026-11-0{seq}\b", ln))
+        block = "\n".join(lines[at:at + 14])
+        assert re.search(rf"\b{cls}\b", block), block
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ledger_show_trends_split_by_compute_class(class_ledger, mode):
+    rc, out = run_cli(["ledger", "show", "--ledger", class_ledger], tty=mode == "terminal")
+    assert rc == 0, out
+    assert "f32 compute" in out and "bf16 compute" in out and "compute class not recorded" in out
+    # one trend per class: the f32 run is a PASS of 1 run, the bf16 run a FAIL of 1 run
+    assert out.count(LONG_CAND) == 2  # the f32 trend and the bf16 trend
+    doc = json.loads(run_cli(["ledger", "show", "--ledger", class_ledger, "--format", "json"], tty=False)[1])
+    mine = sorted((t["compute_class"], t["runs"], t["last_verdict"]) for t in doc["trends"] if t["candidate"] == LONG_CAND)
+    assert mine == [("bf16", 1, "FAIL"), ("f32", 1, "PASS")]
+    assert {r["seq"]: r["compute_class"] for r in doc["rows"]}[2] == "bf16"
+
+
+@pytest.mark.parametrize("kind, seqs", [("mtp", [4]), ("signoff", [5])])
+def test_ledger_show_takes_every_kind_the_ledger_holds(class_ledger, kind, seqs):
+    from harness.cli.release import LEDGER_KINDS
+    from harness.evidence.rows import KINDS
+
+    assert LEDGER_KINDS == KINDS
+    rc, out = run_cli(["ledger", "show", "--ledger", class_ledger, "--kind", kind, "--format", "json"], tty=False)
+    assert rc == 0, out
+    assert [r["seq"] for r in json.loads(out)["rows"]] == seqs
+
+
+def _parity_outcome(compute_class: str):
+    from types import SimpleNamespace
+
+    from test_receipts import make_receipt
+
+    from harness.errors import Verdict
+    from harness.runs.parity import CellResult
+
+    receipt, _ = make_receipt(seed=1)
+    receipt["gated"]["compute_class"] = compute_class
+    per_prompt = [dict(id=f"prose-{w}-{'x' * 20}", positions=123456, min_cosine=0.987654321, mean_cosine=0.99912345, argmax_agreement=0.98765,
+                       near_tie_flips=12, hard_flips=3456, kld_mean=0.000123456, failing_positions=7890) for w in ("english", "german")]
+    result = CellResult(Verdict.PASS, "parity", [], {}, receipt["report_only"], per_prompt, {}, {}, {}, 97, "a message")
+    return SimpleNamespace(result=result, receipt=receipt, receipt_path=None)
+
+
+_PARITY_SNIPPET = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_cli_tables import _parity_outcome
+from harness.cli import _render_parity
+_render_parity(_parity_outcome({cls!r}))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parity_table_at_80_columns_keeps_prompt_ids_and_numbers_whole_and_names_the_class(tmp_path, mode):
+    for cls in ("f32", "bf16"):
+        script = tmp_path / f"render_{cls}.py"
+        script.write_text(_PARITY_SNIPPET.format(tests=str(Path(__file__).parent), cls=cls))
+        env = {**os.environ, "COLUMNS": "80", "TERM": "xterm-256color"}
+        if mode == "pipe":
+            r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+            assert r.returncode == 0, r.stderr
+            out = r.stdout
+        else:
+            master, slave = pty.openpty()
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+            p = subprocess.Popen([sys.executable, str(script)], stdout=slave, stderr=subprocess.DEVNULL, env=env)
+            os.close(slave)
+            data = b""
+            while True:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                data += chunk
+            os.close(master)
+            assert p.wait(timeout=120) == 0
+            out = _ANSI.sub("", data.decode()).replace("\r\n", "\n")
+        ids = [f"prose-english-{'x' * 20}", f"prose-german-{'x' * 20}", "123456", "0.987654", "0.999123", "0.9877", "12/3456", "0.000123",
+               "7890"]
+        assert whole_on_a_line(out, ids) == [], out
+        assert "…" not in out
+        assert f"{cls} compute" in out and "F32 weights" in out, out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_signoff_commands_at_80_columns_are_whole_on_one_line(tmp_path, mode):
+    from test_release import make_project
+
+    root = make_project(tmp_path / "proj", ["oracle", "command:example"], ["tiny-qwen35"])
+    rc, out = run_cli(["signoff", "release.yaml", "--no-record"], tty=mode == "terminal", cwd=root)
+    assert rc == 5, out
+    rc, doc = run_cli(["signoff", "release.yaml", "--no-record", "--json"], tty=False, cwd=root)
+    commands = [i["command"] for i in json.loads(doc)["items"] if i["command"]]
+    assert len(commands) == 4 and all(len(c) > 80 for c in commands)
+    assert whole_on_a_line(out, commands) == []
+    assert whole_on_a_line(out, ["fixture:tiny-qwen35", "command:example"]) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mutants_list_at_80_columns_on_a_terminal_and_not(mode):
+    rc, out = run_cli(["mutants", "list"], tty=mode == "terminal")
+    assert rc == 0
+    names = [r["name"] for r in mutant_rows()]
+    assert whole_on_a_line(out, names) == []
+    assert not any("┃ name" in ln for ln in out.splitlines())  # a list at 80, wherever it goes
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("columns", [40, 80, 120])
+def test_print_table_keeps_whole_columns_whole_at_any_width(mode, columns, monkeypatch):
+    """Every table of the CLI is drawn by ``display.print_table`` (below): cells of the columns
+    that do not fold are whole on one line, at any width, on a terminal or not."""
+    import io
+
+    from harness.cli.render import _render_table
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return mode == "terminal"
+
+    out = Tty()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    rows = [(f"id-{i:02d}-" + "k" * (3 * i), f"{0.123456789 * i:.9f}", "a free text detail that may fold " * (i % 3), f"cmd --flag-{i} value")
+            for i in range(1, 9)]
+    _render_table("t", ("id", "number", "detail", "command"), rows, fold=("detail",))
+    text = _ANSI.sub("", out.getvalue())
+    assert whole_on_a_line(text, [v for r in rows for v in (r[0], r[1], r[3])]) == []
+    assert "…" not in text
+
+
+def test_every_table_is_drawn_by_print_table():
+    """No module builds a rich Table of its own: the rule of ``display.print_table`` (names, ids
+    and numbers whole; a list when too narrow) then holds for every table the harness prints."""
+    root = Path(__file__).resolve().parents[1] / "harness"
+    own = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "display.py" and re.search(r"\bTable\(", p.read_text())]
+    assert own == []

@@ -12,76 +12,52 @@ from typing import Any, Iterable, Sequence
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 from harness.display import markup as _m
 from harness.display import plain as _p
+from harness.display import print_table
 from harness.errors import HarnessError
 
 
 def _console(stderr: bool = False, width: int | None = None) -> Console:
-    """A rich console; wide enough for the tables when output is not a terminal (160 columns, or
-    ``width``); on a terminal at most ``width`` columns when given."""
-    import shutil
-
-    stream = sys.stderr if stderr else sys.stdout
+    """A rich console ``_table_width(stderr)`` characters wide, at most ``width`` when given (an
+    explicit ``$COLUMNS`` counts on a terminal and off one alike)."""
+    cols = _table_width(stderr)
     # emoji off: ``:smile:`` in a prompt id is text, like everything else that is shown
-    if stream.isatty():
-        return Console(stderr=stderr, width=min(shutil.get_terminal_size().columns, width) if width else None, emoji=False)
-    return Console(stderr=stderr, width=width or 160, emoji=False)
+    return Console(stderr=stderr, width=min(cols, width) if width else cols, emoji=False)
 
 
 def _echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-TABLE_MIN_COLUMN = 12
-"""A table whose names (``_render_table`` ``keys``) leave less than this many characters to each
-other column is printed as a list instead."""
-
-
-def _table_width() -> int:
+def _table_width(stderr: bool = False) -> int:
     """Characters a table may use: ``$COLUMNS`` when set, else the terminal's width on a
-    terminal, else 120 (output captured by a program)."""
+    terminal, else 160 (output captured by a program)."""
     try:
         cols = int(os.environ.get("COLUMNS", "0") or 0)
     except ValueError:
         cols = 0
     if cols > 0:
         return cols
-    return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 120
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 160
+    except (OSError, ValueError):
+        return 160
 
 
 def _render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None,
-                  keys: int = 1) -> None:
-    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green);
-    every other cell and the title shown literally (``display.markup``). The first ``keys``
-    columns hold names and ids people copy: never wrapped (``no_wrap``, as wide as their longest
-    value); when that leaves the other columns less than ``TABLE_MIN_COLUMN`` characters each at
-    ``_table_width``, the rows are printed as a list instead (each row's names on one line, then
-    ``column: value`` lines)."""
-    rows = [[str(v) for v in r] for r in rows]
-    width = _table_width()
-    key_w = [max([len(_p(c)), *(len(_p(r[i])) for r in rows)]) for i, c in enumerate(columns[:keys])]
-    rest = len(columns) - keys
-    borders = 3 * len(columns) + 1
-    if rest and width - sum(key_w) - borders < TABLE_MIN_COLUMN * rest:
-        click.echo(_p(title))
-        for r in rows:
-            click.echo("  ".join(_p(v) for v in r[:keys]))
-            for col, v in zip(columns[keys:], r[keys:]):
-                click.echo(f"    {_p(col)}: {_p(v)}")
-        return
-    t = Table(title=_m(title))
-    for i, col in enumerate(columns):
-        if i < keys:
-            t.add_column(col, no_wrap=True, min_width=key_w[i])
-        else:
-            t.add_column(col, overflow="fold")
-    for r in rows:
-        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else _m(v) for v in r])
-    Console(width=width, emoji=False).print(t)
+                  keys: int = 1, fold: Sequence[str] | None = None, right: Sequence[str] = ()) -> None:
+    """Print a table on stdout at ``_table_width`` (``display.print_table``: cells literal,
+    ``styles`` maps a cell value to a style, e.g. DISCHARGED → green). Columns named in ``fold``
+    (free text) fold; every other column (names, ids, numbers, commands) is never wrapped or cut;
+    ``fold=None`` folds every column after the first ``keys``. When the whole columns leave the
+    folding ones less than ``TABLE_MIN_FOLD`` characters each, the rows are printed as a list
+    (each row's first ``keys`` values on one line, then ``column: value`` lines)."""
+    fold = list(columns[keys:]) if fold is None else fold
+    print_table(_console(), title, columns, rows, fold=fold, right=right, keys=keys, styles=styles)
 
 
 def _short(msg: str, n: int = 140) -> str:

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 from rich.text import Text
 
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
 from harness.display import markup as _m
 from harness.display import plain as _p
+from harness.display import print_table
 from harness.errors import InvalidInput, Verdict
 from harness.fschecks import require_writable_dir
 from harness.cli.app import override_option, cli
@@ -38,19 +38,26 @@ def _parity_defaults() -> dict[str, Any]:
     }
 
 
-def _render_parity(outcome) -> None:
+def parity_title(rec: dict[str, Any]) -> str:
+    """The parity table's title: ``parity: CANDIDATE vs REFERENCE on MODEL (F32 weights, bf16
+    compute)``: the GGUF's file type and the candidate's compute class (``gated.compute_class``,
+    "class not recorded" in receipts of one tier), so an f32 run and a bf16 run read apart."""
     from harness.engines.options import engine_label  # deferred: startup
 
+    cls = rec.get("gated", {}).get("compute_class")
+    return (f"parity: {engine_label(rec['engines']['candidate'])} vs {engine_label(rec['engines']['reference'])} on {rec['model']['name']} "
+            f"({rec['model']['file_type']} weights, {cls + ' compute' if cls else 'class not recorded'})")
+
+
+def _render_parity(outcome) -> None:
     r, rec = outcome.result, outcome.receipt
     con = _console()
-    t = Table(title=_m(f"parity: {engine_label(rec['engines']['candidate'])} vs {engine_label(rec['engines']['reference'])} on {rec['model']['name']} ({rec['model']['file_type']})"))
-    for col in ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing"):
-        t.add_column(col, justify="right" if col != "prompt" else "left")
-    f = lambda v, spec: "-" if v is None else format(v, spec)
-    for p in r.per_prompt:
-        t.add_row(_m(p["id"]), str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
-                  f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
-    con.print(t)
+    cols = ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing")
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print_table(con, parity_title(rec), cols,
+                [(p["id"], p["positions"], f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
+                  f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), p["failing_positions"]) for p in r.per_prompt],
+                right=cols[1:])
     g = rec["gated"]
     con.print(_p(g["release"]["line"]), markup=False)
     con.print(_p(g["calibrated"]["line"]), markup=False)
@@ -202,15 +209,12 @@ def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrid
         if as_json:
             _echo_json(run.receipt)
             continue
-        table = Table(title=Text(f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)"))
-        for col in ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"):
-            table.add_column(col, no_wrap=True)
-        for c in run.checks:
-            ff = c.first_failing
-            table.add_row(c.name, c.verdict.value, str(c.positions), "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
-                          "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
-                          Text("—" if not ff else f"{ff['prompt']} row {ff['row']}"))
-        _console().print(table)
+        rows = [(c.name, c.verdict.value, c.positions, "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
+                 "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
+                 "—" if not c.first_failing else f"{c.first_failing['prompt']} row {c.first_failing['row']}") for c in run.checks]
+        print_table(_console(), f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)",
+                    ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"), rows,
+                    right=("rows", "min cosine", "max KLD"))
         acc = run.receipt["report_only"].get("acceptance")
         if acc:
             click.echo(_p("implied acceptance (report-only): " + ", ".join(
@@ -291,12 +295,9 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
     if as_json:
         _echo_json(run.receipt)
     else:
-        t = Table(title=_m(f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
-        for col in ("probe", "verdict", "comparisons", "detail"):
-            t.add_column(col)
-        for r in run.results:
-            t.add_row(_m(r.name), r.verdict.value, str(len(r.comparisons)), _m(r.summary()))
-        _console().print(t)
+        print_table(_console(), f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}",
+                    ("probe", "verdict", "comparisons", "detail"), [(r.name, r.verdict.value, len(r.comparisons), r.summary()) for r in run.results],
+                    fold=("detail",), right=("comparisons",))
         for r in run.results:
             if r.reproducer:
                 click.echo(_p(r.reproducer))
@@ -338,12 +339,10 @@ def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder,
     if as_json:
         _echo_json(run.receipt)
     else:
-        t = Table(title=_m(f"tokenizer: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
-        for col in ("prompt", "llama.cpp", "candidate", "first difference"):
-            t.add_column(col)
-        for c in run.comparisons:
-            t.add_row(_m(c.prompt), str(len(c.reference)), str(len(c.candidate)), "—" if c.ok else str(c.first_diff))
-        _console().print(t)
+        print_table(_console(), f"tokenizer: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}",
+                    ("prompt", "llama.cpp", "candidate", "first difference"),
+                    [(c.prompt, len(c.reference), len(c.candidate), "—" if c.ok else c.first_diff) for c in run.comparisons],
+                    right=("llama.cpp", "candidate", "first difference"))
         for f in run.receipt["second_opinion"]["findings"]:
             click.echo(_p(second_opinion.finding_line(f)))
         click.echo(_p(f"{run.verdict.value}: {run.message}"))
@@ -384,13 +383,11 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     if as_json:
         _echo_json(loc.to_dict())
     else:
-        t = Table(title=_m(f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})"))
-        for col in ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine"):
-            t.add_column(col, justify="right")
-        for e in loc.per_layer:
-            t.add_row(str(e["layer"]) if e["layer"] >= 0 else "output", _m(e["type"]), str(e["compared"]), str(e["missing"]), str(e["over"]),
-                      f"{e['max_nmse']:.3g}", f"{e['min_cosine']:.6f}")
-        _console().print(t)
+        cols = ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine")
+        print_table(_console(), f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, "
+                    f"cosine >= {loc.bounds['min_cosine']})", cols,
+                    [(e["layer"] if e["layer"] >= 0 else "output", e["type"], e["compared"], e["missing"], e["over"], f"{e['max_nmse']:.3g}",
+                      f"{e['min_cosine']:.6f}") for e in loc.per_layer], right=cols)
         click.echo(f"{loc.compared} tensors compared")
         if loc.first:
             click.echo(_p(f"{loc.verdict.value}: {loc.message}"))
