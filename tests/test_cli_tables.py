@@ -270,3 +270,12 @@ def test_every_table_is_drawn_by_print_table():
     root = Path(__file__).resolve().parents[1] / "harness"
     own = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "display.py" and re.search(r"\bTable\(", p.read_text())]
     assert own == []
+
+
+def test_the_index_class_column_names_each_rows_compute_class(class_ledger):
+    """Issue 48 (2): the index's class column was "—" in every row; it names the compute class."""
+    from harness.evidence import index as I
+
+    md = I.build_index(class_ledger).to_markdown()
+    cls = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d+) \|(?:[^|]*\|){5}([^|]*)\|", md, re.M)}
+    assert {k: v.strip() for k, v in cls.items()} == {1: "f32 compute", 2: "bf16 compute", 3: "—", 4: "f64 compute", 5: ""}
