@@ -42,6 +42,7 @@ from harness.engines.oracle.qwen35 import (
     softplus,
 )
 from harness.engines.oracle.qwen35moe import moe
+from harness.config import did_you_mean
 from harness.errors import InvalidInput
 from harness.model.gguf_model import (
     ATTENTION,
@@ -1125,7 +1126,7 @@ def mutant_class(name: str, arch: str) -> type:
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
     if name not in ALL_MUTANTS:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(ALL_MUTANTS)}")
+        raise InvalidInput(f"unknown mutant {name!r}{did_you_mean(name, list(ALL_MUTANTS))}; known: {', '.join(ALL_MUTANTS)}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)
