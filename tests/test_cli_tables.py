@@ -279,3 +279,16 @@ def test_the_index_class_column_names_each_rows_compute_class(class_ledger):
     md = I.build_index(class_ledger).to_markdown()
     cls = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d+) \|(?:[^|]*\|){5}([^|]*)\|", md, re.M)}
     assert {k: v.strip() for k, v in cls.items()} == {1: "f32 compute", 2: "bf16 compute", 3: "—", 4: "f64 compute", 5: ""}
+
+
+def test_mutants_list_shows_every_mutant_the_harness_accepts():
+    """Issue 48 (4): ``mutants list`` showed the 24 trunk mutants of the 50 ``mutant:NAME`` accepts."""
+    from harness.engines.mutants import ALL_MUTANTS, PLANTS
+    from harness.engines.registry import resolve_engine  # noqa: F401 - the names it accepts are ALL_MUTANTS'
+
+    out = CliRunner().invoke(cli, ["mutants", "list", "--json"])
+    names = [r["name"] for r in json.loads(out.output)]
+    assert names == [f"mutant:{m}" for m in ALL_MUTANTS] + [f"planted:{p}" for p in PLANTS]
+    assert "mutant:serve-spec-cache-spoiled" in names and "mutant:mtp-slot-crossed" in names
+    title = CliRunner().invoke(cli, ["mutants", "list"], env={"COLUMNS": "200"}).output.splitlines()[0]
+    assert f"{len(ALL_MUTANTS)} mutants, {len(PLANTS)} plants" in title

@@ -1231,12 +1231,13 @@ class PlantedEngine:
 
 
 def mutant_rows() -> list[dict[str, Any]]:
-    """One row per mutant and plant for ``harness mutants list``: name, kind, bug class,
-    archs, breaks, description."""
+    """One row per mutant ``resolve_engine`` accepts (``ALL_MUTANTS``: the trunk's, the MTP
+    head's, speculative decoding's, precision and serving) and per plant, for ``harness mutants
+    list``: name, kind, bug class, archs, breaks, description."""
     rows = [
         {"name": f"mutant:{m.name}", "kind": "mutant", "bug_class": m.bug_class, "archs": list(m.archs),
          "breaks": list(m.breaks), "description": m.description}
-        for m in MUTANTS.values()
+        for m in ALL_MUTANTS.values()
     ]
     rows += [
         {"name": f"planted:{p.name}", "kind": "plant", "bug_class": "planted output fault", "archs": list(_DENSE_AND_MOE),
