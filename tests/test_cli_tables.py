@@ -292,3 +292,34 @@ def test_mutants_list_shows_every_mutant_the_harness_accepts():
     assert "mutant:serve-spec-cache-spoiled" in names and "mutant:mtp-slot-crossed" in names
     title = CliRunner().invoke(cli, ["mutants", "list"], env={"COLUMNS": "200"}).output.splitlines()[0]
     assert f"{len(ALL_MUTANTS)} mutants, {len(PLANTS)} plants" in title
+
+
+def test_the_pass_line_does_not_repeat_the_tier_lines(monkeypatch, capsys):
+    """Issue 48 (4): the PASS line was the release line and the calibrated line again."""
+    from harness.cli import _render_parity
+
+    monkeypatch.setenv("COLUMNS", "400")
+    outcome = _parity_outcome("f32")
+    g = outcome.receipt["gated"]
+    g["calibrated"].update(status="ok", line="calibrated tier (weights F32, class f32): cosine ≥ 0.99999: ok")
+    assert g["release"]["status"] == "ok"
+    outcome.result.message = f"{g['release']['line']}; {g['calibrated']['line']}"  # what verdicts.overall says on a PASS
+    _render_parity(outcome)
+    out = capsys.readouterr().out
+    assert out.count(g["release"]["line"]) == 1 and out.count(g["calibrated"]["line"]) == 1
+    assert "PASS: release gate ok, calibrated tier ok\n" in out
+
+
+def test_the_failing_column_says_which_threshold_it_counts(monkeypatch, capsys):
+    """Issue 48 (4): a FAIL's "failing" column counted the calibrated tier's failures while the
+    release line beside it counts the release gate's: the header names its threshold and tier."""
+    from harness.cli import _render_parity
+
+    monkeypatch.setenv("COLUMNS", "400")
+    outcome = _parity_outcome("f32")
+    g = outcome.receipt["gated"]
+    g["min_cosine"] = 0.99995  # the calibrated row's cosine, the one the per-prompt counts use
+    _render_parity(outcome)
+    out = capsys.readouterr().out
+    header = out[: out.index("┡")]  # the header's lines: it folds at its spaces
+    assert all(w in header for w in ("below", "0.99995", "(calibrated)")) and "failing" not in header

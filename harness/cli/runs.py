@@ -49,16 +49,30 @@ def parity_title(rec: dict[str, Any]) -> str:
             f"({rec['model']['file_type']} weights, {cls + ' compute' if cls else 'class not recorded'})")
 
 
+def verdict_tail(verdict: Verdict, message: str, gated: dict[str, Any]) -> str:
+    """What the verdict line adds to the two tier lines printed above it: for a PASS, only each
+    tier's status (``release gate ok, calibrated tier ok``; the message is those two lines
+    again), else the message itself (a FAIL's is its reproducer, an UNMEASURED's its reason)."""
+    rel, cal = gated.get("release"), gated.get("calibrated")
+    if verdict is not Verdict.PASS or not rel or not cal:
+        return message
+    tail = f"release gate {rel['status']}, calibrated tier {cal['status']}"
+    return tail + ("; verdict is the release gate's" if cal["status"] == "unmeasured" else "")
+
+
 def _render_parity(outcome) -> None:
     r, rec = outcome.result, outcome.receipt
     con = _console()
-    cols = ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing")
+    g = rec["gated"]
+    # the count per prompt is of the tier that judged (the calibrated row's cosine where it applied):
+    # the header names it, so it is not read as the release line's "(N below)"
+    tier = "calibrated" if g.get("calibrated", {}).get("status", "unmeasured") != "unmeasured" else "release"
+    cols = ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", f"below {g['min_cosine']:g} ({tier})")
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     print_table(con, parity_title(rec), cols,
                 [(p["id"], p["positions"], f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
                   f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), p["failing_positions"]) for p in r.per_prompt],
                 right=cols[1:])
-    g = rec["gated"]
     con.print(_p(g["release"]["line"]), markup=False)
     con.print(_p(g["calibrated"]["line"]), markup=False)
     th = rec["thresholds"]
@@ -84,7 +98,7 @@ def _render_parity(outcome) -> None:
                              f"candidate {p['candidate_token']}; reference margin {p['margin'] if p['margin'] is None else format(p['margin'], '.3g')}, {kind})"), markup=False)
     if rec["kind"] == "self-consistency":
         con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
-    con.print(f"[bold]{r.verdict.value}[/bold]: {_m(r.message)}", soft_wrap=True)  # a reproducer line is never broken
+    con.print(f"[bold]{r.verdict.value}[/bold]: {_m(verdict_tail(r.verdict, r.message, g))}", soft_wrap=True)  # a reproducer line is never broken
     if outcome.receipt_path:
         con.print(_m(f"receipt: {outcome.receipt_path}"))
         con.print(_m(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})"))
