@@ -430,3 +430,18 @@ def test_readme_states_the_python_that_pyproject_requires():
     requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
     stated = re.findall(r"Python ≥ (3\.\d+)", (REPO / "README.md").read_text())
     assert stated and {f">={v}" for v in stated} == {requires}, (stated, requires)
+
+
+def test_docs_give_the_per_build_discharge_layout(tmp_path):
+    """Issue 48 (4): docs/engine-repository.md described discharge records as they were before
+    the per-build folders (``<contract>/<obligation>.json``); the layout the code writes is
+    ``<contract>/<NAME@BUILD>/<obligation>.json`` (``discharge.build_dir``)."""
+    import re
+
+    from harness.contracts.discharge import build_dir
+
+    assert re.fullmatch(r"command-mine@[0-9a-f]{12}", build_dir("command:mine", "0123456789abcdef0123"))
+    for doc in ("README.md", "docs/engine-repository.md", "docs/design.md", "docs/release.md"):
+        text = (REPO / doc).read_text()
+        assert not re.search(r"discharge/<contract>/<obligation>\.json", text), doc
+    assert "<evidence>/discharge/<contract>/<NAME@BUILD>/<obligation>.json" in (REPO / "docs/engine-repository.md").read_text()
