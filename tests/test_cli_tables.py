@@ -323,3 +323,41 @@ def test_the_failing_column_says_which_threshold_it_counts(monkeypatch, capsys):
     out = capsys.readouterr().out
     header = out[: out.index("┡")]  # the header's lines: it folds at its spaces
     assert all(w in header for w in ("below", "0.99995", "(calibrated)")) and "failing" not in header
+
+
+def test_progress_lines_off_a_terminal_come_every_so_often():
+    import io
+
+    from harness.cli.render import _progress_lines
+
+    t = [0.0]
+    out = io.StringIO()
+    cb = _progress_lines(out, every_s=10, clock=lambda: t[0])
+    for done, at, pid in [(16, 1, "a"), (32, 10, "a"), (48, 12, "a"), (64, 20, "b"), (80, 31, "b"), (96, 32, "b")]:
+        t[0] = at
+        cb(pid, done, 96)
+    assert out.getvalue().splitlines() == [
+        "harness: parity: prompt a, 32/96 positions compared (33%), 10 s",
+        "harness: parity: prompt b, 64/96 positions compared (66%), 20 s",
+        "harness: parity: prompt b, 80/96 positions compared (83%), 31 s",
+        "harness: parity: prompt b, 96/96 positions compared (100%), 32 s",
+    ]
+    quick = io.StringIO()
+    cb = _progress_lines(quick, every_s=10, clock=lambda: 0.0)
+    cb("a", 96, 96)
+    assert quick.getvalue() == ""  # a run shorter than the interval prints nothing: its stderr is its last word
+
+
+def test_parity_off_a_terminal_prints_progress_lines(tmp_path):
+    """Issue 48 (4): with stdout and stderr not a terminal, parity printed nothing until the end."""
+    env = {**__import__("os").environ, "HARNESS_PROGRESS_SECONDS": "0.001"}
+    r = subprocess.run([sys.executable, "-m", "harness", "parity", "--candidate", "oracle", "--model", "fixture:tiny-qwen35", "--no-evidence",
+                        "--greedy-tokens", "0"], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("harness: parity: prompt ")]
+    assert len(lines) > 1, r.stderr
+    done, total = re.search(r", (\d+)/(\d+) positions compared", lines[-1]).groups()
+    assert done == total  # the last line says the run is done
+    bad = subprocess.run([sys.executable, "-m", "harness", "parity", "--candidate", "oracle", "--model", "fixture:tiny-qwen35", "--no-evidence"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**env, "HARNESS_PROGRESS_SECONDS": "soon"})
+    assert bad.returncode == 2 and bad.stderr.strip() == "harness: INVALID: $HARNESS_PROGRESS_SECONDS 'soon': not a positive number of seconds"
