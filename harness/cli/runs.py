@@ -280,6 +280,7 @@ def _measure_tier(no_calibrate: bool):
 @click.option("--ledger", default=None, type=click.Path())
 @override_option
 @click.option("--json", "as_json", is_flag=True, help="Print the probe receipt (JSON).")
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt, ledger row or report (a dry run).")
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize a failing probe in the report: default on a FAIL whose candidate exposes activations.")
 @click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
@@ -289,8 +290,8 @@ def _measure_tier(no_calibrate: bool):
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
 @click.option("--scenarios", default=None, type=click.Path(),
               help="Serving probe: a scenario file (harness-serving-scenarios/v1; default: the shipped set, docs/engine-protocol.md \"Op serve\").")
-def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, mlx_folder,
-          no_calibrate, scenarios) -> None:
+def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype,
+          mlx_folder, no_calibrate, scenarios) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured, or with --only every named probe passes; 1: a probe
     failed; 5: a required or named probe unmeasured)."""
@@ -302,7 +303,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
                        measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
-                       scenarios=scenarios, **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
+                       scenarios=scenarios, write_evidence=not no_evidence, **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
@@ -318,6 +319,8 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
         click.echo(_p(f"{run.verdict.value}: {run.message}"))
         if run.receipt_path:
             click.echo(_p(f"receipt: {run.receipt_path}"))
+        if run.ledger_row:
+            click.echo(_p(f"ledger:  {req.ledger} (row {run.ledger_row['seq']}, {run.ledger_row['row_hash'][:12]})"))
         if report_path:
             click.echo(_p(f"report:  {report_path}"))
     sys.exit(run.verdict.exit_code)
