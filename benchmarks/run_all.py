@@ -42,6 +42,9 @@ of things measured side by side in this run, and the page records the machine an
    requests in flight) and a two-turn conversation reaching 1K and 4K positions (16K on
    request) on the oracle, each judged whole (served once, every request alone), seconds and peak memory;
    ``--only serving`` (``--serving-histories`` to choose the histories) rewrites only its part.
+12. llama-server under concurrent clients (llama_server_traffic.py): the shipped scenarios at 1, 2
+   and 4 slots, wall time, requests per second, the harness's share and peak RSS; ``--only
+   llama-server`` rewrites only its part (also run by the full suite when the binary is built).
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -75,6 +78,7 @@ import bench_reference_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_speculative  # noqa: E402
 import bench_tokenizer  # noqa: E402
+import llama_server_traffic  # noqa: E402
 
 from harness.fixtures import synthetic as fx  # noqa: E402
 
@@ -190,8 +194,9 @@ CATEGORIES = [
     ("harness/measure/metrics.py", "summarize", "metric summaries (per prompt + whole set)"),
     ("harness/measure/metrics.py", "cosine_failures", "gate evaluation"),
     ("harness/evidence/receipts.py", "write_receipt", "receipt (JSON + npz, atomic)"),
-    ("harness/evidence/ledger.py", "append_row", "ledger row + LEDGER render"),
-    ("harness/evidence/report.py", "write_report", "report (Markdown + PNG plots)"),
+    ("harness/evidence/pages.py", "render_pages", "LEDGER.md pages (the evidence door)"),
+    ("harness/evidence/index.py", "render_index", "reports index (the evidence door)"),
+    ("harness/evidence/report.py", "render_report", "report (Markdown + PNG plots)"),
     ("harness/runs/explain.py", "vocabulary", "token texts for the report (the model's vocabulary)"),
     ("harness/judge/thresholds.py", "load_thresholds", "thresholds.yaml"),
     ("harness/model/gguf_model.py", "sha256", "model sha256"),
@@ -305,7 +310,7 @@ def main() -> None:
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
     ap.add_argument("--serving-histories", default="1024,4096", help="history lengths of section 11 (16384 on request: "
                     "about 25 GB at the 4K run's growth)")
-    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "reference-cache", "serving"], default=None,
+    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -336,6 +341,13 @@ def main() -> None:
         sv = bench_serving.measure(histories)
         splice_section(Path(a.out), "The serving probe's cost", bench_serving.section(sv), "serving", sv)
         print(f"wrote the serving section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+
+    if a.only == "llama-server":
+        print("12. llama-server under concurrent clients ...", flush=True)
+        ls = llama_server_traffic.measure()
+        splice_section(Path(a.out), "llama-server under concurrent clients", llama_server_traffic.section(ls), "llama_server", ls)
+        print(f"wrote the llama-server section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
     if a.only == "reference-cache":
@@ -405,6 +417,9 @@ def main() -> None:
     r["speculative"] = bench_speculative.measure()
     print("11. the serving probe's cost ...", flush=True)
     r["serving"] = bench_serving.measure(histories)
+    if llama_server_traffic.built_binary() is not None:
+        print("12. llama-server under concurrent clients ...", flush=True)
+        r["llama_server"] = llama_server_traffic.measure()
     r["load"]["end"] = load()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -552,6 +567,8 @@ def render(r: dict) -> str:
         lines += ["", *bench_reference_cache.section(r["reference_cache"])]
     if "serving" in r:
         lines += ["", *bench_serving.section(r["serving"])]
+    if "llama_server" in r:
+        lines += ["", *llama_server_traffic.section(r["llama_server"])]
     lines += ["", "## Before and after issue 15", "", *before_after(r), "", "## Fixes made from these measurements", "", *FIXES, ""]
     return "\n".join(lines) + "\n"
 

@@ -74,7 +74,7 @@ def _link_hook(suffix: str, after: bool):
     real = os.link
 
     def link(src, dst, *a, **k):
-        if str(dst).endswith(suffix) and Path(dst).parent == RECEIPTS:
+        if str(dst).endswith(suffix) and RECEIPTS in (Path(dst).parent, Path(dst).parent.parent):  # flat or sharded
             if after:
                 real(src, dst, *a, **k)
             _die()

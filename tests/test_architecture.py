@@ -142,3 +142,15 @@ def test_evidence_enters_through_one_door():
              for i, ln in enumerate(p.read_text().splitlines(), 1)
              if calls.search(ln) and not ln.lstrip().startswith(("def ", "#", '"', "``"))]
     assert not found, "evidence written outside the door:\n" + "\n".join(found)
+
+
+def test_the_cli_writes_no_file_itself():
+    """The CLI is a thin layer (docs/design.md, "Layout"): options in, a run of the library out, its
+    outcome printed. Every file is written by the library (the evidence door, the calibration's
+    ``write_calibration``, ``engines_page.write``), never by a verb's module: a file write in
+    ``harness/cli/`` is run logic left behind (issue 47: the full calibration's thresholds
+    document was assembled and written there)."""
+    writes = re.compile(r"\.(write_text|write_bytes)\(|\bopen\(|os\.replace\(|\bwrite_thresholds\(|\bthresholds_document\(")
+    found = [f"{p.relative_to(ROOT)}:{i}: {ln.strip()}" for p in sorted((PACKAGE / "cli").glob("*.py"))
+             for i, ln in enumerate(p.read_text().splitlines(), 1) if writes.search(ln) and not ln.lstrip().startswith("#")]
+    assert not found, "files written by the CLI itself:\n" + "\n".join(found)

@@ -124,6 +124,7 @@ def test_discharged_then_stale_when_a_bound_test_changes(repo, capsys):
     assert record["red"][0]["message"].startswith("AssertionError: GDN-EQ-002")
     assert record["depends_on"]["models"]["fixture:tiny-qwen35"] and "harness/engines/mutants.py" in record["depends_on"]["engines"]["mutant:dt-bias-dropped"]
     assert record["contract"]["sha256"] and record["tests"][0]["function_sha256"] and record["red"][0]["run"]["git"].keys() == {"commit", "dirty"}
+    _went_through_the_door(repo, record, capsys)
 
     def status_of(oid):
         return {r.obligation: r for r in status([path])[0]}[oid]
@@ -164,3 +165,29 @@ def test_function_source_includes_decorators(tmp_path):
     assert function_source(f, "test_a") == "@pytest.mark.contract\ndef test_a():\n    assert 1\n"
     assert function_source(f, "TestB::test_c").strip() == "def test_c(self):\n        pass"
     assert function_source(f, "test_missing") is None
+
+
+def _went_through_the_door(repo: Path, record: dict, capsys) -> None:
+    """A discharge is evidence through the door (issue 46): the record's bytes are bound by a
+    discharge receipt, whose row is chained in the project's ledger, rendered in LEDGER.md and
+    listed by the reports index; ``harness ledger verify`` re-derives the row from the receipt."""
+    from harness.evidence.index import INDEX_MD, reports_dir
+    from harness.evidence.ledger import read_rows
+    from harness.evidence.pages import markdown_path_for
+    from harness.evidence.receipts import load_receipt
+    from harness.provenance import sha256_file
+
+    ledger = repo / "evidence" / "parity" / "ledger.jsonl"
+    row = read_rows(ledger)[-1]
+    assert row["kind"] == "discharge" and row["contract"] == "gated-delta-net-v1" and row["candidate"] == "oracle"
+    assert row["verdict"] == "DISCHARGED" and row["obligations"] == {"DISCHARGED": 1}
+    rec = load_receipt(next((ledger.parent / "receipts").rglob(f"{row['receipt_id']}.json"))).receipt
+    (ob,) = rec["obligations"]
+    path = repo / rec["evidence_dir"] / ob["record"]
+    assert ob["id"] == "GDN-EQ-002" and json.loads(path.read_text()) == record
+    assert ob["sha256"] == sha256_file(path)  # the receipt binds the record's bytes
+    assert main(["ledger", "verify", "--ledger", str(ledger), "--deep", "--quiet"]) == 0
+    md = markdown_path_for(ledger).read_text()
+    assert "contract gated-delta-net-v1: 1 DISCHARGED" in md
+    assert "contract gated-delta-net-v1" in (reports_dir(ledger) / INDEX_MD).read_text()
+    capsys.readouterr()

@@ -508,8 +508,8 @@ def test_any_json_answer_is_a_result_or_a_harness_error(fake, kind):
 
 
 def test_a_full_calibration_keeps_the_top_k_rows(tmp_path):
-    from harness.cli import _kept_rows
+    from harness.runs.calibrate.document import kept_rows
 
-    kept = _kept_rows(REPO / "thresholds.yaml", "topk")
+    kept = kept_rows(REPO / "thresholds.yaml", "topk")
     assert kept == load_thresholds(REPO / "thresholds.yaml").data["topk"] and {r["k"] for r in kept} == {20}
-    assert _kept_rows(tmp_path / "absent.yaml", "topk") == []
+    assert kept_rows(tmp_path / "absent.yaml", "topk") == []

@@ -26,7 +26,6 @@ import click
 
 from harness.cli import calibrate, contracts, fixtures, release, runs  # noqa: F401  (each registers its commands on ``cli``)
 from harness.cli.app import INTERNAL_ERROR_EXIT, cli
-from harness.cli.calibrate import _kept_rows
 from harness.cli.render import _render_table
 from harness.cli.runs import _dtype_settings, _render_parity
 from harness.display import lines as _lines
@@ -34,7 +33,7 @@ from harness.display import plain as _p
 from harness.errors import HarnessError
 from harness.rundir import termination_exits
 
-__all__ = ["INTERNAL_ERROR_EXIT", "cli", "console_main", "main", "_dtype_settings", "_kept_rows", "_render_parity", "_render_table"]
+__all__ = ["INTERNAL_ERROR_EXIT", "cli", "console_main", "main", "_dtype_settings", "_render_parity", "_render_table"]
 
 
 def main(argv: list[str] | None = None) -> int:

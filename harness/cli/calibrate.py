@@ -73,13 +73,7 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
         return
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.runs.calibrate import (
-        CalibrationPlan,
-        CalibrationRefused,
-        matrix_markdown,
-        thresholds_document,
-        write_thresholds,
-    )
+    from harness.runs.calibrate import CalibrationPlan, CalibrationRefused, write_calibration
     from harness.runs.calibrate import calibrate as run
 
     if not dry_run:
@@ -99,37 +93,9 @@ def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, ma
     if res.problems:
         raise CalibrationRefused("calibration refused: " + "; ".join(res.problems))
     if not dry_run:
-        command = "harness " + " ".join(sys.argv[1:])
-        doc = thresholds_document(res, command, harness_info().get("git_commit"))
-        for section in ("topk", "mtp", "state"):  # measured by `harness calibrate --topk K` / `--mtp` / `--state`, each with its own basis
-            doc[section] = _kept_rows(out, section)
-            if not doc[section]:
-                del doc[section]
-        write_thresholds(doc, out)
-        click.echo(f"wrote {out}")
-        from pathlib import Path
-
-        from harness.runs.calibrate.document import kept_matrix_sections
-
-        old = Path(matrix_out).read_text(encoding="utf-8", errors="replace") if Path(matrix_out).is_file() else ""
-        Path(matrix_out).write_text(matrix_markdown(res, command, kept_matrix_sections(old)))
-        click.echo(f"wrote {matrix_out}")
-
-
-def _kept_rows(path, section: str) -> list:
-    """The ``section`` rows (``topk``, ``mtp``) of the thresholds file a full calibration replaces
-    (none when it is absent or unreadable): they are measured separately (``--topk K``, ``--mtp``)
-    and kept."""
-    # deferred: startup
-    from pathlib import Path
-
-    from harness.errors import HarnessError
-    from harness.judge.thresholds import load_thresholds
-
-    try:
-        return list(load_thresholds(path).data.get(section, [])) if Path(path).is_file() else []
-    except HarnessError:
-        return []
+        written, matrix = write_calibration(res, out, matrix_out, "harness " + " ".join(sys.argv[1:]), harness_info().get("git_commit"))
+        click.echo(_p(f"wrote {written}"))
+        click.echo(_p(f"wrote {matrix}"))
 
 
 def _calibrate_topk(k, classes, models, mutants, max_tokens, out, dry_run, as_json) -> None:

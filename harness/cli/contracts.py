@@ -79,15 +79,18 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
 @click.option("--evidence-dir", default=None, type=click.Path(), help="Where records go (default: the project's <evidence>/discharge).")
 @click.option("--jobs", default=None, type=int, help="Parallel pytest processes (default: CPU count).")
 @click.option("--no-write", is_flag=True, help="Do not write evidence records.")
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger for the discharge receipt's row (default: the project's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
-def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write, as_json) -> None:
+def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write, ledger, as_json) -> None:
     """Run each obligation's tests on its RED subject (must fail by assertion) then on the
-    candidate (must pass), write the evidence, exit 0 only if every selected one is DISCHARGED.
-    CONTRACT is a file or an id (the project's contracts/ID.yaml, else the shipped contract)."""
+    candidate (must pass), write the evidence (the records, a receipt binding them, its ledger
+    row), exit 0 only if every selected one is DISCHARGED. CONTRACT is a file or an id (the
+    project's contracts/ID.yaml, else the shipped contract)."""
     # deferred: startup
     from harness.contracts import discharge as dis
 
-    results = dis.discharge(contract, candidate, obligation_ids, evidence_dir, jobs, write=not no_write)
+    results = dis.discharge(contract, candidate, obligation_ids, evidence_dir, jobs, write=not no_write, ledger=ledger,
+                            argv=["harness", *sys.argv[1:]])
     if as_json:
         _echo_json([r.record for r in results])
     else:
@@ -102,6 +105,8 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
         done = sum(r.result == dis.DISCHARGED for r in results)
         na = [r for r in results if r.result == dis.NOT_APPLICABLE]
         click.echo(f"{done}/{len(results)} obligations DISCHARGED" + (f", {len(na)} NOT-APPLICABLE ({na[0].green['message']})" if na else ""))
+        if results and results[0].receipt is not None:
+            click.echo(_p(f"receipt: {results[0].receipt}"))
     sys.exit(dis.discharge_exit(results))
 
 

@@ -137,7 +137,7 @@ def ledger_index(ledger_path) -> None:
     click.echo(f"html:  {html}")
 
 
-LEDGER_KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "supersede", "signoff")
+LEDGER_KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "discharge", "supersede", "signoff")
 """The row kinds ``ledger show --kind`` takes: ``harness.evidence.rows.KINDS`` (spelled out so that
 ``harness --help`` does not import the evidence package; a test keeps the two equal)."""
 
@@ -211,7 +211,7 @@ def ledger_engines_page(ledger_path, out, check) -> None:
             sys.exit(1)
         click.echo(_p(f"{out}: equals its regeneration from {ledger_path}"))
         return
-    Path(out).write_text(text)
+    engines_page.write(ledger_path, out)
     click.echo(_p(f"wrote {out} from {ledger_path}"))
 
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.text import Text
-
 from harness.display import markup as _m
 from harness.display import plain as _p
 from harness.display import print_table
-from harness.errors import HarnessError, InvalidInput
+from harness.errors import InvalidInput
 
 
 def _console(stderr: bool = False, width: int | None = None) -> Console:
@@ -74,22 +71,6 @@ YELLOW_CELLS = ("RED-SEEN", "BOUND", "SKIPPED")
 STATUS_STYLES = {**{v: "green" for v in GREEN_CELLS}, **{v: "yellow" for v in YELLOW_CELLS},
                  **{v: "red" for v in ("UNBOUND", "STALE", "VACUOUS", "NOT-RED", "GREEN-FAILED", "FAIL", "ERROR")}, "NOT-APPLICABLE": "dim"}
 """Colours of discharge outcomes and obligation statuses (``harness.contracts.discharge``)."""
-
-
-def _write_report(receipt_path, localize_: bool | None, quiet: bool = False) -> Path | None:
-    """Write the verdict page of a receipt just recorded (localized on a FAIL by default); a
-    report that cannot be written is a warning (the evidence is already on disk), never a lost
-    verdict."""
-    # deferred: startup
-    from harness.runs.explain import write_explained_report
-
-    con = _console(stderr=True)
-    try:
-        return write_explained_report(receipt_path, localize="auto" if localize_ is None else localize_,
-                                      log=None if quiet else (lambda m: con.print(Text(m))))
-    except HarnessError as e:
-        click.echo(f"harness: warning: report not written: {e}", err=True)
-        return None
 
 
 def _stderr_log(quiet: bool):

@@ -17,7 +17,7 @@ from harness.display import print_table
 from harness.errors import InvalidInput, Verdict
 from harness.fschecks import require_writable_dir
 from harness.cli.app import override_option, cli
-from harness.cli.render import _console, _echo_json, _stderr_log, _with_progress, _write_report
+from harness.cli.render import _console, _echo_json, _stderr_log, _with_progress
 
 
 def _parity_defaults() -> dict[str, Any]:
@@ -171,6 +171,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             overrides=list(overrides), argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence,
             measure_tier=tier, require_calibrated=require_calibrated, candidate_settings=settings, greedy_tokens=greedy_tokens,
             reference_settings=reference_settings, reference_cache=not no_reference_cache,
+            report=True, localize="auto" if localize_ is None else localize_,
         )
 
     verdicts = []
@@ -181,9 +182,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             verdicts.append(e.verdict)
             continue
         verdicts.append(outcome.result.verdict)
-        report_path = None
-        if outcome.receipt_path is not None:
-            report_path = _write_report(outcome.receipt_path, localize_, quiet=as_json)
+        report_path = outcome.report_path  # written by the evidence door with the receipt
         if as_json:
             _echo_json(outcome.receipt)
         else:
@@ -303,10 +302,11 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
                        measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
-                       scenarios=scenarios, write_evidence=not no_evidence, **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
+                       scenarios=scenarios, write_evidence=not no_evidence, report=True, localize="auto" if localize_ is None else localize_,
+                       **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
-    report_path = _write_report(run.receipt_path, localize_, quiet=as_json) if run.receipt_path else None
+    report_path = run.report_path  # written by the evidence door with the receipt
     if as_json:
         _echo_json(run.receipt)
     else:

@@ -71,6 +71,8 @@ from harness.contracts.loader import (
 )
 from harness.engines.registry import engine_build_id, engine_source_hashes, resolve_engine
 from harness.errors import HarnessError, InvalidInput
+from harness.evidence.receipts import harness_info, host_info
+from harness.evidence.record import preflight_evidence, record_discharge
 from harness.fixtures.resolve import resolve_model
 from harness.fschecks import require_writable_dir
 from harness.paths import IS_CHECKOUT, SOURCE_ROOT
@@ -401,6 +403,8 @@ class ObligationResult:
     green: dict[str, Any]
     record: dict[str, Any]
     path: Path | None = None
+    receipt: Path | None = None
+    """The discharge receipt that binds this record (``record_discharge``), None when not written."""
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -448,13 +452,50 @@ def build_dir(candidate: str, build_id: str | None = None) -> str:
     return f"{slug}@{(build_id or engine_build_id(candidate))[:BUILD_PREFIX_HEX]}"
 
 
-def write_record(path: Path, record: dict[str, Any]) -> Path:
-    """Write a discharge record atomically (temporary file, then rename); returns ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
+def record_bytes(record: dict[str, Any]) -> bytes:
+    """A discharge record as its file holds it (indented JSON, UTF-8, one final newline): the
+    bytes whose sha256 the discharge receipt names."""
+    return (json.dumps(record, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def discharge_verdict(results: Sequence["ObligationResult"]) -> str:
+    """The discharge receipt's verdict: DISCHARGED, FAIL or UNMEASURED, as ``discharge_exit``'s
+    0, 1 and 5."""
+    return {0: DISCHARGED, 5: "UNMEASURED"}.get(discharge_exit(results), "FAIL")
+
+
+def discharge_receipt(contract: Contract, candidate: str, build: str, evidence_dir: Path, results: Sequence["ObligationResult"],
+                      documents: dict[Path, bytes], argv: Sequence[str], project_root: Path) -> dict[str, Any]:
+    """The ``harness-discharge-receipt/v1`` receipt of one discharge (schema
+    ``harness/schemas/discharge-receipt.schema.json``): the contract, the GREEN subject and its
+    build folder, each selected obligation's result with its record's path under
+    ``evidence_dir`` and the sha256 of the bytes in ``documents`` (null for an UNBOUND one), the
+    counts per result and the verdict (``discharge_verdict``)."""
+    by_path = {p: sha256_bytes(b) for p, b in documents.items()}
+    obligations, counts = [], {}
+    for r in results:
+        counts[r.result] = counts.get(r.result, 0) + 1
+        obligations.append({"id": r.obligation, "result": r.result,
+                            "record": None if r.path is None else r.path.relative_to(evidence_dir).as_posix(),
+                            "sha256": None if r.path is None else by_path[r.path]})
+    verdict = discharge_verdict(results)
+    done = counts.get(DISCHARGED, 0)
+    return {
+        "schema": "harness-discharge-receipt/v1",
+        "kind": "discharge",
+        "host": host_info(),
+        "harness": harness_info(SOURCE_ROOT),
+        "command": [str(a) for a in argv],
+        "contract": {"id": contract.id, "version": contract.version, "sha256": contract.sha256, "path": _rel(contract.path, project_root)},
+        "candidate": candidate,
+        "build": build,
+        "evidence_dir": _rel(evidence_dir, project_root),
+        "obligations": obligations,
+        "counts": counts,
+        "verdict": verdict,
+        "message": f"{contract.id} for {candidate}: {done}/{len(results)} obligations DISCHARGED"
+                   + "".join(f", {n} {k}" for k, n in sorted(counts.items()) if k != DISCHARGED),
+    }
 
 
 def discharge_record(contract: Contract, ob: Obligation, runs: Sequence[SessionRun], candidate: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
@@ -547,16 +588,23 @@ def discharge(
     evidence_dir: str | os.PathLike | None = None,
     jobs: int | None = None,
     write: bool = True,
+    ledger: str | os.PathLike | None = None,
+    argv: Sequence[str] | None = None,
 ) -> list[ObligationResult]:
     """Discharge the obligations of the contract at ``path`` (all, or ``obligation_ids``).
 
     The contract is validated first (schema, ids, oracle functions, reds, test collection). RED
     subjects come from each obligation's ``red``; GREEN is ``candidate`` on the obligation's
-    model. ``path`` is a contract file or id (``harness.contracts.suite``). With ``write`` each
+    model. ``path`` is a contract file or id (``harness.contracts.suite``). With ``write`` the
+    discharge goes through the evidence door (``harness.evidence.record.record_discharge``): each
     record is written atomically to ``evidence_dir/<contract>/<build>/<obligation>.json``
     (``build_dir(candidate)``; default ``evidence_dir``: ``default_evidence_dir``, the project's
-    ``evidence/discharge``).
-    Raises ``InvalidInput`` (exit 2) for an invalid contract or an unknown obligation id.
+    ``evidence/discharge``), with a discharge receipt naming each record's sha256 and its row in
+    ``ledger`` (default: the project's ledger), LEDGER.md and the reports index; the ledger and
+    the folders are checked writable before any test session runs. ``argv``: the command line
+    the receipt records.
+    Raises ``InvalidInput`` (exit 2) for an invalid contract, an unknown obligation id or
+    evidence that cannot be written.
     """
     contract = load_contract(path)
     root = contract.root
@@ -568,10 +616,13 @@ def discharge(
         requests += [(red_subject(r, ob, candidate), ob.tests) for r in ob.reds]
         requests.append((Subject(candidate, ob.model), ob.tests))
     out_dir = Path(evidence_dir) if evidence_dir else default_evidence_dir(contract)
+    evidence = None
     if write:
         require_writable_dir(out_dir, "discharge evidence folder")  # before any test session is spent
+        evidence = preflight_evidence(ledger if ledger is not None else project.ledger)
     runs = run_sessions(root, plan_sessions(requests), jobs, project) if requests else []
-    results = []
+    results, documents = [], {}
+    build = build_dir(candidate)
     for ob in obs:
         if not ob.tests:
             results.append(ObligationResult(contract.id, ob.id, UNBOUND, [], {}, {}))
@@ -580,8 +631,16 @@ def discharge(
             record, reds, green = not_applicable_record(contract, ob, candidate, missing[ob.id])
         else:
             record, reds, green = discharge_record(contract, ob, runs, candidate)
-        written = write_record(out_dir / contract.id / build_dir(candidate) / f"{ob.id}.json", record) if write else None
-        results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, written))
+        where = out_dir / contract.id / build / f"{ob.id}.json" if write else None
+        if where is not None:
+            documents[where] = record_bytes(record)
+        results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, where))
+    if evidence is not None:
+        argv = list(argv) if argv is not None else ["harness", "discharge", str(path), "--candidate", candidate]
+        receipt = discharge_receipt(contract, candidate, build, out_dir, results, documents, argv, project.base_dir)
+        recorded = record_discharge(evidence, receipt, documents)
+        for r in results:
+            r.receipt = recorded.receipt_path
     return results
 
 

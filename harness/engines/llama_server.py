@@ -13,8 +13,20 @@ between its slots and caps each at the model's training context), ``-cb`` contin
 ``--cache-reuse 16`` (prompt-cache reuse by KV shifting; a hybrid model's recurrent memory cannot
 shift, and the server disables it: ``server-context.cpp`` "cache_reuse is not supported by this
 context"), ``--ctx-checkpoints 8`` (recurrent-state checkpoints of a hybrid model's slot),
+``--checkpoint-min-step 0`` (a checkpoint at every message start it is told of, not one per 8,192
+tokens: ``message_delimiters`` below),
 ``--no-webui``, ``-lv 4`` (trace lines: which prompt cache and checkpoints were set up), ``-t``
 threads. Requests set ``cache_prompt`` themselves (``harness.engines.http_traffic``).
+
+Where a hybrid model's prompt cache can hit: its recurrent state cannot be cut back to an arbitrary
+prefix, so the server restores a slot only at a checkpoint it took while reading an earlier prompt:
+4 and 4 + ``n_ubatch`` tokens before that prompt's end, and at each *user message start*
+(``server-context.cpp``, ``spans.is_user_start``). Its chat endpoint knows the message starts from
+the chat template; ``/completion`` takes them as ``message_delimiters`` (``[{"role": "user",
+"delimiter": TEXT}]``: every occurrence of TEXT's tokens in the prompt starts a user message).
+``message_delimiters`` gives a scenario's raw-token prompts the delimiters a chat client's
+messages would: the tokens where one prompt leaves another, so a shared header is a message of its
+own, as in a chat. Without them no prompt of the shared-header scenario is ever a cache hit.
 
 Errors: ``EngineError`` (exit 3), one line naming the command and the tail of its stderr, for a
 binary that is missing, a port already in use, a server that exits before it is healthy or is not
@@ -37,6 +49,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from harness.display import plain
+from harness.engines.http_engine import HttpEngine
 from harness.errors import EngineError
 from harness.paths import llama_tool
 
@@ -135,6 +148,7 @@ class LlamaServer:
     threads: int = 2
     cache_reuse: int = 16
     ctx_checkpoints: int = 8
+    checkpoint_min_step: int = 0
     extra: Sequence[str] = ()
     health_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
@@ -156,7 +170,7 @@ class LlamaServer:
         return [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                 "-np", str(self.parallel), "-c", str(self.parallel * self.n_ctx_slot), "-cb",
                 "--cache-reuse", str(self.cache_reuse), "--ctx-checkpoints", str(self.ctx_checkpoints),
-                "-t", str(self.threads), "--no-webui", "-lv", "4", *self.extra]
+                "--checkpoint-min-step", str(self.checkpoint_min_step), "-t", str(self.threads), "--no-webui", "-lv", "4", *self.extra]
 
     def log_text(self) -> str:
         """Everything the server wrote to stdout and stderr so far."""
@@ -241,3 +255,112 @@ class LlamaServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+DELIMITER_TOKENS = (3, 4, 5, 2)
+"""Lengths tried, in order, for a delimiter's token run: long enough not to recur elsewhere in the
+prompt (each recurrence is one more message start), short enough to round-trip."""
+
+
+def message_delimiters(url: str, prompts: Sequence[Sequence[int]], timeout_s: float = 30.0) -> list[dict[str, str]]:
+    """``message_delimiters`` for ``/completion`` (module docstring) that make every point where
+    two of ``prompts`` part a user message start: for each pair with a common prefix ``p`` shorter
+    than a prompt, that prompt's tokens from ``p`` (the first run of ``DELIMITER_TOKENS`` that the
+    server at ``url`` detokenizes to a text it tokenizes back to the same ids, ``/detokenize`` and
+    ``/tokenize`` with ``parse_special``), as ``{"role": "user", "delimiter": TEXT}``, each text
+    once, in prompt order. A point whose tokens do not round-trip gets no delimiter (that hit then
+    does not happen and the scenario says so: UNMEASURED). Raises ``EngineError`` when the server
+    does not answer."""
+    import httpx
+
+    from harness.engines.serving import common_prefix
+
+    points: list[tuple[int, int]] = []
+    for i, a in enumerate(prompts):
+        for j, b in enumerate(prompts):
+            p = common_prefix(a, b)
+            if i != j and 0 < p < len(a) and (i, p) not in points:
+                points.append((i, p))
+    out: list[dict[str, str]] = []
+    try:
+        with httpx.Client(base_url=url, timeout=timeout_s) as client:
+            for i, p in points:
+                for m in DELIMITER_TOKENS:
+                    run = [int(t) for t in prompts[i][p:p + m]]
+                    if len(run) < min(m, 2):
+                        break
+                    text = client.post("/detokenize", json={"tokens": run}).json()["content"]
+                    back = client.post("/tokenize", json={"content": text, "add_special": False, "parse_special": True}).json()["tokens"]
+                    if back == run:
+                        if all(d["delimiter"] != text for d in out):
+                            out.append({"role": "user", "delimiter": text})
+                        break
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        raise EngineError(f"llama-server at {url} did not answer /tokenize or /detokenize: {plain(str(e))[:200]}") from None
+    return out
+
+
+SERVE_CAPABILITY = "serve_http"
+"""The capability of an engine whose serving the harness judges under concurrent clients, each
+scenario on servers it starts itself (``LlamaServerEngine.fresh_server``;
+``harness.runs.http_serving``)."""
+
+DEFAULT_PARALLEL = 4
+"""Slots of the ``llama-server`` engine's servers (``-np``)."""
+
+
+def load_llama_server(model_path: str | Path, overrides: Sequence[Any] = (), parallel: int = DEFAULT_PARALLEL) -> Any:
+    """The ``llama-server`` engine (``LlamaServerEngine``) on ``model_path``. Raises ``EngineError``
+    when the binary is not built or the server does not start."""
+    return LlamaServerEngine(model_path, overrides, parallel)
+
+
+class LlamaServerEngine(HttpEngine):
+    """``llama-server``: llama.cpp's own server, built from the reference's commit (``built_binary``,
+    ``make llama-server``), started by the harness on the model and spoken to as an ``http:`` engine
+    of kind ``llama-server`` (top-k rows: ``harness parity`` judges it by the top-k tier). It also
+    declares ``SERVE_CAPABILITY``: ``harness probe --only serving`` then judges its serving under
+    concurrent clients, each scenario on a server of its own (``fresh_server``) with ``parallel``
+    slots. Overrides become ``--override-kv`` flags. The server is stopped by ``close`` (and, should
+    the harness die, by the kernel: ``PR_SET_PDEATHSIG``). Raises ``EngineError`` as
+    ``LlamaServer.start`` does."""
+
+    def __init__(self, model_path: str | Path, overrides: Sequence[Any] = (), parallel: int = DEFAULT_PARALLEL):
+        import weakref
+
+        import httpx
+
+        from harness.engines.http_engine import HttpSpec
+
+        self.parallel = int(parallel)
+        self._model = Path(model_path).resolve()
+        self._flags = tuple(a for o in overrides for a in ("--override-kv", o.to_flag()))
+        self.server = self.fresh_server(self.parallel).start()
+        self._finalizer = weakref.finalize(self, self.server.stop)
+        try:
+            served = httpx.get(self.server.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            served = Path(model_path).name
+        super().__init__(HttpSpec(name="llama-server", url=self.server.url, model=str(served), kind="llama-server",
+                                  compute_class="f32"), model_path, overrides)
+
+    @property
+    def who(self) -> str:
+        return "llama-server"
+
+    @property
+    def info(self) -> Any:
+        base = super().info
+        base.settings.update(parallel=self.parallel, binary=str(self.server.binary), features=self.server.features())
+        base.capabilities = [*base.capabilities, SERVE_CAPABILITY]
+        base.version = f"llama-server ({Path(str(self.server.binary)).parent.parent.parent.name})"
+        return base
+
+    def fresh_server(self, parallel: int) -> LlamaServer:
+        """A new, not yet started server on the same model and flags with ``parallel`` slots (a
+        context manager: ``with engine.fresh_server(4) as srv``)."""
+        return LlamaServer(self._model, parallel=parallel, extra=self._flags)
+
+    def close(self) -> None:
+        """Stop the server (idempotent)."""
+        self._finalizer()

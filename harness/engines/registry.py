@@ -5,7 +5,9 @@ Names: ``llama.cpp`` (the reference, in a worker process, extra buffer types off
 forward), ``oracle-bf16`` / ``oracle-f16`` (the oracle with bf16/f16 matmuls and residual
 stream: a compute class's emulation), ``mutant:NAME`` (the oracle with one planted fault), ``command:NAME`` (an external
 engine configured in ``[tool.harness.engines.NAME]``), ``http:NAME`` (an OpenAI-compatible server
-configured in ``[tool.harness.http.NAME]``: top-k logprobs, not logits), ``transformers``
+configured in ``[tool.harness.http.NAME]``: top-k logprobs, not logits), ``llama-server`` (llama.cpp's
+own server built from the reference's commit, started by the harness: top-k logprobs, and its
+serving under concurrent clients: ``harness.engines.llama_server``), ``transformers``
 (optional extra), ``mlx`` (mlx-lm, optional extra).
 ``planted:NAME`` is no engine of its own: it names a fault planted into another engine's output
 (the pytest plugin's ``--plant``), listed here for its source files only.
@@ -32,6 +34,7 @@ from harness.engines import (
     base,
     command,
     http_engine,
+    llama_server,
     llamacpp,
     mlx_engine,
     mutants,
@@ -118,6 +121,8 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("mutant:", lambda rest, path, ov, s: mutants.load_mutant(rest, path, ov), _ORACLE + (mutants,)),
     EngineEntry("command:", lambda rest, path, ov, s: command.load_command_engine(rest, path, ov), (command, persistent, base, config)),
     EngineEntry("http:", lambda rest, path, ov, s: http_engine.load_http_engine(rest, path, ov), (http_engine, base, config)),
+    EngineEntry("llama-server", lambda rest, path, ov, s: llama_server.load_llama_server(path, ov, **s), (llama_server, http_engine, base),
+                distributions=("llama-cpp-python",)),
     EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),
                 (transformers_engine, base)),
     EngineEntry("mlx", lambda rest, path, ov, s: mlx_engine.load_mlx(path, ov, **s), (mlx_engine, base),

@@ -298,3 +298,17 @@ def write(ledger_path: str | Path, out: str | Path, shown_ledger: str = DEFAULT_
     out = Path(out)
     out.write_text(render(ledger_path, shown_ledger))
     return out
+
+
+def write(ledger_path: str | Path, out: str | Path) -> Path:
+    """Write ``render(ledger_path, shown_ledger=ledger_path)`` to ``out`` (a temporary file renamed
+    over it: a reader never sees half a page); returns ``out``. Raises ``InvalidInput`` as
+    ``render`` does, and ``InvalidInput`` naming ``out`` when it cannot be written."""
+    from harness.evidence.page import write_text_atomic
+
+    out = Path(out)
+    try:
+        write_text_atomic(out, render(ledger_path, shown_ledger=str(ledger_path)))
+    except OSError as e:
+        raise InvalidInput(f"{out}: cannot write the conformance page: {e.strerror or e}") from None
+    return out

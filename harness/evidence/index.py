@@ -126,18 +126,26 @@ def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path
         cells = row.get("cells") or []
         return [str(row.get("seq")), fmt.when(row.get("time")), verdict, "signoff", "", f"release {row.get('release_name')}", "",
                 f"{sum(c.get('status') == 'ok' for c in cells)}/{len(cells)} cells ok; {len(row.get('relied_on') or [])} receipts", "", ""]
+    if row.get("kind") == "discharge":  # no verdict page: the receipt names each obligation record
+        counts = row.get("obligations") or {}
+        return [str(row.get("seq")), fmt.when(row.get("time")), verdict, "discharge", Code(cand_name), f"contract {row.get('contract')}",
+                "", ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), "", _receipt_cell(rid, ledger_dir, out)]
     report: Inline = "not rendered"
     folder = out / rid[:16] if rid else None
     if folder is not None and (folder / REPORT_MD).is_file():
         html = REPORT_HTML if (folder / REPORT_HTML).is_file() else REPORT_MD
         report = Link("verdict page", f"{rid[:16]}/{REPORT_MD}", f"{rid[:16]}/{html}")
-    receipt: Inline = fmt.NA
-    if rid:
-        target = receipt_file(ledger_dir / "receipts", rid)
-        href = _rel(target, out) if target.is_file() else None
-        receipt = Link(Code(rid[:12]), href) if href else [Code(rid[:12]), " (missing)"]
     return [str(row.get("seq")), fmt.when(row.get("time")), verdict, str(row.get("kind") or ""), Code(cand_name), model, klass,
-            _key_numbers(row), report, receipt]
+            _key_numbers(row), report, _receipt_cell(rid, ledger_dir, out)]
+
+
+def _receipt_cell(rid: str | None, ledger_dir: Path, out: Path) -> Inline:
+    """The index's receipt cell: its id linked to its file, or marked missing."""
+    if not rid:
+        return fmt.NA
+    target = receipt_file(ledger_dir / "receipts", rid)
+    href = _rel(target, out) if target.is_file() else None
+    return Link(Code(rid[:12]), href) if href else [Code(rid[:12]), " (missing)"]
 
 
 def _intro(page: Page, ledger_path: Path, out: Path, n_rows: int, counts: dict[str, int]) -> None:

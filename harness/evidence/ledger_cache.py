@@ -43,7 +43,9 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 CACHE_SUFFIX = ".cache.sqlite"
 _VERSION = "3"  # 2: the kept counts (meta count, table standing); 3: typed receipt keys (input:, cell:, same:)
@@ -223,6 +225,18 @@ class LedgerCache:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @classmethod
+    def use(cls, ledger_path: str | Path, columns: Sequence[str], fn: "Callable[[LedgerCache], T]") -> T:
+        """``fn(cache)`` on the cache of ``ledger_path`` opened and synced (``open``), closed after,
+        also when ``fn`` raises; returns what ``fn`` returns. The evidence door's one visit to the
+        query cache (``harness.evidence.record``): open, sync and close are one call. Raises what
+        ``open`` and ``fn`` raise."""
+        cache = cls.open(ledger_path, columns)
+        try:
+            return fn(cache)
+        finally:
+            cache.close()
 
     # ------------------------------------------------------------------ meta
 

@@ -148,6 +148,9 @@ def _table_line(r: Mapping[str, Any], superseded: Mapping[Any, Any], speed: bool
     model = _cell(r.get("model") or "—")
     if r.get("kind") == "supersede":
         model = f"supersedes #{r.get('supersedes')}: {_cell(r.get('reason', ''))}"
+    if r.get("kind") == "discharge":  # no model: the contract and its obligations per result
+        counts = r.get("obligations") or {}
+        model = f"contract {_cell(r.get('contract'))}: " + ", ".join(f"{n} {_cell(k)}" for k, n in sorted(counts.items()))
     flips = "—" if r.get("near_tie_flips") is None else f"{r.get('near_tie_flips')} / {r.get('hard_flips')}"
     receipt = f"`{r['receipt_id'][:12]}`" if r.get("receipt_id") else "—"
     return (

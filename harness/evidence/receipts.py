@@ -53,15 +53,18 @@ PROBE_SCHEMA_ID = "harness-probe-receipt/v1"
 CALIBRATION_SCHEMA_ID = "harness-calibration-receipt/v1"
 MTP_SCHEMA_ID = "harness-mtp-receipt/v1"
 TOKENIZER_SCHEMA_ID = "harness-tokenizer-receipt/v1"
+DISCHARGE_SCHEMA_ID = "harness-discharge-receipt/v1"
 SCHEMAS = {
     SCHEMA_ID: SCHEMA_PATH,
     PROBE_SCHEMA_ID: SCHEMA_DIR / "probe-receipt.schema.json",
     CALIBRATION_SCHEMA_ID: SCHEMA_DIR / "calibration-receipt.schema.json",
     MTP_SCHEMA_ID: SCHEMA_DIR / "mtp-receipt.schema.json",
     TOKENIZER_SCHEMA_ID: SCHEMA_DIR / "tokenizer-receipt.schema.json",
+    DISCHARGE_SCHEMA_ID: SCHEMA_DIR / "discharge-receipt.schema.json",
 }
 """Receipt kinds by ``schema`` field: parity cells, self-consistency probe runs, the
-calibrated tier measured on a subject, and a candidate's own tokenization against llama.cpp's."""
+calibrated tier measured on a subject, a candidate's own tokenization against llama.cpp's, and a
+contract's discharge for one GREEN subject build (binding its obligation records by sha256)."""
 HASH_EXCLUDED = ("id", "created", "timings")
 """Top-level fields left out of the content hash: the hash itself, the wall-clock time and the
 engines' timings (speed measured in this run: identical runs keep one id; the ledger row of
@@ -452,10 +455,17 @@ def _sidecar_holds(npz_path: Path, sha: str) -> bool:
         return False
 
 
-def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path) -> tuple[Path, Path]:
+def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path,
+                  documents: Mapping[Path, bytes] | None = None) -> tuple[Path, Path]:
     """Write ``<id>.npz`` then ``<id>.json`` into the shard of the receipts folder ``directory``
     (``directory/<id[:2]>/``); return their paths. A receipt already there in the flat layout
     (``directory/<id>.json``) counts as existing and its paths are returned.
+
+    ``documents``: other files the receipt binds by the sha256 of their bytes (a discharge's
+    obligation records, ``harness-discharge-receipt/v1``), written first, each through an fsynced
+    temporary file renamed over its path (a re-discharge replaces the build's record), so a
+    receipt never names a file that is not on disk. Raises ``InvalidInput`` when one cannot be
+    written (the receipt is then not written).
 
     The caller's ``receipt`` is not modified; what is written is ``prepare_receipt``'s result.
     Arrays must be numeric NumPy arrays (e.g. ``metrics.position_metrics`` output plus
@@ -476,6 +486,12 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     r = prepare_receipt(receipt, arrays)
     rid = r["id"]
+    for path, data in (documents or {}).items():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _replace_file(path.parent, path.name, lambda f, data=data: f.write(data))
+        except OSError as e:
+            raise InvalidInput(f"{path}: cannot write it for receipt {rid[:12]}: {e.strerror or e}") from e
     flat = Path(directory) / f"{rid}.json"
     if flat.exists():  # the earlier flat layout: that receipt is the evidence
         try:

@@ -4,18 +4,29 @@ A run hands its receipt (or, for a sign-off, a supersede or an adopted receipt, 
 ``record``, which does each step once, in this order, under the ledger's file lock
 (``chain.ledger_lock``):
 
-1. write the receipt and its array sidecar (``receipts.write_receipt``);
+1. write the receipt, its array sidecar and the files it binds (a discharge's obligation records;
+   ``receipts.write_receipt``);
 2. append its row, chained after the last one (``rows.row_from_receipt``, ``chain.append_locked``);
-3. bring the query cache up to the ledger (``LedgerCache.open``: reads the one new line);
+3. bring the query cache up to the ledger (``LedgerCache.use``: opens it, reads the one new
+   line, and closes it after steps 4 to 6);
 4. rewrite the LEDGER.md pages the row changed (``pages.render_pages``, from that cache);
-5. rewrite the reports index pages it changed (``index.render_index``, from that cache; a failure
-   there is a warning line, not an error: the evidence is already written).
+5. for a run that asks for it (``page``: what ``harness parity`` and ``harness probe`` do), write
+   the receipt's verdict page (``report.render_report``, from the receipt and arrays in hand:
+   nothing is read back);
+6. rewrite the reports index pages it changed (``index.render_index``, from that cache, so the
+   new row links its verdict page at once).
 
-Parity, top-k, MTP, probe (serving included), tokenizer, calibration subject, sweep, sign-off and
-``ledger merge`` all come through here (``record_evidence`` for a new receipt, ``record_row`` for a
-row); the cache and the pages are renderings and indexes of the ledger, never the source of a
-verdict. A verdict page written after its run (``harness.runs.explain``) refreshes its own index
-row with ``index.refresh_index``.
+A failure in step 5 or 6 is a warning line, not an error: the evidence is already written, and
+both are renderings of it.
+
+Parity, top-k, MTP, probe (serving included), tokenizer, calibration subject, discharge, sweep,
+sign-off and ``ledger merge`` all come through here (``record_evidence`` for a new receipt,
+``record_discharge`` for a discharge's receipt and the obligation records it binds, ``record_row``
+for a row); the cache and the pages are renderings and indexes of the ledger, never the source of a
+verdict. Each evidence module is called once by the door: a run hands over the ``EvidencePaths``
+its preflight resolved, so the rendering's path is not resolved a second time. A verdict page
+written later by ``harness report RECEIPT`` (``harness.runs.explain``) refreshes its own index row
+with ``index.refresh_index``.
 
 Layout: ``<ledger dir>/receipts/<id[:2]>/<id>.json`` and ``.npz`` beside the ledger (by default
 the project's: ``[tool.harness] ledger``, else ``<evidence>/parity/ledger.jsonl`` with
@@ -44,6 +55,7 @@ from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.page import untrusted
 from harness.evidence.pages import markdown_path_for, render_pages
 from harness.evidence.receipts import write_receipt
+from harness.evidence.report import Explanation, render_report
 from harness.evidence.rows import CACHE_COLUMNS, receipt_row
 from harness.fschecks import require_writable_dir, require_writable_file
 
@@ -62,6 +74,9 @@ class Recorded:
     receipt_path: Path | None
     row: dict[str, Any]
     ledger_path: Path
+    report_path: Path | None = None
+    """The verdict page's ``report.md`` the door wrote (``page``), None when none was asked for or
+    it could not be written (a warning said why)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,15 @@ def preflight_evidence(ledger: str | Path | None, head: bool = True) -> Evidence
     the door checks it again under the lock before it writes anything).
     """
     paths = evidence_paths(ledger)
+    _check_writable(paths)
+    if head:
+        check_ledger_head(paths.ledger)
+    return paths
+
+
+def _check_writable(paths: EvidencePaths) -> None:
+    """The file checks of ``preflight_evidence`` (links, writability), none of them in an evidence
+    module: ``harness.fschecks``. Raises ``InvalidInput``."""
     for folder, what in ((paths.receipts, "receipts folder"), (paths.ledger.parent / "reports", "reports folder")):
         if folder.is_symlink():  # evidence stays inside its folder (the ledger, lock and cache files are refused as links too)
             raise InvalidInput(f"{folder}: the {what} is a symbolic link; evidence is written only inside {paths.ledger.parent}")
@@ -101,53 +125,67 @@ def preflight_evidence(ledger: str | Path | None, head: bool = True) -> Evidence
     require_writable_file(str(paths.ledger) + ".lock", "ledger lock file")
     require_writable_file(paths.markdown, "rendered ledger", replace=True)
     require_writable_dir(paths.receipts, "receipts folder")
-    if head:
-        check_ledger_head(paths.ledger)
-    return paths
 
 
 def record(paths: EvidencePaths, *, receipt: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
            row: Mapping[str, Any] | None = None, receipt_path: str | Path | None = None, index: bool = True,
-           lock_timeout: float = 120.0) -> Recorded:
+           page: Explanation | None = None, documents: Mapping[Path, bytes] | None = None, lock_timeout: float = 120.0) -> Recorded:
     """The evidence door (module docstring): under the ledger's lock (``chain.append``), once the
     head is known to be extendable, write ``receipt`` (with ``arrays``: per-position numeric
     arrays, into ``paths.receipts``), append its row (``row`` fields over it, e.g. a merged row's
     time; without a receipt, ``row`` is the whole row and ``receipt_path`` the existing receipt
-    file it binds, if any), update the query cache, rewrite the LEDGER.md pages and, with
-    ``index``, the reports index: each once.
+    file it binds, if any), update the query cache, rewrite the LEDGER.md pages, with ``page``
+    (what the caller looked up for it: ``harness.runs.explain.explain``) write the receipt's
+    verdict page, and with ``index`` the reports index: each once. ``documents`` (path: bytes) are
+    files the receipt binds by sha256, written with it (``receipts.write_receipt``).
 
     The row carries this run's timings (``receipt``'s, ``rows.receipt_row``), also when an
     identical earlier run wrote the receipt file. Raises ``InvalidInput`` when the receipt breaks
     its schema or cannot be written, the row breaks the row schema or names another receipt, the
     ledger's last row cannot be extended (nothing is written then), the lock is not taken within
     ``lock_timeout`` seconds, or the ledger or LEDGER.md cannot be written (naming the row
-    already appended).
+    already appended). A verdict page or index that cannot be written is a warning line.
     """
     written: list[dict[str, Any]] = []  # the receipt as on disk, once written
     bound: list[Path | None] = [Path(receipt_path) if receipt_path is not None else None]
+    shown: list[Path | None] = [None]
+    held = {k: np.asarray(v) for k, v in (arrays or {}).items()}
 
     def make_row() -> tuple[Mapping[str, Any], Path | None]:
         if receipt is None:
             return row or {}, bound[0]
-        bound[0], _ = write_receipt(receipt, {k: np.asarray(v) for k, v in (arrays or {}).items()}, paths.receipts)
+        bound[0], _ = write_receipt(receipt, held, paths.receipts, documents)
         written.append(json.loads(bound[0].read_text(encoding="utf-8")))
         return {**receipt_row(written[0], receipt), **(row or {})}, bound[0]
 
     def render(new: dict[str, Any]) -> None:
-        cache = LedgerCache.open(paths.ledger, CACHE_COLUMNS)  # the query cache reads the new line
-        try:
+        def renderings(cache: LedgerCache) -> None:
             try:
                 render_pages(paths.ledger, paths.markdown, cache=cache)
             except OSError as e:
                 raise InvalidInput(f"{paths.markdown}: row seq {new['seq']} was appended to {paths.ledger}, but the rendering "
                                    f"could not be rewritten ({e.strerror or e}); the next append re-renders it") from None
+            if page is not None and written and bound[0] is not None:
+                shown[0] = _page_quietly(written[0], held, bound[0], page)
             if index:
                 _index_quietly(paths.ledger, cache, written)
-        finally:
-            cache.close()
+
+        LedgerCache.use(paths.ledger, CACHE_COLUMNS, renderings)  # the query cache reads the new line
 
     new = append(paths.ledger, make_row, render, lock_timeout=lock_timeout)
-    return Recorded(written[0] if written else None, bound[0], new, paths.ledger)
+    return Recorded(written[0] if written else None, bound[0], new, paths.ledger, shown[0])
+
+
+def _page_quietly(rec: dict[str, Any], arrays: Mapping[str, np.ndarray], json_path: Path, page: Explanation) -> Path | None:
+    """``render_report`` of the receipt just written into its default folder; a failure is one
+    warning line on stderr and None (the page is a rendering of evidence already written)."""
+    try:
+        return render_report(rec, arrays, json_path, None, page)
+    except OSError as e:
+        sys.stderr.write(f"harness: warning: report not written: {untrusted(e.strerror or e)}\n")
+    except HarnessError as e:
+        sys.stderr.write(f"harness: warning: report not written: {untrusted(e)}\n")
+    return None
 
 
 def _index_quietly(ledger_path: Path, cache: LedgerCache, written: list[dict[str, Any]]) -> None:
@@ -161,12 +199,29 @@ def _index_quietly(ledger_path: Path, cache: LedgerCache, written: list[dict[str
         sys.stderr.write(f"harness: warning: evidence index not regenerated: {untrusted(e)}\n")
 
 
-def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | None) -> Recorded:
-    """A run's new receipt through the door: ``preflight_evidence`` again (cheap: the files may
-    have changed while the engines ran; the head is checked by ``record`` under the lock, before
-    the receipt is written), then ``record``. ``ledger`` None: ``default_ledger()``. Raises as
-    they do."""
-    return record(preflight_evidence(ledger, head=False), receipt=receipt, arrays=arrays)
+def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | EvidencePaths | None,
+                    page: Explanation | None = None) -> Recorded:
+    """A run's new receipt through the door. ``ledger``: the ``EvidencePaths`` the run's
+    ``preflight_evidence`` returned (their files are checked again, cheaply, since they may have
+    changed while the engines ran), or a ledger path (None: ``default_ledger()``), preflighted
+    here; the head is checked by ``record`` under the lock, before the receipt is written.
+    ``page``: write the receipt's verdict page too (``record``). Raises as they do."""
+    paths = ledger if isinstance(ledger, EvidencePaths) else preflight_evidence(ledger, head=False)
+    if isinstance(ledger, EvidencePaths):
+        _check_writable(paths)
+    return record(paths, receipt=receipt, arrays=arrays, page=page)
+
+
+def record_discharge(ledger: str | Path | EvidencePaths | None, receipt: Mapping[str, Any], documents: Mapping[Path, bytes]) -> Recorded:
+    """A discharge through the door (``harness discharge``): its obligation records ``documents``
+    (path: the bytes whose sha256 ``receipt`` names) and its ``harness-discharge-receipt/v1``
+    receipt written, its row appended, the cache, LEDGER.md and the reports index refreshed, each
+    once, under the ledger's lock; nothing is written when the ledger's head cannot be extended.
+    ``ledger``: as ``record_evidence``. Raises as ``record`` does."""
+    paths = ledger if isinstance(ledger, EvidencePaths) else preflight_evidence(ledger, head=False)
+    if isinstance(ledger, EvidencePaths):
+        _check_writable(paths)
+    return record(paths, receipt=receipt, documents=documents)
 
 
 def record_row(ledger: str | Path | None, row: Mapping[str, Any], receipt_path: str | Path | None = None,

@@ -29,7 +29,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -1077,29 +1077,37 @@ def default_report_dir(receipt_json: Path, receipt_id: str) -> Path:
 
 def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, localization: dict[str, Any] | None = None, *,
                  explanation: Explanation | None = None) -> Path:
-    """Write ``report.md`` and ``report.html`` (and PNGs, ``localization.json``) for a parity or
-    probe receipt; return the Markdown path.
-
-    ``out_dir`` defaults to ``default_report_dir``. ``explanation`` carries what the caller looked
-    up (vocabulary, localization, likely causes: ``harness.runs.explain.explain_receipt``);
-    without it the page is rendered from the receipt alone, with ``localization`` (a
-    ``Localization.to_dict()``) if given. The reports index is the caller's to regenerate
-    (``harness.evidence.index.refresh_index``; ``compare.explain.write_explained_report`` does).
-    Raises ``InvalidInput`` for an unreadable or invalid receipt or an unwritable folder.
-    """
+    """Load the receipt at ``receipt_path`` (``load_receipt``) and ``render_report`` it: what
+    ``harness report RECEIPT`` writes (a run's own page is written by the evidence door, from the
+    receipt it holds). ``explanation`` carries what the caller looked up (vocabulary, localization,
+    likely causes: ``harness.runs.explain.explain``); without it the page is rendered from the
+    receipt alone, with ``localization`` (a ``Localization.to_dict()``) if given. The reports index
+    is the caller's to regenerate (``harness.evidence.index.refresh_index``;
+    ``harness.runs.explain.write_explained_report`` does). Raises ``InvalidInput`` for an
+    unreadable or invalid receipt or an unwritable folder."""
     loaded = load_receipt(receipt_path)
-    rec, arrays = loaded.receipt, loaded.arrays
-    ex = explanation or Explanation(localization=localization)
-    default_out = default_report_dir(loaded.json_path, rec["id"])
-    out = Path(out_dir) if out_dir else default_out
+    return render_report(loaded.receipt, loaded.arrays, loaded.json_path, out_dir,
+                         explanation or Explanation(localization=localization))
+
+
+def render_report(rec: Mapping[str, Any], arrays: Mapping[str, np.ndarray], json_path: Path, out_dir: str | Path | None,
+                  ex: Explanation) -> Path:
+    """Write ``report.md`` and ``report.html`` (and PNGs, ``localization.json``) for the parity,
+    probe, MTP or tokenizer receipt ``rec`` (as written at ``json_path``, with its per-position
+    ``arrays``) into ``out_dir`` (default: ``default_report_dir``); return the Markdown path. No
+    file is read: the evidence door renders the receipt it has just written. Raises
+    ``InvalidInput`` for a receipt kind without a verdict page or an unwritable folder; a folder
+    this call created is removed again when nothing could be written into it."""
+    rec, arrays = dict(rec), dict(arrays)
+    out = Path(out_dir) if out_dir else default_report_dir(json_path, rec["id"])
+    if rec.get("schema") not in PAGES:
+        raise InvalidInput(f"{json_path}: a {rec.get('schema')} receipt has no verdict page; harness report renders parity, probe, MTP "
+                           "and tokenizer receipts (harness ledger show lists the rows)")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InvalidInput(f"{out}: cannot create the report folder: {e.strerror or e}") from e
-    if rec.get("schema") not in PAGES:
-        raise InvalidInput(f"{loaded.json_path}: a {rec.get('schema')} receipt has no verdict page; harness report renders parity, probe, MTP "
-                           "and tokenizer receipts (harness ledger show lists the rows)")
     is_probe = rec.get("schema") == PROBE_SCHEMA_ID
     summary = rec.get("schema") in (MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID)
     loc = ex.localization
@@ -1110,7 +1118,7 @@ def write_report(receipt_path: str | Path, out_dir: str | Path | None = None, lo
             if loc.get("per_layer"):
                 pngs["layers"] = plot_layers(loc, out).name
             (out / "localization.json").write_text(json.dumps(loc, indent=1, default=str, allow_nan=False) + "\n", encoding="utf-8")
-        ctx = _Ctx(ex, plan, pngs, _receipt_link(loaded.json_path, out), _shown_path(loaded.json_path), _ledger_opt(loaded.json_path))
+        ctx = _Ctx(ex, plan, pngs, _receipt_link(json_path, out), _shown_path(json_path), _ledger_opt(json_path))
         page = _summary_page(rec, ctx) if summary else _probe_page(rec, ctx) if is_probe else _parity_page(rec, arrays, ctx)
         md, _ = page.write(out / REPORT_MD, out / REPORT_HTML)
     except BaseException as e:

@@ -24,7 +24,7 @@ from harness.validation import best_error, make_validator
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
-KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "supersede", "signoff")
+KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "discharge", "supersede", "signoff")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -65,7 +65,12 @@ per cell (``{model, candidate, backend, status, parity, probe}``: the cell's sta
 ids it used), ``[{id, sha256}]`` of every receipt relied on, and one line per missing, stale or
 failed item with the command that would produce it (``verdict`` is SIGNED or BLOCKED)."""
 
-OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", FREE_RUNNING_FIELD, *TIMING_FIELDS, *TIER_FIELDS, *SIGNOFF_FIELDS)
+DISCHARGE_FIELDS = ("contract", "obligations")
+"""A discharge row's own fields: the contract's id and ``{result: count}`` over its selected
+obligations (``candidate`` is the GREEN subject, ``verdict`` DISCHARGED, FAIL or UNMEASURED)."""
+
+OPTIONAL_FIELDS = ("model_sha256", "supersedes", "reason", FREE_RUNNING_FIELD, *TIMING_FIELDS, *TIER_FIELDS, *SIGNOFF_FIELDS,
+                   *DISCHARGE_FIELDS)
 """Fields a row may lack (rows written before ``model_sha256`` was recorded, non-supersede rows,
 rows of runs that recorded no timings)."""
 
@@ -119,6 +124,8 @@ ROW_SCHEMA: dict[str, Any] = {
         "relied_on": {"type": "array", "items": {"type": "object", "required": ["id", "sha256"], "additionalProperties": False,
                                                  "properties": {"id": _HEX64, "sha256": _HEX64}}},
         "blocked": {"type": "array", "items": {"type": "string"}},
+        "contract": {"type": "string", "minLength": 1},
+        "obligations": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
     },
     "allOf": [
         {
@@ -130,6 +137,11 @@ ROW_SCHEMA: dict[str, Any] = {
             "if": {"properties": {"kind": {"const": "signoff"}}},
             "then": {"required": list(SIGNOFF_FIELDS), "properties": {"verdict": {"enum": ["SIGNED", "BLOCKED"]}}},
             "else": {"not": {"anyOf": [{"required": [f]} for f in SIGNOFF_FIELDS]}},
+        },
+        {
+            "if": {"properties": {"kind": {"const": "discharge"}}},
+            "then": {"required": list(DISCHARGE_FIELDS), "properties": {"verdict": {"enum": ["DISCHARGED", "FAIL", "UNMEASURED"]}}},
+            "else": {"not": {"anyOf": [{"required": [f]} for f in DISCHARGE_FIELDS]}},
         },
     ],
 }
@@ -158,8 +170,15 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
     receipt's row names the class as its candidate and its verdict is MEASURED; a tokenizer
     receipt's row (``harness tokenizer``) counts the reference's token ids compared as its
     positions and has no cosine and no basis (exact equality is its gate).
+    A discharge receipt's row (``harness discharge``) names the GREEN subject as its candidate,
+    its contract and the count of obligations per result; it has no model, positions or cosine.
     Long because it is a table: one literal row per receipt kind.
     """
+    if receipt.get("schema") == "harness-discharge-receipt/v1":
+        return {"kind": "discharge", "model": None, "model_sha256": None, "quant": None, "receipt_id": receipt["id"],
+                "candidate": receipt["candidate"], "reference": None, "positions": None, "min_cosine": None,
+                "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None,
+                "kld_mean": None, "basis_kind": None, "contract": receipt["contract"]["id"], "obligations": dict(receipt["counts"])}
     model = receipt["model"]
     base = {"model": model.get("name") or Path(model["path"]).name, "model_sha256": model["sha256"], "quant": model["file_type"],
             "receipt_id": receipt["id"]}

@@ -16,13 +16,14 @@ import numpy as np
 from harness.engines.base import Engine
 from harness.errors import HarnessError, NotComparable, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
-from harness.evidence.record import record_evidence
+from harness.evidence.record import EvidencePaths, record_evidence
 from harness.judge.calibrated import MeasureTier
 from harness.judge.thresholds import ResolvedThresholds
 from harness.measure.prompts import PromptTokens
 from harness.model.gguf_model import GGUFModel
 from harness.paths import SOURCE_ROOT
 from harness.runs import greedy
+from harness.runs.explain import explain
 from harness.runs.inputs import RunInputs, RunRequest, engine_record
 
 Progress = Callable[[str, int, int], None]
@@ -112,6 +113,8 @@ class ParityOutcome:
     ledger_row: dict[str, Any] | None
     ledger_path: Path | None
     calibration_receipt: Path | None = None
+    report_path: Path | None = None
+    """The verdict page's ``report.md``, when the run asked for it (``req.report``) and it was written."""
 
 
 def build_receipt(req: ParityRequest, inputs: RunInputs, result: CellResult, resolved: ResolvedThresholds,
@@ -171,16 +174,21 @@ def _add_free_running(req: ParityRequest, inputs: RunInputs, reference: Any, can
 
 
 def finish(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens], result: CellResult,
-            receipt: dict[str, Any], cal_path: Path | None = None, reference_cache: dict[str, Any] | None = None) -> ParityOutcome:
+           receipt: dict[str, Any], cal_path: Path | None = None, reference_cache: dict[str, Any] | None = None,
+           evidence: EvidencePaths | None = None, log: Callable[[str], None] | None = None) -> ParityOutcome:
     """A judged cell's receipt completed (free-running greedy, both engines' timings, whether the
     reference's rows came from the cache: ``reference_cache``, ``ReferenceCache.record()``) and,
-    unless ``req.write_evidence`` is off, recorded with its ledger row; a dry run still refuses
-    the receipt a recording run would refuse (``prepare_receipt``)."""
+    unless ``req.write_evidence`` is off, recorded through the evidence door (into ``evidence``,
+    the paths the run's preflight resolved, else ``req.ledger``) with its ledger row and, with
+    ``req.report``, its verdict page (``harness.runs.explain.explain``, localizing as
+    ``req.localize`` says; ``log`` hears its progress); a dry run still refuses the receipt a
+    recording run would refuse (``prepare_receipt``)."""
     _add_free_running(req, inputs, reference, candidate, prompts, receipt)
     receipt["timings"] = {"reference": reference.timings(), "candidate": candidate.timings()}
     receipt["timings"]["reference_cache"] = reference_cache or {"enabled": False}
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)
         return ParityOutcome(result, receipt, None, None, None)
-    rec = record_evidence(receipt, result.per_position, req.ledger)
-    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path)
+    page = explain(receipt, req.localize, log) if req.report else None
+    rec = record_evidence(receipt, result.per_position, evidence or req.ledger, page)
+    return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path, rec.report_path)

@@ -7,8 +7,9 @@ reads the model and may run engines (``harness.evidence.report`` only reads and 
   oracle (``harness.runs.localize``) on the receipt's own token ids
   (``report.localization_plan``), and the likely cause (``harness.judge.causes``).
 
-``write_explained_report`` is what ``harness parity``, ``harness probe`` and ``harness report``
-call.
+``explain`` is what ``harness parity`` and ``harness probe`` hand the evidence door with their receipt
+(the door writes the verdict page before the reports index); ``write_explained_report`` is what
+``harness report RECEIPT`` calls.
 """
 
 from __future__ import annotations
@@ -138,11 +139,12 @@ def _localization(rec: Mapping[str, Any], localize: bool | str, log: Log | None)
         return None, f"Localization could not run here ({e.verdict.value}: {untrusted(e)}); run it by hand with the command below."
 
 
-def explain_receipt(receipt_path: str | Path, localize: bool | str = "auto", log: Log | None = None) -> Explanation:
-    """Everything a verdict page shows beyond the receipt (``Explanation``). A localization that
-    cannot run is explained in ``loc_note``, not raised. Raises ``InvalidInput`` for an unreadable
-    or invalid receipt."""
-    rec = load_receipt(receipt_path).receipt
+def explain(rec: Mapping[str, Any], localize: bool | str = "auto", log: Log | None = None) -> Explanation:
+    """Everything a verdict page shows beyond the receipt ``rec`` (a receipt as written, or as a
+    run hands it to the evidence door: ``schema`` missing means a parity receipt): the vocabulary
+    for token texts, the localization ``localize`` asks for, the likely causes
+    (``Explanation``). A localization that cannot run is explained in ``loc_note``, not raised."""
+    rec = {"schema": SCHEMA_ID, **rec}
     vocab, vocab_note = vocabulary(rec["model"])
     loc, loc_note = _localization(rec, localize, log)
     ex = Explanation(vocab=vocab, vocab_note=vocab_note, localization=loc, loc_note=loc_note)
@@ -152,6 +154,12 @@ def explain_receipt(receipt_path: str | Path, localize: bool | str = "auto", log
         ex.causes = [{"mutant": c.mutant, "bug_class": c.bug_class, "description": c.description}
                      for c in likely_causes(first.get("layer_type"), first.get("op"))]
     return ex
+
+
+def explain_receipt(receipt_path: str | Path, localize: bool | str = "auto", log: Log | None = None) -> Explanation:
+    """``explain`` of the receipt file at ``receipt_path``. Raises ``InvalidInput`` for an
+    unreadable or invalid receipt."""
+    return explain(load_receipt(receipt_path).receipt, localize, log)
 
 
 def write_explained_report(receipt_path: str | Path, out_dir: str | Path | None = None, localize: bool | str = "auto",

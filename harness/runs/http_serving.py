@@ -5,7 +5,9 @@ reply against the reference (docs/engine-protocol.md, "Traffic from concurrent c
 
 Per scenario:
 
-- a fresh server (``start(parallel)``) serves it; the scenarios of ``expect.slot_reuse`` pin both
+- a fresh server (``start(parallel)``) serves it, every request told where the scenario's prompts
+  part as user message starts (``llama_server.message_delimiters``: where a hybrid model's slot can
+  be checkpointed and restored, as a chat client's messages would mark it); the scenarios of ``expect.slot_reuse`` pin both
   requests to slot 0 (``id_slot``: llama-server picks slots by prompt similarity and LRU, so B
   would otherwise not land in A's slot). What ``expect`` asks must be seen in the replies, else
   UNMEASURED naming it: ``overlap`` B's first token before A's last; ``in_flight`` N requests
@@ -43,6 +45,7 @@ import numpy as np
 
 from harness.engines.base import Engine, checked_blocks
 from harness.engines.http_traffic import Reply, Traffic, drive_scenario
+from harness.engines.llama_server import message_delimiters
 from harness.engines.serving import ServeRequest, ServeScenario, common_prefix
 from harness.errors import EngineError, Verdict
 from harness.measure.continuation import forced_by_restarts, judge_greedy
@@ -242,7 +245,10 @@ def _serve_and_judge(sc: Scenario, resolved: ServeScenario, start: Callable[[int
     for attempt in range(INTENT_TRIES):  # arrivals timed by real clients: a race may miss the overlap once
         with start(parallel) as srv:
             details.setdefault("features", srv.features())
-            traffic = drive_scenario(srv.url, resolved, n_vocab, K, timeout_s, pin=pin)
+            delims = message_delimiters(srv.url, [r.tokens for r in resolved.requests if r.continues is None])
+            details.setdefault("message_delimiters", {})[sc.name] = len(delims)
+            traffic = drive_scenario(srv.url, resolved, n_vocab, K, timeout_s, pin=pin,
+                                     extra={"message_delimiters": delims} if delims else {})
             missing = intent_missing_http(sc, traffic, parallel)
             if missing is not None:
                 if missing != SERIALIZED and attempt + 1 < INTENT_TRIES:

@@ -149,7 +149,8 @@ class RunRequest(InputsRequest):
     ``harness probe``): engine names (registry names), the reference's engine-specific settings
     (``reference_settings``: e.g. ``n_threads`` for ``llama.cpp``, which a sweep divides among its
     jobs), the ledger (None: the default; receipts go beside it), the command line recorded in the
-    receipt, and whether to write evidence at all."""
+    receipt, whether to write evidence at all, and whether its verdict page goes with it
+    (``report``, ``localize``)."""
 
     candidate: str = DEFAULT_CANDIDATE
     reference: str = DEFAULT_REFERENCE
@@ -157,6 +158,12 @@ class RunRequest(InputsRequest):
     ledger: str | None = None
     argv: list[str] = field(default_factory=list)
     write_evidence: bool = True
+    report: bool = False
+    """Write the receipt's verdict page too (``report.md``/``report.html`` beside the receipts),
+    through the evidence door with the receipt: what ``harness parity`` and ``harness probe`` ask."""
+    localize: bool | str = "auto"
+    """With ``report``: localize the first divergence on the page (True, False, or "auto": a FAIL
+    whose candidate declares activations; ``harness.runs.explain.explain``)."""
 
 
 def engine_record(info: Mapping[str, Any], name: str, requested: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -395,13 +395,12 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     Raises ``InvalidInput``, ``EngineError``, ``NotComparable``.
     """
     inputs = req.resolve()
-    if req.write_evidence:
-        preflight_evidence(req.ledger)
+    evidence = preflight_evidence(req.ledger) if req.write_evidence else None
     reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prompts = inputs.tokens(reference.engine)
     if "topk" in candidate.info.capabilities:
-        return run_topk_parity(req, inputs, reference, candidate, prompts)
+        return run_topk_parity(req, inputs, reference, candidate, prompts, evidence)
     cached = reference_cache.wrap(reference, inputs.model.sha256, req.reference_cache)  # the gated rows only
     m = measure_cell(inputs.model, cached, candidate, prompts, inputs.thresholds.near_tie_margin, progress)
     measure = req.measure_tier if req.write_evidence else None
@@ -413,7 +412,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate, settings=req.candidate_settings),
                         cuts, excuses, ruling)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
-    return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path, reference_cache.record_of(cached))
+    return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path, reference_cache.record_of(cached), evidence, log)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from harness.engines.base import Engine, gather, last_row
+from harness.engines.llama_server import SERVE_CAPABILITY
 from harness.engines.timing import timed
 from harness.errors import EngineError, InvalidInput, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
@@ -53,7 +54,8 @@ from harness.judge.reproducer import Reproducer, causes_breaking, chunks_arg, ch
 from harness.judge.thresholds import ResolvedThresholds
 from harness.measure import metrics
 from harness.measure.prompts import PromptTokens
-from harness.runs.inputs import RunInputs, RunRequest, engine_record
+from harness.runs.inputs import RunInputs, RunRequest, engine_record, subject_of
+from harness.runs.explain import explain
 from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, outside  # noqa: F401 (re-exported)
 from harness.runs.spec_given import _spec_checked, given_cases, judge_case, run_given  # noqa: F401 (_spec_checked re-exported)
 
@@ -516,6 +518,8 @@ class ProbeRun:
     receipt: dict[str, Any]
     receipt_path: Any = None
     ledger_row: dict[str, Any] | None = None
+    report_path: Any = None
+    """The verdict page's ``report.md``, when the run asked for it (``ProbeRequest.report``)."""
 
 
 def overall_verdict(results: Sequence[ProbeResult], only: Sequence[str] = ()) -> tuple[Verdict, str]:
@@ -619,7 +623,8 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     if tol is None:
         _unmeasured(cases, TOLERANCED, f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})")
     if "topk" in engine.info.capabilities:  # a server (http:NAME): the probes compare logits it cannot give
-        _unmeasured(cases, list(cases), f"{engine.info.name} gives top-k logprobs, not logits")
+        served = SERVE_CAPABILITY in engine.info.capabilities  # llama-server: its serving is judged on its top-k rows
+        _unmeasured(cases, [c for c in cases if not (served and c == "serving")], f"{engine.info.name} gives top-k logprobs, not logits")
     return cases
 
 
@@ -641,12 +646,35 @@ def plan_serving(req: ProbeRequest, engine: Engine, reference: Callable[[], Engi
     ctx = int(inputs.model.hparams.context_length or 0) or None
 
     def run() -> ProbeResult:
-        r = probe_serving(engine, ptoks, tol, scenarios, reference if has_serve(engine) else None,  # type: ignore[arg-type]
-                          min_cosine, ctx)
+        if SERVE_CAPABILITY in engine.info.capabilities:
+            r = _llama_server_serving(engine, ptoks, tol, scenarios, reference, inputs, ctx)
+        else:
+            r = probe_serving(engine, ptoks, tol, scenarios, reference if has_serve(engine) else None,  # type: ignore[arg-type]
+                              min_cosine, ctx)
         r.details = {"scenario_file": source, **r.details} if r.details else r.details
         return r
 
     return run
+
+
+def _llama_server_serving(engine: Any, ptoks: list[PromptTokens], tol: ProbeTolerance | None, scenarios: Sequence[Any],
+                          reference: Callable[[], Engine], inputs: RunInputs, ctx: int | None) -> ProbeResult:
+    """The serving probe of the ``llama-server`` engine: ``harness.runs.http_serving.probe_llama_server``
+    on servers it starts (``LlamaServerEngine.fresh_server``, its ``parallel`` slots), each solo
+    reply against ``reference()`` by the top-k tier of the class's ``topk`` row (k = 20, the
+    ``n_probs`` it asks); UNMEASURED naming what is missing when there is no probe tolerance or no
+    top-k row."""
+    from harness.runs.http_serving import K, TopkGate, probe_llama_server
+
+    if tol is None:
+        return ProbeResult("serving", Verdict.UNMEASURED, reason="no probe tolerance for this model and class")
+    served = getattr(engine, "engine", engine)  # the timed wrapper's engine
+    row, why = inputs.thresholds.resolve_topk(subject_of(inputs.model, engine.info.to_dict()), K)
+    if row is None:
+        return ProbeResult("serving", Verdict.UNMEASURED, reason=f"no top-k row judges the solo replies: {why}")
+    gate = TopkGate(float(row.gates["max_topk_kld_mean"]["value"]), float(row.gates["max_topk_kld_p99"]["value"]), row.source)
+    return probe_llama_server(served.fresh_server, ptoks, tol, scenarios, inputs.model.hparams.n_vocab, served.parallel,
+                              reference(), gate, ctx)
 
 
 def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> None:
@@ -748,8 +776,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if unknown:
         raise InvalidInput(f"unknown probe {unknown[0]!r}; probes: {', '.join(PROBE_NAMES)}")
     inputs = req.resolve()
-    if req.write_evidence:
-        preflight_evidence(req.ledger)
+    evidence = preflight_evidence(req.ledger) if req.write_evidence else None
     engine = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     resolved, cal_id, _, command = resolve_row(inputs.thresholds_for(engine.info.to_dict()), req.model, req.ledger,
                                                req.measure_tier if req.write_evidence else None, log=progress)
@@ -787,5 +814,6 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if not req.write_evidence:
         prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)
-    rec = record_evidence(receipt, {}, req.ledger)
-    return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row)
+    page = explain(receipt, req.localize, None) if req.report else None
+    rec = record_evidence(receipt, {}, evidence, page)
+    return ProbeRun(results, verdict, message, rec.receipt, rec.receipt_path, rec.row, rec.report_path)

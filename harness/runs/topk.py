@@ -15,6 +15,7 @@ from harness.judge import tiers, verdicts
 from harness.judge import topk as topk_tier
 from harness.measure import metrics, topk
 from harness.measure.prompts import PromptTokens
+from harness.evidence.record import EvidencePaths
 from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest, build_receipt, check_comparable, finish
 from harness.runs.inputs import RunInputs
 
@@ -88,11 +89,13 @@ def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: lis
     return CellResult(verdict, "parity", prompts, pp, summary, per_prompt, gate, cinfo, m.reference_info, n_vocab, msg), row
 
 
-def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens]) -> ParityOutcome:
+def run_topk_parity(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any, prompts: list[PromptTokens],
+                    evidence: EvidencePaths | None = None) -> ParityOutcome:
     """``run_parity`` for a top-k candidate (``topk_cell``): same receipt and ledger row, with the
-    top-k tier and the top-k row used (``thresholds.topk``)."""
+    top-k tier and the top-k row used (``thresholds.topk``); ``evidence``: the paths the run's
+    preflight resolved (``cell.finish``)."""
     result, row = topk_cell(inputs, reference, candidate, prompts)
     resolved = inputs.thresholds_for(result.candidate_info)
     receipt = build_receipt(req, inputs, result, resolved, None)
     receipt["thresholds"]["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
-    return finish(req, inputs, reference, candidate, prompts, result, receipt)
+    return finish(req, inputs, reference, candidate, prompts, result, receipt, evidence=evidence)

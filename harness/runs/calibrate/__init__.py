@@ -65,6 +65,7 @@ from harness.runs.calibrate.document import (  # noqa: F401  (re-exported: harne
     moe_excursions_document,
     probe_document,
     thresholds_document,
+    write_calibration,
     write_thresholds,
 )
 from harness.runs.calibrate.fit import (  # noqa: F401  (re-exported: harness.runs.calibrate.NAME)

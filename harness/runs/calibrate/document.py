@@ -243,6 +243,42 @@ def write_thresholds(doc: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+KEPT_SECTIONS = ("topk", "mtp", "state")
+"""The thresholds.yaml sections a full calibration keeps from the file it replaces: each is
+measured by its own command (``harness calibrate --topk K``, ``--mtp``, ``--state``) with its own
+basis."""
+
+
+def kept_rows(path: str | Path, section: str) -> list[Any]:
+    """The ``section`` rows of the thresholds file at ``path`` (``KEPT_SECTIONS``); none when it
+    is absent or unreadable."""
+    from harness.errors import HarnessError
+    from harness.judge.thresholds import load_thresholds
+
+    try:
+        return list(load_thresholds(path).data.get(section, [])) if Path(path).is_file() else []
+    except HarnessError:
+        return []
+
+
+def write_calibration(res: CalibrationResult, out: str | Path, matrix_out: str | Path, command: str, commit: str | None) -> tuple[Path, Path]:
+    """Write a full calibration: thresholds.yaml at ``out`` (``thresholds_document`` with the
+    ``KEPT_SECTIONS`` of the file it replaces, ``write_thresholds``) and the detection matrix
+    page at ``matrix_out`` (``matrix_markdown``, keeping the page's hand-measured sections:
+    ``kept_matrix_sections``). Returns both paths. Raises ``InvalidInput`` when the document does
+    not validate (nothing is replaced then) and ``OSError`` when a file cannot be written."""
+    doc = thresholds_document(res, command, commit)
+    for section in KEPT_SECTIONS:
+        doc[section] = kept_rows(out, section)
+        if not doc[section]:
+            del doc[section]
+    write_thresholds(doc, out)
+    matrix = Path(matrix_out)
+    old = matrix.read_text(encoding="utf-8", errors="replace") if matrix.is_file() else ""
+    matrix.write_text(matrix_markdown(res, command, kept_matrix_sections(old)))
+    return Path(out), matrix
+
+
 def _topk_row(k: int, cls: str, gs: list[PairStats], bads: list[PairStats], command: str, base_spec: str,
               commit_txt: str) -> tuple[dict[str, Any], list[str], list[str]]:
     """One ``topk:`` row from the class's known-good top-k pairs (``propose``'s rule on the KLD
