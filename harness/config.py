@@ -12,7 +12,8 @@ docs/engine-protocol.md "HTTP engines"); ``evidence`` (the evidence folder, defa
 ``evidence/`` at the project root); ``pytest`` (true: ``pytest`` collects the shipped parity and
 probe cells, as ``pytest --harness``); ``probes`` (which probes the probe cell runs);
 ``contracts`` (shipped contract ids ``harness status`` must see). Relative paths resolve
-against the config file's folder, the project root.
+against the config file's folder, the project root. Any other key is refused (INVALID), with the
+known key it was most likely meant to be (``did_you_mean``): a misspelt key is never ignored.
 
 Reproducers: a receipt records, for each engine its config defines (``command:NAME``,
 ``http:NAME``), the file and its sha256 (``config_record``), and a reproduce line carries both
@@ -23,6 +24,7 @@ another: its engine tables may not be the ones the receipt was made with.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import shlex
@@ -135,6 +137,23 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
 STRING_KEYS = ("reference", "prompts", "thresholds", "ledger", "evidence")
 """Keys read as one string (``candidate`` and ``model`` may also be lists: ``HarnessConfig.names``)."""
 
+TOP_KEYS = ("model", "models", "candidate", *STRING_KEYS, "engines", "http", "pytest", "probes", "contracts")
+"""Every key of the harness table (see the module docstring); any other is refused."""
+
+
+def closest(word: str, choices: Sequence[str]) -> str | None:
+    """The choice closest to ``word`` (``difflib.get_close_matches``, cutoff 0.6), or None when
+    none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """``" (did you mean 'X'?)"`` for the choice closest to ``word`` (``closest``), or "" when
+    none is close: put right after ``word`` in a message refusing it."""
+    close = closest(word, choices)
+    return f" (did you mean {close!r}?)" if close else ""
+
 
 def engine_table(cfg: HarnessConfig, section: str, name: str, t: Any, known: Sequence[str]) -> str:
     """Check that ``[SECTION.NAME]`` (``engines.NAME``, ``http.NAME``) is a table holding only
@@ -145,7 +164,7 @@ def engine_table(cfg: HarnessConfig, section: str, name: str, t: Any, known: Seq
         raise InvalidInput(f"{where} must be a table")
     unknown = [k for k in t if k not in known]
     if unknown:
-        raise InvalidInput(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
+        raise InvalidInput(f"{where}: unknown key {unknown[0]!r}{did_you_mean(unknown[0], known)}; known: {', '.join(known)}")
     return where
 
 
@@ -155,14 +174,19 @@ def configured_engine(specs: dict[str, Any], name: str, kind: str, section: str,
     if name not in specs:
         known = ", ".join(f"{kind}:{n}" for n in specs) or "none"
         where = cfg.source or "no pyproject.toml or $HARNESS_CONFIG found"
-        raise InvalidInput(f"no {kind} engine {name!r} configured in [tool.harness.{section}] ({where}); configured: {known}")
+        hint = did_you_mean(f"{kind}:{name}", [f"{kind}:{n}" for n in specs])
+        raise InvalidInput(f"no {kind} engine {name!r} configured in [tool.harness.{section}] ({where}){hint}; configured: {known}")
     return specs[name]
 
 
 def _checked(table: dict[str, Any], source: Path) -> dict[str, Any]:
-    """``table`` after checking the kinds of the keys the harness reads as one string (without
-    NUL, which no path or engine name can hold) and that ``engines`` is a table (each engine is
-    checked when it is used). ``InvalidInput`` names the file and key."""
+    """``table`` after checking that every key is one of ``TOP_KEYS`` (``[engine.mine]`` for
+    ``[engines.mine]`` is refused, naming ``engines``), the kinds of the keys the harness reads as
+    one string (without NUL, which no path or engine name can hold) and that ``engines`` is a
+    table (each engine is checked when it is used). ``InvalidInput`` names the file and key."""
+    for key in table:
+        if key not in TOP_KEYS:
+            raise InvalidInput(f"{source}: unknown key {key!r} in the harness table{did_you_mean(str(key), TOP_KEYS)}; known: {', '.join(TOP_KEYS)}")
     for key in STRING_KEYS:
         if key in table and (not isinstance(table[key], str) or "\x00" in table[key]):
             raise InvalidInput(f"{source}: {key} must be a string (without NUL), found {type(table[key]).__name__}")

@@ -72,6 +72,18 @@ def test_wheel_package_list_covers_every_harness_package():
     assert SUITE_ROOT == REPO  # run from the checkout: the suite is this repository's top level
 
 
+def test_every_importable_folder_is_a_listed_package():
+    """Issue 48 (4): setuptools prints a 30-line BuildBackendWarning for every folder Python can
+    import (a namespace package: harness.schemas, harness.data.*) that ``packages`` leaves out,
+    about 250 lines at install; each is listed, so building the wheel warns about none."""
+    from setuptools import find_namespace_packages
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {p for p in find_namespace_packages(where=str(REPO), include=["harness", "harness.*"]) if "__pycache__" not in p}
+    assert found - set(tool["packages"]) == set(), f"add to [tool.setuptools] packages: {sorted(found - set(tool['packages']))}"
+    assert {"harness.schemas", "harness.data.chat", "harness.data.fixtures", "harness.data.prompts", "harness.data.scenarios"} <= found
+
+
 # -- contracts by id, dependencies, evidence location ------------------------------------------
 def test_contracts_are_addressable_by_id(project):
     assert contract_files(["qwen35-hybrid-forward-v1"]) == [SUITE_ROOT / "contracts" / "qwen35-hybrid-forward-v1.yaml"]
@@ -409,3 +421,27 @@ def test_wheel_in_an_engine_repository(tmp_path):
     assert len(stale) == 26 and {r["status"] for r in stale} == {"STALE"}
     assert all("contract qwen35-hybrid-forward-v1.yaml changed" in r["detail"] for r in stale)
     assert {r["status"] for r in rows if r["contract"] == "qwen35-e2e-verification-v1"} == {"DISCHARGED"}  # unchanged by the upgrade
+
+
+def test_readme_states_the_python_that_pyproject_requires():
+    """Issue 48 (4): the README said Python ≥ 3.10 where pyproject.toml requires ≥ 3.11 (tomllib)."""
+    import re
+
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    stated = re.findall(r"Python ≥ (3\.\d+)", (REPO / "README.md").read_text())
+    assert stated and {f">={v}" for v in stated} == {requires}, (stated, requires)
+
+
+def test_docs_give_the_per_build_discharge_layout(tmp_path):
+    """Issue 48 (4): docs/engine-repository.md described discharge records as they were before
+    the per-build folders (``<contract>/<obligation>.json``); the layout the code writes is
+    ``<contract>/<NAME@BUILD>/<obligation>.json`` (``discharge.build_dir``)."""
+    import re
+
+    from harness.contracts.discharge import build_dir
+
+    assert re.fullmatch(r"command-mine@[0-9a-f]{12}", build_dir("command:mine", "0123456789abcdef0123"))
+    for doc in ("README.md", "docs/engine-repository.md", "docs/design.md", "docs/release.md"):
+        text = (REPO / doc).read_text()
+        assert not re.search(r"discharge/<contract>/<obligation>\.json", text), doc
+    assert "<evidence>/discharge/<contract>/<NAME@BUILD>/<obligation>.json" in (REPO / "docs/engine-repository.md").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -47,7 +48,11 @@ def ledger(tmp_path):
 
 
 def show(ledger, *args):
-    r = subprocess.run([sys.executable, "-m", "harness", "ledger", "show", "--ledger", str(ledger), *args], capture_output=True, text=True, timeout=120)
+    # env given: a child otherwise inherits the process's C environment, where a COLUMNS=80 os.environ does not show was
+    # seen under pytest, and ledger show honours $COLUMNS (issue 48)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    r = subprocess.run([sys.executable, "-m", "harness", "ledger", "show", "--ledger", str(ledger), *args], capture_output=True, text=True,
+                       timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     return r.stdout
 

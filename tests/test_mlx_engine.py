@@ -329,3 +329,36 @@ def test_mlx_tokenizer_of_the_converted_folder_is_unmeasured_with_its_reason(tmp
     bare = convert.write_transformers_folder(GGUFModel(resolve_model("fixture:trained-qwen35")), tmp_path / "bare")
     code, rc = _tokenizer_cli("--model", "fixture:trained-qwen35", "--mlx-folder", str(bare))
     assert code == 5 and "holds neither tokenizer.json nor tokenizer_config.json" in rc["unmeasured"]
+
+
+# -- a folder of another model (issue 48) -----------------------------------------------------
+def test_a_folder_of_another_model_is_not_comparable_and_named(tiny_path, tmp_path):
+    """``--mlx-folder`` holding another model than the GGUF was ENGINE-ERROR (exit 3) without the
+    folder's name; the two sides would run different models: NOT-COMPARABLE (exit 4), naming it."""
+    from harness.errors import NotComparable
+    from harness.fixtures.synthetic import build
+
+    other = convert.write_transformers_folder(GGUFModel(build("small-qwen35")), tmp_path / "small")
+    with pytest.raises(NotComparable) as e:
+        mlx_engine.load_mlx(tiny_path, folder=other).model
+    assert str(e.value) == f"--mlx-folder {other} holds another model than {tiny_path.name}: its config.json has hidden_size 256, the GGUF 64"
+    assert e.value.verdict.exit_code == 4
+
+    def other_norms(sd, folder):
+        for k in list(sd):
+            if k.endswith("model.norm.weight"):
+                sd[k] = sd[k] * np.float32(1.5)
+
+    same_shape = _user_folder(tiny_path, tmp_path, other_norms)
+    with pytest.raises(NotComparable, match=rf"^--mlx-folder {same_shape} holds another model than {tiny_path.name}: mlx-lm loaded "):
+        mlx_engine.load_mlx(tiny_path, folder=same_shape).model
+
+
+def test_cli_exits_4_for_a_folder_of_another_model(tiny_path, tmp_path):
+    from harness.fixtures.synthetic import build
+
+    other = convert.write_transformers_folder(GGUFModel(build("small-qwen35")), tmp_path / "small")
+    r = subprocess.run([sys.executable, "-m", "harness", "parity", "--candidate", "mlx", "--mlx-folder", str(other), "--model", str(tiny_path),
+                        "--no-evidence", "--greedy-tokens", "0"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"harness: NOT-COMPARABLE: --mlx-folder {other} holds another model")

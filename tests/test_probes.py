@@ -159,6 +159,20 @@ def test_cli_probe_oracle_exits_0_and_writes_probe_receipt(tmp_path):
     assert v.returncode == 0, v.stdout
 
 
+def test_cli_probe_prints_its_ledger_line_and_takes_no_evidence(tmp_path):
+    """Issue 48 (4): ``probe`` printed no ``ledger:`` line (parity does) and had no ``--no-evidence``."""
+    ledger = tmp_path / "ev" / "ledger.jsonl"
+    base = [sys.executable, "-m", "harness", "probe", "--candidate", "oracle", "--model", "fixture:tiny-qwen35", "--ledger", str(ledger),
+            "--only", "decode", "--decode-tokens", "16"]
+    dry = subprocess.run([*base, "--no-evidence"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "receipt:" not in dry.stdout and "ledger:" not in dry.stdout and not (tmp_path / "ev").exists()
+    r = subprocess.run(base, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(ledger.read_text().splitlines()[-1])
+    assert f"ledger:  {ledger} (row {row['seq']}, {row['row_hash'][:12]})" in r.stdout.splitlines()
+
+
 def test_cli_probe_only_judges_what_it_names(tmp_path):
     """``--only decode`` on the oracle exits 0 and its receipt records the subset; ``--only
     ubatch`` on an engine without ``n_ubatch`` (the oracle) stays UNMEASURED, exit 5."""

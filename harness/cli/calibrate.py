@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import click
-from rich.table import Table
 
 from harness.display import plain as _p
+from harness.display import print_table
 from harness.errors import HarnessError
 from harness.fschecks import require_writable_file
 from harness.cli.app import cli
@@ -192,26 +192,14 @@ def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> 
 
 
 def _render_calibration(res) -> None:
-    # deferred: startup
-    from rich.table import Table
+    from harness.runs.calibrate import GATES  # deferred: startup
 
-    from harness.runs.calibrate import GATES
-
-    t = Table(title="known-bad pairs x gates at f64 (X = caught)")
-    t.add_column("known-bad pair")
-    for g in GATES:
-        t.add_column(g, justify="center")
-    for label, row in res.matrix.items():
-        t.add_row(label, *("X" if row[g] else "." for g in GATES))
-    _console().print(t)
-    rows = Table(title="calibrated rows (weights x class)")
-    for col in ("weights", "class", "file types", "min cosine", "KLD mean", "KLD p99", "pairs"):
-        rows.add_column(col)
-    for r in res.rows:
-        g = r["gates"]
-        rows.add_row(r["weights"], r["class"], ", ".join(r["file_types"]), str(g["min_cosine"]["value"]), f"{g['max_kld_mean']['value']:.2g}",
-                     f"{g['max_kld_p99']['value']:.2g}", str(len(r["goods"])))
-    _console().print(rows)
+    print_table(_console(), "known-bad pairs x gates at f64 (X = caught)", ("known-bad pair", *GATES),
+                [(label, *("X" if row[g] else "." for g in GATES)) for label, row in res.matrix.items()])
+    print_table(_console(), "calibrated rows (weights x class)", ("weights", "class", "file types", "min cosine", "KLD mean", "KLD p99", "pairs"),
+                [(r["weights"], r["class"], ", ".join(r["file_types"]), r["gates"]["min_cosine"]["value"], f"{r['gates']['max_kld_mean']['value']:.2g}",
+                  f"{r['gates']['max_kld_p99']['value']:.2g}", len(r["goods"])) for r in res.rows],
+                keys=2, fold=("file types",), right=("min cosine", "KLD mean", "KLD p99", "pairs"))
     for cls, col in res.class_matrix.items():
         below = [m for m, v in col.items() if v.startswith("below")]
         click.echo(f"class {cls}: {len(col) - len(below)} of {len(col)} mutants caught" + (f"; below the class floor: {', '.join(below)}" if below else ""))

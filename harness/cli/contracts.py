@@ -32,7 +32,8 @@ def mutants_list(as_json: bool) -> None:
         return
     _render_table(f"{sum(r['kind'] == 'mutant' for r in rows)} mutants, {sum(r['kind'] == 'plant' for r in rows)} plants",
                  ("name", "bug class", "archs", "breaks", "fault"),
-                 [(r["name"], r["bug_class"], ",".join(r["archs"]), " ".join(r["breaks"]), r["description"]) for r in rows])
+                 [(r["name"], r["bug_class"], ",".join(r["archs"]), " ".join(r["breaks"]), r["description"]) for r in rows],
+                  fold=("bug class", "breaks", "fault"))
 
 
 @cli.group()
@@ -67,7 +68,8 @@ def contracts_validate(paths: tuple[str, ...], as_json: bool) -> None:
         _echo_json({"valid": True, "contracts": rows})
         return
     _render_table("contracts: valid", ("id", "version", "subject", "equations", "obligations", "bound", "tests"),
-                 [(r["id"], r["version"], r["subject"], str(r["equations"]), str(r["obligations"]), str(r["bound"]), str(r["tests"])) for r in rows])
+                 [(r["id"], r["version"], r["subject"], str(r["equations"]), str(r["obligations"]), str(r["bound"]), str(r["tests"])) for r in rows],
+                      fold=("subject",), right=("equations", "obligations", "bound", "tests"))
 
 
 @cli.command()
@@ -98,7 +100,8 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
             msg = _short(next((x["message"] for x in r.red if x["outcome"] != dis.RED), r.red[0]["message"] if r.red else ""))
             rows.append((r.obligation, red, msg, r.green.get("outcome", "-") if r.green else "-", r.result))
         _render_table(f"discharge {results[0].contract if results else ''}",
-                      ("obligation", "RED subject: outcome", "RED message", "GREEN", "result"), rows, STATUS_STYLES)
+                      ("obligation", "RED subject: outcome", "RED message", "GREEN", "result"), rows, STATUS_STYLES,
+                      fold=("RED subject: outcome", "RED message"))
         done = sum(r.result == dis.DISCHARGED for r in results)
         na = [r for r in results if r.result == dis.NOT_APPLICABLE]
         click.echo(f"{done}/{len(results)} obligations DISCHARGED" + (f", {len(na)} NOT-APPLICABLE ({na[0].green['message']})" if na else ""))
@@ -137,9 +140,11 @@ def status(paths, check, evidence_dir, candidates, as_json) -> None:
         _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
     else:
         _render_table("obligation status", ("contract", "obligation", "candidate", "status", "detail"),
-                      [(r.contract, r.obligation, r.candidate or "-", r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES)
+                      [(r.contract, r.obligation, r.candidate or "-", r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES,
+                      keys=2, fold=("detail",))
         _render_table("coverage", ("contract", "version", "obligations", *dis.STATUSES),
-                      [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage])
+                      [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage],
+                      fold=(), right=("obligations", *dis.STATUSES))
     if check and dis.check_exit(rows):
         if dis.check_exit(rows) == 5:
             raise Unmeasured(f"no obligation of {', '.join(c['contract'] for c in coverage)} is DISCHARGED: every one is NOT-APPLICABLE to "

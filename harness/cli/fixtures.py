@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import click
-from rich.table import Table
 
-from harness.display import markup as _m
 from harness.display import plain as _p
+from harness.display import print_table
 from harness.errors import InvalidInput
 from harness.provenance import sha256_file
 from harness.cli.app import override_option, cli
@@ -47,13 +46,9 @@ def fixtures_list(as_json: bool, no_build: bool) -> None:
     if as_json:
         _echo_json(rows)
         return
-    t = Table(title="fixtures", show_lines=False)
-    for col in ("name", "arch", "quant", "MB", "sha256", "description"):
-        t.add_column(col, overflow="fold")
-    for r in rows:
-        mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
-        t.add_row(_m(f"fixture:{r['name']}"), _m(r["arch"]), _m(r["quant"]), mb, _m(r["sha256"] or "(not built)"), _m(r["description"]))
-    _console().print(t)
+    print_table(_console(), "fixtures", ("name", "arch", "quant", "MB", "sha256", "description"),
+                [(f"fixture:{r['name']}", r["arch"], r["quant"], f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-", r["sha256"] or "(not built)",
+                  r["description"]) for r in rows], fold=("description",), right=("MB",))
 
 
 @fixtures.command("build")

@@ -137,16 +137,21 @@ def ledger_index(ledger_path) -> None:
     click.echo(f"html:  {html}")
 
 
+LEDGER_KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "discharge", "supersede", "signoff")
+"""The row kinds ``ledger show --kind`` takes: ``harness.evidence.rows.KINDS`` (spelled out so that
+``harness --help`` does not import the evidence package; a test keeps the two equal)."""
+
+
 @ledger.command("show")
 @click.option("--ledger", "ledger_path", default=None, type=click.Path(), help="Default: the project's ledger.")
 @click.option("--candidate", default=None, help="Only rows whose candidate contains this (e.g. oracle, mutant:, command:NAME).")
 @click.option("--model", default=None, help="Only rows whose model or quant contains this.")
-@click.option("--kind", type=click.Choice(["parity", "self-consistency", "probe", "tokenizer", "supersede"]), default=None, help="Only rows of this kind.")
+@click.option("--kind", type=click.Choice(LEDGER_KINDS), default=None, help="Only rows of this kind.")
 @click.option("--since", default=None, metavar="DATE", help="Only rows at or after this UTC date or ISO time.")
 @click.option("--verdict", default=None, type=click.Choice(["PASS", "FAIL", "UNMEASURED"], case_sensitive=False), help="Only rows with this verdict.")
 @click.option("--rows", "show_rows", is_flag=True, help="One line per ledger row (newest first) instead of trends per candidate.")
 @click.option("--format", "fmt_", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
-              help="table for people (fits 120 columns); csv or json, unrounded, for machines.")
+              help="table for people (at most 120 columns; ids and numbers never cut); csv or json, unrounded, for machines.")
 @click.option("--json", "as_json", is_flag=True, hidden=True, help="Same as --format json.")
 def ledger_show(ledger_path, candidate, model, kind, since, verdict, show_rows, fmt_, as_json) -> None:
     """Trends per candidate (runs, last and worst results) or the rows themselves, filtered;
@@ -234,10 +239,12 @@ def signoff(manifest, ledger, discharge_dir, no_record, as_json) -> None:
                     "row": so.row})
         sys.exit(so.exit_code)
     _render_table(f"release {m.release}: cells", ("model", "candidate", "backend", "status", "parity", "probe"),
-                  [(c.model, c.candidate, c.backend, c.status, (c.parity or "-")[:12], (c.probe or "-")[:12]) for c in so.cells], SIGNOFF_STYLES)
+                  [(c.model, c.candidate, c.backend, c.status, (c.parity or "-")[:12], (c.probe or "-")[:12]) for c in so.cells], SIGNOFF_STYLES,
+                  keys=3, fold=())
     if so.blocking:
         _render_table(f"release {m.release}: blocking", ("status", "what", "which", "detail", "command"),
-                      [(i.status, i.what, i.label, _short(i.detail, 200), i.command or "-") for i in so.blocking], SIGNOFF_STYLES)
+                      [(i.status, i.what, i.label, _short(i.detail, 200), i.command or "-") for i in so.blocking], SIGNOFF_STYLES,
+                      keys=3, fold=("what", "detail"))
     na = [i for i in so.items if i.status == "n/a"]
     if na:
         click.echo(_p(f"not applicable: {len(na)} obligation(s), e.g. {na[0].label}: {na[0].detail}"))
@@ -280,7 +287,8 @@ def sweep(manifest, ledger, jobs, ray_address) -> None:
 
         res = run(m, ledger, executor, jobs, done)
     _render_table(f"sweep {m.release}", ("run", "status", "verdict", "receipt", "seq", "seconds"),
-                  [(o.run.label, o.status, o.verdict or "-", (o.receipt_id or "-")[:12], str(o.seq or "-"), f"{o.seconds:.1f}") for o in res.outcomes])
+                  [(o.run.label, o.status, o.verdict or "-", (o.receipt_id or "-")[:12], str(o.seq or "-"), f"{o.seconds:.1f}") for o in res.outcomes],
+                  fold=(), right=("seq", "seconds"))
     counts = {s: sum(o.status == s for o in res.outcomes) for s in ("ran", "current", "adopted", "error")}
     click.echo(_p(f"{res.verdict.value}: {len(res.outcomes)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
                   + f"; ledger {res.ledger}; next: harness signoff {manifest}"))

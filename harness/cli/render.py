@@ -11,74 +11,50 @@ from typing import Any, Iterable, Sequence
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 from harness.display import markup as _m
 from harness.display import plain as _p
+from harness.display import print_table
+from harness.errors import InvalidInput
 
 
 def _console(stderr: bool = False, width: int | None = None) -> Console:
-    """A rich console; wide enough for the tables when output is not a terminal (160 columns, or
-    ``width``); on a terminal at most ``width`` columns when given."""
-    import shutil
-
-    stream = sys.stderr if stderr else sys.stdout
+    """A rich console ``_table_width(stderr)`` characters wide, at most ``width`` when given (an
+    explicit ``$COLUMNS`` counts on a terminal and off one alike)."""
+    cols = _table_width(stderr)
     # emoji off: ``:smile:`` in a prompt id is text, like everything else that is shown
-    if stream.isatty():
-        return Console(stderr=stderr, width=min(shutil.get_terminal_size().columns, width) if width else None, emoji=False)
-    return Console(stderr=stderr, width=width or 160, emoji=False)
+    return Console(stderr=stderr, width=min(cols, width) if width else cols, emoji=False)
 
 
 def _echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-TABLE_MIN_COLUMN = 12
-"""A table whose names (``_render_table`` ``keys``) leave less than this many characters to each
-other column is printed as a list instead."""
-
-
-def _table_width() -> int:
+def _table_width(stderr: bool = False) -> int:
     """Characters a table may use: ``$COLUMNS`` when set, else the terminal's width on a
-    terminal, else 120 (output captured by a program)."""
+    terminal, else 160 (output captured by a program)."""
     try:
         cols = int(os.environ.get("COLUMNS", "0") or 0)
     except ValueError:
         cols = 0
     if cols > 0:
         return cols
-    return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 120
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 160
+    except (OSError, ValueError):
+        return 160
 
 
 def _render_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], styles: dict[str, str] | None = None,
-                  keys: int = 1) -> None:
-    """Print a rich table (``styles`` maps a cell value to a style, e.g. DISCHARGED → green);
-    every other cell and the title shown literally (``display.markup``). The first ``keys``
-    columns hold names and ids people copy: never wrapped (``no_wrap``, as wide as their longest
-    value); when that leaves the other columns less than ``TABLE_MIN_COLUMN`` characters each at
-    ``_table_width``, the rows are printed as a list instead (each row's names on one line, then
-    ``column: value`` lines)."""
-    rows = [[str(v) for v in r] for r in rows]
-    width = _table_width()
-    key_w = [max([len(_p(c)), *(len(_p(r[i])) for r in rows)]) for i, c in enumerate(columns[:keys])]
-    rest = len(columns) - keys
-    borders = 3 * len(columns) + 1
-    if rest and width - sum(key_w) - borders < TABLE_MIN_COLUMN * rest:
-        click.echo(_p(title))
-        for r in rows:
-            click.echo("  ".join(_p(v) for v in r[:keys]))
-            for col, v in zip(columns[keys:], r[keys:]):
-                click.echo(f"    {_p(col)}: {_p(v)}")
-        return
-    t = Table(title=_m(title))
-    for i, col in enumerate(columns):
-        if i < keys:
-            t.add_column(col, no_wrap=True, min_width=key_w[i])
-        else:
-            t.add_column(col, overflow="fold")
-    for r in rows:
-        t.add_row(*[f"[{styles[v]}]{v}[/]" if styles and v in styles else _m(v) for v in r])
-    Console(width=width, emoji=False).print(t)
+                  keys: int = 1, fold: Sequence[str] | None = None, right: Sequence[str] = ()) -> None:
+    """Print a table on stdout at ``_table_width`` (``display.print_table``: cells literal,
+    ``styles`` maps a cell value to a style, e.g. DISCHARGED → green). Columns named in ``fold``
+    (free text) fold; every other column (names, ids, numbers, commands) is never wrapped or cut;
+    ``fold=None`` folds every column after the first ``keys``. When the whole columns leave the
+    folding ones less than ``TABLE_MIN_FOLD`` characters each, the rows are printed as a list
+    (each row's first ``keys`` values on one line, then ``column: value`` lines)."""
+    fold = list(columns[keys:]) if fold is None else fold
+    print_table(_console(), title, columns, rows, fold=fold, right=right, keys=keys, styles=styles)
 
 
 def _short(msg: str, n: int = 140) -> str:
@@ -102,10 +78,52 @@ def _stderr_log(quiet: bool):
     return (lambda m: None) if quiet else (lambda m: con.print(m, markup=False))
 
 
+PROGRESS_EVERY_S_ENV = "HARNESS_PROGRESS_SECONDS"
+"""Off a terminal, the seconds between two progress lines (``_progress_lines``; default 30)."""
+
+
+def _progress_lines(stream=None, every_s: float | None = None, clock=None):
+    """A progress callback ``(prompt_id, done, total)`` for a stderr that is not a terminal (a CI
+    log, a file), where a live bar shows nothing: a line once ``every_s`` seconds (default
+    ``$HARNESS_PROGRESS_SECONDS``, else 30) have passed since the start or the last line, and a
+    last one when every position is done if any was printed (a run shorter than ``every_s``
+    prints none, so its stderr holds only what it says at the end):
+    ``harness: parity: prompt ID, 512/1479 positions compared (34%), 31 s`` (positions over
+    every prompt). Raises ``InvalidInput`` for a ``$HARNESS_PROGRESS_SECONDS`` that is not a
+    positive number."""
+    import time
+
+    if every_s is None:
+        raw = os.environ.get(PROGRESS_EVERY_S_ENV, "30")
+        try:
+            every_s = float(raw)
+        except ValueError:
+            every_s = -1.0
+        if not every_s > 0 or every_s == float("inf"):
+            raise InvalidInput(f"${PROGRESS_EVERY_S_ENV} {raw!r}: not a positive number of seconds")
+    stream = stream or sys.stderr
+    clock = clock or time.monotonic
+    start = clock()
+    state = {"at": start, "printed": False}
+
+    def cb(prompt_id: str, done: int, total: int) -> None:
+        now = clock()
+        if now - state["at"] < every_s and not (done >= total and state["printed"]):
+            return
+        state.update(at=now, printed=True)
+        pct = f" ({100 * done // total}%)" if total else ""
+        print(_p(f"harness: parity: prompt {prompt_id}, {done}/{total} positions compared{pct}, {now - start:.0f} s"), file=stream, flush=True)
+
+    return cb
+
+
 def _with_progress(fn, quiet: bool = False):
-    """Run ``fn(progress_callback)`` under a rich progress bar on stderr (positions compared)."""
+    """Run ``fn(progress_callback)`` under a rich progress bar on stderr (positions compared);
+    where stderr is not a terminal, under progress lines instead (``_progress_lines``)."""
     if quiet:
         return fn(None)
+    if not sys.stderr.isatty():
+        return fn(_progress_lines())
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True, emoji=False), transient=True) as bar:
         task = bar.add_task("engines running", total=None)

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 from rich.text import Text
 
 from harness.config import DEFAULT_CANDIDATE, DEFAULT_REFERENCE, load_config
 from harness.display import markup as _m
 from harness.display import plain as _p
+from harness.display import print_table
 from harness.errors import InvalidInput, Verdict
 from harness.fschecks import require_writable_dir
 from harness.cli.app import override_option, cli
@@ -38,20 +38,41 @@ def _parity_defaults() -> dict[str, Any]:
     }
 
 
-def _render_parity(outcome) -> None:
+def parity_title(rec: dict[str, Any]) -> str:
+    """The parity table's title: ``parity: CANDIDATE vs REFERENCE on MODEL (F32 weights, bf16
+    compute)``: the GGUF's file type and the candidate's compute class (``gated.compute_class``,
+    "class not recorded" in receipts of one tier), so an f32 run and a bf16 run read apart."""
     from harness.engines.options import engine_label  # deferred: startup
 
+    cls = rec.get("gated", {}).get("compute_class")
+    return (f"parity: {engine_label(rec['engines']['candidate'])} vs {engine_label(rec['engines']['reference'])} on {rec['model']['name']} "
+            f"({rec['model']['file_type']} weights, {cls + ' compute' if cls else 'class not recorded'})")
+
+
+def verdict_tail(verdict: Verdict, message: str, gated: dict[str, Any]) -> str:
+    """What the verdict line adds to the two tier lines printed above it: for a PASS, only each
+    tier's status (``release gate ok, calibrated tier ok``; the message is those two lines
+    again), else the message itself (a FAIL's is its reproducer, an UNMEASURED's its reason)."""
+    rel, cal = gated.get("release"), gated.get("calibrated")
+    if verdict is not Verdict.PASS or not rel or not cal:
+        return message
+    tail = f"release gate {rel['status']}, calibrated tier {cal['status']}"
+    return tail + ("; verdict is the release gate's" if cal["status"] == "unmeasured" else "")
+
+
+def _render_parity(outcome) -> None:
     r, rec = outcome.result, outcome.receipt
     con = _console()
-    t = Table(title=_m(f"parity: {engine_label(rec['engines']['candidate'])} vs {engine_label(rec['engines']['reference'])} on {rec['model']['name']} ({rec['model']['file_type']})"))
-    for col in ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", "failing"):
-        t.add_column(col, justify="right" if col != "prompt" else "left")
-    f = lambda v, spec: "-" if v is None else format(v, spec)
-    for p in r.per_prompt:
-        t.add_row(_m(p["id"]), str(p["positions"]), f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
-                  f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), str(p["failing_positions"]))
-    con.print(t)
     g = rec["gated"]
+    # the count per prompt is of the tier that judged (the calibrated row's cosine where it applied):
+    # the header names it, so it is not read as the release line's "(N below)"
+    tier = "calibrated" if g.get("calibrated", {}).get("status", "unmeasured") != "unmeasured" else "release"
+    cols = ("prompt", "positions", "min cos", "mean cos", "argmax agr", "flips near/hard", "KLD mean", f"below {g['min_cosine']:g} ({tier})")
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print_table(con, parity_title(rec), cols,
+                [(p["id"], p["positions"], f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
+                  f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), p["failing_positions"]) for p in r.per_prompt],
+                right=cols[1:])
     con.print(_p(g["release"]["line"]), markup=False)
     con.print(_p(g["calibrated"]["line"]), markup=False)
     th = rec["thresholds"]
@@ -77,7 +98,7 @@ def _render_parity(outcome) -> None:
                              f"candidate {p['candidate_token']}; reference margin {p['margin'] if p['margin'] is None else format(p['margin'], '.3g')}, {kind})"), markup=False)
     if rec["kind"] == "self-consistency":
         con.print("kind: SELF-CONSISTENCY (reference and candidate are the same engine build and settings; this is not parity evidence)")
-    con.print(f"[bold]{r.verdict.value}[/bold]: {_m(r.message)}", soft_wrap=True)  # a reproducer line is never broken
+    con.print(f"[bold]{r.verdict.value}[/bold]: {_m(verdict_tail(r.verdict, r.message, g))}", soft_wrap=True)  # a reproducer line is never broken
     if outcome.receipt_path:
         con.print(_m(f"receipt: {outcome.receipt_path}"))
         con.print(_m(f"ledger:  {outcome.ledger_path} (row {outcome.ledger_row['seq']}, {outcome.ledger_row['row_hash'][:12]})"))
@@ -201,15 +222,12 @@ def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrid
         if as_json:
             _echo_json(run.receipt)
             continue
-        table = Table(title=Text(f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)"))
-        for col in ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"):
-            table.add_column(col, no_wrap=True)
-        for c in run.checks:
-            ff = c.first_failing
-            table.add_row(c.name, c.verdict.value, str(c.positions), "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
-                          "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
-                          Text("—" if not ff else f"{ff['prompt']} row {ff['row']}"))
-        _console().print(table)
+        rows = [(c.name, c.verdict.value, c.positions, "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
+                 "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
+                 "—" if not c.first_failing else f"{c.first_failing['prompt']} row {c.first_failing['row']}") for c in run.checks]
+        print_table(_console(), f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)",
+                    ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"), rows,
+                    right=("rows", "min cosine", "max KLD"))
         acc = run.receipt["report_only"].get("acceptance")
         if acc:
             click.echo(_p("implied acceptance (report-only): " + ", ".join(
@@ -261,6 +279,7 @@ def _measure_tier(no_calibrate: bool):
 @click.option("--ledger", default=None, type=click.Path())
 @override_option
 @click.option("--json", "as_json", is_flag=True, help="Print the probe receipt (JSON).")
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt, ledger row or report (a dry run).")
 @click.option("--localize/--no-localize", "localize_", default=None,
               help="Localize a failing probe in the report: default on a FAIL whose candidate exposes activations.")
 @click.option("--dtype", default=None, type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
@@ -270,8 +289,8 @@ def _measure_tier(no_calibrate: bool):
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
 @click.option("--scenarios", default=None, type=click.Path(),
               help="Serving probe: a scenario file (harness-serving-scenarios/v1; default: the shipped set, docs/engine-protocol.md \"Op serve\").")
-def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, localize_, dtype, mlx_folder,
-          no_calibrate, scenarios) -> None:
+def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype,
+          mlx_folder, no_calibrate, scenarios) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured, or with --only every named probe passes; 1: a probe
     failed; 5: a required or named probe unmeasured)."""
@@ -283,7 +302,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
                        only=list(only), prompts=prompts or d["prompts"], thresholds=thresholds or d["thresholds"],
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
                        measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
-                       scenarios=scenarios, report=True, localize="auto" if localize_ is None else localize_,
+                       scenarios=scenarios, write_evidence=not no_evidence, report=True, localize="auto" if localize_ is None else localize_,
                        **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
@@ -291,18 +310,17 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
     if as_json:
         _echo_json(run.receipt)
     else:
-        t = Table(title=_m(f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
-        for col in ("probe", "verdict", "comparisons", "detail"):
-            t.add_column(col)
-        for r in run.results:
-            t.add_row(_m(r.name), r.verdict.value, str(len(r.comparisons)), _m(r.summary()))
-        _console().print(t)
+        print_table(_console(), f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}",
+                    ("probe", "verdict", "comparisons", "detail"), [(r.name, r.verdict.value, len(r.comparisons), r.summary()) for r in run.results],
+                    fold=("detail",), right=("comparisons",))
         for r in run.results:
             if r.reproducer:
                 click.echo(_p(r.reproducer))
         click.echo(_p(f"{run.verdict.value}: {run.message}"))
         if run.receipt_path:
             click.echo(_p(f"receipt: {run.receipt_path}"))
+        if run.ledger_row:
+            click.echo(_p(f"ledger:  {req.ledger} (row {run.ledger_row['seq']}, {run.ledger_row['row_hash'][:12]})"))
         if report_path:
             click.echo(_p(f"report:  {report_path}"))
     sys.exit(run.verdict.exit_code)
@@ -338,12 +356,10 @@ def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder,
     if as_json:
         _echo_json(run.receipt)
     else:
-        t = Table(title=_m(f"tokenizer: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}"))
-        for col in ("prompt", "llama.cpp", "candidate", "first difference"):
-            t.add_column(col)
-        for c in run.comparisons:
-            t.add_row(_m(c.prompt), str(len(c.reference)), str(len(c.candidate)), "—" if c.ok else str(c.first_diff))
-        _console().print(t)
+        print_table(_console(), f"tokenizer: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}",
+                    ("prompt", "llama.cpp", "candidate", "first difference"),
+                    [(c.prompt, len(c.reference), len(c.candidate), "—" if c.ok else c.first_diff) for c in run.comparisons],
+                    right=("llama.cpp", "candidate", "first difference"))
         for f in run.receipt["second_opinion"]["findings"]:
             click.echo(_p(second_opinion.finding_line(f)))
         click.echo(_p(f"{run.verdict.value}: {run.message}"))
@@ -384,13 +400,11 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
     if as_json:
         _echo_json(loc.to_dict())
     else:
-        t = Table(title=_m(f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, cosine >= {loc.bounds['min_cosine']})"))
-        for col in ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine"):
-            t.add_column(col, justify="right")
-        for e in loc.per_layer:
-            t.add_row(str(e["layer"]) if e["layer"] >= 0 else "output", _m(e["type"]), str(e["compared"]), str(e["missing"]), str(e["over"]),
-                      f"{e['max_nmse']:.3g}", f"{e['min_cosine']:.6f}")
-        _console().print(t)
+        cols = ("layer", "type", "tensors compared", "not comparable", "over bounds", "max NMSE", "min cosine")
+        print_table(_console(), f"localize {candidate} against the oracle ({len(loc.tokens)} positions; bounds NMSE <= {loc.bounds['max_nmse']:g}, "
+                    f"cosine >= {loc.bounds['min_cosine']})", cols,
+                    [(e["layer"] if e["layer"] >= 0 else "output", e["type"], e["compared"], e["missing"], e["over"], f"{e['max_nmse']:.3g}",
+                      f"{e['min_cosine']:.6f}") for e in loc.per_layer], right=cols)
         click.echo(f"{loc.compared} tensors compared")
         if loc.first:
             click.echo(_p(f"{loc.verdict.value}: {loc.message}"))

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from harness.config import HarnessConfig, configured_engine, engine_table, load_config
+from harness.config import HarnessConfig, configured_engine, did_you_mean, engine_table, load_config
 from harness.engines.base import (
     COMPUTE_CLASSES,
     MTP_CONVENTIONS,
@@ -75,6 +75,9 @@ RENDER_MAX_BYTES = 1 << 20
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
 V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative", "serve")
+CAPABILITIES = ("chunks", "activations", *V2_CAPABILITIES)
+"""Every capability a ``[engines.NAME]`` table may declare (docs/engine-protocol.md); another
+value is refused, never left for a probe to find missing."""
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
 V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "rendered.txt",
@@ -124,6 +127,8 @@ def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
     caps = t.get("capabilities", [])
     if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
         raise InvalidInput(f"{where}.capabilities must be a list of strings")
+    if bad := next((c for c in caps if c not in CAPABILITIES), None):
+        raise InvalidInput(f"{where}.capabilities: unknown capability {bad!r}{did_you_mean(bad, CAPABILITIES)}; known: {', '.join(CAPABILITIES)}")
     raw_cwd = t.get("cwd")
     if raw_cwd is not None and (not isinstance(raw_cwd, str) or "\x00" in raw_cwd):
         raise InvalidInput(f"{where}.cwd must be a string (a directory)")

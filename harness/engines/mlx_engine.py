@@ -63,7 +63,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from harness.engines.base import EngineInfo, LogitBlock, validate_chunks
-from harness.errors import EngineError, InvalidInput, Unmeasured
+from harness.errors import EngineError, InvalidInput, NotComparable, Unmeasured
 from harness.model.gguf_model import GGUFModel, Override
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -206,6 +206,7 @@ class MlxEngine:
         mx.set_default_device(mx.cpu)
         from mlx_lm.utils import load_model
 
+        self._check_same_model()
         self._check_schedule()
         try:
             model, _ = load_model(self.folder)
@@ -224,16 +225,39 @@ class MlxEngine:
         mx.eval(model.parameters())
         return model
 
-    def _check_schedule(self) -> None:
-        """The schedule mlx-lm will build (``full_attention_interval`` of the folder's text config
-        only, default 4 as in mlx-lm's ``TextModelArgs``) against the GGUF's, before loading:
-        a mismatch would otherwise surface as mlx-lm's missing/unexpected-parameter error."""
+    def _text_config(self) -> dict[str, Any]:
+        """The folder's text config (``text_config`` of ``config.json``, else the whole file).
+        Raises ``EngineError`` for a config that is not readable JSON."""
         try:
             top = json.loads((self.folder / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise EngineError(f"mlx: {self.folder}/config.json is not readable JSON ({e})") from None
         text = top.get("text_config", top) if isinstance(top, dict) else {}
-        hp = self.gguf.hparams
+        return text if isinstance(text, dict) else {}
+
+    def _other_model(self, what: str) -> NotComparable:
+        """The refusal of a ``--mlx-folder`` that holds another model than the GGUF (exit 4,
+        NOT-COMPARABLE: the two sides would run different models), naming the folder."""
+        return NotComparable(f"--mlx-folder {self.user_folder} holds another model than {self.gguf.path.name}: {what}")
+
+    def _check_same_model(self) -> None:
+        """A user's folder against the GGUF before loading: its text config's ``vocab_size``,
+        ``hidden_size`` and ``num_hidden_layers`` must be the GGUF's ``n_vocab``, ``n_embd`` and
+        trunk ``n_layer``. Raises ``NotComparable`` naming the folder and the first field that
+        differs."""
+        if self.user_folder is None:
+            return
+        text, hp = self._text_config(), self.gguf.hparams
+        for key, want in (("vocab_size", self.n_vocab), ("hidden_size", hp.n_embd), ("num_hidden_layers", hp.n_layer)):
+            got = text.get(key)
+            if got is not None and got != want:
+                raise self._other_model(f"its config.json has {key} {got!r}, the GGUF {want}")
+
+    def _check_schedule(self) -> None:
+        """The schedule mlx-lm will build (``full_attention_interval`` of the folder's text config
+        only, default 4 as in mlx-lm's ``TextModelArgs``) against the GGUF's, before loading:
+        a mismatch would otherwise surface as mlx-lm's missing/unexpected-parameter error."""
+        text, hp = self._text_config(), self.gguf.hparams
         message = schedule_mismatch([hp.is_recurrent(i) for i in range(hp.n_layer)], int(text.get("full_attention_interval", 4)))
         if message:
             raise EngineError(f"mlx: {message}")
@@ -261,8 +285,11 @@ class MlxEngine:
                     f"mlx-lm loaded {mname} as the GGUF's {gname} - 1: the norm shift is missing. mlx-lm adds 1 only when a "
                     "conv1d.weight has the transformers layout [C, 1, K]; this folder's conv1d is already in mlx's layout "
                     "[C, K, 1] with unshifted norms; remedy: store conv1d as [C, 1, K], or the norms as 1 + w")
-            raise EngineError(f"mlx-lm loaded {mname} with values that are not the GGUF's {gname} "
-                              f"(max |diff| {float(np.max(np.abs(got - want))):.3g}): the folder holds other weights")
+            what = (f"mlx-lm loaded {mname} with values that are not the GGUF's {gname} "
+                    f"(max |diff| {float(np.max(np.abs(got - want))):.3g})")
+            if self.user_folder is not None:
+                raise self._other_model(what)
+            raise EngineError(f"{what}: the folder {self.folder} holds other weights")
 
     @property
     def n_vocab(self) -> int:

@@ -42,6 +42,7 @@ from harness.engines.oracle.qwen35 import (
     softplus,
 )
 from harness.engines.oracle.qwen35moe import moe
+from harness.config import did_you_mean
 from harness.errors import InvalidInput
 from harness.model.gguf_model import (
     ATTENTION,
@@ -1125,7 +1126,7 @@ def mutant_class(name: str, arch: str) -> type:
     Raises ``InvalidInput`` for an unknown mutant or arch.
     """
     if name not in ALL_MUTANTS:
-        raise InvalidInput(f"unknown mutant {name!r}; known: {', '.join(ALL_MUTANTS)}")
+        raise InvalidInput(f"unknown mutant {name!r}{did_you_mean(name, list(ALL_MUTANTS))}; known: {', '.join(ALL_MUTANTS)}")
     if arch not in ORACLES:
         raise InvalidInput(f"mutant:{name}: no oracle for arch {arch!r}")
     key = (name, arch)
@@ -1230,12 +1231,13 @@ class PlantedEngine:
 
 
 def mutant_rows() -> list[dict[str, Any]]:
-    """One row per mutant and plant for ``harness mutants list``: name, kind, bug class,
-    archs, breaks, description."""
+    """One row per mutant ``resolve_engine`` accepts (``ALL_MUTANTS``: the trunk's, the MTP
+    head's, speculative decoding's, precision and serving) and per plant, for ``harness mutants
+    list``: name, kind, bug class, archs, breaks, description."""
     rows = [
         {"name": f"mutant:{m.name}", "kind": "mutant", "bug_class": m.bug_class, "archs": list(m.archs),
          "breaks": list(m.breaks), "description": m.description}
-        for m in MUTANTS.values()
+        for m in ALL_MUTANTS.values()
     ]
     rows += [
         {"name": f"planted:{p.name}", "kind": "plant", "bug_class": "planted output fault", "archs": list(_DENSE_AND_MOE),

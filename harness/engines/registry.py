@@ -147,15 +147,31 @@ def known_engine_names() -> list[str]:
     return names
 
 
+def unknown_engine(name: str) -> InvalidInput:
+    """The one-line refusal of an engine name ``resolve_engine`` does not know: ``unknown engine
+    'oracel' (did you mean 'oracle'?); known: llama.cpp, ..., mlx, mutant:NAME (50 mutants: harness
+    mutants list), configured: command:mine`` (the closest of ``known_engine_names``, when one is
+    close). Raises ``InvalidInput`` itself for a malformed engines table."""
+    names = known_engine_names()
+    plain = [e.name for e in ENGINES if e.load is not None and not e.is_family]
+    configured = [n for n in names if n.startswith(config.CONFIGURED_PREFIXES)]
+    by_tail = {n.split(":", 1)[-1]: n for n in names}  # "mine" for "command:mine", "qk-norm-skiped" for "mutant:qk-norm-skipped"
+    close = config.closest(name, names) or by_tail.get(config.closest(name, list(by_tail)) or "")
+    hint = f" (did you mean {close!r}?)" if close else ""
+    return InvalidInput(f"unknown engine {name!r}{hint}; known: {', '.join(plain)}, "
+                        f"mutant:NAME ({len(mutants.ALL_MUTANTS)} mutants: harness mutants list), configured: {', '.join(configured) or 'none'}")
+
+
 def resolve_engine(name: str, model_path: str | os.PathLike, overrides: Sequence[Override] = (), **settings: Any) -> Engine:
     """Return the engine called ``name`` bound to ``model_path``.
 
     ``settings`` are engine-specific (e.g. ``LlamaCppSettings`` fields for ``llama.cpp``).
-    Raises ``InvalidInput`` for an unknown name.
+    Raises ``InvalidInput`` for an unknown name: the closest known name first ("did you mean"),
+    then the plain names, the mutants' count and the configured engines (``unknown_engine``).
     """
     entry = engine_entry(name)
     if entry is None or entry.load is None:
-        raise InvalidInput(f"unknown engine {name!r}; known: {', '.join(known_engine_names())}")
+        raise unknown_engine(name)
     rest = name[len(entry.name):] if entry.is_family else ""
     return entry.load(rest, Path(model_path), overrides, settings)
 

@@ -1,7 +1,8 @@
 """The evidence index: ``reports/index.md`` and ``reports/index.html`` beside the ledger.
 
-One line per ledger row, newest first: verdict, kind, candidate, model, class (the planted bug
-class of a ``mutant:*`` candidate, i.e. known-bad evidence), key numbers, and links to the
+One line per ledger row, newest first: verdict, kind, candidate, model, class (the candidate's
+compute class, ``f32 compute``, and the planted bug class of a ``mutant:*`` candidate, i.e.
+known-bad evidence: ``row_class``), key numbers, and links to the
 row's verdict page and receipt. It is regenerated after every append (the evidence door, ``record.record``) and
 after every report written to the default folder (``write_report``), under the ledger's file
 lock so concurrent runs leave the newest view. It is a rendering for people: the hash-chained
@@ -97,6 +98,18 @@ def _rel(target: Path, base: Path) -> str | None:
         return None
 
 
+def row_class(row: Mapping[str, Any], bug_class: str | None) -> str:
+    """The index's class cell of a measurement row: its compute class (``f32 compute``; rows of
+    receipts that judge two tiers record it), then ``known-bad: BUG CLASS`` for a mutant or
+    ``self-check`` for a self-consistency row, joined by " · "; "—" when none applies."""
+    parts = [f"{row['compute_class']} compute"] if row.get("compute_class") else []
+    if bug_class:
+        parts.append(f"known-bad: {bug_class}")
+    elif row.get("kind") == "self-consistency":
+        parts.append("self-check")
+    return " · ".join(parts) or "—"
+
+
 def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path, out: Path,
                summary: tuple[str | None, str | None] = (None, None)) -> list[Inline]:
     rid = row.get("receipt_id")
@@ -104,7 +117,7 @@ def _row_cells(row: dict[str, Any], superseded: dict[int, int], ledger_dir: Path
     if row.get("seq") in superseded:
         verdict = [verdict, f" (withdrawn by #{superseded[row['seq']]})"]
     cand_name = summary[0] or str(row.get("candidate") or fmt.NA).split(" ")[0]
-    klass = f"known-bad: {summary[1]}" if summary[1] else ("self-check" if row.get("kind") == "self-consistency" else "—")
+    klass = row_class(row, summary[1])
     model = f"{row.get('model') or fmt.NA}" + (f" ({row['quant']})" if row.get("quant") else "")
     if row.get("kind") == "supersede":
         return [str(row.get("seq")), fmt.when(row.get("time")), "", "supersede", "", f"withdraws #{row.get('supersedes')}: {row.get('reason', '')}",

@@ -1,5 +1,6 @@
-"""``harness ledger show``: the ledger as a person reads it (a rich table that fits 120 columns)
-and as a machine reads it (CSV or JSON, unrounded).
+"""``harness ledger show``: the ledger as a person reads it (rich tables at the console's width
+whose ids and numbers are never wrapped or cut: a list where the width is too narrow,
+``display.print_table``) and as a machine reads it (CSV or JSON, unrounded).
 
 Two views over the rows that match the filters (``ledger.filter_frame``): trends per candidate
 (``ledger.candidate_trends``: runs by verdict, the last result and the worst one) and the rows
@@ -15,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from rich import box
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
+from harness.display import print_table
 from harness.evidence import fmt
 from harness.evidence.views import (
     REPORT_ONLY_MIN_RECORDS,
@@ -32,7 +32,7 @@ from harness.evidence.views import (
 )
 from harness.evidence.page import untrusted
 
-ROW_COLUMNS = ["seq", "time", "kind", "verdict", "candidate", "model", "quant", "positions", "min_cosine", "kld_mean",
+ROW_COLUMNS = ["seq", "time", "kind", "verdict", "candidate", "compute_class", "model", "quant", "positions", "min_cosine", "kld_mean",
                "argmax_agreement", "hard_flips", "candidate_tokens_per_s", "candidate_wall_s", "superseded_by", "supersedes", "reason",
                "receipt_id"]
 """Columns of the rows view in CSV/JSON."""
@@ -41,9 +41,9 @@ _STYLE = {"PASS": "green", "FAIL": "bold red", "UNMEASURED": "yellow"}
 _KIND = {"self-consistency": "self"}
 
 
-def _t(value: Any, style: str = "") -> Text:
-    """Untrusted text for a rich table cell (no markup is interpreted)."""
-    return Text(untrusted("" if value is None or (isinstance(value, float) and pd.isna(value)) else value), style=style)
+def _cell(value: Any) -> str:
+    """Untrusted text for a table cell (``page.untrusted``), "" for null or NaN."""
+    return untrusted("" if value is None or (isinstance(value, float) and pd.isna(value)) else value)
 
 
 def _speed(tps: Any, vs_median: Any) -> str:
@@ -140,64 +140,60 @@ class LedgerView:
             console.print(Text(f"no rows match: {what}" if self.total else "(empty ledger)"))
         else:
             console.print(Text(("ledger rows, newest first: " if rows else "trends per candidate (standing rows only): ") + what, style="bold"))
-            for _, table in (self._rows_tables() if rows else self._trends_tables()):
+            for title, columns, cells, right in (self._rows_tables() if rows else self._trends_tables()):
                 console.print()
-                console.print(table)
+                print_table(console, title, columns, cells, right=right, fold=("reason",), styles=_STYLE, compact=True,
+                            keys=1 if not rows else 2 if title.startswith("withdrawals") else 4)
             if rows and self.rows["superseded_by"].notna().any():
                 console.print(Text("†N: withdrawn by supersede row #N (rows are never edited; the withdrawn result no longer stands)"))
             console.print()
         for line in self._proposal_lines():
             console.print(Text(line))
 
-    @staticmethod
-    def _table(title: str, columns: list[tuple[str, dict[str, Any]]]) -> Table:
-        t = Table(title=_t(title), title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, expand=False,
-                  show_edge=False, collapse_padding=True)
-        for name, kw in columns:
-            t.add_column(name, no_wrap=True, overflow="ellipsis", **kw)
-        return t
-
-    def _trends_tables(self) -> list[tuple[str, Table]]:
+    def _trends_tables(self) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
+        """``(title, columns, rows, right-justified columns)`` of the trends, one table per model
+        and compute class (newest first; the title names both): a candidate's f32 and bf16 runs
+        are two trends, never one."""
         out = []
         trends = self.trends.copy()
-        trends["model_key"] = [_shorten(f"{m} ({q})") for m, q in zip(trends["model"].fillna("—"), trends["quant"].fillna("n/a"))]
+        trends["model_key"] = [_shorten(f"{m} ({q})") + (f", {c} compute" if isinstance(c, str) else ", compute class not recorded")
+                               for m, q, c in zip(trends["model"].fillna("—"), trends["quant"].fillna("n/a"), trends["compute_class"])]
+        columns = ["candidate", "kind", "runs", "P/F/U", "last run", "lowest cos", "worst cos", "KLD mean", "tok/s (vs median)"]
         for key in dict.fromkeys(trends["model_key"]):  # newest model first
-            t = self._table(f"model {key}", [("candidate", dict(max_width=30)), ("kind", dict(max_width=8)), ("runs", dict(justify="right")),
-                                             ("P/F/U", dict(justify="right")), ("last run", {}), ("lowest cos", dict(justify="right")),
-                                             ("worst cos", dict(justify="right")), ("KLD mean", dict(justify="right")),
-                                             ("tok/s (vs median)", dict(justify="right"))])
+            cells = []
             for _, r in trends[trends["model_key"] == key].iterrows():
-                v = r["last_verdict"]
-                t.add_row(_t(r["candidate"]), _t(_KIND.get(r["kind"], r["kind"])), _t(r["runs"]), _t(f"{r['pass']}/{r['fail']}/{r['other']}"),
-                          _t(f"{v} #{r['last_seq']} {str(r['last_time'] or '')[:10]}", _STYLE.get(v, "")),
-                          _t(fmt.cosine(_num(r["last_min_cosine"]))), _t(fmt.cosine(_num(r["worst_min_cosine"]))), _t(fmt.kld(_num(r["last_kld_mean"]))),
-                          _t(_speed(r["candidate_tokens_per_s_last"], r["candidate_speed_vs_median"])))
-            out.append((key, t))
+                cells.append([_cell(r["candidate"]), _KIND.get(r["kind"], r["kind"]), str(r["runs"]),
+                              f"{r['pass']}/{r['fail']}/{r['other']}", f"{r['last_verdict']} #{r['last_seq']} {str(r['last_time'] or '')[:10]}",
+                              fmt.cosine(_num(r["last_min_cosine"])), fmt.cosine(_num(r["worst_min_cosine"])), fmt.kld(_num(r["last_kld_mean"])),
+                              _speed(r["candidate_tokens_per_s_last"], r["candidate_speed_vs_median"])])
+            out.append((f"model {key}", columns, cells, [*columns[2:4], *columns[5:]]))
         return out
 
-    def _rows_tables(self) -> list[tuple[str, Table]]:
-        recs = self.row_records()
+    def _rows_tables(self) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
+        """``(title, columns, rows, right-justified columns)`` of the rows, newest first, one table
+        per model, then the withdrawals and the sign-offs."""
         groups: dict[str, list[dict[str, Any]]] = {}
-        for r in recs:
+        for r in self.row_records():
             key = ("withdrawals (supersede rows)" if r["kind"] == "supersede" else "sign-offs (harness signoff rows)" if r["kind"] == "signoff"
-                   else _shorten(f"{r['model'] or '—'} ({r['quant'] or 'n/a'})"))
+                   else "model " + _shorten(f"{r['model'] or '—'} ({r['quant'] or 'n/a'})"))
             groups.setdefault(key, []).append(r)
+        columns = ["#", "date", "kind", "verdict", "candidate", "class", "pos.", "lowest cos", "KLD mean", "argmax", "tok/s", "receipt"]
         out = []
         for key, rs in groups.items():
-            t = self._table(key if key.startswith(("withdrawals", "sign-offs")) else f"model {key}", [("#", dict(justify="right")), ("date", {}), ("kind", dict(max_width=8)), ("verdict", {}),
-                                             ("candidate", dict(max_width=24)), ("pos.", dict(justify="right")), ("lowest cos", dict(justify="right")),
-                                             ("KLD mean", dict(justify="right")), ("argmax", dict(justify="right")),
-                                             ("tok/s", dict(justify="right")), ("receipt", {})])
+            if key.startswith("withdrawals"):
+                out.append((key, ["#", "date", "withdraws", "reason"],
+                            [[str(r["seq"]), (r["time"] or "")[:10], f"#{r['supersedes']}", _cell(r["reason"])] for r in rs], ["#"]))
+                continue
+            cells = []
             for r in rs:
                 v = r["verdict"] or "—"
                 if r["superseded_by"]:
                     v += f" †{r['superseded_by']}"
-                cand = f"withdraws #{r['supersedes']}: {r['reason']}" if r["kind"] == "supersede" else engine_name(r["candidate"]) or "—"
-                t.add_row(_t(r["seq"]), _t((r["time"] or "")[:10]), _t(_KIND.get(r["kind"], r["kind"])), _t(v, _STYLE.get(r["verdict"] or "", "")),
-                          _t(cand), _t("—" if r["positions"] is None else r["positions"]), _t(fmt.cosine(r["min_cosine"])),
-                          _t(fmt.kld(r["kld_mean"])), _t(fmt.percent(r["argmax_agreement"])), _t(_speed(r["candidate_tokens_per_s"], None)),
-                          _t((r["receipt_id"] or "—")[:8]))
-            out.append((key, t))
+                cells.append([str(r["seq"]), (r["time"] or "")[:10], _KIND.get(r["kind"], r["kind"]), v, _cell(engine_name(r["candidate"]) or "—"),
+                              _cell(r["compute_class"] or "—"),
+                              "—" if r["positions"] is None else str(r["positions"]), fmt.cosine(r["min_cosine"]), fmt.kld(r["kld_mean"]),
+                              fmt.percent(r["argmax_agreement"]), _speed(r["candidate_tokens_per_s"], None), (r["receipt_id"] or "—")[:8]])
+            out.append((key, columns, cells, ["#", "pos.", "lowest cos", "KLD mean", "argmax", "tok/s"]))
         return out
 
     def _proposal_lines(self) -> list[str]:

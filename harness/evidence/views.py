@@ -198,28 +198,30 @@ def filter_frame(
 
 
 def candidate_trends(df: pd.DataFrame) -> pd.DataFrame:
-    """Trends per candidate: one line per (candidate engine name, model, quant, kind) over the
-    standing measurement rows of ``df`` (``ledger_frame``, filtered or not), newest group first.
+    """Trends per candidate: one line per (candidate engine name, compute class, model, quant,
+    kind) over the standing measurement rows of ``df`` (``ledger_frame``, filtered or not), newest
+    group first: an f32 and a bf16 run of one engine are two trends, never one.
 
-    Columns: ``candidate``, ``model``, ``quant``, ``kind``, ``runs``, ``pass``, ``fail``,
+    Columns: ``candidate``, ``compute_class`` (None for rows that recorded none), ``model``, ``quant``, ``kind``, ``runs``, ``pass``, ``fail``,
     ``other`` (UNMEASURED and the rest), ``last_seq``, ``last_time`` (ISO), ``last_verdict``,
     ``last_min_cosine``, ``worst_min_cosine`` (lowest over the runs), ``last_kld_mean``,
     ``worst_kld_mean`` (highest), ``versions`` (distinct candidate labels) and the candidate's
     speed (``_speed_summary``: last and median prefill tokens/s, last / median, last wall s).
     """
     eff = _effective(df).copy()
-    cols = ["candidate", "model", "quant", "kind", "runs", "pass", "fail", "other", "last_seq", "last_time", "last_verdict",
+    cols = ["candidate", "compute_class", "model", "quant", "kind", "runs", "pass", "fail", "other", "last_seq", "last_time", "last_verdict",
             "last_min_cosine", "worst_min_cosine", "last_kld_mean", "worst_kld_mean", "versions", "candidate_tokens_per_s_last",
             "candidate_tokens_per_s_median", "candidate_speed_vs_median", "candidate_wall_s_last"]
     if eff.empty:
         return pd.DataFrame(columns=cols)
     eff["engine"] = eff["candidate"].map(engine_name)
     out = []
-    for (eng, model, quant, kind), g in eff.sort_values("seq").groupby(["engine", "model", "quant", "kind"], dropna=False, sort=False):
+    for (eng, cls, model, quant, kind), g in eff.sort_values("seq").groupby(["engine", "compute_class", "model", "quant", "kind"], dropna=False,
+                                                                             sort=False):
         last = g.iloc[-1]
         cos, kld = pd.to_numeric(g["min_cosine"]), pd.to_numeric(g["kld_mean"])
         out.append({
-            "candidate": eng, "model": model, "quant": quant, "kind": kind, "runs": len(g),
+            "candidate": eng, "compute_class": None if pd.isna(cls) else cls, "model": model, "quant": quant, "kind": kind, "runs": len(g),
             "pass": int((g["verdict"] == "PASS").sum()), "fail": int((g["verdict"] == "FAIL").sum()),
             "other": int((~g["verdict"].isin(["PASS", "FAIL"])).sum()), "last_seq": int(last["seq"]),
             "last_time": last["time"].isoformat() if pd.notna(last["time"]) else None, "last_verdict": last["verdict"],
