@@ -637,11 +637,16 @@ def discharge(
         results.append(ObligationResult(contract.id, ob.id, record["result"], reds, green, record, where))
     if evidence is not None:
         argv = list(argv) if argv is not None else ["harness", "discharge", str(path), "--candidate", candidate]
-        receipt = discharge_receipt(contract, candidate, build, out_dir, results, documents, argv, project.base_dir)
-        recorded = record_discharge(evidence, receipt, documents)
-        for r in results:
-            r.receipt = recorded.receipt_path
+        _record(evidence, discharge_receipt(contract, candidate, build, out_dir, results, documents, argv, project.base_dir),
+                documents, results)
     return results
+
+
+def _record(evidence: Any, receipt: dict[str, Any], documents: dict[Path, bytes], results: Sequence[ObligationResult]) -> None:
+    """The discharge through the evidence door (``record_discharge``), each result told its receipt."""
+    recorded = record_discharge(evidence, receipt, documents)
+    for r in results:
+        r.receipt = recorded.receipt_path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -455,6 +455,17 @@ def _sidecar_holds(npz_path: Path, sha: str) -> bool:
         return False
 
 
+def _write_documents(documents: Mapping[Path, bytes], rid: str) -> None:
+    """Write each file a receipt ``rid`` binds (``write_receipt``'s ``documents``) through an
+    fsynced temporary file renamed over its path; ``InvalidInput`` naming the first that fails."""
+    for path, data in documents.items():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _replace_file(path.parent, path.name, lambda f, data=data: f.write(data))
+        except OSError as e:
+            raise InvalidInput(f"{path}: cannot write it for receipt {rid[:12]}: {e.strerror or e}") from e
+
+
 def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], directory: str | Path,
                   documents: Mapping[Path, bytes] | None = None) -> tuple[Path, Path]:
     """Write ``<id>.npz`` then ``<id>.json`` into the shard of the receipts folder ``directory``
@@ -486,12 +497,7 @@ def write_receipt(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], 
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     r = prepare_receipt(receipt, arrays)
     rid = r["id"]
-    for path, data in (documents or {}).items():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _replace_file(path.parent, path.name, lambda f, data=data: f.write(data))
-        except OSError as e:
-            raise InvalidInput(f"{path}: cannot write it for receipt {rid[:12]}: {e.strerror or e}") from e
+    _write_documents(documents or {}, rid)
     flat = Path(directory) / f"{rid}.json"
     if flat.exists():  # the earlier flat layout: that receipt is the evidence
         try:
