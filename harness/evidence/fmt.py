@@ -170,3 +170,40 @@ def position_text(where: Mapping[str, Any] | None, vocab: TokenTexts | None) -> 
     """``position`` as one plain string (for terminals and plot titles)."""
     parts = position(where, vocab)
     return "".join(p.text if isinstance(p, Code) else str(p) for p in parts)
+
+
+def signed_percent(x: Any) -> str:
+    """A probability difference (Δp) as a signed percentage with two significant digits:
+    ``+0.0012%``, ``−3.4%``, ``0%``."""
+    if x is None:
+        return NA
+    if not _finite(x):
+        return "non-finite"
+    if x == 0:
+        return "0%"
+    return f"{100 * float(x):+.2g}%".replace("-", MINUS)
+
+
+def perplexity_text(ppl: Mapping[str, Any] | None) -> str:
+    """A receipt's ``report_only.perplexity`` in one line: ``PPL reference 3.1416, candidate
+    3.1417, ratio 1.000021 (ln ratio 2.1e-05 ± 3e-06) over 96 positions`` (the ratio with six
+    decimals, as ``llama-perplexity`` prints it); ``unmeasured (no position scored)`` when None."""
+    if not ppl:
+        return "unmeasured (no position scored)"
+    sem = ppl.get("ln_ratio_sem")
+    ratio = ppl.get("ratio")
+    return (f"PPL reference {number(ppl.get('reference'))}, candidate {number(ppl.get('candidate'))}, "
+            f"ratio {f'{ratio:.6f}' if _finite(ratio) else NA} "
+            f"(ln ratio {sig2(ppl.get('ln_ratio'))}" + (f" ± {sig2(sem)}" if sem is not None else "") + f") over {ppl.get('positions')} positions")
+
+
+def delta_p_text(dp: Mapping[str, Any] | None) -> str:
+    """A ``delta_p`` summary in one line: mean ± standard error, RMS, then p1 / p50 / p99 and min /
+    max, as signed percentages; ``unmeasured (no position scored)`` when None."""
+    if not dp:
+        return "unmeasured (no position scored)"
+    sem = dp.get("sem")
+    return (f"mean {signed_percent(dp.get('mean'))}" + (f" ± {sig2(None if sem is None else 100 * sem)}%" if sem is not None else "")
+            + f", RMS {sig2(None if dp.get('rms') is None else 100 * dp['rms'])}%, p1 / p50 / p99 "
+            + " / ".join(signed_percent(dp.get(k)) for k in ("p1", "p50", "p99"))
+            + f", min / max {signed_percent(dp.get('min'))} / {signed_percent(dp.get('max'))} over {dp.get('positions')} positions")

@@ -100,6 +100,11 @@ class ParityRequest(RunRequest):
     reference_cache: bool = True
     """Read and store the reference's logits in the content-addressed cache
     (``harness.runs.reference_cache``; its folder from the environment); False: always run it."""
+    text: str | None = None
+    """``--text FILE``: the prompts are this text's windows of ``ctx`` tokens, as ``llama-perplexity``
+    cuts them (``harness.measure.text_windows``), instead of the prompt set."""
+    ctx: int = 512
+    """``--ctx N``: the window length in tokens with ``text`` (``llama-perplexity``'s ``n_ctx``)."""
 
 
 @dataclass
