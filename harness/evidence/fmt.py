@@ -181,7 +181,8 @@ def signed_percent(x: Any) -> str:
         return "non-finite"
     if x == 0:
         return "0%"
-    return f"{100 * float(x):+.2g}%".replace("-", MINUS)
+    s = f"{100 * float(x):+.2g}%"
+    return MINUS + s[1:] if s[0] == "-" else s  # the sign only: an exponent keeps its hyphen
 
 
 def perplexity_text(ppl: Mapping[str, Any] | None) -> str:
