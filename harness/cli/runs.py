@@ -147,10 +147,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
 
     d = _parity_defaults()
     specs = list(models) or d["models"]
-    _check_text_options(text, ctx, prompts, mtp)
-    for path, what in ((summary_md, "--summary-md file"), (junit_xml, "--junit-xml file")):
-        if path:
-            require_writable_file(path, what)
+    _check_text_options(text, ctx, prompts, mtp, summary_md, junit_xml)
     if mtp:
         kv = {"--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--flash-attn": flash_attn,
               "--reference-cache-type-k": reference_cache_type_k, "--reference-cache-type-v": reference_cache_type_v,
@@ -188,27 +185,37 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
                 continue
             ci.add(spec, outcome.receipt, None)
             verdicts.append(outcome.result.verdict)
-            report_path = None
-            if outcome.receipt_path is not None:
-                report_path = _write_report(outcome.receipt_path, localize_, quiet=as_json)
-            if as_json:
-                _echo_json(outcome.receipt)
-            else:
-                _render_parity(outcome)
-                if report_path:
-                    click.echo(_p(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})"))
-                elif outcome.result.verdict.value == "FAIL":
-                    click.echo(_p(f"next: localize the first divergence with: harness localize --candidate {candidate or d['candidate']} --model {spec}"))
+            _show_parity(outcome, spec, candidate or d["candidate"], as_json, localize_)
     worst = Verdict.worst(verdicts)
     if len(specs) > 1:
         click.echo(_p(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}"))
     sys.exit(worst.exit_code)
 
 
-def _check_text_options(text: str | None, ctx: int | None, prompts: str | None, mtp: bool) -> None:
-    """``--text``/``--ctx`` make sense together, alone of ``--prompts`` and ``--mtp``
-    (``InvalidInput`` otherwise); the file and ``--ctx``'s range are checked by the run
-    (``harness.measure.text_windows``) before any engine starts."""
+def _show_parity(outcome, spec: str, candidate: str, as_json: bool, localize_: bool | None) -> None:
+    """One model's parity outcome: its verdict page written (when evidence was), then the receipt
+    (``--json``) or the table, the page's path, or on a FAIL without a page the localize command."""
+    report_path = None
+    if outcome.receipt_path is not None:
+        report_path = _write_report(outcome.receipt_path, localize_, quiet=as_json)
+    if as_json:
+        _echo_json(outcome.receipt)
+        return
+    _render_parity(outcome)
+    if report_path:
+        click.echo(_p(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})"))
+    elif outcome.result.verdict.value == "FAIL":
+        click.echo(_p(f"next: localize the first divergence with: harness localize --candidate {candidate} --model {spec}"))
+
+
+def _check_text_options(text: str | None, ctx: int | None, prompts: str | None, mtp: bool, summary_md: str | None,
+                        junit_xml: str | None) -> None:
+    """``--text``/``--ctx`` make sense together, alone of ``--prompts`` and ``--mtp``, and the CI
+    files can be written (``InvalidInput`` otherwise); the text file and ``--ctx``'s range are
+    checked by the run (``harness.measure.text_windows``) before any engine starts."""
+    for path, what in ((summary_md, "--summary-md file"), (junit_xml, "--junit-xml file")):
+        if path:
+            require_writable_file(path, what)
     if ctx is not None and text is None:
         raise InvalidInput("--ctx: only with --text FILE (the window length of the text's windows)")
     if text is not None and prompts is not None:
