@@ -156,7 +156,7 @@ def three_window_text(path: Path) -> Path:
     (["--text", "EMPTY"], "is empty"),
     (["--text", "SHORT", "--ctx", "64"], "tokens, fewer than one window of --ctx 64"),
     (["--text", "T", "--ctx", "1"], "--ctx 1: a window needs at least 2 tokens"),
-    (["--text", "T", "--ctx", "40000"], "--ctx 40000 is larger than the model's context_length 32768"),
+    (["--text", "T", "--ctx", "4097"], "--ctx 4097 is larger than the model's context_length 4096"),  # tiny-qwen35: qwen35.context_length 4096
 ])
 def test_parity_text_bad_input_exits_2_with_one_line(tmp_path, args, message):
     files = {"T": three_window_text(tmp_path / "t.txt"), "P": DEFAULT_PROMPTS, "MISSING": tmp_path / "missing.txt",
