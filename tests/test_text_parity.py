@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from harness.errors import InvalidInput
+from harness.evidence import fmt
 from harness.evidence.ci import CiEntry, junit_xml, markdown_summary
 from harness.measure import metrics as M
 from harness.measure.text_windows import check_ctx, load_text, text_windows
@@ -210,12 +211,12 @@ def test_parity_over_a_text_of_three_windows_passes_for_the_oracle_with_perplexi
             nll.append(np.log(np.exp(row - row.max()).sum()) + row.max() - row[toks[pos + 1]])
     assert ppl["reference"] == pytest.approx(math.exp(np.mean(nll)), rel=1e-6)
 
-    assert f"ratio {ppl['ratio']:.6f}" in r.stdout and "Δp (reference's top token) mean" in r.stdout
+    assert f"ratio {fmt.ratio(ppl['ratio'])}" in r.stdout and "Δp (reference's top token) mean" in r.stdout
     report = next((tmp_path / "ev").rglob("report.md")).read_text()
-    assert "perplexity" in report and f"ratio {ppl['ratio']:.6f}" in report and "Δp, next token" in report
+    assert "perplexity" in report and f"ratio {fmt.ratio(ppl['ratio'])}" in report and "Δp, next token" in report
 
     summary = (tmp_path / "summary.md").read_text()
-    assert "| tiny-qwen35 | PASS |" in summary.replace("fixture:", "") and f"{ppl['ratio']:.6f}" in summary
+    assert "| tiny-qwen35 | PASS |" in summary.replace("fixture:", "") and f"| {fmt.ratio(ppl['ratio'])} |" in summary
     assert step.read_text() == "earlier step\n" + summary  # appended, never replaced
     root = ET.parse(tmp_path / "junit.xml").getroot()
     assert root.tag == "testsuites" and root.get("failures") == "0" and root.get("errors") == "0"
@@ -263,11 +264,16 @@ def test_junit_xml_has_a_failure_per_failed_tier_and_prompt_and_skips_what_was_n
     assert (root.get("tests"), root.get("failures"), root.get("skipped"), root.get("errors")) == ("8", "2", "3", "1")
 
 
+def test_a_ratio_near_one_is_written_as_its_difference():
+    assert [fmt.ratio(x) for x in (1.0, 1 + 2.5e-6, 1 - 2.5e-6, 1.003428, None)] == ["1", "1 + 2.5e-06", "1 \u2212 2.5e-06", "1.00343", "n/a"]
+    assert [fmt.signed_percent(x) for x in (0.0, 1.9e-7, -0.125)] == ["0%", "+1.9e-05%", "\u221212%"]
+
+
 def test_markdown_summary_rows_and_messages():
     md = markdown_summary([CiEntry("m", _receipt("FAIL", [{"id": "a|b", "positions": 10, "failing_positions": 3}],
                                                     message="cosine 0.5 < 0.98 | see"))])
     row = next(line for line in md.splitlines() if line.startswith("| fixture:tiny-qwen35"))
-    assert row == "| fixture:tiny-qwen35 | FAIL | 10 | 0.5000 | 3 | 0.25 | 1.500000 | −12% |"
+    assert row == "| fixture:tiny-qwen35 | FAIL | 10 | 0.5000 | 3 | 0.25 | 1.5 | −12% |"
     assert "```\ncosine 0.5 < 0.98 | see\n```" in md
 
 

@@ -70,7 +70,7 @@ def markdown_summary(entries: Sequence[CiEntry]) -> str:
         rows.append([untrusted(r["model"]["name"]), e.outcome, str(g.get("positions", r["prompts"]["positions"])),
                      fmt.cosine(g.get("min_cosine_observed")), str(g.get("failing_positions", fmt.NA)),
                      fmt.kld((ro.get("kld") or {}).get("mean")),
-                     f"{ppl['ratio']:.6f}" if isinstance(ppl.get("ratio"), (int, float)) else fmt.NA,
+                     fmt.ratio(ppl.get("ratio")),
                      fmt.signed_percent((ro.get("delta_p") or {}).get("mean"))])
     page.table(["model", "verdict", "positions", "lowest cosine", "failing", "KLD mean", "PPL ratio", "mean Δp"], rows, "llrrrrrr")
     for e in entries:

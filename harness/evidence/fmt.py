@@ -185,16 +185,31 @@ def signed_percent(x: Any) -> str:
     return MINUS + s[1:] if s[0] == "-" else s  # the sign only: an exponent keeps its hyphen
 
 
+def ratio(r: Any) -> str:
+    """A ratio near 1 (PPL(candidate) / PPL(reference)): ``1 + 2.5e-06`` / ``1 − 2.5e-06`` (two
+    significant digits of the difference, as cosines are written) while |r − 1| < 1e-3, ``1`` when
+    exactly 1, else six significant digits (``1.00343``)."""
+    if r is None:
+        return NA
+    if not _finite(r):
+        return "non-finite"
+    d = float(r) - 1.0
+    if d == 0:
+        return "1"
+    if abs(d) < 1e-3:
+        return f"1 {'+' if d > 0 else MINUS} {abs(d):.1e}"
+    return f"{float(r):.6g}"
+
+
 def perplexity_text(ppl: Mapping[str, Any] | None) -> str:
     """A receipt's ``report_only.perplexity`` in one line: ``PPL reference 3.1416, candidate
-    3.1417, ratio 1.000021 (ln ratio 2.1e-05 ± 3e-06) over 96 positions`` (the ratio with six
-    decimals, as ``llama-perplexity`` prints it); ``unmeasured (no position scored)`` when None."""
+    3.1417, ratio 1 + 2.1e-05 (ln ratio 2.1e-05 ± 3e-06) over 96 positions`` (``ratio``);
+    ``unmeasured (no position scored)`` when None."""
     if not ppl:
         return "unmeasured (no position scored)"
     sem = ppl.get("ln_ratio_sem")
-    ratio = ppl.get("ratio")
     return (f"PPL reference {number(ppl.get('reference'))}, candidate {number(ppl.get('candidate'))}, "
-            f"ratio {f'{ratio:.6f}' if _finite(ratio) else NA} "
+            f"ratio {ratio(ppl.get('ratio'))} "
             f"(ln ratio {sig2(ppl.get('ln_ratio'))}" + (f" ± {sig2(sem)}" if sem is not None else "") + f") over {ppl.get('positions')} positions")
 
 
