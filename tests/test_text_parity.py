@@ -82,6 +82,17 @@ def test_next_token_metrics_leave_a_non_finite_row_unmeasured():
     m = M.next_token_metrics(ref, cand, [0, 0], [True, True])
     assert math.isnan(m["cand_nll"][0]) and math.isnan(m["delta_p"][0])
     assert m["delta_p"][1] == 0.0 and m["cand_nll"][1] == m["ref_nll"][1]
+    pm = M.position_metrics(ref, cand)  # the finiteness compare_prompt already has gives the same values
+    told = M.next_token_metrics(ref, cand, [0, 0], [True, True], pm["finite"] & pm["ref_finite"])
+    for k in M.NEXT_TOKEN_KEYS:
+        np.testing.assert_array_equal(told[k], m[k])
+
+
+def test_a_large_logit_takes_the_shifted_log_partition():
+    ref = np.array([[100.0, 99.0, 50.0]], np.float32)  # max above 40: exp(row - max)
+    m = M.next_token_metrics(ref, ref - 200, [1], [True])
+    assert m["ref_nll"][0] == pytest.approx(math.log1p(math.exp(-1) + math.exp(-50)) + 1, abs=1e-6)
+    assert m["cand_nll"][0] == pytest.approx(m["ref_nll"][0], abs=1e-6) and abs(m["delta_p"][0]) < 1e-6
 
 
 def test_perplexity_summary_matches_a_hand_computed_example():

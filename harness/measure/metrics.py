@@ -422,16 +422,20 @@ NEXT_TOKEN_KEYS = ("scored", "ref_nll", "cand_nll", "delta_p", "delta_p_next")
 """Keys of ``next_token_metrics``'s result, each an array of length B."""
 
 
-def _log_partition(row: np.ndarray, s: _Scratch) -> float:
-    """log Σ_i exp(row_i) of a finite float32 row: max + log Σ exp(row - max), the exps in float32
-    (``s.e`` overwritten), their sum in float64 (``_Scratch.dot64``)."""
-    m = row.max()
-    np.subtract(row, m, out=s.e)
+def _log_partition(row: np.ndarray, m: float, s: _Scratch) -> float:
+    """log Σ_i exp(row_i) of a finite float32 row whose maximum is ``m``: the exps in float32
+    (``s.e`` overwritten), their sum in float64 (``_Scratch.dot64``); exp(row) unshifted while
+    ``m`` lies in [-20, 40] (as ``_kld_row``: one pass fewer, no overflow), else exp(row - m)."""
+    if _EXP_UNSHIFTED[0] <= m <= _EXP_UNSHIFTED[1]:
+        np.exp(row, out=s.e)
+        return math.log(s.dot64(s.e, s.ones))
+    np.subtract(row, np.float32(m), out=s.e)
     np.exp(s.e, out=s.e)
-    return float(m) + math.log(s.dot64(s.e, s.ones))
+    return m + math.log(s.dot64(s.e, s.ones))
 
 
-def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray, scored: np.ndarray) -> dict[str, np.ndarray]:
+def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray, scored: np.ndarray,
+                       finite: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Per-position probabilities of two logit blocks: what perplexity and Δp are made of.
 
     llama.cpp's ``llama-perplexity`` (``tools/perplexity/perplexity.cpp``) scores each position by
@@ -449,13 +453,15 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
         scored: bool ``[B]``, the positions to measure (a text window's second half, as
             ``llama-perplexity`` scores; every position with a next token for a prompt); every value
             of an unscored position is NaN.
+        finite: bool ``[B]``, both rows hold no NaN/Inf, when the caller knows it already
+            (``position_metrics``'s ``finite & ref_finite``); else ``finite_rows`` of each block.
 
     Returns:
         ``{key: array [B]}`` for ``NEXT_TOKEN_KEYS``: ``scored`` (bool, as given), ``ref_nll`` /
         ``cand_nll`` (float64, nats), ``delta_p`` / ``delta_p_next`` (float64 in [-1, 1]). A
         position where either row holds NaN/Inf gives NaN everywhere (a candidate FAIL the cosine
-        gate counts, never a probability). Each row is read once more per engine for its log
-        partition function (float32 exp, float64 sum); nothing of size ``[B, V]`` is allocated.
+        gate counts, never a probability). Each scored row is read three more times per engine
+        (argmax, exp, their sum: float32 exp, float64 sum); nothing of size ``[B, V]`` is allocated.
 
     Raises:
         NotComparable: the blocks differ in shape.
@@ -474,12 +480,15 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
     out = {"scored": sc.copy(), "ref_nll": nan.copy(), "cand_nll": nan.copy(), "delta_p": nan.copy(), "delta_p_next": nan.copy()}
     if not sc.any():
         return out
-    ok = sc & finite_rows(ref) & finite_rows(cand)
+    both = np.asarray(finite, bool).reshape(-1) if finite is not None else None
+    if both is None or both.shape[0] != n:
+        both = finite_rows(ref) & finite_rows(cand)
+    ok = sc & both
     s = _scratch(v)
     for i in np.flatnonzero(ok):
         r, c = ref[i], cand[i]
-        lr, lc = _log_partition(r, s), _log_partition(c, s)
         top = int(np.argmax(r))
+        lr, lc = _log_partition(r, float(r[top]), s), _log_partition(c, float(c[np.argmax(c)]), s)
         out["delta_p"][i] = math.exp(float(c[top]) - lc) - math.exp(float(r[top]) - lr)
         t = int(nxt[i])
         if t >= 0:
