@@ -154,8 +154,8 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
 
 
 def three_window_text(path: Path) -> Path:
-    """The first 800 characters of the shipped prompt texts, one after another: about 350 tokens on
-    fixture:tiny-qwen35, five windows of 64 (the whole set is 23)."""
+    """The first 800 characters of the shipped prompt texts, one after another: 300 tokens on
+    fixture:tiny-qwen35, four windows of 64 (the whole set is 23)."""
     texts = [json.loads(line)["text"] for line in DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
     path.write_text("\n\n".join(t for t in texts if t)[:800], encoding="utf-8")
     return path
