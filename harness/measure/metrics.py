@@ -463,10 +463,8 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
         gate counts, never a probability). Each scored row is read three more times per engine
         (argmax, exp, their sum: float32 exp, float64 sum); nothing of size ``[B, V]`` is allocated.
 
-    Raises:
-        NotComparable: the blocks differ in shape.
-        InvalidInput: a block is not 2-D, V < 2, or ``next_tokens``/``scored`` are not of length
-            B, or a next token id is outside [-1, V).
+    Raises ``NotComparable`` (the blocks differ in shape) and ``InvalidInput`` (a block not 2-D,
+    V < 2, ``next_tokens``/``scored`` not of length B, a next token id outside [-1, V)).
     """
     ref, cand = _check_pair(ref, cand)
     n, v = ref.shape
@@ -476,8 +474,7 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
         raise InvalidInput(f"next_tokens ({nxt.shape[0]}) and scored ({sc.shape[0]}) must have one entry per position ({n})")
     if nxt.size and (nxt.min() < -1 or nxt.max() >= v):
         raise InvalidInput(f"next token ids must lie in [-1, {v}); got {int(nxt.min())}..{int(nxt.max())}")
-    nan = np.full(n, np.nan)
-    out = {"scored": sc.copy(), "ref_nll": nan.copy(), "cand_nll": nan.copy(), "delta_p": nan.copy(), "delta_p_next": nan.copy()}
+    out = {"scored": sc.copy(), **{k: np.full(n, np.nan) for k in NEXT_TOKEN_KEYS[1:]}}
     if not sc.any():
         return out
     both = np.asarray(finite, bool).reshape(-1) if finite is not None else None
