@@ -164,3 +164,34 @@ def init(engine: str, force: bool, harness_source: str | None) -> None:
                f"  harness discharge qwen35-e2e-verification-v1 --candidate command:{engine}\n"
                "  harness status --check               # the discharged contracts are current\n"
                "and commit evidence/ and LEDGER.md.")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def doctor(as_json: bool) -> None:
+    """What this machine has for the harness: Python and platform, the extras installed, llama-cpp-python
+    (version, llama.cpp commit, CPU features as receipts record them), llama.cpp's built tools, the
+    fixtures cache. Always exits 0."""
+    from harness.doctor import doctor as _doctor  # deferred: startup
+
+    d = _doctor()
+    if as_json:
+        _echo_json(d)
+        return
+    h, lc, fx = d["host"], d["llama_cpp"], d["fixtures_cache"]
+    t = Table(title="harness doctor", show_header=False)
+    t.add_column("what")
+    t.add_column("this machine", overflow="fold")
+    t.add_row("python", _m(f"{h['python']} ({sys.executable})"))
+    t.add_row("platform", _m(f"{h['platform']}; {h['cpu_count']} CPUs; {h['cpu'] or 'CPU model unknown'}"))
+    t.add_row("harness", _m(f"{d['harness']['version'] or 'not installed'} from {d['harness']['source']}"))
+    for name, e in d["extras"].items():
+        pkgs = ", ".join(f"{p['name']} {p['version'] or 'missing'}" for p in e["packages"]) or "no requirement applies here"
+        t.add_row(f"extra {name}", _m(f"{'installed' if e['installed'] else 'NOT installed'}: {pkgs}"))
+    t.add_row("llama-cpp-python", _m(lc["version"] or f"unavailable ({lc['error']})"))
+    t.add_row("llama.cpp commit", _m(lc["commit"] or "unknown (no build of this version in the cache: make llama-tools)"))
+    t.add_row("CPU features", _m(lc["cpu_features"] if lc["cpu_features"] is not None else "n/a"))
+    for name, path in d["llama_tools"].items():
+        t.add_row(name, _m(path or "not built (make llama-tools)"))
+    t.add_row("fixtures cache", _m(f"{fx['path']}: {fx['files']} files, {fx['bytes'] / 2**20:.1f} MiB" if fx["exists"] else f"{fx['path']} (not created yet)"))
+    _console().print(t)

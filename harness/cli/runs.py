@@ -15,7 +15,7 @@ from harness.display import markup as _m
 from harness.display import plain as _p
 from harness.display import print_table
 from harness.errors import InvalidInput, Verdict
-from harness.fschecks import require_writable_dir
+from harness.fschecks import require_writable_dir, require_writable_file
 from harness.cli.app import override_option, cli
 from harness.cli.render import _console, _echo_json, _stderr_log, _with_progress
 
@@ -86,6 +86,16 @@ def _render_parity(outcome) -> None:
         con.print(_m(f"report-only: argmax agreement {aa['rate']:.4f} [{aa['ci_low']:.4f}, {aa['ci_high']:.4f}] (Wilson 95%); "
                   f"flips {ro['flips']['near_tie']} near-tie / {ro['flips']['hard']} hard (margin < {ro['flips']['near_tie_margin']})"
                   + (f"; KLD mean {ro['kld']['mean']:.3g} ± {ro['kld']['sem'] or 0:.2g}, p99 {ro['kld']['p99']:.3g}" if ro.get("kld") else "")))
+    text = rec["prompts"].get("text")
+    if text:
+        con.print(_p(f"text: {text['path']}: {text['n_tokens']} tokens, {text['windows']} windows of --ctx {text['n_ctx']} "
+                     f"({text['unused_tokens']} tokens after the last), scored from position {text['score_from']} of each"), markup=False)
+    if "perplexity" in ro:
+        from harness.evidence import fmt
+
+        con.print(_p(f"report-only: {fmt.perplexity_text(ro['perplexity'])}"), markup=False)
+        con.print(_p(f"report-only: Δp (reference's top token) {fmt.delta_p_text(ro.get('delta_p'))}"), markup=False)
+        con.print(_p(f"report-only: Δp (next token, llama-perplexity's) {fmt.delta_p_text(ro.get('delta_p_next'))}"), markup=False)
     fr = ro.get("free_running")
     if fr:
         from harness.evidence.ledger import free_running_headline
@@ -136,19 +146,29 @@ def _render_parity(outcome) -> None:
 @click.option("--reference-cache-type-k", default=None, metavar="TYPE", help="llama.cpp reference: KV-cache K type (default f16).")
 @click.option("--reference-cache-type-v", default=None, metavar="TYPE", help="llama.cpp reference: KV-cache V type (default f16).")
 @click.option("--reference-flash-attn", default=None, metavar="auto|on|off", help="llama.cpp reference: flash attention (default auto).")
+@click.option("--text", "text", default=None, type=click.Path(), metavar="FILE",
+              help="Prompts: this UTF-8 text cut into windows of --ctx tokens, as llama-perplexity cuts it; perplexity and its ratio are reported.")
+@click.option("--ctx", default=None, type=int, metavar="N", help="With --text: tokens per window (llama-perplexity's n_ctx; default 512).")
+@click.option("--summary-md", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write a Markdown summary for a CI step (also appended to $GITHUB_STEP_SUMMARY when set).")
+@click.option("--junit-xml", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write JUnit XML: a testcase per gated tier and per prompt, failure on FAIL.")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, mlx_folder,
            no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens, no_reference_cache, cache_type_k, cache_type_v,
-           flash_attn, reference_cache_type_k, reference_cache_type_v, reference_flash_attn) -> None:
+           flash_attn, reference_cache_type_k, reference_cache_type_v, reference_flash_attn, text, ctx, summary_md, junit_xml) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
-    candidate's compute class. With --mtp: the MTP draft head instead."""
+    candidate's compute class. With --text: over a text's windows of --ctx tokens. With --mtp: the
+    MTP draft head instead."""
     # deferred: startup
     from harness.engines.options import kv_settings
+    from harness.measure.text_windows import DEFAULT_CTX
     from harness.runs.inputs import run_each
     from harness.runs.parity import ParityRequest, run_parity
 
     d = _parity_defaults()
     specs = list(models) or d["models"]
+    _check_text_options(text, ctx, prompts, mtp, summary_md, junit_xml)
     if mtp:
         kv = {"--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--flash-attn": flash_attn,
               "--reference-cache-type-k": reference_cache_type_k, "--reference-cache-type-v": reference_cache_type_v,
@@ -172,29 +192,104 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             measure_tier=tier, require_calibrated=require_calibrated, candidate_settings=settings, greedy_tokens=greedy_tokens,
             reference_settings=reference_settings, reference_cache=not no_reference_cache,
             report=True, localize="auto" if localize_ is None else localize_,
+            text=text, ctx=ctx if ctx is not None else DEFAULT_CTX,
         )
 
     verdicts = []
+    ci = _CiOutput(summary_md, junit_xml, specs[0] if len(specs) == 1 else None)
     each = run_each(specs, lambda spec: _with_progress(lambda cb: run_parity(request(spec), cb, log=_stderr_log(as_json)), quiet=as_json))
-    for spec, outcome, e in each:
-        if e is not None:
-            click.echo(f"harness: {e.verdict.value}: {_p(spec)}: {_p(e)}", err=True)
-            verdicts.append(e.verdict)
-            continue
-        verdicts.append(outcome.result.verdict)
-        report_path = outcome.report_path  # written by the evidence door with the receipt
-        if as_json:
-            _echo_json(outcome.receipt)
-        else:
-            _render_parity(outcome)
-            if report_path:
-                click.echo(_p(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})"))
-            elif outcome.result.verdict.value == "FAIL":
-                click.echo(_p(f"next: localize the first divergence with: harness localize --candidate {candidate or d['candidate']} --model {spec}"))
+    with ci:
+        for spec, outcome, e in each:
+            if e is not None:
+                click.echo(f"harness: {e.verdict.value}: {_p(spec)}: {_p(e)}", err=True)
+                verdicts.append(e.verdict)
+                ci.add(spec, None, e)
+                continue
+            ci.add(spec, outcome.receipt, None)
+            verdicts.append(outcome.result.verdict)
+            _show_parity(outcome, spec, candidate or d["candidate"], as_json, localize_)
     worst = Verdict.worst(verdicts)
     if len(specs) > 1:
         click.echo(_p(f"{len(specs)} models: " + ", ".join(f"{s}={v.value}" for s, v in zip(specs, verdicts)) + f" -> {worst.value}"))
     sys.exit(worst.exit_code)
+
+
+def _show_parity(outcome, spec: str, candidate: str, as_json: bool, localize_: bool | None) -> None:
+    """One model's parity outcome: the receipt (``--json``) or the table, the path of the verdict
+    page the evidence door wrote with the receipt, or on a FAIL without a page the localize command."""
+    report_path = outcome.report_path
+    if as_json:
+        _echo_json(outcome.receipt)
+        return
+    _render_parity(outcome)
+    if report_path:
+        click.echo(_p(f"report:  {report_path} (and report.html; index: {report_path.parent.parent / 'index.html'})"))
+    elif outcome.result.verdict.value == "FAIL":
+        click.echo(_p(f"next: localize the first divergence with: harness localize --candidate {candidate} --model {spec}"))
+
+
+def _check_text_options(text: str | None, ctx: int | None, prompts: str | None, mtp: bool, summary_md: str | None,
+                        junit_xml: str | None) -> None:
+    """``--text``/``--ctx`` make sense together, alone of ``--prompts`` and ``--mtp``, and the CI
+    files can be written (``InvalidInput`` otherwise); the text file and ``--ctx``'s range are
+    checked by the run (``harness.measure.text_windows``) before any engine starts."""
+    for path, what in ((summary_md, "--summary-md file"), (junit_xml, "--junit-xml file")):
+        if path:
+            require_writable_file(path, what)
+    if ctx is not None and text is None:
+        raise InvalidInput("--ctx: only with --text FILE (the window length of the text's windows)")
+    if text is not None and prompts is not None:
+        raise InvalidInput("--text and --prompts: one of them (the text's windows are the prompts)")
+    if text is not None and mtp:
+        raise InvalidInput("--text: not with --mtp (the MTP cells run over the prompt set)")
+
+
+class _CiOutput:
+    """``--summary-md`` / ``--junit-xml`` / ``$GITHUB_STEP_SUMMARY`` of a parity run
+    (``harness.evidence.ci``): entries are added as the models finish; on leaving, even through a
+    ``HarnessError`` of a one-model run (``single``: its spec), the files are written and the
+    Markdown is appended to ``$GITHUB_STEP_SUMMARY`` when that variable is set."""
+
+    def __init__(self, summary_md: str | None, junit_xml: str | None, single: str | None):
+        self.summary_md, self.junit_xml, self.single = summary_md, junit_xml, single
+        self.entries: list[Any] = []
+
+    def add(self, spec: str, receipt: dict[str, Any] | None, error: Any) -> None:
+        from harness.evidence.ci import CiEntry  # deferred: startup
+
+        self.entries.append(CiEntry(spec, receipt) if error is None else CiEntry(spec, None, error.verdict.value, str(error).splitlines()[0]))
+
+    def __enter__(self) -> "_CiOutput":
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        from harness.errors import HarnessError
+
+        if isinstance(error, HarnessError) and self.single is not None:
+            self.add(self.single, None, error)
+        elif error is not None:
+            return
+        self.write()
+
+    def write(self) -> None:
+        import os
+
+        from harness.evidence.ci import junit_xml, markdown_summary
+
+        step = os.environ.get("GITHUB_STEP_SUMMARY")
+        if not (self.summary_md or self.junit_xml or step) or not self.entries:
+            return
+        md = markdown_summary(self.entries)
+        try:
+            if self.summary_md:
+                Path(self.summary_md).write_text(md, encoding="utf-8")
+            if self.junit_xml:
+                Path(self.junit_xml).write_text(junit_xml(self.entries), encoding="utf-8")
+            if step:
+                with open(step, "a", encoding="utf-8") as f:
+                    f.write(md)
+        except OSError as e:
+            raise InvalidInput(f"cannot write the CI summary: {e}") from None
 
 
 def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, dtype, max_tokens) -> None:
@@ -424,15 +519,20 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 @click.option("--signoff", "signoff_seq", default=None, type=click.IntRange(min=1), metavar="SEQ",
               help="The page of the sign-off at ledger row SEQ instead of a receipt's (harness ledger show --kind signoff).")
 @click.option("--ledger", default=None, type=click.Path(), help="With --signoff: the ledger (default: the project's).")
-def report(receipt, out_dir, localize_, signoff_seq, ledger) -> None:
+@click.option("--format", "format_", default="page", show_default=True, type=click.Choice(["page", "markdown", "junit"]),
+              help="page: write the verdict page; markdown, junit: print a parity receipt's CI summary or JUnit XML.")
+def report(receipt, out_dir, localize_, signoff_seq, ledger, format_) -> None:
     """Write the verdict page of a parity, probe, MTP or tokenizer receipt (report.md, report.html,
     PNG plots; the reports index beside the ledger is regenerated), or with --signoff SEQ the page
-    of a sign-off row."""
+    of a sign-off row; --format markdown|junit prints a parity receipt's CI summary instead."""
     # deferred: startup
     from harness.runs.explain import write_explained_report
 
     if (receipt is None) == (signoff_seq is None):
         raise InvalidInput("harness report takes a RECEIPT or --signoff SEQ (one of them)")
+    if format_ != "page":
+        _print_ci(receipt, format_)
+        return
     if out_dir:
         require_writable_dir(out_dir, "report folder")  # before any localization is spent
     if signoff_seq is not None:
@@ -446,3 +546,19 @@ def report(receipt, out_dir, localize_, signoff_seq, ledger) -> None:
     md = write_explained_report(receipt, out_dir, localize="auto" if localize_ is None else localize_, log=lambda m: con.print(Text(m)))
     click.echo(_p(f"report: {md}"))
     click.echo(_p(f"html:   {md.with_suffix('.html')}"))
+
+
+def _print_ci(receipt: str | None, format_: str) -> None:
+    """``harness report RECEIPT --format markdown|junit``: the parity receipt's CI summary
+    (``harness.evidence.ci``) on stdout. Raises ``InvalidInput`` for a sign-off or a receipt that
+    is not a parity receipt."""
+    from harness.evidence.ci import CiEntry, junit_xml, markdown_summary
+    from harness.evidence.receipts import SCHEMA_ID, load_receipt
+
+    if receipt is None:
+        raise InvalidInput(f"--format {format_}: a parity RECEIPT, not --signoff")
+    rec = load_receipt(receipt).receipt
+    if rec.get("schema") != SCHEMA_ID:
+        raise InvalidInput(f"--format {format_}: {_p(receipt)} is a {_p(rec.get('schema'))} receipt; only parity receipts ({SCHEMA_ID}) have a CI summary")
+    entry = CiEntry(rec["model"]["name"], rec)
+    click.echo(markdown_summary([entry]) if format_ == "markdown" else junit_xml([entry]), nl=False)

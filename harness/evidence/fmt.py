@@ -170,3 +170,56 @@ def position_text(where: Mapping[str, Any] | None, vocab: TokenTexts | None) -> 
     """``position`` as one plain string (for terminals and plot titles)."""
     parts = position(where, vocab)
     return "".join(p.text if isinstance(p, Code) else str(p) for p in parts)
+
+
+def signed_percent(x: Any) -> str:
+    """A probability difference (Δp) as a signed percentage with two significant digits:
+    ``+0.0012%``, ``−3.4%``, ``0%``."""
+    if x is None:
+        return NA
+    if not _finite(x):
+        return "non-finite"
+    if x == 0:
+        return "0%"
+    s = f"{100 * float(x):+.2g}%"
+    return MINUS + s[1:] if s[0] == "-" else s  # the sign only: an exponent keeps its hyphen
+
+
+def ratio(r: Any) -> str:
+    """A ratio near 1 (PPL(candidate) / PPL(reference)): ``1 + 2.5e-06`` / ``1 − 2.5e-06`` (two
+    significant digits of the difference, as cosines are written) while |r − 1| < 1e-3, ``1`` when
+    exactly 1, else six significant digits (``1.00343``)."""
+    if r is None:
+        return NA
+    if not _finite(r):
+        return "non-finite"
+    d = float(r) - 1.0
+    if d == 0:
+        return "1"
+    if abs(d) < 1e-3:
+        return f"1 {'+' if d > 0 else MINUS} {abs(d):.1e}"
+    return f"{float(r):.6g}"
+
+
+def perplexity_text(ppl: Mapping[str, Any] | None) -> str:
+    """A receipt's ``report_only.perplexity`` in one line: ``PPL reference 3.1416, candidate
+    3.1417, ratio 1 + 2.1e-05 (ln ratio 2.1e-05 ± 3e-06) over 96 positions`` (``ratio``);
+    ``unmeasured (no position scored)`` when None."""
+    if not ppl:
+        return "unmeasured (no position scored)"
+    sem = ppl.get("ln_ratio_sem")
+    return (f"PPL reference {number(ppl.get('reference'))}, candidate {number(ppl.get('candidate'))}, "
+            f"ratio {ratio(ppl.get('ratio'))} "
+            f"(ln ratio {sig2(ppl.get('ln_ratio'))}" + (f" ± {sig2(sem)}" if sem is not None else "") + f") over {ppl.get('positions')} positions")
+
+
+def delta_p_text(dp: Mapping[str, Any] | None) -> str:
+    """A ``delta_p`` summary in one line: mean ± standard error, RMS, then p1 / p50 / p99 and min /
+    max, as signed percentages; ``unmeasured (no position scored)`` when None."""
+    if not dp:
+        return "unmeasured (no position scored)"
+    sem = dp.get("sem")
+    return (f"mean {signed_percent(dp.get('mean'))}" + (f" ± {sig2(None if sem is None else 100 * sem)}%" if sem is not None else "")
+            + f", RMS {sig2(None if dp.get('rms') is None else 100 * dp['rms'])}%, p1 / p50 / p99 "
+            + " / ".join(signed_percent(dp.get(k)) for k in ("p1", "p50", "p99"))
+            + f", min / max {signed_percent(dp.get('min'))} / {signed_percent(dp.get('max'))} over {dp.get('positions')} positions")

@@ -294,11 +294,13 @@ def _shipped_prompts(prompts: dict[str, Any]) -> bool:
 
 
 def _opts(rec: dict[str, Any]) -> list[str]:
-    """``--prompts``/``--thresholds``/``--override-kv`` as the run had them (the shipped prompt
-    set omitted)."""
+    """``--prompts`` (or ``--text``/``--ctx``)/``--thresholds``/``--override-kv`` as the run had
+    them (the shipped prompt set omitted)."""
     out: list[str] = []
     prompts = rec.get("prompts") or {}
-    if prompts.get("path") and not _shipped_prompts(prompts):
+    if prompts.get("text"):  # harness parity --text FILE --ctx N
+        out += ["--text", prompts["text"]["path"], "--ctx", str(prompts["text"]["n_ctx"])]
+    elif prompts.get("path") and not _shipped_prompts(prompts):
         out += ["--prompts", prompts["path"]]
     th = (rec.get("thresholds") or {}).get("file")
     if th:
@@ -671,8 +673,22 @@ def _report_only_table(page: Page, rec: dict[str, Any]) -> None:
         ["reference margin p1 / p5 / p50", " / ".join(fmt.sig2((ro.get("ref_margin") or {}).get(k)) for k in ("p1", "p5", "p50")), "logits, top-1 − top-2"],
         ["rank of the reference's top-1 in the candidate", f"max {fmt.number((ro.get('cand_rank') or {}).get('max'))}, p99 {fmt.number((ro.get('cand_rank') or {}).get('p99'))}", "0 = also the candidate's top-1"],
     ]
+    if "perplexity" in ro:  # harness.measure.metrics.next_token_summary
+        text = (rec.get("prompts") or {}).get("text")
+        where = (f"the second half of each --ctx {text['n_ctx']} window (positions {text['score_from']} to {text['n_ctx'] - 2}), as llama-perplexity scores"
+                 if text else "every position with a next token")
+        rows += [
+            ["perplexity", fmt.perplexity_text(ro.get("perplexity")), f"exp(mean NLL of the next token) of each engine, ratio candidate / reference; over {where}"],
+            ["Δp, reference's top token", fmt.delta_p_text(ro.get("delta_p")), "p_candidate(top_ref) − p_reference(top_ref), same positions"],
+            ["Δp, next token", fmt.delta_p_text(ro.get("delta_p_next")), "p_candidate(next) − p_reference(next): llama-perplexity --kl-divergence's Δp"],
+        ]
     page.h(2, "Report-only fields (not gated)")
     page.p("Recorded for trends; none of these decides the verdict until a reviewer adds it to thresholds.yaml with a measured basis.")
+    text = (rec.get("prompts") or {}).get("text")
+    if text:
+        page.p(f"Prompts: the text file {untrusted(text['path'])} ({text['n_tokens']} tokens) cut into {text['windows']} windows of "
+               f"{text['n_ctx']} tokens as llama-perplexity cuts it ({text['unused_tokens']} tokens after the last window unused"
+               + (f"; each window starts with BOS {text['bos_id']}" if text["add_bos"] else "") + ").")
     page.table(["field (report-only)", "value", "how to read it"], rows)
 
 

@@ -12,6 +12,9 @@ positions (row t = the next-token logits after ``tokens[:t+1]``), reference firs
   reference's top token (0 = the candidate's top token too);
 - top-k overlap |top_k(ref) ∩ top_k(cand)| / k for k = 5 and 10;
 - NMSE: sum((cand - ref)^2) / sum(ref^2).
+- next-token NLL, perplexity and Δp (``next_token_metrics``, ``perplexity_summary``,
+  ``delta_p_summary``): as llama.cpp's ``llama-perplexity`` defines them, over the scored
+  positions; report-only.
 
 Top-k sets and argmax break ties by the lower token id, as ``np.argmax`` does.
 
@@ -415,6 +418,83 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]
     return out
 
 
+NEXT_TOKEN_KEYS = ("scored", "ref_nll", "cand_nll", "delta_p", "delta_p_next")
+"""Keys of ``next_token_metrics``'s result, each an array of length B."""
+
+
+def _log_partition(row: np.ndarray, m: float, s: _Scratch) -> float:
+    """log Σ_i exp(row_i) of a finite float32 row whose maximum is ``m``: the exps in float32
+    (``s.e`` overwritten), their sum in float64 (``_Scratch.dot64``); exp(row) unshifted while
+    ``m`` lies in [-20, 40] (as ``_kld_row``: one pass fewer, no overflow), else exp(row - m)."""
+    if _EXP_UNSHIFTED[0] <= m <= _EXP_UNSHIFTED[1]:
+        np.exp(row, out=s.e)
+        return math.log(s.dot64(s.e, s.ones))
+    np.subtract(row, np.float32(m), out=s.e)
+    np.exp(s.e, out=s.e)
+    return m + math.log(s.dot64(s.e, s.ones))
+
+
+def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray, scored: np.ndarray,
+                       finite: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Per-position probabilities of two logit blocks: what perplexity and Δp are made of.
+
+    llama.cpp's ``llama-perplexity`` (``tools/perplexity/perplexity.cpp``) scores each position by
+    the negative log-likelihood of the token that actually follows, ``nll = log Σ exp(row) -
+    row[next]`` (natural log, nats), and in its KL-divergence mode reports Δp, the candidate's
+    probability of that next token minus the reference's. The harness records that Δp as
+    ``delta_p_next`` and, as ``delta_p``, the change in the probability of the reference's top
+    token, p_cand(argmax ref) − p_ref(argmax ref) (argmax ties: the lower token id, as
+    ``np.argmax``), which needs no text.
+
+    Args:
+        ref, cand: float32 logit blocks ``[B, V]`` of the same positions (row t predicts token t+1).
+        next_tokens: int ``[B]``, the token id that follows each position; -1 where none does (the
+            last position of a prompt): ``ref_nll``, ``cand_nll`` and ``delta_p_next`` are NaN there.
+        scored: bool ``[B]``, the positions to measure (a text window's second half, as
+            ``llama-perplexity`` scores; every position with a next token for a prompt); every value
+            of an unscored position is NaN.
+        finite: bool ``[B]``, both rows hold no NaN/Inf, when the caller knows it already
+            (``position_metrics``'s ``finite & ref_finite``); else ``finite_rows`` of each block.
+
+    Returns:
+        ``{key: array [B]}`` for ``NEXT_TOKEN_KEYS``: ``scored`` (bool, as given), ``ref_nll`` /
+        ``cand_nll`` (float64, nats), ``delta_p`` / ``delta_p_next`` (float64 in [-1, 1]). A
+        position where either row holds NaN/Inf gives NaN everywhere (a candidate FAIL the cosine
+        gate counts, never a probability). Each scored row is read three more times per engine
+        (argmax, exp, their sum: float32 exp, float64 sum); nothing of size ``[B, V]`` is allocated.
+
+    Raises ``NotComparable`` (the blocks differ in shape) and ``InvalidInput`` (a block not 2-D,
+    V < 2, ``next_tokens``/``scored`` not of length B, a next token id outside [-1, V)).
+    """
+    ref, cand = _check_pair(ref, cand)
+    n, v = ref.shape
+    nxt = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
+    sc = np.asarray(scored, dtype=bool).reshape(-1)
+    if nxt.shape[0] != n or sc.shape[0] != n:
+        raise InvalidInput(f"next_tokens ({nxt.shape[0]}) and scored ({sc.shape[0]}) must have one entry per position ({n})")
+    if nxt.size and (nxt.min() < -1 or nxt.max() >= v):
+        raise InvalidInput(f"next token ids must lie in [-1, {v}); got {int(nxt.min())}..{int(nxt.max())}")
+    out = {"scored": sc.copy(), **{k: np.full(n, np.nan) for k in NEXT_TOKEN_KEYS[1:]}}
+    if not sc.any():
+        return out
+    both = np.asarray(finite, bool).reshape(-1) if finite is not None else None
+    if both is None or both.shape[0] != n:
+        both = finite_rows(ref) & finite_rows(cand)
+    ok = sc & both
+    s = _scratch(v)
+    for i in np.flatnonzero(ok):
+        r, c = ref[i], cand[i]
+        top = int(np.argmax(r))
+        lr, lc = _log_partition(r, float(r[top]), s), _log_partition(c, float(c[np.argmax(c)]), s)
+        out["delta_p"][i] = math.exp(float(c[top]) - lc) - math.exp(float(r[top]) - lr)
+        t = int(nxt[i])
+        if t >= 0:
+            out["ref_nll"][i] = lr - float(r[t])
+            out["cand_nll"][i] = lc - float(c[t])
+            out["delta_p_next"][i] = math.exp(-out["cand_nll"][i]) - math.exp(-out["ref_nll"][i])
+    return out
+
+
 def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = False) -> np.ndarray:
     """Field ``which`` of ``_pair_stats`` (2 cosine, 3 kld, 4 nmse) for every row pair, float64 [B]."""
     ref, cand = _check_pair(ref, cand)
@@ -610,6 +690,64 @@ def _distribution_summary(per_position: Mapping[str, np.ndarray], idx: np.ndarra
     return out
 
 
+DELTA_P_QUANTILES = {"p0_1": 0.001, "p1": 0.01, "p5": 0.05, "p10": 0.1, "p25": 0.25, "p50": 0.5, "p75": 0.75,
+                     "p90": 0.9, "p95": 0.95, "p99": 0.99, "p99_9": 0.999}
+"""The Δp percentiles ``llama-perplexity --kl-divergence`` prints (0.1% to 99.9%, beside min and max)."""
+
+
+def delta_p_summary(delta_p: np.ndarray) -> dict[str, Any] | None:
+    """Summary of per-position Δp values (``next_token_metrics``), JSON-ready; None when no value
+    is finite (nothing was scored).
+
+    Returns ``positions``, ``mean``, ``sem`` (standard error of the mean, None for one value),
+    ``rms`` (root mean square), ``min``, the ``DELTA_P_QUANTILES`` (NumPy's linear interpolation
+    between order statistics) and ``max``: probabilities, so in [-1, 1]; ``llama-perplexity``
+    prints them as percentages.
+    """
+    d = np.asarray(delta_p, np.float64)
+    d = d[np.isfinite(d)]
+    if not d.size:
+        return None
+    q = np.quantile(d, list(DELTA_P_QUANTILES.values()))
+    sem = d.std(ddof=1) / math.sqrt(d.size) if d.size > 1 else None
+    return {"positions": int(d.size), "mean": _f(d.mean()), "sem": None if sem is None else _f(sem),
+            "rms": _f(math.sqrt(float(np.mean(d * d)))), "min": _f(d.min()),
+            **{name: _f(v) for name, v in zip(DELTA_P_QUANTILES, q)}, "max": _f(d.max())}
+
+
+def perplexity_summary(ref_nll: np.ndarray, cand_nll: np.ndarray) -> dict[str, Any] | None:
+    """Perplexity of each engine and their ratio over the positions where both NLLs are finite
+    (``next_token_metrics``: the scored positions); None when there is none.
+
+    PPL = exp(mean NLL) (``llama-perplexity``'s ``Mean PPL``); ``ratio`` = PPL(candidate) /
+    PPL(reference) = exp(mean(nll_cand − nll_ref)) (its ``Mean PPL(Q)/PPL(base)``), ``ln_ratio`` its
+    log and ``ln_ratio_sem`` the standard error of that mean of paired differences (None for one
+    position). Report-only: never a gate.
+    """
+    r = np.asarray(ref_nll, np.float64)
+    c = np.asarray(cand_nll, np.float64)
+    ok = np.isfinite(r) & np.isfinite(c)
+    if not ok.any():
+        return None
+    r, c = r[ok], c[ok]
+    d = c - r
+    ln_ratio = float(d.mean())
+    sem = d.std(ddof=1) / math.sqrt(d.size) if d.size > 1 else None
+    return {"positions": int(d.size), "reference": _f(math.exp(r.mean())), "candidate": _f(math.exp(c.mean())),
+            "ratio": _f(math.exp(ln_ratio)), "ln_ratio": _f(ln_ratio), "ln_ratio_sem": None if sem is None else _f(sem)}
+
+
+def next_token_summary(per_position: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """``perplexity`` (``perplexity_summary``), ``delta_p`` and ``delta_p_next``
+    (``delta_p_summary``) of concatenated per-position metrics that hold ``NEXT_TOKEN_KEYS``;
+    empty when they do not (a top-k cell, an MTP cell)."""
+    if "ref_nll" not in per_position:
+        return {}
+    return {"perplexity": perplexity_summary(per_position["ref_nll"], per_position["cand_nll"]),
+            "delta_p": delta_p_summary(per_position["delta_p"]),
+            "delta_p_next": delta_p_summary(per_position["delta_p_next"])}
+
+
 def _greedy_summary(per_position: Mapping[str, np.ndarray], idx: np.ndarray, near_tie_margin: float) -> dict[str, Any]:
     """Argmax agreement (Wilson 95% interval) and flips split into near-ties and hard flips, over
     the positions ``idx``."""
@@ -651,7 +789,9 @@ def summarize(per_position: Mapping[str, np.ndarray], near_tie_margin: float = N
     ``min_cosine_index``, ``mean_cosine``, ``kld`` {mean, sem, p50, p90, p99, p99_9, max},
     ``argmax_agreement`` {rate, agree, n, ci_low, ci_high, method, confidence},
     ``flips`` {total, near_tie, hard, near_tie_margin}, ``ref_margin`` {min, p1, p5, p50},
-    ``cand_rank`` {p99, max}, ``top5_overlap_mean``, ``top10_overlap_mean``, ``nmse`` {mean, max}.
+    ``cand_rank`` {p99, max}, ``top5_overlap_mean``, ``top10_overlap_mean``, ``nmse`` {mean, max};
+    where ``per_position`` holds ``NEXT_TOKEN_KEYS`` also ``perplexity``, ``delta_p`` and
+    ``delta_p_next`` (``next_token_summary``; None when nothing was scored).
     """
     n = int(np.asarray(per_position["cosine"]).shape[0])
     finite = np.asarray(per_position["finite"], bool)
@@ -666,6 +806,7 @@ def summarize(per_position: Mapping[str, np.ndarray], near_tie_margin: float = N
         "ref_nonfinite_positions": int(np.count_nonzero(~ref_finite)),
         **_distribution_summary(per_position, idx),
         **_greedy_summary(per_position, idx, near_tie_margin),
+        **next_token_summary(per_position),
     }
 
 

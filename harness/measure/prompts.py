@@ -117,11 +117,14 @@ def load_prompts(path: str | Path | None) -> list[Prompt]:
 
 @dataclass
 class PromptTokens:
-    """A prompt's id and the token ids both engines receive."""
+    """A prompt's id and the token ids both engines receive; ``score_from``: the first position
+    scored for perplexity and Δp (0 for a prompt; n_ctx/2 for a text window,
+    ``harness.measure.text_windows``)."""
 
     id: str
     tokens: list[int]
     source: str  # "text" (tokenized by the reference) or "ids"
+    score_from: int = 0
 
 
 def tokenize_prompts(prompt_set: PromptSet, tokenizer: Any) -> list[PromptTokens]:

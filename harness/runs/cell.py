@@ -20,6 +20,7 @@ from harness.evidence.record import EvidencePaths, record_evidence
 from harness.judge.calibrated import MeasureTier
 from harness.judge.thresholds import ResolvedThresholds
 from harness.measure.prompts import PromptTokens
+from harness.measure.text_windows import DEFAULT_CTX
 from harness.model.gguf_model import GGUFModel
 from harness.paths import SOURCE_ROOT
 from harness.runs import greedy
@@ -101,6 +102,11 @@ class ParityRequest(RunRequest):
     reference_cache: bool = True
     """Read and store the reference's logits in the content-addressed cache
     (``harness.runs.reference_cache``; its folder from the environment); False: always run it."""
+    text: str | None = None
+    """``--text FILE``: the prompts are this text's windows of ``ctx`` tokens, as ``llama-perplexity``
+    cuts them (``harness.measure.text_windows``), instead of the prompt set."""
+    ctx: int = DEFAULT_CTX
+    """``--ctx N``: the window length in tokens with ``text`` (``llama-perplexity``'s ``n_ctx``)."""
 
 
 @dataclass

@@ -25,14 +25,14 @@ import numpy as np
 
 from harness.engines.base import Engine, LogitBlock
 from harness.engines.timing import timed
-from harness.errors import EngineError, HarnessError, Verdict
+from harness.errors import EngineError, HarnessError, InvalidInput, Verdict
 from harness.evidence.receipts import report_only_headline
 from harness.evidence.record import preflight_evidence
 from harness.judge import tiers, verdicts
 from harness.judge.calibrated import resolve_row
 from harness.judge.reproducer import Reproducer, causes_breaking, failure_message
 from harness.judge.thresholds import ResolvedThresholds
-from harness.measure import metrics, near_ties
+from harness.measure import metrics, near_ties, text_windows
 from harness.measure.prompts import PromptTokens
 from harness.model.gguf_model import GGUFModel
 from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest, Progress, build_receipt, check_comparable, finish
@@ -87,15 +87,19 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, 
 
 
 def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: int, progress: Callable[[int], None] | None = None,
-                   prompt_id: str = "?") -> dict[str, np.ndarray]:
-    """Per-position metrics (``metrics.position_metrics`` keys) of one prompt, streamed.
+                   prompt_id: str = "?", score_from: int = 0) -> dict[str, np.ndarray]:
+    """Per-position metrics (``metrics.position_metrics`` and ``metrics.next_token_metrics``
+    keys) of one prompt, streamed.
 
     The two engines' blocks are re-cut to common boundaries so neither side is gathered whole.
+    Positions ``score_from`` .. n − 2 (those with a next token) are scored for perplexity and Δp
+    (``PromptTokens.score_from``: a text window's second half, as ``llama-perplexity`` scores).
     Raises ``EngineError`` on a malformed stream, and when the reference returns a non-finite
     logit (naming the reference, ``prompt_id`` and the position; the candidate's non-finite rows
     are measured and FAIL at their positions).
     """
     n = len(tokens)
+    following = np.append(np.asarray(tokens[1:], np.int64), -1)  # the token each position predicts; none after the last
     ref_it = _rows(ref.logits(tokens), f"reference {ref.info.name}", n, n_vocab, finite=prompt_id)
     cand_it = _rows(cand.logits(tokens), f"candidate {cand.info.name}", n, n_vocab)
     parts = []
@@ -108,7 +112,10 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
         while c_buf.shape[0] == 0:
             c_buf = next(cand_it)
         k = min(r_buf.shape[0], c_buf.shape[0])
-        parts.append(metrics.position_metrics(r_buf[:k], c_buf[:k]))
+        at = np.arange(done, done + k)
+        pm = metrics.position_metrics(r_buf[:k], c_buf[:k])
+        parts.append(pm | metrics.next_token_metrics(r_buf[:k], c_buf[:k], following[at], (at >= score_from) & (following[at] >= 0),
+                                                     pm["finite"] & pm["ref_finite"]))
         r_buf, c_buf = r_buf[k:], c_buf[k:]
         done += k
         if progress:
@@ -160,7 +167,7 @@ def measure_cell(model: GGUFModel, reference: Engine, candidate: Engine, prompts
     done_before = 0
     for i, p in enumerate(prompts):
         cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
-        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id)
+        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id, p.score_from)
         pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
         pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
         parts.append(pm)
@@ -379,6 +386,19 @@ def run_cell(
                       cuts=cuts, excuses=excuses)
 
 
+def text_prompts(inputs: Any, reference: Engine, text: text_windows.TextFile, n_ctx: int) -> tuple[list[PromptTokens], dict[str, Any]]:
+    """``harness parity --text``: the text's windows of ``n_ctx`` tokens as the cell's prompts
+    (``harness.measure.text_windows``, as ``llama-perplexity`` cuts them), tokenized by the
+    reference's tokenizer (``RunInputs.tokenizer``), each window's first token BOS when the GGUF's
+    ``tokenizer.ggml.add_bos_token`` is true (``tokenizer.ggml.bos_token_id``), and the receipt's
+    ``prompts.text`` record. Raises ``InvalidInput`` for a text shorter than one window."""
+    model = inputs.model
+    bos = model.metadata("tokenizer.ggml.bos_token_id") if model.metadata("tokenizer.ggml.add_bos_token", False) else None
+    tokens = text_windows.tokenize_text(text.text, inputs.tokenizer(reference))
+    windows = text_windows.text_windows(tokens, n_ctx, bos, text.path)
+    return windows, text_windows.text_record(text, n_ctx, len(tokens), windows, bos)
+
+
 # ---------------------------------------------------------------------------------------------
 # The main job: resolve inputs, run the cell, write the receipt and the ledger row
 # ---------------------------------------------------------------------------------------------
@@ -395,11 +415,20 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     Raises ``InvalidInput``, ``EngineError``, ``NotComparable``.
     """
     inputs = req.resolve()
+    text = None
+    if req.text is not None:  # checked before any engine runs
+        text = text_windows.load_text(req.text)
+        text_windows.check_ctx(req.ctx, inputs.model.hparams.context_length)
     evidence = preflight_evidence(req.ledger) if req.write_evidence else None
     reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
-    prompts = inputs.tokens(reference.engine)
+    if text is not None:
+        prompts, text_rec = text_prompts(inputs, reference.engine, text, req.ctx)
+    else:
+        prompts, text_rec = inputs.tokens(reference.engine), None
     if "topk" in candidate.info.capabilities:
+        if text is not None:
+            raise InvalidInput(f"--text: not with a top-k candidate ({req.candidate} gives top-k logprobs, not the full rows perplexity needs)")
         return run_topk_parity(req, inputs, reference, candidate, prompts, evidence)
     cached = reference_cache.wrap(reference, inputs.model.sha256, req.reference_cache)  # the gated rows only
     m = measure_cell(inputs.model, cached, candidate, prompts, inputs.thresholds.near_tie_margin, progress)
@@ -412,6 +441,8 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate, settings=req.candidate_settings),
                         cuts, excuses, ruling)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
+    if text_rec is not None:  # the prompts are the text's windows: the receipt names the text file, not a prompt set
+        receipt["prompts"].update(id=text_rec["path"].rsplit("/", 1)[-1], path=text_rec["path"], sha256=text_rec["sha256"], text=text_rec)
     return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path, reference_cache.record_of(cached), evidence, log)
 
 
