@@ -179,19 +179,15 @@ def doctor(as_json: bool) -> None:
         _echo_json(d)
         return
     h, lc, fx = d["host"], d["llama_cpp"], d["fixtures_cache"]
-    t = Table(title="harness doctor", show_header=False)
-    t.add_column("what")
-    t.add_column("this machine", overflow="fold")
-    t.add_row("python", _m(f"{h['python']} ({sys.executable})"))
-    t.add_row("platform", _m(f"{h['platform']}; {h['cpu_count']} CPUs; {h['cpu'] or 'CPU model unknown'}"))
-    t.add_row("harness", _m(f"{d['harness']['version'] or 'not installed'} from {d['harness']['source']}"))
+    rows = [("python", f"{h['python']} ({sys.executable})"),
+            ("platform", f"{h['platform']}; {h['cpu_count']} CPUs; {h['cpu'] or 'CPU model unknown'}"),
+            ("harness", f"{d['harness']['version'] or 'not installed'} from {d['harness']['source']}")]
     for name, e in d["extras"].items():
         pkgs = ", ".join(f"{p['name']} {p['version'] or 'missing'}" for p in e["packages"]) or "no requirement applies here"
-        t.add_row(f"extra {name}", _m(f"{'installed' if e['installed'] else 'NOT installed'}: {pkgs}"))
-    t.add_row("llama-cpp-python", _m(lc["version"] or f"unavailable ({lc['error']})"))
-    t.add_row("llama.cpp commit", _m(lc["commit"] or "unknown (no build of this version in the cache: make llama-tools)"))
-    t.add_row("CPU features", _m(lc["cpu_features"] if lc["cpu_features"] is not None else "n/a"))
-    for name, path in d["llama_tools"].items():
-        t.add_row(name, _m(path or "not built (make llama-tools)"))
-    t.add_row("fixtures cache", _m(f"{fx['path']}: {fx['files']} files, {fx['bytes'] / 2**20:.1f} MiB" if fx["exists"] else f"{fx['path']} (not created yet)"))
-    _console().print(t)
+        rows.append((f"extra {name}", f"{'installed' if e['installed'] else 'NOT installed'}: {pkgs}"))
+    rows += [("llama-cpp-python", lc["version"] or f"unavailable ({lc['error']})"),
+             ("llama.cpp commit", lc["commit"] or "unknown (no build of this version in the cache: make llama-tools)"),
+             ("CPU features", lc["cpu_features"] if lc["cpu_features"] is not None else "n/a")]
+    rows += [(name, path or "not built (make llama-tools)") for name, path in d["llama_tools"].items()]
+    rows.append(("fixtures cache", f"{fx['path']}: {fx['files']} files, {fx['bytes'] / 2**20:.1f} MiB" if fx["exists"] else f"{fx['path']} (not created yet)"))
+    print_table(_console(), "harness doctor", ("what", "this machine"), rows, fold=("this machine",))

@@ -274,22 +274,9 @@ class _CiOutput:
     def write(self) -> None:
         import os
 
-        from harness.evidence.ci import junit_xml, markdown_summary
+        from harness.evidence.ci import write_summaries
 
-        step = os.environ.get("GITHUB_STEP_SUMMARY")
-        if not (self.summary_md or self.junit_xml or step) or not self.entries:
-            return
-        md = markdown_summary(self.entries)
-        try:
-            if self.summary_md:
-                Path(self.summary_md).write_text(md, encoding="utf-8")
-            if self.junit_xml:
-                Path(self.junit_xml).write_text(junit_xml(self.entries), encoding="utf-8")
-            if step:
-                with open(step, "a", encoding="utf-8") as f:
-                    f.write(md)
-        except OSError as e:
-            raise InvalidInput(f"cannot write the CI summary: {e}") from None
+        write_summaries(self.entries, self.summary_md, self.junit_xml, os.environ.get("GITHUB_STEP_SUMMARY"))
 
 
 def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, dtype, max_tokens) -> None:

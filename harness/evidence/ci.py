@@ -131,3 +131,27 @@ def junit_xml(entries: Sequence[CiEntry]) -> str:
 
 
 __all__ = ["CiEntry", "junit_xml", "markdown_summary"]
+
+
+def write_summaries(entries: Sequence[CiEntry], summary_md: str | None, junit: str | None, step_summary: str | None) -> None:
+    """Write the Markdown summary (``markdown_summary``) to ``summary_md`` and the JUnit XML
+    (``junit_xml``) to ``junit``, and append the Markdown to ``step_summary`` (the file GitHub
+    Actions names in ``$GITHUB_STEP_SUMMARY``); each only when given, nothing without entries.
+    Raises ``InvalidInput`` (one line) when a file cannot be written."""
+    from pathlib import Path
+
+    from harness.errors import InvalidInput
+
+    if not (summary_md or junit or step_summary) or not entries:
+        return
+    md = markdown_summary(entries)
+    try:
+        if summary_md:
+            Path(summary_md).write_text(md, encoding="utf-8")
+        if junit:
+            Path(junit).write_text(junit_xml(entries), encoding="utf-8")
+        if step_summary:
+            with open(step_summary, "a", encoding="utf-8") as f:
+                f.write(md)
+    except OSError as e:
+        raise InvalidInput(f"cannot write the CI summary: {untrusted(e)}") from None
