@@ -73,8 +73,9 @@ def _render_parity(outcome) -> None:
                 [(p["id"], p["positions"], f(p["min_cosine"], ".6f"), f(p["mean_cosine"], ".6f"), f(p["argmax_agreement"], ".4f"),
                   f"{p['near_tie_flips']}/{p['hard_flips']}", f(p["kld_mean"], ".3g"), p["failing_positions"]) for p in r.per_prompt],
                 right=cols[1:])
-    con.print(_p(g["release"]["line"]), markup=False)
-    con.print(_p(g["calibrated"]["line"]), markup=False)
+    # the gate lines end in the command that measures a missing row: never broken (soft wrap)
+    con.print(_p(g["release"]["line"]), markup=False, soft_wrap=True)
+    con.print(_p(g["calibrated"]["line"]), markup=False, soft_wrap=True)
     th = rec["thresholds"]
     if th.get("self_calibration"):
         con.print(f"calibrated tier measured on this model: calibration receipt {th['self_calibration'][:12]}", markup=False)
