@@ -199,6 +199,16 @@ def _index_quietly(ledger_path: Path, cache: LedgerCache, written: list[dict[str
         sys.stderr.write(f"harness: warning: evidence index not regenerated: {untrusted(e)}\n")
 
 
+def _door_paths(ledger: str | Path | EvidencePaths | None) -> EvidencePaths:
+    """The paths a run hands the door: its preflight's ``EvidencePaths`` checked again (cheaply:
+    the files may have changed while the engines ran), or a ledger path preflighted here (the head
+    is checked by ``record`` under the lock). Raises ``InvalidInput``."""
+    if isinstance(ledger, EvidencePaths):
+        _check_writable(ledger)
+        return ledger
+    return preflight_evidence(ledger, head=False)
+
+
 def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray], ledger: str | Path | EvidencePaths | None,
                     page: Explanation | None = None) -> Recorded:
     """A run's new receipt through the door. ``ledger``: the ``EvidencePaths`` the run's
@@ -206,10 +216,7 @@ def record_evidence(receipt: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     changed while the engines ran), or a ledger path (None: ``default_ledger()``), preflighted
     here; the head is checked by ``record`` under the lock, before the receipt is written.
     ``page``: write the receipt's verdict page too (``record``). Raises as they do."""
-    paths = ledger if isinstance(ledger, EvidencePaths) else preflight_evidence(ledger, head=False)
-    if isinstance(ledger, EvidencePaths):
-        _check_writable(paths)
-    return record(paths, receipt=receipt, arrays=arrays, page=page)
+    return record(_door_paths(ledger), receipt=receipt, arrays=arrays, page=page)
 
 
 def record_discharge(ledger: str | Path | EvidencePaths | None, receipt: Mapping[str, Any], documents: Mapping[Path, bytes]) -> Recorded:
@@ -218,10 +225,7 @@ def record_discharge(ledger: str | Path | EvidencePaths | None, receipt: Mapping
     receipt written, its row appended, the cache, LEDGER.md and the reports index refreshed, each
     once, under the ledger's lock; nothing is written when the ledger's head cannot be extended.
     ``ledger``: as ``record_evidence``. Raises as ``record`` does."""
-    paths = ledger if isinstance(ledger, EvidencePaths) else preflight_evidence(ledger, head=False)
-    if isinstance(ledger, EvidencePaths):
-        _check_writable(paths)
-    return record(paths, receipt=receipt, documents=documents)
+    return record(_door_paths(ledger), receipt=receipt, documents=documents)
 
 
 def record_row(ledger: str | Path | None, row: Mapping[str, Any], receipt_path: str | Path | None = None,
