@@ -75,3 +75,37 @@ def test_wilson_interval_written_out_matches_scipys_binomtest():
             ci = stats.binomtest(k, n).proportion_ci(confidence_level=conf, method="wilson")
             assert M.wilson_interval(k, n, conf) == pytest.approx((ci.low, ci.high), abs=1e-12), (k, n, conf)
     assert M.wilson_interval(0, 0) is None
+
+
+def test_next_token_metrics_fused_into_position_metrics_equal_the_separate_pass_bit_for_bit():
+    """``position_metrics(ref, cand, next_tokens, scored)`` takes the reference's log-partition
+    from the KLD's sums and both argmaxes from the top-k (issue 47); every value must equal
+    ``next_token_metrics``'s own pass exactly, on rows taking each path: unshifted exp, shifted
+    exp (max logit above 40), the float64 KLD (rows far apart), a non-finite candidate row, an
+    unscored row and a last position with no next token."""
+    rng = np.random.default_rng(47)
+    n = 7
+    ref = (rng.standard_normal((n, QWEN35_VOCAB)) * 2.5).astype(np.float32)
+    cand = (ref + rng.standard_normal(ref.shape).astype(np.float32) * 1e-3).astype(np.float32)
+    ref[1] += np.float32(60.0)  # max above the unshifted range: exp(r - max r)
+    cand[1] += np.float32(60.0)
+    cand[2] = (rng.standard_normal(QWEN35_VOCAB) * 40).astype(np.float32)  # far apart: float64 KLD path
+    cand[3, 17] = np.nan
+    nxt = np.array([5, 9, 11, 3, 8, 2, -1])
+    scored = np.array([True, True, True, True, False, True, True])
+    fused = M.position_metrics(ref, cand, nxt, scored)
+    pm = M.position_metrics(ref, cand)
+    alone = M.next_token_metrics(ref, cand, nxt, scored, pm["finite"] & pm["ref_finite"])
+    for k in M.NEXT_TOKEN_KEYS:
+        np.testing.assert_array_equal(fused[k], alone[k], err_msg=k)
+    for k in pm:
+        np.testing.assert_array_equal(fused[k], pm[k], err_msg=k)
+    assert np.isfinite(fused["delta_p"][[0, 1, 2, 5, 6]]).all()
+    assert np.isnan(fused["delta_p"][[3, 4]]).all() and np.isnan(fused["ref_nll"][6])
+    # The values are the definitions', not merely equal to each other.
+    lr = log_softmax(ref[0].astype(np.float64))
+    lc = log_softmax(cand[0].astype(np.float64))
+    assert fused["ref_nll"][0] == pytest.approx(-lr[5], rel=1e-7)
+    assert fused["cand_nll"][0] == pytest.approx(-lc[5], rel=1e-7)
+    top = int(np.argmax(ref[0]))
+    assert fused["delta_p"][0] == pytest.approx(np.exp(lc[top]) - np.exp(lr[top]), abs=1e-9)

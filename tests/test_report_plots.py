@@ -92,3 +92,28 @@ def test_cosine_panel_is_one_minus_cosine_on_a_log_axis_with_the_gate_and_failur
     assert list(fx_) == [100, 200] and fy[0] == pytest.approx(1.0 - (gate - 0.01)) and fy[1] == pytest.approx(1.0 - gate)
     lo, hi = ax.get_ylim()
     assert lo < report.COSINE_FLOOR and hi > 1.0 - (gate - 0.01)  # every point and the gate are inside the axis
+
+
+def test_positions_plot_has_two_panels_whatever_the_prompt_count_with_prompts_delimited_and_named():
+    """The positions plot draws the whole prompt set on two panels (issue 47: matplotlib's cost is
+    per axis, and one row per prompt made the plot the harness's largest own cost): the prompts
+    side by side, a boundary line between each pair on both panels, a wide prompt's id above its
+    span (escaped: a hostile id cannot start mathtext), a narrow one unnamed."""
+    rec, arrays = make_receipt(seed=7, n=600, v=97)
+    ids = ["first-prompt", "$x^2$ evil", "narrow-id"]
+    lengths = [300, 295, 5]
+    arrays["prompt_index"] = np.repeat(np.arange(3, dtype=np.int32), lengths)
+    arrays["position"] = np.concatenate([np.arange(k, dtype=np.int32) for k in lengths])
+    rec["prompts"]["items"] = [{"id": i, "source": "ids", "tokens": [1] * k} for i, k in zip(ids, lengths)]
+    arrays["cosine"][450] = rec["gated"]["min_cosine"] - 0.01
+    fig = report.positions_figure(rec, arrays)
+    assert len(fig.axes) == 2
+    ax, ax2 = fig.axes
+    for a in (ax, ax2):
+        vlines = sorted(ln.get_xdata()[0] for ln in a.get_lines() if len(set(ln.get_xdata())) == 1 and ln.get_label().startswith("_"))
+        assert vlines == [299.5, 594.5]
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == [report.plot_text("first-prompt"), report.plot_text("$x^2$ evil")]
+    assert "$" not in "".join(labels).replace("\\$", "")
+    fx_, _ = next(ln for ln in ax.get_lines() if ln.get_label() == "failing").get_data()
+    assert list(fx_) == [450]  # x is the position over the whole set

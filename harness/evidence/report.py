@@ -135,54 +135,80 @@ KLD_FLOOR = 1e-16
 """Where the positions plot draws a KLD of exactly 0."""
 
 
+_PROMPT_LABELS_MAX = 16
+"""The positions plot names each prompt above its span when the set has at most this many."""
+_LABEL_WIDTH_PER_CHAR = 0.0055
+"""Fraction of the panel's width one character of a prompt label takes (6-point text, 12 in wide)."""
+
+
 def positions_figure(receipt: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
-    """The matplotlib Figure of ``plot_positions``: one row of two panels per prompt. Left:
-    ``1 − cosine`` per position on a log axis (exact zeros at ``COSINE_FLOOR``), the gate drawn
-    at ``1 − min_cosine`` (dashed), failing positions (below the gate, or non-finite, drawn at
-    the gate) as red points above it. Right: the KLD per position on a log axis (zeros at
-    ``KLD_FLOOR``) with the KLD gates (mean: dashed, p99: dotted). Lines longer than a panel's
-    width are drawn as their min/max envelope (``_envelope``)."""
+    """The matplotlib Figure of ``plot_positions``: two panels over the whole prompt set, the
+    prompts side by side in receipt order (x: position over the set; thin gray lines at the
+    prompt boundaries, each prompt's id above its span when there are at most
+    ``_PROMPT_LABELS_MAX``). Top: ``1 − cosine`` per position on a log axis (exact zeros at
+    ``COSINE_FLOOR``), the gate drawn at ``1 − min_cosine`` (dashed), failing positions (below
+    the gate, or non-finite, drawn at the gate) as red points above it. Bottom: the KLD per
+    position on a log axis (zeros at ``KLD_FLOOR``) with the KLD gates (mean: dashed, p99:
+    dotted). Lines longer than a panel's width are drawn as their min/max envelope
+    (``_envelope``). Two panels whatever the number of prompts: matplotlib's cost is per axis
+    (ticks, labels), and one row of panels per prompt made the plot the largest part of the
+    harness's own time in a run (issue 47)."""
     prompts = receipt["prompts"]["items"]
     gate = receipt["gated"]["min_cosine"]  # the cosine threshold that judged the cell
     gates = {d["name"]: {"value": d["threshold"]} for d in receipt["gated"].get("distribution_gates") or []}
-    n = len(prompts)
-    height = 2.2 * n + 0.8
-    fig, axes = _figure(12, height, n, 2, top=0.75, bottom=0.5, left=0.85, wspace=0.9)
-    pidx, pos = arrays["prompt_index"], arrays["position"]
+    fig, axes = _figure(12, 6.2, 2, 1, top=0.75, bottom=0.55, left=0.85, hspace=0.75)
+    ax, ax2 = axes[0, 0], axes[1, 0]
+    cos, kld = arrays["cosine"], arrays["kld"]
+    x = np.arange(cos.size)
     gate_err = max(1.0 - gate, COSINE_FLOOR)
-    for i, p in enumerate(prompts):
-        sel = pidx == i
-        x, cos, kld = pos[sel], arrays["cosine"][sel], arrays["kld"][sel]
-        err = np.where(np.isfinite(cos), np.maximum(1.0 - cos.astype(np.float64), COSINE_FLOOR), np.nan)
-        ax = axes[i, 0]
-        ax.semilogy(*_envelope(x, err), lw=0.8, color="tab:blue", label="1 − cosine")
-        ax.axhline(gate_err, ls="--", color="tab:red", lw=1, label=f"gate 1 − {gate:g} = {gate_err:.2g}")
-        bad = ~np.isfinite(cos) | (cos < gate)
-        if bad.any():
-            ax.plot(x[bad], np.where(np.isfinite(err[bad]), err[bad], gate_err), ls="", marker="o", ms=3.5, color="tab:red", zorder=3,
-                    label="failing")
-        _plain_log(ax)
-        seen = np.concatenate([err[np.isfinite(err)], [gate_err]])
-        low = float(seen.min())  # down to the floor only when a row was exact
-        ax.set_ylim(COSINE_FLOOR / 3 if low <= COSINE_FLOOR else low / 10, min(float(seen.max()) * 10, 3.0))
-        ax.set_ylabel("1 − cosine")
-        ax.set_title(plot_text(f"{p['id']}: per-position 1 − logit cosine (log; exact at {COSINE_FLOOR:g})"), fontsize=9, y=1.0)
-        ax.legend(fontsize=7, loc="upper left")
-        ax2 = axes[i, 1]
-        ax2.semilogy(*_envelope(x, np.maximum(kld, KLD_FLOOR)), lw=0.8, color="tab:green", label="KLD")
-        _plain_log(ax2)
-        for name, style in (("max_kld_mean", "--"), ("max_kld_p99", ":")):
-            if name in gates:
-                v = gates[name]["value"]
-                ax2.axhline(v, ls=style, color="tab:red", lw=1, label=f"KLD {name.removeprefix('max_kld_')} gate {v:g}")
-        ax2.set_ylabel("KLD (nats)")
-        ax2.set_title(plot_text(f"{p['id']}: KL(P_ref || P_cand) per position"), fontsize=9, y=1.0)
-        ax2.legend(fontsize=7, loc="lower right")
-    for ax in axes[-1]:
-        ax.set_xlabel("position (tokens)")
+    err = np.where(np.isfinite(cos), np.maximum(1.0 - cos.astype(np.float64), COSINE_FLOOR), np.nan)
+    ax.semilogy(*_envelope(x, err), lw=0.8, color="tab:blue", label="1 − cosine")
+    ax.axhline(gate_err, ls="--", color="tab:red", lw=1, label=f"gate 1 − {gate:g} = {gate_err:.2g}")
+    bad = ~np.isfinite(cos) | (cos < gate)
+    if bad.any():
+        ax.plot(x[bad], np.where(np.isfinite(err[bad]), err[bad], gate_err), ls="", marker="o", ms=3.5, color="tab:red", zorder=3,
+                label="failing")
+    seen = np.concatenate([err[np.isfinite(err)], [gate_err]])
+    low = float(seen.min())  # down to the floor only when a row was exact
+    ax.set_ylim(COSINE_FLOOR / 3 if low <= COSINE_FLOOR else low / 10, min(float(seen.max()) * 10, 3.0))
+    ax.set_ylabel("1 − cosine")
+    ax.set_title(f"per-position 1 − logit cosine (log; exact at {COSINE_FLOOR:g})", fontsize=9, y=1.0, pad=12)
+    ax2.semilogy(*_envelope(x, np.maximum(kld, KLD_FLOOR)), lw=0.8, color="tab:green", label="KLD")
+    for name, style in (("max_kld_mean", "--"), ("max_kld_p99", ":")):
+        if name in gates:
+            v = gates[name]["value"]
+            ax2.axhline(v, ls=style, color="tab:red", lw=1, label=f"KLD {name.removeprefix('max_kld_')} gate {v:g}")
+    ax2.set_ylabel("KLD (nats)")
+    ax2.set_title("KL(P_ref || P_cand) per position", fontsize=9, y=1.0)
+    ax2.set_xlabel("position over the prompt set (prompts in receipt order)")
+    _prompt_spans(ax, ax2, arrays["prompt_index"], [p["id"] for p in prompts])
+    for a in (ax, ax2):
+        _plain_log(a)
+        a.set_xlim(-0.5, max(cos.size - 0.5, 0.5))
+    ax.legend(fontsize=7, loc="upper left")
+    ax2.legend(fontsize=7, loc="lower right")
     eng = receipt["engines"]
     fig.suptitle(plot_text(f"{eng['candidate']['name']} vs {eng['reference']['name']} on {_model_name(receipt)} — {receipt['gated']['verdict']}"))
     return fig
+
+
+def _prompt_spans(ax: Any, ax2: Any, prompt_index: np.ndarray, ids: list[str]) -> None:
+    """Thin gray lines at the prompt boundaries on both panels; each prompt's id (escaped by
+    ``plot_text``) above its span on ``ax`` when there are at most ``_PROMPT_LABELS_MAX`` and the
+    span is wide enough for the text (a narrower prompt is still delimited; the page's per-prompt
+    table gives its positions)."""
+    pidx = np.asarray(prompt_index)
+    starts = np.flatnonzero(np.diff(pidx) != 0) + 1
+    for a in (ax, ax2):
+        for b in starts:
+            a.axvline(b - 0.5, color="0.75", lw=0.6, zorder=0)
+    if 0 < len(ids) <= _PROMPT_LABELS_MAX:
+        edges = np.concatenate([[0], starts, [pidx.size]])
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            i = int(pidx[lo]) if lo < pidx.size else -1
+            if 0 <= i < len(ids) and (hi - lo) / pidx.size >= _LABEL_WIDTH_PER_CHAR * min(len(ids[i]), 40):
+                ax.text((lo + hi - 1) / 2, 1.0, plot_text(ids[i]), transform=ax.get_xaxis_transform(), ha="center", va="bottom",
+                        fontsize=6, color="0.35")
 
 
 def plot_positions(receipt: dict[str, Any], arrays: dict[str, np.ndarray], out: Path) -> Path:

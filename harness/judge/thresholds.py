@@ -46,6 +46,7 @@ import yaml
 
 from harness.errors import InvalidInput, Unmeasured
 from harness.fschecks import read_utf8
+from harness.judge import parsed_cache
 from harness.judge.tiers import Row, Subject, find_row, find_topk_row
 from harness.paths import SCHEMA_DIR
 from harness.provenance import sha256_bytes
@@ -258,10 +259,17 @@ def load_thresholds(path: str | Path) -> Thresholds:
 
     Raises ``InvalidInput`` (exit 2), with the file and line, when the file cannot be read, is
     not YAML, repeats a key, breaks the schema (a gate without a basis names the gate and says
-    so) or holds a non-finite number.
+    so) or holds a non-finite number. Bytes already parsed and checked by this version of the
+    loader come from ``harness.judge.parsed_cache`` (the checks on the data still run).
     """
     path = Path(path)
     raw, text = read_utf8(path, "thresholds file", "; thresholds files are UTF-8 YAML")
+    cached = parsed_cache.get(raw)
+    if cached is not None:
+        try:
+            return _checked(path, None, cached, raw)
+        except InvalidInput:
+            pass  # parsed again below, so the message can name the line
     try:
         # composed once, by libyaml when PyYAML has it (the pure-Python composer spends about a
         # second on this 290 kB file), bounded, then constructed from the node tree
@@ -271,6 +279,14 @@ def load_thresholds(path: str | Path) -> Thresholds:
     for keys, line, first in duplicate_keys(root)[:1]:
         raise InvalidInput(f"{path}:{line}: duplicate key {keys[-1]!r} (first at line {first}); YAML would silently keep the last one")
     data = _dates_as_text(data)
+    th = _checked(path, root, data, raw)
+    parsed_cache.put(raw, data)
+    return th
+
+
+def _checked(path: Path, root: yaml.Node | None, data: Any, raw: bytes) -> Thresholds:
+    """``Thresholds`` of parsed ``data`` after the schema, finite-value and row checks
+    (``InvalidInput`` naming the line of ``root``, or line 1 without a node tree)."""
     if not isinstance(data, dict):
         raise InvalidInput(f"{path}:1: thresholds file must be a mapping with `schema: {SCHEMA_ID}`")
     if data.get("schema") == "harness-thresholds/v1":

@@ -264,8 +264,11 @@ def _kld_row_f64(r: np.ndarray, c: np.ndarray) -> float:
     return max(0.0, float(p @ (lr - lc)))
 
 
-def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[float, float]:
-    """(KL(softmax(r) || softmax(c)) in nats, |r - c|^2) for finite float32 fast-range rows.
+def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[float, float, float]:
+    """(KL(softmax(r) || softmax(c)) in nats, |r - c|^2, log Σ exp(r)) for finite float32
+    fast-range rows. The log-partition is the one ``_log_partition(r, r_max, s)`` returns, bit
+    for bit (the same float32 exps and float64 sums), so ``position_metrics`` gives it to the
+    next-token metrics without another pass.
 
     With d = r - c and m = E_p[d], log p_i - log q_i = d_i - m + log E_p[exp(m - d)], so
     KL = log E_p[exp(x)] with x = m - d and E_p[x] = 0, i.e.
@@ -282,20 +285,22 @@ def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[f
     """
     d, e, y = s.d, s.e, s.y
     np.subtract(r, c, out=d)
-    if _EXP_UNSHIFTED[0] <= r_max <= _EXP_UNSHIFTED[1]:
+    unshifted = _EXP_UNSHIFTED[0] <= r_max <= _EXP_UNSHIFTED[1]
+    if unshifted:
         np.exp(r, out=e)  # p ∝ exp(r): no rounding of r - max r, and one pass fewer
     else:
         np.subtract(r, np.float32(r_max), out=e)
         np.exp(e, out=e)
     z = s.dot64(e, s.ones)
+    log_z = math.log(z) if unshifted else r_max + math.log(z)
     m = s.dot64(e, d) / z
     dd = s.dot64(d, d)
     if m - float(d.min()) > _KLD_FAST_XMAX:
-        return _kld_row_f64(r, c), dd
+        return _kld_row_f64(r, c), dd, log_z
     x = np.subtract(np.float32(m), d, out=d)  # x = m - d overwrites d: a smaller working set
     np.expm1(x, out=y)
     np.subtract(y, x, out=y)
-    return max(0.0, math.log1p(s.dot64(e, y) / z)), dd
+    return max(0.0, math.log1p(s.dot64(e, y) / z)), dd, log_z
 
 
 def _row_f64(r: np.ndarray, c: np.ndarray) -> tuple[bool, bool, float, float, float]:
@@ -315,14 +320,15 @@ def _row_f64(r: np.ndarray, c: np.ndarray) -> tuple[bool, bool, float, float, fl
     return True, True, _cosine_from_dots(rr, cc, rc), _kld_row_f64(r, c), _nmse_from_dots(rr, dd)
 
 
-def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> tuple[float, float, float]:
-    """(cosine, kld, nmse) of a fast-range row pair; kld is NaN when ``r_max`` is None (skipped)."""
+def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> tuple[float, float, float, float]:
+    """(cosine, kld, nmse, log Σ exp(r)) of a fast-range row pair; kld and the log-partition are
+    NaN when ``r_max`` is None (skipped)."""
     if r_max is None:
-        kld = math.nan
+        kld = log_z = math.nan
         np.subtract(r, c, out=s.d)
         dd = s.dot64(s.d, s.d)
     else:
-        kld, dd = _kld_row(r, c, r_max, s)
+        kld, dd, log_z = _kld_row(r, c, r_max, s)
     # While the rows are close, r·c = (|r|^2 + |c|^2 - |r - c|^2) / 2 costs no pass and keeps
     # 1 - cos to relative precision. Its error, from rounding r - c to float32, is at most
     # 1.2e-7 * dd / (2|r||c|) (random-signed, so far less in practice); rows where that bound
@@ -331,14 +337,14 @@ def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> 
         rc = 0.5 * (rr + cc - dd)
     else:
         rc = float(r.astype(np.float64) @ c.astype(np.float64))
-    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd)
+    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd), log_z
 
 
 def _pair_stats(r, c, s: _Scratch, with_kld: bool) -> tuple[bool, bool, float, float, float]:
     """(ref_finite, cand_finite, cosine, kld, nmse) of one row pair, by whichever path fits."""
     rr, cc = s.dot64(r, r), s.dot64(c, c)
     if _in_fast_range(rr) and _in_fast_range(cc):
-        return (True, True, *_fast_pair(r, c, rr, cc, s, float(r.max()) if with_kld else None))
+        return (True, True, *_fast_pair(r, c, rr, cc, s, float(r.max()) if with_kld else None)[:3])
     return _row_f64(r, c)
 
 
@@ -365,12 +371,18 @@ def _empty_result(n: int) -> dict[str, np.ndarray]:
     }
 
 
-def position_metrics(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]:
+def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray | None = None,
+                     scored: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """All per-position metrics of two logit blocks, computed in one pass over the rows.
 
     Args:
         ref, cand: float32 ``[B, V]`` (a 1-D row is taken as ``B = 1``); other float dtypes are
             converted to float32.
+        next_tokens, scored: when given (both), the ``next_token_metrics`` keys are added,
+            computed in the same pass: the reference's log-partition comes from the KLD's own
+            sums and both argmaxes from the top-k, so a scored row pair costs one more read of
+            the candidate row instead of six. Equal to ``next_token_metrics``'s values bit for
+            bit (tests/test_metrics_fused.py).
 
     Returns:
         ``{key: array [B]}`` for the keys in ``PER_POSITION_KEYS``:
@@ -384,12 +396,16 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]
 
     Raises:
         NotComparable: the blocks differ in shape (positions or vocab size).
-        InvalidInput: a block is not 2-D (or 1-D), or V < 2.
+        InvalidInput: a block is not 2-D (or 1-D), or V < 2; ``next_tokens``/``scored`` as
+            ``next_token_metrics`` raises.
     """
     ref, cand = _check_pair(ref, cand)
     n, v = ref.shape
     out = _empty_result(n)
     s = _scratch(v)
+    nt = None if next_tokens is None else _next_token_result(n, v, next_tokens, scored)
+    if nt is not None:
+        out.update(nt[0])
     kmax = max(TOPK)
     cosine_, kld_, nmse_ = out["cosine"], out["kld"], out["nmse"]
     for i in range(n):
@@ -404,10 +420,13 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]
         out["ref_finite"][i] = out["finite"][i] = True
         r_top, r_vals = _topk_row(r, kmax)
         c_top, _ = _topk_row(c, kmax)
+        log_z = None
         if fast:
-            cos_i, kld_i, nmse_i = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
+            cos_i, kld_i, nmse_i, log_z = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
         cosine_[i], kld_[i], nmse_[i] = cos_i, kld_i, nmse_i
         a, b = int(r_top[0]), int(c_top[0])
+        if nt is not None and nt[1][i]:
+            _next_token_row(out, i, r, c, a, b, int(nt[2][i]), log_z, s)
         out["ref_argmax"][i], out["cand_argmax"][i], out["argmax_agree"][i] = a, b, a == b
         out["ref_margin"][i] = float(r_vals[0]) - float(r_vals[1])
         out["cand_rank"][i] = _rank_of(c, a, c_top)
@@ -468,31 +487,43 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
     """
     ref, cand = _check_pair(ref, cand)
     n, v = ref.shape
+    out, sc, nxt = _next_token_result(n, v, next_tokens, scored)
+    if not sc.any():
+        return out
+    both = np.asarray(finite, bool).reshape(-1) if finite is not None else None
+    if both is None or both.shape[0] != n:
+        both = finite_rows(ref) & finite_rows(cand)
+    s = _scratch(v)
+    for i in np.flatnonzero(sc & both):
+        r, c = ref[i], cand[i]
+        _next_token_row(out, i, r, c, int(np.argmax(r)), int(np.argmax(c)), int(nxt[i]), None, s)
+    return out
+
+
+def _next_token_result(n: int, v: int, next_tokens: np.ndarray, scored: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """(``next_token_metrics``'s result filled with NaN, ``scored`` as bool [n], ``next_tokens``
+    as int64 [n]), after checking both; ``InvalidInput`` as ``next_token_metrics`` raises it."""
     nxt = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
     sc = np.asarray(scored, dtype=bool).reshape(-1)
     if nxt.shape[0] != n or sc.shape[0] != n:
         raise InvalidInput(f"next_tokens ({nxt.shape[0]}) and scored ({sc.shape[0]}) must have one entry per position ({n})")
     if nxt.size and (nxt.min() < -1 or nxt.max() >= v):
         raise InvalidInput(f"next token ids must lie in [-1, {v}); got {int(nxt.min())}..{int(nxt.max())}")
-    out = {"scored": sc.copy(), **{k: np.full(n, np.nan) for k in NEXT_TOKEN_KEYS[1:]}}
-    if not sc.any():
-        return out
-    both = np.asarray(finite, bool).reshape(-1) if finite is not None else None
-    if both is None or both.shape[0] != n:
-        both = finite_rows(ref) & finite_rows(cand)
-    ok = sc & both
-    s = _scratch(v)
-    for i in np.flatnonzero(ok):
-        r, c = ref[i], cand[i]
-        top = int(np.argmax(r))
-        lr, lc = _log_partition(r, float(r[top]), s), _log_partition(c, float(c[np.argmax(c)]), s)
-        out["delta_p"][i] = math.exp(float(c[top]) - lc) - math.exp(float(r[top]) - lr)
-        t = int(nxt[i])
-        if t >= 0:
-            out["ref_nll"][i] = lr - float(r[t])
-            out["cand_nll"][i] = lc - float(c[t])
-            out["delta_p_next"][i] = math.exp(-out["cand_nll"][i]) - math.exp(-out["ref_nll"][i])
-    return out
+    return {"scored": sc.copy(), **{k: np.full(n, np.nan) for k in NEXT_TOKEN_KEYS[1:]}}, sc, nxt
+
+
+def _next_token_row(out: dict[str, np.ndarray], i: int, r: np.ndarray, c: np.ndarray, top: int, c_top: int, t: int,
+                    log_z_ref: float | None, s: _Scratch) -> None:
+    """Fill position ``i`` of ``next_token_metrics``'s ``out`` from the finite rows ``r`` and ``c``,
+    their argmaxes ``top``/``c_top``, the next token ``t`` (-1: none) and, when known, the
+    reference's log-partition (else computed here; ``s.e`` is overwritten)."""
+    lr = _log_partition(r, float(r[top]), s) if log_z_ref is None else log_z_ref
+    lc = _log_partition(c, float(c[c_top]), s)
+    out["delta_p"][i] = math.exp(float(c[top]) - lc) - math.exp(float(r[top]) - lr)
+    if t >= 0:
+        out["ref_nll"][i] = lr - float(r[t])
+        out["cand_nll"][i] = lc - float(c[t])
+        out["delta_p_next"][i] = math.exp(-out["cand_nll"][i]) - math.exp(-out["ref_nll"][i])
 
 
 def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = False) -> np.ndarray:

@@ -113,9 +113,7 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
             c_buf = next(cand_it)
         k = min(r_buf.shape[0], c_buf.shape[0])
         at = np.arange(done, done + k)
-        pm = metrics.position_metrics(r_buf[:k], c_buf[:k])
-        parts.append(pm | metrics.next_token_metrics(r_buf[:k], c_buf[:k], following[at], (at >= score_from) & (following[at] >= 0),
-                                                     pm["finite"] & pm["ref_finite"]))
+        parts.append(metrics.position_metrics(r_buf[:k], c_buf[:k], following[at], (at >= score_from) & (following[at] >= 0)))
         r_buf, c_buf = r_buf[k:], c_buf[k:]
         done += k
         if progress:
