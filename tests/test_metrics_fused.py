@@ -109,3 +109,42 @@ def test_next_token_metrics_fused_into_position_metrics_equal_the_separate_pass_
     assert fused["cand_nll"][0] == pytest.approx(-lc[5], rel=1e-7)
     top = int(np.argmax(ref[0]))
     assert fused["delta_p"][0] == pytest.approx(np.exp(lc[top]) - np.exp(lr[top]), abs=1e-9)
+
+
+def test_rows_split_across_threads_give_the_same_values_bit_for_bit(monkeypatch):
+    """``position_metrics`` splits a block's rows across threads at a large vocabulary (issue 47);
+    each row pair is computed whole by one thread with its own scratch buffers, so every field
+    equals the one-thread result exactly, including the next-token keys."""
+    rng = np.random.default_rng(11)
+    n = 70
+    ref = (rng.standard_normal((n, 40_000)) * 2.5).astype(np.float32)
+    cand = (ref + rng.standard_normal(ref.shape).astype(np.float32) * 1e-3).astype(np.float32)
+    cand[5, 3] = np.inf
+    nxt = rng.integers(0, 40_000, n)
+    nxt[-1] = -1
+    scored = np.ones(n, bool)
+    monkeypatch.setattr(M, "metric_threads", lambda: 1)
+    assert M._row_spans(n, 40_000) == [(0, n)]
+    one = M.position_metrics(ref, cand, nxt, scored)
+    monkeypatch.setattr(M, "metric_threads", lambda: 3)
+    assert M._row_spans(n, 40_000) == [(0, 23), (23, 46), (46, 70)]
+    assert M._row_spans(n, 1_000) == [(0, n)]  # a small vocabulary stays on one thread
+    three = M.position_metrics(ref, cand, nxt, scored)
+    assert set(one) == set(three)
+    for k in one:
+        np.testing.assert_array_equal(one[k], three[k], err_msg=k)
+    assert not three["finite"][5] and three["finite"][[4, 6]].all()
+
+
+def test_metric_threads_refuses_a_bad_setting_in_one_line(monkeypatch):
+    monkeypatch.setenv("HARNESS_METRIC_THREADS", "two")
+    M.metric_threads.cache_clear()
+    try:
+        with pytest.raises(M.InvalidInput, match="HARNESS_METRIC_THREADS='two'"):
+            M.metric_threads()
+        monkeypatch.setenv("HARNESS_METRIC_THREADS", "3")
+        M.metric_threads.cache_clear()
+        assert M.metric_threads() == 3
+    finally:
+        monkeypatch.delenv("HARNESS_METRIC_THREADS")
+        M.metric_threads.cache_clear()
