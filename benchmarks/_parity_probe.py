@@ -10,7 +10,9 @@ each row through the pipe, which cannot be told apart from waiting for the decod
 describes the model for its ``info`` counts only the worker's own tokenizing seconds so), and the oracle's
 ``logits`` generator while it computes (trunk, lm_head, float32 conversion) and its ``generate``
 (free-running greedy: a session's decode steps; the worker's ``generate`` run is timed like its
-other runs). Everything else in ``harness.cli.main`` is the harness's own time:
+other runs), and the oracle's sessions (``OracleSession.feed`` and ``feed_hidden``: the probes'
+and serving's step-by-step decode). A timed call inside another timed call is counted once.
+Everything else in ``harness.cli.main`` is the harness's own time:
 tokenization, metrics, the receipt, the ledger row, the report. Printed fields: ``main_s``,
 ``engine_s`` (per engine), ``tokenize_s``, ``import_s``, ``maxrss_mb`` (this process: the harness
 and the in-process oracle), ``worker_peak_rss_mb`` (the largest decoding llama.cpp worker's own
@@ -34,21 +36,29 @@ from _rss import ChildPeakRSS, self_peak_mb  # noqa: E402
 from harness.cli import main  # noqa: E402
 from harness.engines.llamacpp import LlamaCppEngine  # noqa: E402
 from harness.engines.oracle.qwen35 import Qwen35Oracle  # noqa: E402
+from harness.engines.oracle.session import OracleSession  # noqa: E402
 from harness.evidence import report  # noqa: E402,F401  (what a parity run imports; timed as import_s)
 
 import_s = time.perf_counter() - t0
 timers = {"llama.cpp": 0.0, "oracle": 0.0, "tokenize": 0.0}
 
 
+_depth = [0]  # timed engine calls in progress: a call inside another is already counted
+
+
 def _timed(cls, name: str, key) -> None:
     real = getattr(cls, name)
 
     def wrapper(self, *a, **k):
+        if _depth[0]:
+            return real(self, *a, **k)
         bucket = key(a) if callable(key) else key
         t = time.perf_counter()
+        _depth[0] += 1
         try:
             return real(self, *a, **k)
         finally:
+            _depth[0] -= 1
             timers[bucket] += time.perf_counter() - t
 
     setattr(cls, name, wrapper)
@@ -61,13 +71,17 @@ def _timed_stream(cls, name: str, key: str) -> None:
     def wrapper(self, *a, **k):
         it = real(self, *a, **k)
         while True:
+            outer = not _depth[0]
             t = time.perf_counter()
+            _depth[0] += 1
             try:
                 item = next(it)
             except StopIteration:
-                timers[key] += time.perf_counter() - t
                 return
-            timers[key] += time.perf_counter() - t
+            finally:
+                _depth[0] -= 1
+                if outer:
+                    timers[key] += time.perf_counter() - t
             yield item
 
     setattr(cls, name, wrapper)
@@ -120,6 +134,8 @@ _time_runs(LlamaCppEngine)
 _timed_stream(LlamaCppEngine, "logits", "llama.cpp")  # the worker streams its logits while it decodes
 _timed_stream(Qwen35Oracle, "logits", "oracle")
 _timed(Qwen35Oracle, "generate", "oracle")  # free-running greedy (report-only): the oracle's own decode steps
+_timed(OracleSession, "feed", "oracle")  # the probes' and serving's step-by-step sessions (inside generate: counted once)
+_timed(OracleSession, "feed_hidden", "oracle")
 
 
 def run() -> None:
