@@ -13,6 +13,7 @@ of things measured side by side in this run, and the page records the machine an
    (target ≤ 5 %; and the probe run's share on the same model), the harness process's peak RSS above the in-process oracle's own (target
    < 512 MB), the llama.cpp worker's peak RSS, and a cProfile of where the time goes; with the
    reference cache off (``--no-reference-cache``: the reference is computed, as issue 47 asks).
+   ``--only parity`` rewrites sections 2 and 10 alone (both measured on the same cell).
 3. Oracle vs llama.cpp wall time and peak RSS on ``fixture:small-qwen35`` (bench_oracle.py).
 4. A 64-position parity run at Qwen3.5-0.8B's real shapes (24 layers, d_model 1024, FFN 3584,
    8/2 heads × 256, DeltaNet 16/16 heads × 128, vocab 248,320, tied output, Q4_K_M; random
@@ -216,6 +217,28 @@ def profile_summary(prof: Path, main_s: float) -> tuple[list[tuple[str, float]],
     return cats, top
 
 
+def measure_parity(work: Path, positions: int) -> tuple[dict, dict]:
+    """Section 2's measurements (and section 10's, made on the same cell first): the parity run
+    with the reference cache off, a profiled copy, the oracle alone's RSS and the probe run."""
+    v248 = fx.build("tiny-qwen35-v248k")
+    prompts, lists, from_text = build_prompts(v248, positions, work)
+    common = ["--model", "fixture:tiny-qwen35-v248k", "--prompts", str(prompts), "--candidate", "oracle", "--reference", "llama.cpp"]
+    rc = bench_reference_cache.measure(parity_probe, common, work)
+    common = common + ["--no-reference-cache"]  # the harness's share is measured with the reference computed
+    run = parity_probe(common + ["--ledger", str(work / "ev" / "ledger.jsonl")])
+    run["state_mb"] = state_mb(v248, max(512, -(-max(len(x) for x in lists) // 256) * 256))
+    run["model_mb"] = v248.stat().st_size / 2**20
+    prof = work / "parity.prof"
+    prof_run = parity_probe(common + ["--ledger", str(work / "ev-prof" / "ledger.jsonl")], profile=prof)
+    cats, top = profile_summary(prof, prof_run["main_s"])
+    alone = oracle_alone_rss(v248, lists, work)
+    print("2b. harness probe on the same model ...", flush=True)
+    probe = parity_probe(["--model", "fixture:tiny-qwen35-v248k", "--candidate", "oracle", "--ledger",
+                          str(work / "ev-probe" / "ledger.jsonl")], command="probe")
+    return ({"run": run, "profiled": prof_run, "categories": cats, "top": top, "oracle_alone_rss_mb": alone,
+             "from_text": from_text, "positions": positions, "prompts": len(lists), "probe": probe}, rc)
+
+
 def _probe_share_lines(probe: dict | None) -> list[str]:
     """Section 2's lines on ``harness probe --candidate oracle`` on the same model (issue 47 asks
     for its share too): every default probe, the long and serving probes against llama.cpp."""
@@ -326,7 +349,7 @@ def main() -> None:
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
     ap.add_argument("--serving-histories", default="1024,4096", help="history lengths of section 11 (16384 on request: "
                     "about 25 GB at the 4K run's growth)")
-    ap.add_argument("--only", choices=["evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server"], default=None,
+    ap.add_argument("--only", choices=["parity", "evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
@@ -366,6 +389,18 @@ def main() -> None:
         print(f"wrote the llama-server section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
+    if a.only == "parity":
+        print("2. and 10. the parity run, the probe run and the reference cache ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
+            par, rc = measure_parity(Path(d), a.positions)
+        par["load"] = [load()]
+        splice_section(Path(a.out), "-position parity run at V = 248,320", parity_section(par) + [
+            "", f"(Section 2 rewritten alone by `benchmarks/run_all.py --only parity`; load average at its end {par['load'][0]}.)"],
+            "parity", par)
+        splice_section(Path(a.out), "The reference cache", bench_reference_cache.section(rc), "reference_cache", rc)
+        print(f"wrote sections 2 and 10 of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+
     if a.only == "reference-cache":
         print("10. the reference cache ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
@@ -384,23 +419,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
         work = Path(d)
         print(f"2. {a.positions}-position parity run at V=248,320 ...", flush=True)
-        v248 = fx.build("tiny-qwen35-v248k")
-        prompts, lists, from_text = build_prompts(v248, a.positions, work)
-        common = ["--model", "fixture:tiny-qwen35-v248k", "--prompts", str(prompts), "--candidate", "oracle", "--reference", "llama.cpp"]
-        r["reference_cache"] = bench_reference_cache.measure(parity_probe, common, work)
-        common = common + ["--no-reference-cache"]  # the harness's share is measured with the reference computed
-        run = parity_probe(common + ["--ledger", str(work / "ev" / "ledger.jsonl")])
-        run["state_mb"] = state_mb(v248, max(512, -(-max(len(x) for x in lists) // 256) * 256))
-        run["model_mb"] = v248.stat().st_size / 2**20
-        prof = work / "parity.prof"
-        prof_run = parity_probe(common + ["--ledger", str(work / "ev-prof" / "ledger.jsonl")], profile=prof)
-        cats, top = profile_summary(prof, prof_run["main_s"])
-        alone = oracle_alone_rss(v248, lists, work)
-        print("2b. harness probe on the same model ...", flush=True)
-        probe = parity_probe(["--model", "fixture:tiny-qwen35-v248k", "--candidate", "oracle", "--ledger",
-                              str(work / "ev-probe" / "ledger.jsonl")], command="probe")
-        r["parity"] = {"run": run, "profiled": prof_run, "categories": cats, "top": top, "oracle_alone_rss_mb": alone,
-                       "from_text": from_text, "positions": a.positions, "prompts": len(lists), "probe": probe}
+        r["parity"], r["reference_cache"] = measure_parity(work, a.positions)
         r["load"]["parity"] = load()
 
         print("3. oracle vs llama.cpp on small-qwen35 ...", flush=True)
@@ -447,49 +466,12 @@ def main() -> None:
     print(f"wrote {out} and {out.with_suffix('.json').name}")
 
 
-# --------------------------------------------------------------------------------- render
-def render(r: dict) -> str:
-    m, met, par = r["machine"], r["metrics"], r["parity"]
+def parity_section(par: dict) -> list[str]:
+    """The Markdown lines of section 2 (the parity run, the probe run's share, the profile)."""
     run, pr = par["run"], par["profiled"]
     ok = lambda cond: "met" if cond else "**not met**"  # noqa: E731
     above = run["maxrss_mb"] - par["oracle_alone_rss_mb"]
     lines = [
-        "# Benchmarks",
-        "",
-        "Written by `make bench` (`python benchmarks/run_all.py`); every figure below comes from one run. "
-        "Absolute times depend on the machine and its load, so read the ratios, which compare things measured "
-        "side by side in the same run.",
-        "",
-        "## Machine",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| CPU | {m['cpu']} ({m['cores']} cores, {m['usable_cores']} usable) |",
-        f"| RAM | {m['ram_gb']:.1f} GiB ({m['ram_available_gb']:.1f} GiB available at start) |",
-        f"| OS | {m['os']} |",
-        f"| Python / NumPy | {m['python']} / {m['numpy']} |",
-        f"| llama-cpp-python / gguf | {m['llama_cpp_python']} / {m['gguf']} |",
-        f"| harness commit | {m['commit']} |",
-        f"| date | {m['date']} |",
-        f"| load average (1/5/15 min) | start {r['load']['start']}; after metrics {r['load'].get('metrics')}; after parity "
-        f"{r['load'].get('parity')}; after oracle {r['load'].get('oracle')}; after real scale {r['load'].get('real', '-')}; "
-        f"end {r['load']['end']} |",
-        "",
-        "A load average above the core count means other work shared the CPUs (on the reference machine: other "
-        "sessions training models); the ratios are still like for like, the absolute times are not.",
-        "",
-        "## 1. Metrics throughput at V = 248,320",
-        "",
-        f"`harness.measure.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
-        f"positions in blocks of {met['block']}, against a plain pass (`sum(axis=1)` of both arrays: reads the same bytes once).",
-        "",
-        "| | positions/s | µs/position |",
-        "|---|---:|---:|",
-        f"| plain pass | {met['plain_positions_per_s']:,.0f} | {met['plain_us_per_position']:,.0f} |",
-        f"| metrics | {met['metrics_positions_per_s']:,.0f} | {met['metrics_us_per_position']:,.0f} |",
-        "",
-        f"Ratio metrics / plain: **{met['ratio']:.2f}×** (target ≤ {met['target_ratio']:.0f}×: {ok(met['ratio'] <= met['target_ratio'])}).",
-        "",
         f"## 2. A {par['positions']:,}-position parity run at V = 248,320",
         "",
         f"`harness parity --model fixture:tiny-qwen35-v248k --candidate oracle --reference llama.cpp` over {par['prompts']} prompts "
@@ -536,6 +518,52 @@ def render(r: dict) -> str:
     lines += ["", "Harness functions by own time (excluding what they call):", "", "| function | own s | cumulative s |", "|---|---:|---:|"]
     for name, tt, ct in par["top"]:
         lines.append(f"| `{name}` | {tt:.2f} | {ct:.2f} |")
+    return lines
+
+
+# --------------------------------------------------------------------------------- render
+def render(r: dict) -> str:
+    m, met, par = r["machine"], r["metrics"], r["parity"]
+    ok = lambda cond: "met" if cond else "**not met**"  # noqa: E731
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python benchmarks/run_all.py`); every figure below comes from one run. "
+        "Absolute times depend on the machine and its load, so read the ratios, which compare things measured "
+        "side by side in the same run.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m['cpu']} ({m['cores']} cores, {m['usable_cores']} usable) |",
+        f"| RAM | {m['ram_gb']:.1f} GiB ({m['ram_available_gb']:.1f} GiB available at start) |",
+        f"| OS | {m['os']} |",
+        f"| Python / NumPy | {m['python']} / {m['numpy']} |",
+        f"| llama-cpp-python / gguf | {m['llama_cpp_python']} / {m['gguf']} |",
+        f"| harness commit | {m['commit']} |",
+        f"| date | {m['date']} |",
+        f"| load average (1/5/15 min) | start {r['load']['start']}; after metrics {r['load'].get('metrics')}; after parity "
+        f"{r['load'].get('parity')}; after oracle {r['load'].get('oracle')}; after real scale {r['load'].get('real', '-')}; "
+        f"end {r['load']['end']} |",
+        "",
+        "A load average above the core count means other work shared the CPUs (on the reference machine: other "
+        "sessions training models); the ratios are still like for like, the absolute times are not.",
+        "",
+        "## 1. Metrics throughput at V = 248,320",
+        "",
+        f"`harness.measure.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
+        f"positions in blocks of {met['block']}, against a plain pass (`sum(axis=1)` of both arrays: reads the same bytes once).",
+        "",
+        "| | positions/s | µs/position |",
+        "|---|---:|---:|",
+        f"| plain pass | {met['plain_positions_per_s']:,.0f} | {met['plain_us_per_position']:,.0f} |",
+        f"| metrics | {met['metrics_positions_per_s']:,.0f} | {met['metrics_us_per_position']:,.0f} |",
+        "",
+        f"Ratio metrics / plain: **{met['ratio']:.2f}×** (target ≤ {met['target_ratio']:.0f}×: {ok(met['ratio'] <= met['target_ratio'])}).",
+        "",
+    ]
+    lines += parity_section(par)
     o = r["oracle"]
     ratio = o["oracle"]["wall_s"] / o["llama"]["wall_s"]
     budget = 3 * o["file_mb"] + 200
