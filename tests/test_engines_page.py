@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.evidence import engines_page
+from harness.release import engines_refresh
 from harness.paths import SOURCE_ROOT
 
 LEDGER = SOURCE_ROOT / engines_page.DEFAULT_LEDGER
@@ -50,7 +51,7 @@ def test_no_thresholds_row_the_committed_page_cites_has_changed_since_it_was_ren
     """Each cell names the thresholds.yaml row that judged it with the sha256 of that row as its
     receipt recorded it; a re-calibration that changes one makes the page stale until fresh rows
     are made (a plain re-render cannot hide it: the sha256 comes from the receipts)."""
-    stale = engines_page.stale_rows(SOURCE_ROOT / engines_page.DEFAULT_OUT, SOURCE_ROOT / "thresholds.yaml")
+    stale = engines_refresh.stale_rows(SOURCE_ROOT / engines_page.DEFAULT_OUT, SOURCE_ROOT / "thresholds.yaml")
     assert not stale, f"docs/engines.md is stale, run: {engines_page.REFRESH_COMMAND} ({'; '.join(stale)})"
 
 
@@ -75,14 +76,14 @@ def test_a_receipts_row_hashes_as_the_row_in_thresholds_yaml(tmp_path: Path):
     page = tmp_path / "engines.md"
     page.write_text(f"{engines_page.CITED_HEADING}\n\n| row | sha256 |\n|---|---|\n| `{label}` | `{sha}` |\n")
     path = _thresholds_copy(tmp_path)
-    assert engines_page.stale_rows(page, path) == [] and engines_page.stale_notice(page, path) is None
+    assert engines_refresh.stale_rows(page, path) == [] and engines_refresh.stale_notice(page, path) is None
     i = int(label[:-1].split("[")[1])
     data = __import__("yaml").safe_load(path.read_text())
     data["calibrated"][i]["gates"]["min_cosine"]["value"] = 0.999
     path.write_text(__import__("yaml").safe_dump(data, sort_keys=False))
-    (line,) = engines_page.stale_rows(page, path)
+    (line,) = engines_refresh.stale_rows(page, path)
     assert line.startswith(f"{label}: judged as sha256 {sha[:12]}, now ") and not line.endswith(sha[:12])
-    notice = engines_page.stale_notice(page, path)
+    notice = engines_refresh.stale_notice(page, path)
     assert "is stale: 1 of the" in notice and notice.endswith(f"refresh it: {engines_page.REFRESH_COMMAND}")
 
 

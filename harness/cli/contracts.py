@@ -113,10 +113,10 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
 
 def _page_notice() -> None:
     """The release flow's word on docs/engines.md: a line when a thresholds row it cites changed
-    since it was rendered (``engines_page.stale_notice``), naming the refresh command."""
-    from harness.evidence import engines_page
+    since it was rendered (``engines_refresh.stale_notice``), naming the refresh command."""
+    from harness.release import engines_refresh
 
-    line = engines_page.stale_notice()
+    line = engines_refresh.stale_notice()
     if line:
         click.echo(_p(line), err=True)
 

