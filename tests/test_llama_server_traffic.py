@@ -151,6 +151,9 @@ def test_fault_keeps_judged_scenarios(fake):
         def serialized(self, traffic):
             return SERIALIZED
 
+        def cache_source(self):
+            return "timings.cache_n"
+
         def drive(self, sc, *a, **kw):
             if sc.name == "two":
                 _Fake.mode = "notjson"

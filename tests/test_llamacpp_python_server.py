@@ -7,7 +7,7 @@ continuation sent as text, the prefix reuse read from the log); the engine's com
 refusal of overrides; real servers serving two short scenarios through ``harness probe``
 (about 20 s).
 
-Slow test (every shipped scenario on fixture:trained-qwen35; about 90 s alone, 160 s on a loaded
+Slow test (every shipped scenario on fixture:trained-qwen35; about 90 s alone, 240 s on a loaded
 machine):
 
     PYTHONPATH=. .venv/bin/python -m pytest -q -m slow tests/test_llamacpp_python_server.py
