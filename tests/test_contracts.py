@@ -139,7 +139,7 @@ def test_engine_table_names_loaders_and_hashed_sources(tiny_path):
 
     assert resolve_engine("llamacpp", tiny_path).info.name == resolve_engine("llama.cpp", tiny_path).info.name == "llama.cpp"
     assert engine_entry("mutant:dt-bias-dropped").name == "mutant:" and engine_entry("planted:nan-logits").load is None
-    with pytest.raises(InvalidInput, match=r"unknown engine 'planted:nan-logits'; known: llama\.cpp, llama\.cpp-repack, oracle, oracle-bf16, oracle-f16, llama-server, transformers, mlx, mutant:"):
+    with pytest.raises(InvalidInput, match=r"unknown engine 'planted:nan-logits'; known: llama\.cpp, llama\.cpp-repack, oracle, oracle-bf16, oracle-f16, llama-server, llama-cpp-python-server, transformers, mlx, mutant:"):
         resolve_engine("planted:nan-logits", tiny_path)
     oracle = engine_source_hashes("oracle")
     assert set(oracle) == {"harness/engines/base.py", "harness/model/gguf_model.py", "harness/engines/oracle/__init__.py",

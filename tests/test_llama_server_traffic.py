@@ -120,7 +120,7 @@ def test_faults_are_one_line_engine_errors(fake, mode, words):
     assert re.search(words, msg) and "\n" not in msg and "request 'a'" in msg
 
 
-def test_fault_keeps_judged_scenarios(fake, monkeypatch):
+def test_fault_keeps_judged_scenarios(fake):
     """The probe returns ENGINE-ERROR on a fault; the scenarios judged before it keep their rows."""
     calls = {"n": 0}
 
@@ -143,17 +143,25 @@ def test_fault_keeps_judged_scenarios(fake, monkeypatch):
         def alive(self):
             return True
 
+        NAME, SOLO_EXTRA = "fake", {}
+
+        def prepare(self, prompts):
+            return {}
+
+        def serialized(self, traffic):
+            return SERIALIZED
+
+        def cache_source(self):
+            return "timings.cache_n"
+
+        def drive(self, sc, *a, **kw):
+            if sc.name == "two":
+                _Fake.mode = "notjson"
+            return drive_scenario(self.url, sc, *a, **kw)
+
     scs = [Scenario("one", "", [{"id": "c1", "prompt": [{"prompt": 0, "tokens": 3}], "n_tokens": 2}], {"in_flight": 1}),
            Scenario("two", "", [{"id": "c1", "prompt": [{"prompt": 0, "tokens": 3}], "n_tokens": 3}], {"in_flight": 1})]
     prompts = [PromptTokens("p0", [1, 2, 3], "ids")]
-    orig = drive_scenario
-
-    def second_fails(url, sc, *a, **kw):
-        if sc.name == "two":
-            _Fake.mode = "notjson"
-        return orig(url, sc, *a, **kw)
-
-    monkeypatch.setattr("harness.runs.http_serving.drive_scenario", second_fails)
     res = probe_llama_server(_Srv, prompts, ProbeTolerance(min_cosine=0.99, max_kld=1e-4), scs, 100, parallel=4)
     assert res.verdict is Verdict.ENGINE_ERROR and "not JSON" in res.reason
     rows = res.details["scenarios"]

@@ -110,6 +110,16 @@ def discharge(contract, candidate, obligation_ids, evidence_dir, jobs, no_write,
     sys.exit(dis.discharge_exit(results))
 
 
+
+def _page_notice() -> None:
+    """The release flow's word on docs/engines.md: a line when a thresholds row it cites changed
+    since it was rendered (``engines_refresh.stale_notice``), naming the refresh command."""
+    from harness.release import engines_refresh
+
+    line = engines_refresh.stale_notice()
+    if line:
+        click.echo(_p(line), err=True)
+
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path())
 @click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED or NOT-APPLICABLE (5 when none is DISCHARGED).")
@@ -145,6 +155,7 @@ def status(paths, check, evidence_dir, candidates, as_json) -> None:
         _render_table("coverage", ("contract", "version", "obligations", *dis.STATUSES),
                       [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage],
                       fold=(), right=("obligations", *dis.STATUSES))
+    _page_notice()
     if check and dis.check_exit(rows):
         if dis.check_exit(rows) == 5:
             raise Unmeasured(f"no obligation of {', '.join(c['contract'] for c in coverage)} is DISCHARGED: every one is NOT-APPLICABLE to "

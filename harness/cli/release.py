@@ -197,12 +197,21 @@ def ledger_merge(folders, ledger_path) -> None:
               help="The ledger of the engine conformance runs (receipts beside it).")
 @click.option("--out", default="docs/engines.md", show_default=True, type=click.Path(dir_okay=False), help="Where to write the page.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 when OUT differs from the regeneration.")
-def ledger_engines_page(ledger_path, out, check) -> None:
+@click.option("--refresh", is_flag=True, help="First make fresh rows in LEDGER for every engine of the page this machine has "
+              "(a parity run per model and class, its probe runs), then write the page.")
+@click.option("--engine", "engines", multiple=True, help="With --refresh: only this engine (repeatable).")
+@click.option("--model", "models", multiple=True, help="With --refresh: only this model spec (repeatable).")
+@click.option("--dry-run", is_flag=True, help="With --refresh: list the runs, run nothing, write nothing.")
+def ledger_engines_page(ledger_path, out, check, refresh, engines, models, dry_run) -> None:
     """Regenerate docs/engines.md, the conformance page of the real engines the harness judges
-    (engine x model x compute class: verdicts, numbers, unmeasured cells with their reason, pitfalls)."""
+    (engine x model x compute class: verdicts, numbers, serving scenarios, the thresholds rows that
+    judged them, unmeasured cells with their reason, pitfalls)."""
     # deferred: startup
     from harness.evidence import engines_page
 
+    if refresh:
+        _refresh_engines_page(ledger_path, out, engines, models, dry_run)
+        return
     text = engines_page.render(ledger_path, shown_ledger=ledger_path)
     if check:
         current = Path(out).read_text() if Path(out).is_file() else None
@@ -213,6 +222,21 @@ def ledger_engines_page(ledger_path, out, check) -> None:
         return
     engines_page.write(ledger_path, out)
     click.echo(_p(f"wrote {out} from {ledger_path}"))
+
+
+def _refresh_engines_page(ledger_path: str, out: str, engines: tuple[str, ...], models: tuple[str, ...], dry_run: bool) -> None:
+    """``engines-page --refresh``: ``harness.release.engines_refresh.refresh``, its progress and outcome printed."""
+    from harness.release import engines_refresh
+
+    res = engines_refresh.refresh(ledger_path, out, engines, models, dry_run, log=lambda line: click.echo(_p(line)))
+    for line in res.skipped:
+        click.echo(_p(f"skipped {line}"))
+    failed = [(r, rc) for r, rc, _ in res.runs if rc not in (0, 1, 5)]
+    for r, rc in failed:
+        click.echo(_p(f"no fresh row: {r.what} exited {rc}; rerun: harness {' '.join(r.argv)}"))
+    total = sum(s for _, _, s in res.runs)
+    if res.page is not None:
+        click.echo(_p(f"{len(res.runs)} runs in {total:.0f} s ({len(failed)} without a fresh row); wrote {res.page} from {ledger_path}"))
 
 
 @cli.command()

@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -50,7 +51,10 @@ class Reply:
     """One request as the server answered it. ``prompt``: the ids sent (a continuation's whole
     history); ``tokens``: generated ids; ``top``: per generated token, ``(ids [k], logprobs [k])``
     of the distribution that chose it; ``slot``: ``id_slot`` (-1 unknown); ``cached``:
-    ``timings.cache_n``; times in seconds of ``time.monotonic``: sent, first token, end."""
+    ``timings.cache_n``; times in seconds of ``time.monotonic``: sent, first token, end. A text
+    server's reply (``TextRun``) also has ``text`` (the prompt text sent), ``out_text`` (the text
+    it generated), ``log_mark`` (the server log's size when its first token arrived) and
+    ``chosen_lp`` (each generated token's own logprob, ``token_logprobs``)."""
 
     id: str
     prompt: list[int]
@@ -63,6 +67,10 @@ class Reply:
     t_first: float | None = None
     t_end: float = 0.0
     pinned: int | None = None
+    text: str | None = None
+    out_text: str = ""
+    log_mark: int | None = None
+    chosen_lp: list[float] = field(default_factory=list)
 
     def topk(self, k: int) -> TopK:
         """The rows as a ``TopK`` ``[len(tokens), k]`` (row i: the distribution that chose token i)."""
@@ -141,7 +149,10 @@ def _parse_event(line: str, who: str) -> dict[str, Any] | None:
 
 
 class _Run:
-    """One scenario's clients (module docstring)."""
+    """One scenario's clients (module docstring): llama-server's ``/completion`` with token ids."""
+
+    PATH = "/completion"
+    SERVER = "llama-server"
 
     def __init__(self, url: str, scenario: ServeScenario, n_vocab: int, k: int, pin: Mapping[str, int], extra: Mapping[str, Any]):
         self.url, self.scenario, self.n_vocab, self.k = url.rstrip("/"), scenario, n_vocab, k
@@ -165,28 +176,32 @@ class _Run:
         if req.continues is not None:
             await self.done[req.continues].wait()
 
-    def _body(self, req: ServeRequest, prompt: list[int], slot: int | None) -> dict[str, Any]:
+    def _body(self, req: ServeRequest, rep: Reply) -> dict[str, Any]:
         from harness.engines.http_engine import GREEDY_PARAMS
 
+        prompt, slot = rep.prompt, rep.pinned
         body = {"prompt": prompt, "n_predict": req.n_tokens, "n_probs": self.k, "stream": True, "return_tokens": True,
                 "cache_prompt": True, "temperature": 0, "post_sampling_probs": False, **GREEDY_PARAMS["llama-server"], **self.extra}
         if slot is not None:
             body["id_slot"] = slot
         return body
 
-    async def one(self, client: Any, req: ServeRequest) -> None:
-        await self._wait_arrival(req)
+    def _reply(self, req: ServeRequest) -> Reply:
+        """The reply a request starts as: its whole prompt (a continuation's history in front)."""
         prompt = list(req.tokens)
         if req.continues is not None:
             prev = self.replies[req.continues]
             prompt = prev.prompt + prev.tokens + prompt
-        slot = self.pin.get(req.id)
-        who = f"llama-server at {self.url}, scenario {self.scenario.name!r}, request {req.id!r}"
-        rep = Reply(req.id, prompt, t_sent=time.monotonic(), pinned=slot)
+        return Reply(req.id, prompt, t_sent=time.monotonic(), pinned=self.pin.get(req.id))
+
+    async def one(self, client: Any, req: ServeRequest) -> None:
+        await self._wait_arrival(req)
+        rep = self._reply(req)
+        who = f"{self.SERVER} at {self.url}, scenario {self.scenario.name!r}, request {req.id!r}"
         self.replies[req.id] = rep
         final = False
         try:
-            async with client.stream("POST", self.url + "/completion", json=self._body(req, prompt, slot)) as resp:
+            async with client.stream("POST", self.url + self.PATH, json=self._body(req, rep)) as resp:
                 if resp.status_code >= 400:
                     head = (await resp.aread())[:200].decode("utf-8", "replace")
                     raise EngineError(f"{who} answered HTTP {resp.status_code}: {plain(head)}")
@@ -202,7 +217,7 @@ class _Run:
         except Exception as e:  # httpx transport errors: refused, reset, cut short
             raise EngineError(f"{who}: the connection failed ({type(e).__name__}: {plain(str(e))[:120]}); the server "
                               "died mid-scenario or cut the body short") from None
-        rep.t_end = time.monotonic()
+        rep.t_end = rep.t_end or time.monotonic()  # a text run takes it at its final event
         if req.abort_after is not None and len(rep.tokens) >= req.abort_after and not final:
             rep.aborted = True
         elif not final:
@@ -245,6 +260,129 @@ class _Run:
         return False
 
 
+class TextRun(_Run):
+    """One scenario's clients of llama-cpp-python's server (``python -m llama_cpp.server``): its
+    OpenAI ``POST /v1/completions``, which takes text, not ids (``prompt: str``,
+    ``llama_cpp/server/types.py``), so each request sends ``to_text(ids)`` (a continuation: the
+    history's text, the text the server generated, the new turn's text), streamed with
+    ``logprobs`` k, ``max_tokens``, ``temperature`` 0 and the neutral penalties. Each event carries
+    one token as text (``logprobs.tokens``) and its ``top_logprobs`` keyed by text
+    (``llama_cpp/llama.py`` ``_create_completion``); ``key_id`` maps a text to its id (None: a text
+    several ids share; such entries leave the row, their mass in the tail, and a generated token
+    that is one is -1). The last event has a ``finish_reason``. The server has one model context
+    and no slots: every reply's slot is 0. ``mark()``: the server log's size, taken at each first
+    token (``Reply.log_mark``; ``drive_text_scenario`` reads the prefix reuse from it)."""
+
+    PATH = "/v1/completions"
+    SERVER = "llama-cpp-python's server"
+
+    def __init__(self, url: str, scenario: ServeScenario, n_vocab: int, k: int, model: str, to_text: Callable[[list[int]], str],
+                 key_id: Callable[[Any], int | None], mark: Callable[[], int], extra: Mapping[str, Any]):
+        super().__init__(url, scenario, n_vocab, k, {}, extra)
+        self.model, self.to_text, self.key_id, self.mark = model, to_text, key_id, mark
+
+    def _reply(self, req: ServeRequest) -> Reply:
+        from harness.errors import NotComparable
+
+        try:
+            text = self.to_text(list(req.tokens))
+        except NotComparable as e:
+            raise NotComparable(f"scenario {self.scenario.name!r}, request {req.id!r}: {e}") from None
+        if req.continues is not None:
+            prev = self.replies[req.continues]
+            text = (prev.text or "") + prev.out_text + text
+        return Reply(req.id, [], slot=0, t_sent=time.monotonic(), text=text)
+
+    def _body(self, req: ServeRequest, rep: Reply) -> dict[str, Any]:
+        from harness.engines.http_engine import GREEDY_PARAMS
+
+        return {"model": self.model, "prompt": rep.text, "max_tokens": req.n_tokens, "logprobs": self.k, "stream": True,
+                "temperature": 0, **GREEDY_PARAMS["llama-cpp-python"], **self.extra}
+
+    def _row(self, top: Any, who: str) -> tuple[list[int], list[float]]:
+        if not isinstance(top, dict) or not top:
+            raise EngineError(f"{who} streamed a token without top_logprobs (missing logprobs)")
+        pairs = sorted(((_lp(v, who), i) for t, v in top.items() if (i := self.key_id(t)) is not None), key=lambda p: (-p[0], p[1]))
+        return [i for _, i in pairs[: self.k]], [lp for lp, _ in pairs[: self.k]]
+
+    async def _event(self, rep: Reply, ev: dict[str, Any], req: ServeRequest, who: str) -> bool:
+        choices = ev.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise EngineError(f"{who} streamed an event without choices")
+        c = choices[0]
+        lp = c.get("logprobs")
+        if lp is None and c.get("text") and c.get("finish_reason") is None:
+            raise EngineError(f"{who} streamed a token without logprobs (missing logprobs)")
+        toks, tops = (lp.get("tokens"), lp.get("top_logprobs")) if isinstance(lp, dict) else ([], [])
+        if not isinstance(toks, list) or not isinstance(tops, list) or len(toks) != len(tops):
+            raise EngineError(f"{who} streamed an event whose logprobs.tokens and top_logprobs do not line up")
+        chosen = lp.get("token_logprobs") if isinstance(lp, dict) else []
+        if not isinstance(chosen, list) or len(chosen) != len(toks):
+            raise EngineError(f"{who} streamed an event whose logprobs.token_logprobs do not line up with its tokens")
+        for t, top, c_lp in zip(toks, tops, chosen):
+            tid = self.key_id(t)
+            rep.tokens.append(-1 if tid is None else int(tid))
+            rep.top.append(self._row(top, who))
+            rep.chosen_lp.append(_lp(c_lp, who))
+            if rep.t_first is None:
+                rep.t_first, rep.log_mark = time.monotonic(), self.mark()
+        rep.out_text += c.get("text") if isinstance(c.get("text"), str) else ""
+        if len(rep.tokens) > req.n_tokens:
+            raise EngineError(f"{who} streamed {len(rep.tokens)} tokens, more than the {req.n_tokens} asked")
+        if toks:
+            async with self.progress[req.id]:
+                self.progress[req.id].notify_all()
+        if c.get("finish_reason") is not None:
+            rep.t_end = time.monotonic()  # served: the stream's closing handshake is no part of it
+            return True
+        return False
+
+
+PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit")
+"""The line ``llama_cpp/llama.py`` ``Llama.generate`` prints (verbose) when it keeps that many
+tokens of its context for the next prompt; a hybrid model's partial prefix prints "prefix-match
+found but partial kv removal not supported, re-evaluating full prompt" instead."""
+
+
+def drive_text_scenario(url: str, scenario: ServeScenario, n_vocab: int, k: int, model: str, to_text: Callable[[list[int]], str],
+                        key_id: Callable[[Any], int | None], tokenize: Callable[[str], list[int]], log: Callable[[], str],
+                        timeout_s: float = 300.0) -> Traffic:
+    """Serve ``scenario`` by concurrent streamed requests to llama-cpp-python's server at ``url``
+    (``TextRun``); afterwards each reply's ``prompt`` is the server's own tokenization of the text
+    it was sent (``tokenize``, asked once the traffic is over: the server answers one request at a
+    time) and ``cached`` the prefix its ``Llama.generate`` kept for it (``PREFIX_HIT`` in ``log()``
+    between the first token before it and its own; requests are served one at a time). A generated
+    token known only by a text several ids share (-1) takes its id from the server's tokenization
+    of the prompt and generated text, where that lines up with every token known, and goes back
+    into its row with its own logprob (the row lost it with its text). Raises as
+    ``drive_scenario``."""
+    check_loopback(url)
+    if len(scenario.requests) > MAX_REQUESTS:
+        raise InvalidInput(f"scenario {scenario.name!r} has {len(scenario.requests)} requests, more than {MAX_REQUESTS}")
+    start = len(log().encode("utf-8", "surrogateescape"))
+    run = TextRun(url, scenario, n_vocab, k, model, to_text, key_id, lambda: len(log().encode("utf-8", "surrogateescape")), {})
+    t0, c0 = time.monotonic(), time.process_time()
+    asyncio.run(_drive(run, timeout_s))
+    traffic = Traffic(run.replies, time.monotonic() - t0, time.process_time() - c0)
+    text = log().encode("utf-8", "surrogateescape")
+    prev = start
+    for rep in sorted((r for r in run.replies.values() if r.log_mark is not None), key=lambda r: r.t_first or 0.0):
+        hits = PREFIX_HIT.findall(text[prev:rep.log_mark].decode("utf-8", "replace"))
+        rep.cached, prev = (int(hits[-1]) if hits else 0), rep.log_mark or prev
+    for rep in run.replies.values():
+        rep.prompt = tokenize(rep.text or "")
+        if min(rep.tokens, default=0) < 0:  # a text several ids share: the ids of the generated text, if they line up
+            full = tokenize((rep.text or "") + rep.out_text)
+            ids = full[len(rep.prompt):]
+            if full[:len(rep.prompt)] == rep.prompt and len(ids) == len(rep.tokens) and all(a in (b, -1) for a, b in zip(rep.tokens, ids)):
+                for i, (a, b) in enumerate(zip(rep.tokens, ids)):
+                    if a < 0 and b not in rep.top[i][0]:  # its row lost it with its text: put it back with its own logprob
+                        pairs = sorted([*zip(rep.top[i][1], rep.top[i][0]), (rep.chosen_lp[i], b)], key=lambda p: (-p[0], p[1]))[:k]
+                        rep.top[i] = ([p[1] for p in pairs], [p[0] for p in pairs])
+                rep.tokens = ids
+    return traffic
+
+
 async def _drive(run: _Run, timeout_s: float) -> None:
     import httpx
 
@@ -257,7 +395,7 @@ async def _drive(run: _Run, timeout_s: float) -> None:
                 if t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
             if pending:
-                raise EngineError(f"llama-server at {run.url}, scenario {run.scenario.name!r}: not served within {timeout_s:g} s "
+                raise EngineError(f"{run.SERVER} at {run.url}, scenario {run.scenario.name!r}: not served within {timeout_s:g} s "
                                   f"({len(pending)} of {len(tasks)} requests unfinished)")
         finally:
             for t in tasks:

@@ -156,6 +156,13 @@ class LlamaServer:
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _log: Any = field(default=None, repr=False)
 
+    NAME = "llama-server"
+    HEALTH_PATH = "/health"
+    READY_LINE = "listening on {url}"
+    """The log line that says this process (not another on the port) is the one answering."""
+    SOLO_EXTRA = {"cache_prompt": False}  # noqa: RUF012
+    """Body fields of a request sent alone (``harness.runs.http_serving``)."""
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -188,7 +195,7 @@ class LlamaServer:
         cmd = shlex.join(self.command())
         tail = self.stderr_tail()
         self.stop()
-        return EngineError(f"llama-server {why}: {cmd[:300]}; stderr: {tail}")
+        return EngineError(f"{self.NAME} {why}: {cmd[:300]}; stderr: {tail}")
 
     def start(self) -> "LlamaServer":
         """Start it and wait for ``/health`` 200 (``EngineError`` for a port in use, an exit
@@ -196,11 +203,11 @@ class LlamaServer:
         import httpx
 
         if self.port is not None and not _port_free(self.port):
-            self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+            self._log = tempfile.NamedTemporaryFile(prefix=f"{self.NAME}-", suffix=".log", delete=False)
             raise self._fail(f"cannot listen on port {self.port}: it is already in use")
         self.port = self.port or free_port()
         cmd = self.command()
-        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix=f"{self.NAME}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.health_timeout_s
@@ -211,7 +218,8 @@ class LlamaServer:
                        else f"exited with status {self.proc.returncode} before it was healthy")
                 raise self._fail(why)
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200 and f"listening on {self.url}" in self.log_text():
+                if (httpx.get(self.url + self.HEALTH_PATH, timeout=2.0).status_code == 200
+                        and self.READY_LINE.format(url=self.url) in self.log_text()):
                     return self  # healthy, and the one answering is this process (its log says it listens there)
             except httpx.HTTPError:
                 pass
@@ -222,6 +230,27 @@ class LlamaServer:
         """``log_features`` of its log so far, for what this command line asked."""
         return log_features(self.log_text(), {"cache_reuse": self.cache_reuse, "ctx_checkpoints": self.ctx_checkpoints,
                                               "prompt_cache": "default"})
+
+    def prepare(self, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """Body fields every request of a scenario with these prompts carries: where they part, as
+        user message starts (``message_delimiters``), so a hybrid slot can be restored there."""
+        delims = message_delimiters(self.url, prompts)
+        return {"message_delimiters": delims} if delims else {}
+
+    def drive(self, scenario: Any, n_vocab: int, k: int, timeout_s: float, pin: dict[str, int] | None = None,
+              extra: dict[str, Any] | None = None) -> Any:
+        """``scenario`` served by concurrent clients (``http_traffic.drive_scenario``)."""
+        from harness.engines.http_traffic import drive_scenario
+
+        return drive_scenario(self.url, scenario, n_vocab, k, timeout_s, pin=pin, extra=extra)
+
+    def serialized(self, traffic: Any) -> str:
+        """The reason an overlap scenario is UNMEASURED on one slot."""
+        return "serialized: one slot"
+
+    def cache_source(self) -> str:
+        """Where its replies say how many prompt tokens came from its cache."""
+        return "timings.cache_n"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

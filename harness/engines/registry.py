@@ -7,7 +7,9 @@ stream: a compute class's emulation), ``mutant:NAME`` (the oracle with one plant
 engine configured in ``[tool.harness.engines.NAME]``), ``http:NAME`` (an OpenAI-compatible server
 configured in ``[tool.harness.http.NAME]``: top-k logprobs, not logits), ``llama-server`` (llama.cpp's
 own server built from the reference's commit, started by the harness: top-k logprobs, and its
-serving under concurrent clients: ``harness.engines.llama_server``), ``transformers``
+serving under concurrent clients: ``harness.engines.llama_server``), ``llama-cpp-python-server``
+(llama-cpp-python's own server, started by the harness: top-k logprobs keyed by text, and its
+serving, one request at a time: ``harness.engines.llamacpp_python_server``), ``transformers``
 (optional extra), ``mlx`` (mlx-lm, optional extra).
 ``planted:NAME`` is no engine of its own: it names a fault planted into another engine's output
 (the pytest plugin's ``--plant``), listed here for its source files only.
@@ -34,8 +36,10 @@ from harness.engines import (
     base,
     command,
     http_engine,
+    http_traffic,
     llama_server,
     llamacpp,
+    llamacpp_python_server,
     mlx_engine,
     mutants,
     oracle,
@@ -123,6 +127,8 @@ ENGINES: tuple[EngineEntry, ...] = (
     EngineEntry("http:", lambda rest, path, ov, s: http_engine.load_http_engine(rest, path, ov), (http_engine, base, config)),
     EngineEntry("llama-server", lambda rest, path, ov, s: llama_server.load_llama_server(path, ov, **s), (llama_server, http_engine, base),
                 distributions=("llama-cpp-python",)),
+    EngineEntry(llamacpp_python_server.ENGINE_NAME, lambda rest, path, ov, s: llamacpp_python_server.load_llamacpp_python_server(path, ov),
+                (llamacpp_python_server, llama_server, http_traffic, http_engine, base), distributions=("llama-cpp-python",)),
     EngineEntry("transformers", lambda rest, path, ov, s: transformers_engine.load_transformers(path, ov, **s),
                 (transformers_engine, base)),
     EngineEntry("mlx", lambda rest, path, ov, s: mlx_engine.load_mlx(path, ov, **s), (mlx_engine, base),

