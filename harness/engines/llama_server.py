@@ -300,6 +300,30 @@ def message_delimiters(url: str, prompts: Sequence[Sequence[int]], timeout_s: fl
     return out
 
 
+def apply_template(url: str, conversation: Any, timeout_s: float = 30.0) -> str:
+    """llama.cpp's own rendering of ``conversation`` (a ``harness.measure.chat_template.Conversation``)
+    by the llama-server at ``url`` (started with ``--jinja``): ``POST /apply-template`` with its
+    ``messages``, ``tools``, ``add_generation_prompt`` and ``template_kwargs`` as
+    ``chat_template_kwargs``; the answer's ``prompt``. Raises ``EngineError`` (transport, an
+    error status, no prompt text)."""
+    import httpx
+
+    body: dict[str, Any] = {"messages": conversation.messages, "add_generation_prompt": conversation.add_generation_prompt,
+                            "chat_template_kwargs": dict(conversation.template_kwargs)}
+    if conversation.tools:
+        body["tools"] = conversation.tools
+    try:
+        r = httpx.post(url + "/apply-template", json=body, timeout=timeout_s)
+        obj = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise EngineError(f"llama-server at {url} did not answer /apply-template: {plain(str(e))[:200]}") from None
+    prompt = obj.get("prompt") if isinstance(obj, dict) else None
+    if r.status_code != 200 or not isinstance(prompt, str):
+        raise EngineError(f"llama-server at {url} answered HTTP {r.status_code} for /apply-template of conversation "
+                          f"{plain(conversation.id)!r}: {plain(r.text)[:200]}")
+    return prompt
+
+
 SERVE_CAPABILITY = "serve_http"
 """The capability of an engine whose serving the harness judges under concurrent clients, each
 scenario on servers it starts itself (``LlamaServerEngine.fresh_server``;
