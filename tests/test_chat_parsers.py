@@ -1,0 +1,122 @@
+"""The scripted fixture (harness.fixtures.scripted), the harness's parser of the think template's
+grammar (harness.measure.chat_parse) against the scripts' hand-written fields, planted parser
+faults, and real servers' parsers judged (harness.runs.chat_parsers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.fixtures.scripted import TEMPLATE, load_scripts, scripted_path
+from harness.measure.chat_parse import FAULTS, compare_fields, parse
+from harness.measure.chat_template import render
+
+SCRIPTS = {s.id: s for s in load_scripts()}
+
+
+def _parse(s, fault=None):
+    return parse(s.output, thinking=s.template_kwargs.get("enable_thinking", True) is not False, tools=s.tools, fault=fault)
+
+
+def test_the_scripts_cover_the_issue_and_repeat_tokens_with_different_successors():
+    assert list(SCRIPTS) == ["think-close-bare", "think-close-newline", "think-empty", "no-think", "text-before-tool-call",
+                             "two-tool-calls", "think-unclosed"]
+    bare, newline = SCRIPTS["think-close-bare"].output, SCRIPTS["think-close-newline"].output
+    shared = "7 has no divisors but 1 and 7."
+    assert bare.startswith(shared + "</think>\n") and newline.startswith(shared + "\n</think>\n")  # same text, two successors
+    assert "</think>" not in SCRIPTS["think-unclosed"].output and "Oslo\n</parameter>\n<parameter=days>" in SCRIPTS["two-tool-calls"].output
+
+
+@pytest.mark.parametrize("sid", list(SCRIPTS))
+def test_the_harness_parser_gives_each_scripts_hand_written_fields(sid):
+    s = SCRIPTS[sid]
+    assert _parse(s).to_dict() == s.expected
+
+
+def test_planted_parsers_fail_naming_the_field():
+    def diffs(sid, fault):
+        return {d.field: d for d in compare_fields(SCRIPTS[sid].expected, _parse(SCRIPTS[sid], fault).to_dict())}
+
+    assert set(FAULTS) == {"needs-newline-close", "leaks-close", "json-tool-calls"}
+    # a parser that needs "\n</think>\n": a bare close is missed and the tool call is lost (llama.cpp #20260)
+    d = diffs("text-before-tool-call", "needs-newline-close")
+    assert set(d) == {"reasoning_content", "content", "tool_calls"} and d["reasoning_content"].at == len("The user wants the weather.")
+    assert diffs("think-close-newline", "needs-newline-close") == {}
+    # a parser that leaks "</think>" into the content (vLLM #39697)
+    d = diffs("think-close-bare", "leaks-close")
+    assert set(d) == {"content"} and d["content"].at == 0 and d["content"].got.startswith("</think>")
+    assert "content differs at character 0: expected 'Yes, 7 is prime.' | got '</think>\\nYes, 7 is prime'" in d["content"].line()
+    # a tool-call parser that expects JSON (ollama PR #14603): no calls, the XML left in the content
+    d = diffs("two-tool-calls", "json-tool-calls")
+    assert set(d) == {"content", "tool_calls"} and d["content"].got == "<tool_call>\n<function=ge"
+    assert d["tool_calls"].at == 1 and d["tool_calls"].got == "[]"
+
+
+def test_llama_cpps_greedy_output_is_each_script_exactly():
+    from llama_cpp import Llama
+
+    m = Llama(str(scripted_path()), n_ctx=2048, verbose=False, n_threads=1)
+    template = TEMPLATE.read_text(encoding="utf-8")
+    for s in SCRIPTS.values():
+        ids = m.tokenize(render(template, s.conversation()).encode(), add_bos=False, special=True)
+        out = []
+        m.reset()
+        for t in m.generate(ids, temp=0.0, top_k=1):
+            if t == m.token_eos() or len(out) > 300:
+                break
+            out.append(t)
+        assert m.detokenize(out).decode("utf-8") == s.output, s.id
+        assert out and len(out) < 300  # it ended with the end-of-turn token
+
+
+LLAMA_SERVER_FINDINGS = {
+    # llama-server (llama.cpp 0c1e570, --jinja --reasoning-format deepseek; its Qwen3-Coder/Qwen3.5 PEG parser)
+    # keeps the newline before "</think>" in reasoning_content and the blank line before
+    # "<tool_call>" in content: whitespace the template's grammar does not count as either field
+    "think-close-newline": {"reasoning_content": "7 has no divisors but 1 and 7.\n"},
+    "text-before-tool-call": {"content": "Let me check.\n\n"},
+}
+
+
+def test_llama_server_parsers_judged_streamed_and_not():
+    from harness.engines.llama_server import LlamaServer, built_binary
+    from harness.runs.chat_parsers import judge
+
+    if built_binary() is None:
+        pytest.fail("llama-server is not built for the installed llama-cpp-python: run `make llama-server` (not run)")
+    with LlamaServer(model=scripted_path(), parallel=1, n_ctx_slot=2048, extra=["--jinja", "--reasoning-format", "deepseek"]) as s:
+        results = judge(s.url, SCRIPTS.values())
+    assert len(results) == 14
+    for r in results:
+        want = {**SCRIPTS[r.script].expected, **LLAMA_SERVER_FINDINGS.get(r.script, {})}
+        assert compare_fields(want, r.got) == [], r.message  # the server's fields, exactly
+        assert (r.verdict.value == "FAIL") == (r.script in LLAMA_SERVER_FINDINGS), r.message
+    bad = next(r for r in results if r.script == "think-close-newline")
+    assert bad.message.startswith("script 'think-close-newline' (not streamed): FAIL: reasoning_content differs at character 30")
+    # llama.cpp #20260 (a bare "</think>\n", text, then a tool call) does not reproduce at this commit:
+    # the tool call is parsed, streamed and not
+    tool = [r for r in results if r.script == "text-before-tool-call"]
+    assert all(r.got["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Oslo"}}] for r in tool)
+
+
+def test_llama_cpp_python_server_parsers_judged_streamed_and_not():
+    """llama-cpp-python 0.3.36's server with the GGUF's template (chat handler
+    'chat_template.default', Jinja2ChatFormatter): no reasoning parser (the reasoning and the
+    '</think>' marker stay in the content: vLLM #39697's symptom, ollama PR #17078's leaked empty
+    block), no XML tool-call parser (ollama PR #14603's symptom), and a request's
+    chat_template_kwargs ignored, so the no-thinking scripts get the thinking prompt."""
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (pip install -e .[server])")
+    from test_http_engine import llama_cpp_server
+
+    from harness.runs.chat_parsers import judge
+
+    with llama_cpp_server(scripted_path(), alias="scripted-qwen35") as url:
+        results = judge(url, SCRIPTS.values())
+    by = {(r.script, r.stream): r for r in results}
+    assert all(r.verdict.value == "FAIL" for r in results)
+    for stream in (False, True):
+        assert by[("think-close-bare", stream)].got == {"reasoning_content": "", "content": SCRIPTS["think-close-bare"].output, "tool_calls": []}
+        assert by[("think-empty", stream)].got["content"] == "\n</think>\n\nHi."
+        assert by[("no-think", stream)].got["content"] == "\n</think>\n\nHi."  # enable_thinking=false ignored
+        tool = by[("text-before-tool-call", stream)]
+        assert tool.got["tool_calls"] == [] and "<tool_call>\n<function=get_weather>" in tool.got["content"]
+        assert [d.field for d in tool.diffs] == ["reasoning_content", "content", "tool_calls"]
