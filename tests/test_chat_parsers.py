@@ -120,3 +120,42 @@ def test_llama_cpp_python_server_parsers_judged_streamed_and_not():
         tool = by[("text-before-tool-call", stream)]
         assert tool.got["tool_calls"] == [] and "<tool_call>\n<function=get_weather>" in tool.got["content"]
         assert [d.field for d in tool.diffs] == ["reasoning_content", "content", "tool_calls"]
+
+
+# ------------------------------------------------------------------ lint, sign-off, generation defaults
+def test_lint_reports_the_scripted_fixture_and_a_signoff_refuses_it(tmp_path, monkeypatch, capsys):
+    from harness.model.lint import lint_path
+    from test_release import make_project, signoff_json
+
+    report = lint_path(scripted_path())
+    assert [(f.code, f.severity) for f in report.findings] == [("QL601", "info")] and report.exit_code == 0
+    root = make_project(tmp_path / "p", ["oracle"], ["scripted-qwen35"])
+    rc, doc = signoff_json(root, capsys, monkeypatch)
+    lint = [i for i in doc["items"] if i["what"] == "lint"]
+    assert rc == 1 and [(i["status"], i["label"]) for i in lint] == [("failed", "fixture:scripted-qwen35")]
+    assert "scripted fixture" in lint[0]["detail"] and "not a release model" in lint[0]["detail"]
+
+
+def test_lint_reports_declared_generation_defaults_and_llama_server_applies_them(tmp_path):
+    """gguf-py's general.sampling.* keys (top_k, top_p, min_p, temp, penalty_repeat, ...): lint names
+    what a file declares (QL602), and that no key carries a presence penalty; llama-server at this
+    commit reads them as its defaults (its /props default_generation_settings)."""
+    import httpx
+
+    from harness.engines.llama_server import LlamaServer, built_binary
+    from harness.fixtures.synthetic import add_chat_template
+    from harness.model.lint import SAMPLING_KEYS, lint_path
+
+    assert "general.sampling.top_k" in SAMPLING_KEYS and not any("presence" in k for k in SAMPLING_KEYS)
+    path = add_chat_template(scripted_path(), TEMPLATE.read_text(encoding="utf-8"), tmp_path / "defaults.gguf", "defaults", extra={
+        "general.sampling.temp": ("f32", 0.6), "general.sampling.top_k": ("i32", 20), "general.sampling.top_p": ("f32", 0.95)})
+    found = {f.code: f for f in lint_path(path).findings}
+    assert set(found) == {"QL601", "QL602"} and found["QL602"].severity == "info"
+    assert "generation defaults declared: temp=0.6" in found["QL602"].message and "top_k=20" in found["QL602"].message
+    assert "no GGUF key carries a presence penalty" in found["QL602"].message
+    if built_binary() is None:
+        pytest.fail("llama-server is not built for the installed llama-cpp-python: run `make llama-server` (not run)")
+    with LlamaServer(model=path, parallel=1, n_ctx_slot=1024, extra=["--jinja"]) as s:
+        params = httpx.get(s.url + "/props", timeout=10).json()["default_generation_settings"]["params"]
+    assert params["top_k"] == 20 and abs(params["top_p"] - 0.95) < 1e-6 and abs(params["temperature"] - 0.6) < 1e-6
+    assert params["presence_penalty"] == 0.0  # nothing in the file can set it
