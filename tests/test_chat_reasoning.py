@@ -150,3 +150,25 @@ def test_llama_cpp_python_server_findings_on_the_think_template(in_repo, monkeyp
     assert off["n_candidate_tokens"] < off["n_reference_tokens"]  # "<think>\n" where "<think>\n\n</think>\n\n" belongs
     assert rows["think-on"]["ok"] and rows["think-unset"]["ok"] and rows["earlier-reasoning"]["ok"]
     assert "conversation 'tools': the server refused it" in run.chat["message"]
+
+
+def test_llama_server_prompt_token_counts_against_the_reference_tokenized_by_llama_cpp(template, convs):
+    """Per conversation (generation prompt on: a chat endpoint always adds it), llama-server's
+    usage.prompt_tokens against the reference rendering tokenized by llama.cpp (specials parsed, no
+    BOS). Equal everywhere but where its rendering differs (LLAMA_CPP_DIFFERS: the empty tool
+    description it adds)."""
+    from harness.engines.llama_server import LlamaServer, built_binary, chat_prompt_tokens
+    from harness.runs.inputs import resolve_inputs
+
+    if built_binary() is None:
+        pytest.fail("llama-server is not built for the installed llama-cpp-python: run `make llama-server` (not run)")
+    asked = [c for c in convs.values() if c.add_generation_prompt]
+    tok = resolve_inputs(THINK).tokenizer(None)
+    ref = dict(zip((c.id for c in asked), map(len, tok.tokenize_many([render(template, c) for c in asked], add_special=False,
+                                                                      parse_special=True))))
+    with LlamaServer(model=resolve_model(THINK), parallel=1, n_ctx_slot=2048, extra=["--jinja"]) as server:
+        got = {c.id: chat_prompt_tokens(server.url, c) for c in asked}
+    differ = sorted(cid for cid in got if got[cid] != ref[cid])
+    assert differ == ["tools-no-system"], {cid: (ref[cid], got[cid]) for cid in differ}
+    assert got["tools-no-system"] > ref["tools-no-system"]  # '"description": "", ' more
+    assert got["think-off"] - got["think-on"] == ref["think-off"] - ref["think-on"] > 0  # the closed empty block counted

@@ -324,6 +324,27 @@ def apply_template(url: str, conversation: Any, timeout_s: float = 30.0) -> str:
     return prompt
 
 
+def chat_prompt_tokens(url: str, conversation: Any, timeout_s: float = 60.0) -> int:
+    """How many prompt tokens the llama-server at ``url`` makes of ``conversation`` on its chat
+    endpoint: ``/v1/chat/completions`` (messages, tools, ``chat_template_kwargs``, ``max_tokens``
+    1, temperature 0), ``usage.prompt_tokens``. Raises ``EngineError`` (transport, status, no count)."""
+    import httpx
+
+    body: dict[str, Any] = {"messages": conversation.messages, "max_tokens": 1, "temperature": 0,
+                            "chat_template_kwargs": dict(conversation.template_kwargs)}
+    if conversation.tools:
+        body["tools"] = conversation.tools
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        n = r.json().get("usage", {}).get("prompt_tokens")
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise EngineError(f"llama-server at {url} did not answer /v1/chat/completions: {plain(str(e))[:200]}") from None
+    if r.status_code != 200 or not isinstance(n, int):
+        raise EngineError(f"llama-server at {url} answered HTTP {r.status_code} without usage.prompt_tokens for conversation "
+                          f"{plain(conversation.id)!r}: {plain(r.text)[:200]}")
+    return n
+
+
 SERVE_CAPABILITY = "serve_http"
 """The capability of an engine whose serving the harness judges under concurrent clients, each
 scenario on servers it starts itself (``LlamaServerEngine.fresh_server``;
