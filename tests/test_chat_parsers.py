@@ -68,6 +68,44 @@ def test_llama_cpps_greedy_output_is_each_script_exactly():
         assert out and len(out) < 300  # it ended with the end-of-turn token
 
 
+def test_llama_server_emits_each_script_after_its_own_generation_prompt():
+    """The server's own rendering (/apply-template, --jinja) sent to /completion at temperature 0:
+    the text is each script exactly, ended by the end-of-turn token, the prompt as long as the
+    reference's rendering tokenized by llama.cpp."""
+    import httpx
+
+    from harness.engines.llama_server import LlamaServer, apply_template, built_binary
+    from harness.runs.inputs import resolve_inputs
+
+    if built_binary() is None:
+        pytest.fail("llama-server is not built for the installed llama-cpp-python: run `make llama-server` (not run)")
+    template = TEMPLATE.read_text(encoding="utf-8")
+    ref = resolve_inputs(str(scripted_path())).tokenizer(None).tokenize_many(
+        [render(template, s.conversation()) for s in SCRIPTS.values()], add_special=False, parse_special=True)
+    with LlamaServer(model=scripted_path(), parallel=1, n_ctx_slot=2048, extra=["--jinja"]) as server:
+        for s, ids in zip(SCRIPTS.values(), ref):
+            prompt = apply_template(server.url, s.conversation())
+            r = httpx.post(server.url + "/completion", json={"prompt": prompt, "temperature": 0, "n_predict": 256,
+                                                              "cache_prompt": False}, timeout=60).json()
+            assert (r["content"], r["stop_type"], r["tokens_evaluated"]) == (s.output, "eos", len(ids)), s.id
+
+
+def test_malformed_scripts_and_conversations_are_one_line(tmp_path):
+    from harness.errors import InvalidInput
+    from harness.fixtures.scripted import load_scripts as load
+    from harness.measure.chat_template import load_conversations
+
+    (tmp_path / "a.json").write_text('{"id": "a", "messages": [], "output": "x", "expected": {"content": "x"}}')
+    with pytest.raises(InvalidInput, match=r"a\.json: a script is \{id, messages"):
+        load(tmp_path)
+    (tmp_path / "a.json").write_text("{")
+    with pytest.raises(InvalidInput, match=r"a\.json: cannot read a script"):
+        load(tmp_path)
+    (tmp_path / "c.json").write_text('[{"id": "c", "messages": [], "template_kwargs": ["enable_thinking"]}]')
+    with pytest.raises(InvalidInput, match=r"entry 0 is not .*template_kwargs"):
+        load_conversations(tmp_path / "c.json")
+
+
 LLAMA_SERVER_FINDINGS = {
     # llama-server (llama.cpp 0c1e570, --jinja --reasoning-format deepseek; its Qwen3-Coder/Qwen3.5 PEG parser)
     # keeps the newline before "</think>" in reasoning_content and the blank line before

@@ -127,7 +127,8 @@ class FieldDiff:
     got: str
 
     def line(self) -> str:
-        """``FIELD differs at character N: expected '...' | got '...'`` (raw text: escape before display)."""
+        """``FIELD differs at character N: expected '...' | got '...'``, both texts escaped for one
+        line (``repr``: control characters and newlines written as escapes)."""
         return f"{self.field} differs at character {self.at}: expected {self.expected!r} | got {self.got!r}"
 
 
