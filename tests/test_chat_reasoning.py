@@ -172,3 +172,16 @@ def test_llama_server_prompt_token_counts_against_the_reference_tokenized_by_lla
     assert differ == ["tools-no-system"], {cid: (ref[cid], got[cid]) for cid in differ}
     assert got["tools-no-system"] > ref["tools-no-system"]  # '"description": "", ' more
     assert got["think-off"] - got["think-on"] == ref["think-off"] - ref["think-on"] > 0  # the closed empty block counted
+
+
+def test_harness_tokenizer_judges_llama_servers_rendering_through_apply_template(in_repo):
+    """The llama-server engine declares chat_template and renders by /apply-template: the run
+    FAILs on exactly the named differences (LLAMA_CPP_DIFFERS), naming the first one."""
+    from harness.engines.llama_server import built_binary
+
+    if built_binary() is None:
+        pytest.fail("llama-server is not built for the installed llama-cpp-python: run `make llama-server` (not run)")
+    run = run_tokenizer(TokenizerRequest(model=THINK, candidate="llama-server", write_evidence=False))
+    assert run.chat["mode"] == "render" and run.chat["verdict"] == "FAIL"
+    assert sorted(c["conversation"] for c in run.chat["conversations"] if not c["ok"]) == sorted(LLAMA_CPP_DIFFERS)
+    assert "chat template: conversation 'no-generation-prompt': first difference at character 55: " in run.message

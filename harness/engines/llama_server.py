@@ -397,9 +397,20 @@ class LlamaServerEngine(HttpEngine):
     def info(self) -> Any:
         base = super().info
         base.settings.update(parallel=self.parallel, binary=str(self.server.binary), features=self.server.features())
-        base.capabilities = [*base.capabilities, SERVE_CAPABILITY]
+        base.capabilities = [*base.capabilities, "chat_template", SERVE_CAPABILITY]
         base.version = f"llama-server ({Path(str(self.server.binary)).parent.parent.parent.name})"
         return base
+
+    def render_chat(self, conversation: dict[str, Any]) -> str:
+        """llama.cpp's own rendering of a chat conversation (capability ``chat_template``; the
+        ``render`` op's fields: ``messages``, ``tools``, ``add_generation_prompt``,
+        ``template_kwargs``), by the server's ``/apply-template`` (``apply_template``). Raises
+        ``EngineError`` as ``apply_template``."""
+        from harness.measure.chat_template import Conversation
+
+        conv = Conversation("render", conversation["messages"], conversation.get("tools"),
+                            bool(conversation.get("add_generation_prompt", True)), dict(conversation.get("template_kwargs") or {}))
+        return apply_template(self.server.url, conv)
 
     def fresh_server(self, parallel: int) -> LlamaServer:
         """A new, not yet started server on the same model and flags with ``parallel`` slots (a
