@@ -301,7 +301,8 @@ def message_delimiters(url: str, prompts: Sequence[Sequence[int]], timeout_s: fl
 
 
 def apply_template(url: str, conversation: Any, timeout_s: float = 30.0) -> str:
-    """llama.cpp's own rendering of ``conversation`` (a ``harness.measure.chat_template.Conversation``)
+    """llama.cpp's own rendering of ``conversation`` (anything with a ``harness.measure.chat_template.Conversation``'s
+    attributes: ``id``, ``messages``, ``tools``, ``add_generation_prompt``, ``template_kwargs``)
     by the llama-server at ``url`` (started with ``--jinja``): ``POST /apply-template`` with its
     ``messages``, ``tools``, ``add_generation_prompt`` and ``template_kwargs`` as
     ``chat_template_kwargs``; the answer's ``prompt``. Raises ``EngineError`` (transport, an
@@ -406,10 +407,11 @@ class LlamaServerEngine(HttpEngine):
         ``render`` op's fields: ``messages``, ``tools``, ``add_generation_prompt``,
         ``template_kwargs``), by the server's ``/apply-template`` (``apply_template``). Raises
         ``EngineError`` as ``apply_template``."""
-        from harness.measure.chat_template import Conversation
+        from types import SimpleNamespace
 
-        conv = Conversation("render", conversation["messages"], conversation.get("tools"),
-                            bool(conversation.get("add_generation_prompt", True)), dict(conversation.get("template_kwargs") or {}))
+        conv = SimpleNamespace(id="render", messages=conversation["messages"], tools=conversation.get("tools"),
+                               add_generation_prompt=bool(conversation.get("add_generation_prompt", True)),
+                               template_kwargs=dict(conversation.get("template_kwargs") or {}))
         return apply_template(self.server.url, conv)
 
     def fresh_server(self, parallel: int) -> LlamaServer:
