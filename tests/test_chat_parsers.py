@@ -197,3 +197,114 @@ def test_lint_reports_declared_generation_defaults_and_llama_server_applies_them
         params = httpx.get(s.url + "/props", timeout=10).json()["default_generation_settings"]["params"]
     assert params["top_k"] == 20 and abs(params["top_p"] - 0.95) < 1e-6 and abs(params["temperature"] - 0.6) < 1e-6
     assert params["presence_penalty"] == 0.0  # nothing in the file can set it
+
+
+# ------------------------------------------------------------------ harness chat-parsers: the command, its receipt and row
+def _receipts(folder):
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("receipts/*/*.json"))]
+
+
+def test_the_command_judges_llama_server_end_to_end_with_receipt_row_and_page(tmp_path, capsys):
+    """``harness chat-parsers --server llama-server``: exit 1, per script and field PASS/FAIL on
+    the terminal, each FAIL naming the field and first differing character (escaped); a receipt
+    with the server's version (its /props build_info and the build's llama.cpp commit), a ledger
+    row of kind chat-parsers that verifies, and a verdict page."""
+    from harness.cli import main
+    from harness.engines.llama_server import build_commit, built_binary
+    from harness.evidence.report import write_report
+    from harness.evidence.verify import verify_ledger
+
+    if built_binary() is None:
+        pytest.fail("llama-server is not built for the installed llama-cpp-python: run `make llama-server` (not run)")
+    ledger = tmp_path / "ledger.jsonl"
+    assert main(["chat-parsers", "--server", "llama-server", "--reasoning-format", "deepseek", "--ledger", str(ledger)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL think-close-newline (not streamed) reasoning_content: first difference at character 30: expected '1 and 7.' | got '1 and 7.\\n'" in out
+    assert "FAIL text-before-tool-call (streamed) content: first difference at character 13: expected 'e check.' | got 'e check.\\n\\n'" in out
+    assert "reproduce: harness chat-parsers --server llama-server --model fixture:scripted-qwen35 --reasoning-format deepseek" in out
+    [rec] = _receipts(tmp_path)
+    cand = rec["engines"]["candidate"]
+    commit = build_commit(built_binary())
+    assert (rec["kind"], rec["verdict"], rec["positions"], cand["name"]) == ("chat-parsers", "FAIL", 42, "llama-server")
+    assert commit and commit[:12] in cand["version"] and cand["build"]["commit"] == commit and cand["build"]["build_info"]
+    assert cand["settings"]["reasoning_format"] == "deepseek" and "--jinja" in cand["command"] and "deepseek" in cand["command"]
+    failed = {(r["script"], r["stream"]): [f for f, v in r["fields"].items() if v == "FAIL"] for r in rec["results"]}
+    assert len(failed) == 14 and {k: v for k, v in failed.items() if v} == {
+        ("think-close-newline", False): ["reasoning_content"], ("think-close-newline", True): ["reasoning_content"],
+        ("text-before-tool-call", False): ["content"], ("text-before-tool-call", True): ["content"]}
+    assert rec["scripts"]["expected"] == {s.id: s.expected for s in SCRIPTS.values()}
+    rows = [__import__("json").loads(ln) for ln in ledger.read_text().splitlines()]
+    assert [(r["kind"], r["verdict"], r["positions"], r["candidate"]) for r in rows] == [("chat-parsers", "FAIL", 42, f"llama-server {cand['version']}")]
+    assert verify_ledger(ledger) == []  # deep: the row re-derived from the receipt
+    page = write_report(next(tmp_path.glob("receipts/*/*.json"))).read_text()
+    assert "chat parsers of llama-server" in page and "| 'think-close-newline' | not streamed | reasoning\\_content | 30 |" in page
+    assert "`harness chat-parsers --server llama-server --model fixture:scripted-qwen35 --reasoning-format deepseek --ledger" in page
+
+
+def test_the_command_judges_the_llama_cpp_python_server_naming_its_chat_handler(tmp_path, capsys):
+    """``harness chat-parsers --server llama-cpp-python``: every script run FAILs (no reasoning or
+    XML tool-call parser; chat_template_kwargs ignored); the receipt names the package's version
+    and the handler that answered (the GGUF's template: ``chat_template.default``)."""
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (pip install -e .[server])")
+    from importlib import metadata
+
+    from harness.cli import main
+
+    assert main(["chat-parsers", "--server", "llama-cpp-python", "--ledger", str(tmp_path / "ledger.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL no-think (not streamed) content: first difference at character 0: expected 'Hi.' | got '\\n</think>\\n\\nHi.'" in out
+    [rec] = _receipts(tmp_path)
+    cand = rec["engines"]["candidate"]
+    assert (cand["name"], cand["version"], cand["settings"]["chat_handler"]) == ("llama-cpp-python", metadata.version("llama-cpp-python"), "chat_template.default")
+    assert rec["verdict"] == "FAIL" and all(r["verdict"] == "FAIL" for r in rec["results"]) and len(rec["results"]) == 14
+    tool = next(r for r in rec["results"] if r["script"] == "two-tool-calls" and r["stream"])
+    assert tool["fields"] == {"reasoning_content": "PASS", "content": "FAIL", "tool_calls": "FAIL"} and tool["got"]["tool_calls"] == []
+
+
+def test_a_server_that_cannot_start_here_is_unmeasured_never_pass(tmp_path, monkeypatch, capsys):
+    """No llama-server binary and no server extra: exit 5, an UNMEASURED receipt per server naming
+    what to build or install, and nothing started."""
+    from harness.cli import main
+    from harness.engines import llama_cpp_python_server
+
+    monkeypatch.setenv("HARNESS_LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))
+    monkeypatch.setattr(llama_cpp_python_server, "missing", lambda: "llama-cpp-python's server extra is not installed: no module 'uvicorn'")
+    assert main(["chat-parsers", "--ledger", str(tmp_path / "ledger.jsonl")]) == 5
+    out = capsys.readouterr().out
+    assert "llama-server: UNMEASURED: llama-server: llama-server is not built for the installed llama-cpp-python: run `make llama-server`" in out
+    assert "llama-cpp-python: UNMEASURED: llama-cpp-python: llama-cpp-python's server extra is not installed" in out
+    recs = {r["engines"]["candidate"]["name"]: r for r in _receipts(tmp_path)}
+    assert set(recs) == {"llama-server", "llama-cpp-python"}
+    assert all(r["verdict"] == "UNMEASURED" and r["results"] == [] and r["positions"] == 0 and r["unmeasured"] for r in recs.values())
+    assert recs["llama-server"]["engines"]["candidate"]["version"] == "not available"
+
+
+def test_wrong_model_or_script_is_one_line_exit_2(tmp_path, capsys):
+    """A model that is not the scripts' scripted fixture, and a script whose hand-written fields
+    are not what the grammar makes of its text: one line, exit 2, before any server starts."""
+    import json
+    import shutil
+
+    from harness.cli import main
+    from harness.fixtures.scripted import SCRIPTS_DIR
+
+    assert main(["chat-parsers", "--model", "fixture:tiny-qwen35", "--no-evidence"]) == 2
+    err = capsys.readouterr().err
+    assert "harness: INVALID: fixture:tiny-qwen35: not the scripted fixture of" in err and len(err.strip().splitlines()) == 1
+    shutil.copytree(SCRIPTS_DIR, tmp_path / "s")
+    p = tmp_path / "s" / "01-think-close-bare.json"
+    d = json.loads(p.read_text())
+    d["expected"]["content"] = "Yes, 7 is prime!"
+    p.write_text(json.dumps(d))
+    assert main(["chat-parsers", "--scripts", str(tmp_path / "s"), "--no-evidence"]) == 2
+    err = capsys.readouterr().err
+    assert "script 'think-close-bare': its expected fields are not what the template's grammar makes of its output: content differs at character 15" in err
+
+
+def test_the_commands_choices_are_the_runs():
+    from harness.cli.runs import CHAT_FIELDS, CHAT_SERVERS, REASONING_FORMATS
+    from harness.runs import chat_parsers
+
+    assert (CHAT_SERVERS, REASONING_FORMATS, CHAT_FIELDS) == (chat_parsers.SERVERS, chat_parsers.REASONING_FORMATS, chat_parsers.FIELDS)

@@ -561,7 +561,7 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 @click.option("--format", "format_", default="page", show_default=True, type=click.Choice(["page", "markdown", "junit"]),
               help="page: write the verdict page; markdown, junit: print a parity receipt's CI summary or JUnit XML.")
 def report(receipt, out_dir, localize_, signoff_seq, ledger, format_) -> None:
-    """Write the verdict page of a parity, probe, MTP or tokenizer receipt (report.md, report.html,
+    """Write the verdict page of a parity, probe, MTP, tokenizer or chat-parsers receipt (report.md, report.html,
     PNG plots; the reports index beside the ledger is regenerated), or with --signoff SEQ the page
     of a sign-off row; --format markdown|junit prints a parity receipt's CI summary instead."""
     # deferred: startup
