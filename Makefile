@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup llama-server llama-tools test-llama-server run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
+.PHONY: setup scripted-fixture llama-server llama-tools test-llama-server run test test-slow test-release-slow parity-tests bench bench-evidence bench-serving fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+## retrain the committed scripted fixture (harness/data/fixtures/scripted/: greedy output = each
+## chat script's text; harness.fixtures.scripted), about a minute on one core; needs the hf extra
+scripted-fixture: setup
+	nice $(PY) -m harness.fixtures.scripted
 
 ## llama.cpp's own llama-server (and LLAMA_TARGETS="llama-server llama-quantize llama-imatrix
 ## llama-perplexity" for the other tools, same build dir) from the installed llama-cpp-python's

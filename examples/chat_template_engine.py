@@ -13,6 +13,9 @@ the first differing character):
 
 - ``--drop-later-system``: every system message after the first is dropped before rendering
   (opencode #15059: a template that cannot take a second system message).
+- ``--ignore-template-kwargs``: the request's template options (``template_kwargs``, e.g.
+  ``enable_thinking``) are not passed to the template, so a no-thinking generation prompt loses
+  its closed empty ``<think>`` block (ollama PR #17078: ``think=false`` ignored).
 """
 
 import argparse
@@ -29,6 +32,27 @@ def _field(reader, key):
     return None if f is None else f.contents()
 
 
+def _object_arguments(message):
+    """OpenAI's tool-call arguments (a JSON string) as the object a template with XML tool calls
+    iterates, as llama.cpp does before rendering (common/chat.cpp ``func_args_not_string``);
+    Jinja2ChatFormatter alone passes the string through and such a template fails on it."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    fixed = []
+    for call in calls:
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            try:
+                args = json.loads(f["arguments"])
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                call = {**call, "function": {**f, "arguments": args}}
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
 class Template:
     """The GGUF's chat template and BOS/EOS texts (``""`` where the vocabulary has none)."""
 
@@ -42,12 +66,13 @@ class Template:
         self.bos = tokens[bos] if bos is not None else ""
         self.eos = tokens[eos] if eos is not None else ""
 
-    def render(self, messages, tools, add_generation_prompt, drop_later_system=False):
+    def render(self, messages, tools, add_generation_prompt, template_kwargs, drop_later_system=False):
         if drop_later_system:
             first = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
             messages = [m for i, m in enumerate(messages) if m.get("role") != "system" or i == first]
+        messages = [_object_arguments(m) for m in messages]
         fmt = Jinja2ChatFormatter(self.template, eos_token=self.eos, bos_token=self.bos, add_generation_prompt=add_generation_prompt)
-        return fmt(messages=messages, tools=tools).prompt
+        return fmt(messages=messages, tools=tools, **template_kwargs).prompt
 
 
 def serve(args):
@@ -65,10 +90,13 @@ def serve(args):
                     tpl = Template(req["model"])
                     tpl.path = req["model"]
                 out = Path(req["out_dir"])
-                text = tpl.render(req["messages"], req.get("tools"), bool(req.get("add_generation_prompt", True)), args.drop_later_system)
+                kwargs = {} if args.ignore_template_kwargs else dict(req.get("template_kwargs") or {})
+                text = tpl.render(req["messages"], req.get("tools"), bool(req.get("add_generation_prompt", True)), kwargs,
+                                  args.drop_later_system)
                 (out / "rendered.txt").write_bytes(text.encode("utf-8"))
                 (out / "info.json").write_text(json.dumps({"name": "example-chat-template", "version": "1",
-                                                           "settings": {"drop_later_system": args.drop_later_system}}))
+                                                           "settings": {"drop_later_system": args.drop_later_system,
+                                                                        "ignore_template_kwargs": args.ignore_template_kwargs}}))
                 reply = {"ok": True, "files": ["rendered.txt", "info.json"]}
         except Exception as e:  # the harness shows the message; the engine keeps serving
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -82,4 +110,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", action="store_true", required=True)
     ap.add_argument("--drop-later-system", action="store_true", help="planted fault: drop every system message after the first")
+    ap.add_argument("--ignore-template-kwargs", action="store_true",
+                    help="planted fault: render without the request's template options (enable_thinking ignored)")
     serve(ap.parse_args())

@@ -137,7 +137,7 @@ def ledger_index(ledger_path) -> None:
     click.echo(f"html:  {html}")
 
 
-LEDGER_KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "discharge", "supersede", "signoff")
+LEDGER_KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "chat-parsers", "discharge", "supersede", "signoff")
 """The row kinds ``ledger show --kind`` takes: ``harness.evidence.rows.KINDS`` (spelled out so that
 ``harness --help`` does not import the evidence package; a test keeps the two equal)."""
 

@@ -1,4 +1,4 @@
-"""``harness parity`` (and ``--mtp``), ``probe``, ``tokenizer``, ``localize`` and ``report``: options in,
+"""``harness parity`` (and ``--mtp``), ``probe``, ``tokenizer``, ``chat-parsers``, ``localize`` and ``report``: options in,
 a run of ``harness.runs`` out, its outcome rendered."""
 
 from __future__ import annotations
@@ -451,6 +451,57 @@ def tokenizer(candidate, model, prompts, add_special, tokenizer_dir, mlx_folder,
     sys.exit(run.verdict.exit_code)
 
 
+CHAT_SERVERS = ("llama-server", "llama-cpp-python")
+"""``harness.runs.chat_parsers.SERVERS``, spelled out so that ``harness --help`` imports no run (a test keeps them equal)."""
+REASONING_FORMATS = ("deepseek", "deepseek-legacy", "none", "auto")
+"""``harness.runs.chat_parsers.REASONING_FORMATS`` (spelled out as ``CHAT_SERVERS``)."""
+CHAT_FIELDS = ("reasoning_content", "content", "tool_calls")
+
+
+@cli.command("chat-parsers")
+@click.option("--server", "servers", multiple=True, type=click.Choice(CHAT_SERVERS),
+              help="Server to start and judge; repeatable (default: both). One receipt and ledger row each.")
+@click.option("--reasoning-format", default="deepseek", show_default=True, type=click.Choice(REASONING_FORMATS),
+              help="llama-server's --reasoning-format (it is started with --jinja).")
+@click.option("--chat-format", default=None, metavar="NAME",
+              help="llama-cpp-python's chat handler (its --chat_format; default: the one it picks from the GGUF, recorded).")
+@click.option("--model", default="fixture:scripted-qwen35", show_default=True, metavar="SPEC",
+              help="The scripted fixture the servers run (its harness.scripted key must match the scripts).")
+@click.option("--scripts", default=None, type=click.Path(file_okay=False), help="Folder of script files (default: the shipped scripts).")
+@click.option("--ledger", default=None, type=click.Path())
+@click.option("--no-evidence", is_flag=True, help="Do not write a receipt or ledger row (a dry run).")
+@click.option("--json", "as_json", is_flag=True, help="Print the receipts (a JSON list).")
+def chat_parsers(servers, reasoning_format, chat_format, model, scripts, ledger, no_evidence, as_json) -> None:
+    """Servers' reasoning and tool-call parsers on the scripted fixture's texts: each script asked on
+    /v1/chat/completions, not streamed and streamed, temperature 0; each field against the
+    template grammar's (exit 0: all equal; 1: a field differs, naming script, mode, field and
+    first differing character; 3: a server failed; 5: a server could not be started here)."""
+    # deferred: startup
+    from harness.runs.chat_parsers import ChatParsersRequest, run_chat_parsers
+
+    req = ChatParsersRequest(servers=tuple(servers) or CHAT_SERVERS, reasoning_format=reasoning_format, chat_format=chat_format,
+                             model=model, scripts=scripts, ledger=ledger or _parity_defaults()["ledger"],
+                             argv=["harness", *sys.argv[1:]], write_evidence=not no_evidence)
+    runs = run_chat_parsers(req, _stderr_log(as_json))
+    if as_json:
+        _echo_json([r.receipt for r in runs])
+    for run in [] if as_json else runs:
+        cand = run.receipt["engines"]["candidate"]
+        if run.results:
+            print_table(_console(), f"chat-parsers: {cand['name']} {cand['version']} on {run.receipt['model']['name']}",
+                        ("script", "mode", *CHAT_FIELDS),
+                        [(r["script"], "streamed" if r["stream"] else "not streamed", *(r["fields"][f] for f in CHAT_FIELDS))
+                         for r in run.receipt["results"]])
+        for r in run.receipt["results"]:
+            for d in r["diffs"]:
+                click.echo(_p(f"FAIL {r['script']} ({'streamed' if r['stream'] else 'not streamed'}) {d['field']}: first difference "
+                              f"at character {d['at']}: expected {d['expected']!r} | got {d['got']!r}"))
+        click.echo(_p(f"{run.server}: {run.verdict.value}: {run.message}"))
+        if run.receipt_path:
+            click.echo(_p(f"receipt: {run.receipt_path}"))
+    sys.exit(Verdict.worst(r.verdict for r in runs).exit_code)
+
+
 @cli.command()
 @click.option("--candidate", required=True, help="Engine exposing activations (oracle, mutant:NAME, llama.cpp, transformers, command:NAME).")
 @click.option("--model", default=None, metavar="SPEC", help="GGUF path or fixture:NAME (default: the default model).")
@@ -510,7 +561,7 @@ def localize(candidate, model, prompt_id, prompts, chunks, max_tokens, threshold
 @click.option("--format", "format_", default="page", show_default=True, type=click.Choice(["page", "markdown", "junit"]),
               help="page: write the verdict page; markdown, junit: print a parity receipt's CI summary or JUnit XML.")
 def report(receipt, out_dir, localize_, signoff_seq, ledger, format_) -> None:
-    """Write the verdict page of a parity, probe, MTP or tokenizer receipt (report.md, report.html,
+    """Write the verdict page of a parity, probe, MTP, tokenizer or chat-parsers receipt (report.md, report.html,
     PNG plots; the reports index beside the ledger is regenerated), or with --signoff SEQ the page
     of a sign-off row; --format markdown|junit prints a parity receipt's CI summary instead."""
     # deferred: startup

@@ -717,12 +717,14 @@ class CommandEngine:
 
     def render_chat(self, conversation: dict[str, Any]) -> str:
         """The engine's own rendering of a chat conversation (capability ``chat_template``,
-        protocol 2: op ``render`` with ``messages``, ``tools`` and ``add_generation_prompt``, reply
+        protocol 2: op ``render`` with ``messages``, ``tools``, ``add_generation_prompt`` and
+        ``template_kwargs`` (template options, ``{}`` without: e.g. ``enable_thinking``), reply
         file ``rendered.txt``, the prompt text in UTF-8, at most ``RENDER_MAX_BYTES``). Raises
         ``EngineError`` for a missing, oversized or non-UTF-8 reply."""
         self._need("chat_template")
         body = {"op": "render", "messages": conversation["messages"], "tools": conversation.get("tools"),
-                "add_generation_prompt": bool(conversation.get("add_generation_prompt", True))}
+                "add_generation_prompt": bool(conversation.get("add_generation_prompt", True)),
+                "template_kwargs": dict(conversation.get("template_kwargs") or {})}
         with self._exchange(body) as (out_dir, tail):
             raw = read_small_file(out_dir / "rendered.txt", self.who, RENDER_MAX_BYTES)
             if raw is None:

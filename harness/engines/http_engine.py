@@ -512,7 +512,7 @@ class HttpEngine:
     def chat_prompt_tokens(self, conversation: dict[str, Any]) -> int:
         """How many tokens the server's own chat template makes of a conversation (capability
         ``chat_template``, llama-cpp-python only): ``/v1/chat/completions`` with the conversation's
-        ``messages`` and ``tools``, ``max_tokens`` 1 and ``temperature`` 0, answered with
+        ``messages``, ``tools`` and ``template_kwargs`` (as ``chat_template_kwargs``), ``max_tokens`` 1 and ``temperature`` 0, answered with
         ``usage.prompt_tokens``. llama-cpp-python renders the GGUF's ``tokenizer.chat_template``
         with its ``Jinja2ChatFormatter`` (generation prompt always on) and tokenizes the text with
         specials parsed and no BOS added (``llama_cpp/llama_chat_format.py``
@@ -521,6 +521,8 @@ class HttpEngine:
         body: dict[str, Any] = {"model": self.spec.model, "messages": conversation["messages"], "max_tokens": 1, "temperature": 0}
         if conversation.get("tools"):
             body["tools"] = conversation["tools"]
+        if conversation.get("template_kwargs"):
+            body["chat_template_kwargs"] = conversation["template_kwargs"]
         usage = self._post("/v1/chat/completions", body).get("usage")
         n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:

@@ -329,6 +329,52 @@ def message_delimiters(url: str, prompts: Sequence[Sequence[int]], timeout_s: fl
     return out
 
 
+def apply_template(url: str, conversation: Any, timeout_s: float = 30.0) -> str:
+    """llama.cpp's own rendering of ``conversation`` (anything with a ``harness.measure.chat_template.Conversation``'s
+    attributes: ``id``, ``messages``, ``tools``, ``add_generation_prompt``, ``template_kwargs``)
+    by the llama-server at ``url`` (started with ``--jinja``): ``POST /apply-template`` with its
+    ``messages``, ``tools``, ``add_generation_prompt`` and ``template_kwargs`` as
+    ``chat_template_kwargs``; the answer's ``prompt``. Raises ``EngineError`` (transport, an
+    error status, no prompt text)."""
+    import httpx
+
+    body: dict[str, Any] = {"messages": conversation.messages, "add_generation_prompt": conversation.add_generation_prompt,
+                            "chat_template_kwargs": dict(conversation.template_kwargs)}
+    if conversation.tools:
+        body["tools"] = conversation.tools
+    try:
+        r = httpx.post(url + "/apply-template", json=body, timeout=timeout_s)
+        obj = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise EngineError(f"llama-server at {url} did not answer /apply-template: {plain(str(e))[:200]}") from None
+    prompt = obj.get("prompt") if isinstance(obj, dict) else None
+    if r.status_code != 200 or not isinstance(prompt, str):
+        raise EngineError(f"llama-server at {url} answered HTTP {r.status_code} for /apply-template of conversation "
+                          f"{plain(conversation.id)!r}: {plain(r.text)[:200]}")
+    return prompt
+
+
+def chat_prompt_tokens(url: str, conversation: Any, timeout_s: float = 60.0) -> int:
+    """How many prompt tokens the llama-server at ``url`` makes of ``conversation`` on its chat
+    endpoint: ``/v1/chat/completions`` (messages, tools, ``chat_template_kwargs``, ``max_tokens``
+    1, temperature 0), ``usage.prompt_tokens``. Raises ``EngineError`` (transport, status, no count)."""
+    import httpx
+
+    body: dict[str, Any] = {"messages": conversation.messages, "max_tokens": 1, "temperature": 0,
+                            "chat_template_kwargs": dict(conversation.template_kwargs)}
+    if conversation.tools:
+        body["tools"] = conversation.tools
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        n = r.json().get("usage", {}).get("prompt_tokens")
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise EngineError(f"llama-server at {url} did not answer /v1/chat/completions: {plain(str(e))[:200]}") from None
+    if r.status_code != 200 or not isinstance(n, int):
+        raise EngineError(f"llama-server at {url} answered HTTP {r.status_code} without usage.prompt_tokens for conversation "
+                          f"{plain(conversation.id)!r}: {plain(r.text)[:200]}")
+    return n
+
+
 SERVE_CAPABILITY = "serve_http"
 """The capability of an engine whose serving the harness judges under concurrent clients, each
 scenario on servers it starts itself (``LlamaServerEngine.fresh_server``;
@@ -381,9 +427,21 @@ class LlamaServerEngine(HttpEngine):
     def info(self) -> Any:
         base = super().info
         base.settings.update(parallel=self.parallel, binary=str(self.server.binary), features=self.server.features())
-        base.capabilities = [*base.capabilities, SERVE_CAPABILITY]
+        base.capabilities = [*base.capabilities, "chat_template", SERVE_CAPABILITY]
         base.version = f"llama-server ({Path(str(self.server.binary)).parent.parent.parent.name})"
         return base
+
+    def render_chat(self, conversation: dict[str, Any]) -> str:
+        """llama.cpp's own rendering of a chat conversation (capability ``chat_template``; the
+        ``render`` op's fields: ``messages``, ``tools``, ``add_generation_prompt``,
+        ``template_kwargs``), by the server's ``/apply-template`` (``apply_template``). Raises
+        ``EngineError`` as ``apply_template``."""
+        from types import SimpleNamespace
+
+        conv = SimpleNamespace(id="render", messages=conversation["messages"], tools=conversation.get("tools"),
+                               add_generation_prompt=bool(conversation.get("add_generation_prompt", True)),
+                               template_kwargs=dict(conversation.get("template_kwargs") or {}))
+        return apply_template(self.server.url, conv)
 
     def fresh_server(self, parallel: int) -> LlamaServer:
         """A new, not yet started server on the same model and flags with ``parallel`` slots (a

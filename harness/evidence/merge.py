@@ -34,7 +34,7 @@ from harness.evidence.verify import verify_ledger
 from harness.evidence.receipts import load_receipt, receipt_file, shard_dir, write_new
 from harness.evidence.record import preflight_evidence, record_row
 
-RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration", "tokenizer")
+RECEIPT_KINDS = ("parity", "self-consistency", "probe", "calibration", "tokenizer", "chat-parsers")
 
 
 @dataclass

@@ -54,6 +54,7 @@ CALIBRATION_SCHEMA_ID = "harness-calibration-receipt/v1"
 MTP_SCHEMA_ID = "harness-mtp-receipt/v1"
 TOKENIZER_SCHEMA_ID = "harness-tokenizer-receipt/v1"
 DISCHARGE_SCHEMA_ID = "harness-discharge-receipt/v1"
+CHAT_PARSERS_SCHEMA_ID = "harness-chat-parsers-receipt/v1"
 SCHEMAS = {
     SCHEMA_ID: SCHEMA_PATH,
     PROBE_SCHEMA_ID: SCHEMA_DIR / "probe-receipt.schema.json",
@@ -61,10 +62,12 @@ SCHEMAS = {
     MTP_SCHEMA_ID: SCHEMA_DIR / "mtp-receipt.schema.json",
     TOKENIZER_SCHEMA_ID: SCHEMA_DIR / "tokenizer-receipt.schema.json",
     DISCHARGE_SCHEMA_ID: SCHEMA_DIR / "discharge-receipt.schema.json",
+    CHAT_PARSERS_SCHEMA_ID: SCHEMA_DIR / "chat-parsers-receipt.schema.json",
 }
 """Receipt kinds by ``schema`` field: parity cells, self-consistency probe runs, the
 calibrated tier measured on a subject, a candidate's own tokenization against llama.cpp's, and a
-contract's discharge for one GREEN subject build (binding its obligation records by sha256)."""
+contract's discharge for one GREEN subject build (binding its obligation records by sha256), and a
+server's reasoning and tool-call parsers on the scripted fixture's texts (``harness chat-parsers``)."""
 HASH_EXCLUDED = ("id", "created", "timings")
 """Top-level fields left out of the content hash: the hash itself, the wall-clock time and the
 engines' timings (speed measured in this run: identical runs keep one id; the ledger row of

@@ -19,7 +19,7 @@ A run hands its receipt (or, for a sign-off, a supersede or an adopted receipt, 
 A failure in step 5 or 6 is a warning line, not an error: the evidence is already written, and
 both are renderings of it.
 
-Parity, top-k, MTP, probe (serving included), tokenizer, calibration subject, discharge, sweep,
+Parity, top-k, MTP, probe (serving included), tokenizer, chat parsers, calibration subject, discharge, sweep,
 sign-off and ``ledger merge`` all come through here (``record_evidence`` for a new receipt,
 ``record_discharge`` for a discharge's receipt and the obligation records it binds, ``record_row``
 for a row); the cache and the pages are renderings and indexes of the ledger, never the source of a

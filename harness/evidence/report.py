@@ -38,9 +38,9 @@ from harness.engines.options import candidate_flags
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
 from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
-from harness.evidence.receipts import (MTP_SCHEMA_ID, PROBE_SCHEMA_ID, SCHEMA_ID, TOKENIZER_SCHEMA_ID, load_receipt, per_prompt_rows,
+from harness.evidence.receipts import (CHAT_PARSERS_SCHEMA_ID, MTP_SCHEMA_ID, PROBE_SCHEMA_ID, SCHEMA_ID, TOKENIZER_SCHEMA_ID, load_receipt, per_prompt_rows,
                                        receipts_root)
-from harness.paths import DEFAULT_PROMPTS
+from harness.paths import DATA_DIR, DEFAULT_PROMPTS
 from harness.provenance import sha256_file
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
@@ -981,28 +981,62 @@ def _tokenizer_tables(page: Page, rec: dict[str, Any]) -> None:
         page.h(2, "Chat template").p(Badge(chat.get("verdict") or "UNMEASURED"), " ", untrusted(chat.get("message") or ""))
 
 
+def _chat_parsers_command(rec: dict[str, Any], ledger_opt: Sequence[str]) -> str:
+    """``harness chat-parsers ...`` as the chat-parsers receipt's run was made (its server and that
+    server's setting: llama-server's reasoning format, llama-cpp-python's chat format if named)."""
+    cand = rec["engines"]["candidate"]
+    settings = cand.get("settings") or {}
+    server = cand.get("engine") or cand["name"]
+    opt = (["--reasoning-format", settings.get("reasoning_format")] if server == "llama-server"
+           else (["--chat-format", settings["chat_format"]] if settings.get("chat_format") else []))
+    path = str((rec.get("scripts") or {}).get("path") or "")
+    scripts = [] if Path(path) == (DATA_DIR / "chat" / "scripts").resolve() else ["--scripts", path]
+    return _cmd("harness", "chat-parsers", "--server", server, "--model", _model_spec(rec), *opt, *scripts, *ledger_opt)
+
+
+def _chat_parsers_tables(page: Page, rec: dict[str, Any]) -> None:
+    """One row per script and mode (each field PASS or FAIL) and each differing field's first
+    differing character, both sides escaped."""
+    fields = ("reasoning_content", "content", "tool_calls")
+    rows = [[fmt.quoted(r["script"]), "streamed" if r["stream"] else "not streamed", Badge(r["verdict"]),
+             *[Badge(r["fields"][f]) for f in fields]] for r in rec.get("results") or []]
+    page.h(2, "Scripts").table(["script", "mode", "verdict", *fields], rows, "llcccc")
+    diffs = [[fmt.quoted(r["script"]), "streamed" if r["stream"] else "not streamed", d["field"], str(d["at"]),
+              Code(untrusted(repr(d["expected"]))), Code(untrusted(repr(d["got"])))] for r in rec.get("results") or [] for d in r["diffs"]]
+    if diffs:
+        page.h(2, "Differences").table(["script", "mode", "field", "first differing character", "expected (from a few characters before)",
+                                        "server"], diffs, "lllrll")
+
+
+_SUMMARY_KINDS = {MTP_SCHEMA_ID: ("MTP draft head", _mtp_command, _mtp_tables),
+                  TOKENIZER_SCHEMA_ID: ("tokenizer", _tokenizer_command, _tokenizer_tables),
+                  CHAT_PARSERS_SCHEMA_ID: ("chat parsers", _chat_parsers_command, _chat_parsers_tables)}
+"""Per receipt schema with a summary page: what is judged, its reproduce command's and tables' functions."""
+
+
 def _summary_page(rec: dict[str, Any], c: _Ctx) -> Page:
-    """The verdict page of an MTP receipt (``harness parity --mtp``) or a tokenizer receipt
-    (``harness tokenizer``): verdict and message, the reproduce command, one table of what was
-    compared, provenance and commands. No plots and no localization (neither kind has
-    per-position logit arrays of the trunk)."""
+    """The verdict page of an MTP receipt (``harness parity --mtp``), a tokenizer receipt
+    (``harness tokenizer``) or a chat-parsers receipt (``harness chat-parsers``): verdict and
+    message, the reproduce command, one table of what was compared, provenance and commands. No
+    plots and no localization (no kind of them has per-position logit arrays of the trunk)."""
     v, eng = rec["verdict"], rec["engines"]
     mtp = rec.get("schema") == MTP_SCHEMA_ID
-    what = "MTP draft head" if mtp else "tokenizer"
+    what, cmd_fn, tables_fn = _SUMMARY_KINDS[rec["schema"]]
     title = f"{v} · {what} of {eng['candidate']['name']} on {_model_name(rec)} ({rec['model']['file_type']})"
     page = Page(title, f"verdict-{v}").h(1, title)
     page.p(Badge(v), f" ({rec['kind']}): ", untrusted(rec.get("message") or ""))
-    run = _mtp_command(rec, c.ledger_opt) if mtp else _tokenizer_command(rec, c.ledger_opt)
-    rows: list[tuple[Inline, Inline]] = [("verdict", [Badge(v), f" — {rec.get('positions', 0)} positions compared"])]
+    run = cmd_fn(rec, c.ledger_opt)
+    counted = "fields compared" if rec["schema"] == CHAT_PARSERS_SCHEMA_ID else "positions compared"
+    rows: list[tuple[Inline, Inline]] = [("verdict", [Badge(v), f" — {rec.get('positions', 0)} {counted}"])]
     if rec.get("unmeasured"):
         rows.append(("not measured", untrusted(rec["unmeasured"])))
     if mtp:
         rows.append(("MTP convention", Code(str(rec.get("mtp_convention") or fmt.NA))))
     rows.append(("reproduce", Code(run)))
     page.fields(rows)
-    (_mtp_tables if mtp else _tokenizer_tables)(page, rec)
-    prompts, th = rec.get("prompts") or {}, rec.get("thresholds") or {}
-    items = prompts.get("items") or rec.get("comparisons") or []
+    tables_fn(page, rec)
+    prompts, th = rec.get("prompts") or rec.get("scripts") or {}, rec.get("thresholds") or {}
+    items = prompts.get("items") or rec.get("comparisons") or prompts.get("ids") or []
     shown = {**rec, "prompts": {"id": Path(str(prompts.get("path") or "")).name, "count": len(items), "positions": rec.get("positions"),
                                 "sha256": prompts.get("sha256")},
              "thresholds": {"file": th.get("file") or (th.get("calibrated") or {}).get("source"), "sha256": th.get("sha256")}}
@@ -1091,7 +1125,7 @@ def _ledger_opt_for(ledger: Path) -> list[str]:
     return [] if default is not None and ledger.resolve() == default.resolve() else ["--ledger", _shown_path(ledger)]
 
 
-PAGES = (SCHEMA_ID, PROBE_SCHEMA_ID, MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID)
+PAGES = (SCHEMA_ID, PROBE_SCHEMA_ID, MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID, CHAT_PARSERS_SCHEMA_ID)
 """The receipt schemas ``write_report`` renders (a calibration receipt has no verdict page)."""
 
 
@@ -1143,15 +1177,15 @@ def render_report(rec: Mapping[str, Any], arrays: Mapping[str, np.ndarray], json
     rec, arrays = dict(rec), dict(arrays)
     out = Path(out_dir) if out_dir else default_report_dir(json_path, rec["id"])
     if rec.get("schema") not in PAGES:
-        raise InvalidInput(f"{json_path}: a {rec.get('schema')} receipt has no verdict page; harness report renders parity, probe, MTP "
-                           "and tokenizer receipts (harness ledger show lists the rows)")
+        raise InvalidInput(f"{json_path}: a {rec.get('schema')} receipt has no verdict page; harness report renders parity, probe, MTP, "
+                           "tokenizer and chat-parsers receipts (harness ledger show lists the rows)")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InvalidInput(f"{out}: cannot create the report folder: {e.strerror or e}") from e
     is_probe = rec.get("schema") == PROBE_SCHEMA_ID
-    summary = rec.get("schema") in (MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID)
+    summary = rec.get("schema") in (MTP_SCHEMA_ID, TOKENIZER_SCHEMA_ID, CHAT_PARSERS_SCHEMA_ID)
     loc = ex.localization
     plan = None if summary else (loc or {}).get("plan") or localization_plan(rec)
     try:

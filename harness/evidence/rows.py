@@ -24,7 +24,7 @@ from harness.validation import best_error, make_validator
 GENESIS = "0" * 64
 """``prev_hash`` of the first row."""
 
-KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "discharge", "supersede", "signoff")
+KINDS = ("parity", "self-consistency", "probe", "mtp", "calibration", "tokenizer", "chat-parsers", "discharge", "supersede", "signoff")
 
 RECEIPT_FIELDS = (
     "kind",
@@ -169,7 +169,9 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
     ``basis_kind`` the kind of the basis of the cosine threshold that judged it. A calibration
     receipt's row names the class as its candidate and its verdict is MEASURED; a tokenizer
     receipt's row (``harness tokenizer``) counts the reference's token ids compared as its
-    positions and has no cosine and no basis (exact equality is its gate).
+    positions and has no cosine and no basis (exact equality is its gate); a chat-parsers receipt's
+    row (``harness chat-parsers``) names the server and its version as its candidate and counts the
+    fields compared (three per script run) as its positions.
     A discharge receipt's row (``harness discharge``) names the GREEN subject as its candidate,
     its contract and the count of obligations per result; it has no model, positions or cosine.
     Long because it is a table: one literal row per receipt kind.
@@ -189,8 +191,8 @@ def row_from_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
                 "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None,
                 "kld_mean": max(p["kld_mean"] for p in receipt["pairs"]), "basis_kind": gates["min_cosine"]["basis"]["kind"],
                 "compute_class": receipt["compute_class"]}
-    if receipt.get("schema") == "harness-tokenizer-receipt/v1":  # no logits: positions are the reference's token ids compared
-        return {"kind": "tokenizer", **base, "candidate": _engine_label(receipt["engines"]["candidate"]),
+    if receipt.get("schema") in ("harness-tokenizer-receipt/v1", "harness-chat-parsers-receipt/v1"):  # no logits: exact equality
+        return {"kind": receipt["kind"], **base, "candidate": _engine_label(receipt["engines"]["candidate"]),
                 "reference": _engine_label(receipt["engines"]["reference"]), "positions": receipt["positions"], "min_cosine": None,
                 "verdict": receipt["verdict"], "argmax_agreement": None, "near_tie_flips": None, "hard_flips": None, "kld_mean": None,
                 "basis_kind": None}

@@ -42,6 +42,9 @@ QL405  error    SSM scalar, conv kernel or norm weight not stored F32
 QL406  error    NaN or Inf in token_embd, output, a norm weight or ssm_a (llama.cpp computes garbage)
 QL501  warning  a low-bit i-quant file (general.file_type IQ1_S … IQ3_M) that llama-quantize made without
                 an importance matrix (no quantize.imatrix.* keys): far noisier than the published kind
+QL601  info     a scripted fixture (``harness.scripted`` key): its greedy output is a given text, not a model
+QL602  info     generation defaults declared (``general.sampling.*``, gguf-py ``Keys.General.SAMPLING_*``);
+                no such key carries a presence penalty
 ====== ======== =============================================================================
 """
 
@@ -99,7 +102,16 @@ _CODE_TABLE: list[tuple[str, str, str]] = [
     ("QL405", "error", "tensor must be F32"),
     ("QL406", "error", "non-finite tensor values"),
     ("QL501", "warning", "i-quant made without an importance matrix"),
+    ("QL601", "info", "scripted fixture (not a model)"),
+    ("QL602", "info", "generation defaults declared"),
 ]
+
+SAMPLING_KEYS = tuple(v for k, v in sorted(vars(Keys.General).items()) if k.startswith("SAMPLING_"))
+"""The GGUF keys that declare generation defaults (gguf-py ``Keys.General.SAMPLING_*``:
+``general.sampling.sequence``, ``top_k``, ``top_p``, ``min_p``, ``xtc_probability``,
+``xtc_threshold``, ``temp``, ``penalty_last_n``, ``penalty_repeat``, ``mirostat``,
+``mirostat_tau``, ``mirostat_eta``). None carries a presence penalty (``penalty_repeat`` is the
+multiplicative repetition penalty), so a model card's presence penalty cannot travel in the file."""
 
 IMATRIX_FILE_TYPES = {19: "IQ2_XXS", 20: "IQ2_XS", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 26: "IQ3_S", 27: "IQ3_M",
                       28: "IQ2_S", 29: "IQ2_M", 31: "IQ1_M"}
@@ -303,6 +315,23 @@ def check_imatrix(model: GGUFModel) -> list[Finding]:
     return [_finding("QL501", f"general.file_type is {name} but the file has no quantize.imatrix.* keys: it was quantized without "
                      "an importance matrix", f"re-quantize with an importance matrix: llama-imatrix -m F16.gguf -f calibration.txt -o "
                      f"imatrix.gguf, then llama-quantize --imatrix imatrix.gguf F16.gguf out.gguf {name}", key="general.file_type", found=name)]
+
+
+def check_chat_surface(model: GGUFModel) -> list[Finding]:
+    """QL601 where the file is a scripted fixture (``harness.scripted``: the scripts' sha256), QL602
+    with the generation defaults it declares (``SAMPLING_KEYS``, values escaped)."""
+    out = []
+    scripted = model.raw_metadata("harness.scripted")
+    if scripted is not None:
+        out.append(_finding("QL601", f"scripted fixture (scripts sha256 {display.plain(str(scripted))[:16]}…): its greedy output "
+                                     "after each script's generation prompt is the script's text; a test input for output parsers, "
+                                     "not a model (a sign-off refuses it)", key="harness.scripted"))
+    declared = {k: model.raw_metadata(k) for k in SAMPLING_KEYS if model.raw_metadata(k) is not None}
+    if declared:
+        shown = ", ".join(f"{k.removeprefix('general.sampling.')}={display.plain(str(v))[:40]}" for k, v in declared.items())
+        out.append(_finding("QL602", f"generation defaults declared: {shown}; no GGUF key carries a presence penalty",
+                            key="general.sampling.*"))
+    return out
 
 
 def check_hparams(h: Qwen35HParams, model: GGUFModel) -> list[Finding]:
@@ -752,6 +781,7 @@ def lint_model(model: GGUFModel) -> LintReport:
                                "n_tensors": len(model.tensor_names)})
     report.findings += check_keys(model)
     report.findings += check_imatrix(model)
+    report.findings += check_chat_surface(model)
     try:
         h = model.hparams
     except InvalidInput as e:

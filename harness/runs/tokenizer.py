@@ -18,7 +18,9 @@ kind ``tokenizer``.
 The chat template is judged in the same run (``check_chat_template``) where the GGUF has a
 ``tokenizer.chat_template`` and the candidate declares ``chat_template``: each conversation of
 ``CONVERSATIONS`` (two system messages, tools and tool results, an empty assistant turn, no
-generation prompt, hostile content) is rendered by the reference (``harness.measure.chat_template``:
+generation prompt, hostile content; plus ``REASONING_CONVERSATIONS`` where the template has an
+``enable_thinking`` option: thinking on, off and unset, earlier reasoning, text before a tool call,
+two tool calls, their results) is rendered by the reference (``harness.measure.chat_template``:
 jinja2 as llama.cpp's Jinja path) and by the candidate. A ``render`` op is compared character by
 character (FAIL names the conversation and the first differing character); a server that only
 renders inside its chat endpoint (``chat_prompt_tokens``: llama-cpp-python) is compared by the
@@ -41,7 +43,7 @@ from dataclasses import dataclass, replace, field
 from typing import Any, Callable
 
 from harness import display
-from harness.errors import Unmeasured, Verdict
+from harness.errors import EngineError, Unmeasured, Verdict
 from harness.evidence.receipts import TOKENIZER_SCHEMA_ID, harness_info, host_info, prepare_receipt
 from harness.evidence.record import preflight_evidence, record_evidence
 from harness.judge.reproducer import command
@@ -54,6 +56,23 @@ from harness.runs.inputs import RunRequest, engine_record
 TOKENIZER_PROMPTS = DATA_DIR / "prompts" / "tokenizer.jsonl"
 CONVERSATIONS = DATA_DIR / "chat" / "conversations.json"
 """The conversations the chat template is judged on (module docstring)."""
+REASONING_CONVERSATIONS = DATA_DIR / "chat" / "conversations-reasoning.json"
+"""Conversations with thinking and no-thinking turns, earlier reasoning, tool calls in the
+template's own form and tool results, asked in addition where the template reads
+``enable_thinking`` (their ``template_kwargs`` set it; a template without the option would refuse
+the key)."""
+
+
+def conversations_for(template: str) -> list[Any]:
+    """The conversations a template is judged on: ``CONVERSATIONS``, plus ``REASONING_CONVERSATIONS``
+    where the template reads ``enable_thinking`` (``harness.measure.chat_template.template_variables``).
+    Raises ``InvalidInput`` for a template that does not parse or a set that does not load."""
+    from harness.measure.chat_template import load_conversations, template_variables
+
+    convs = load_conversations(CONVERSATIONS)
+    if "enable_thinking" in template_variables(template):
+        convs += load_conversations(REASONING_CONVERSATIONS)
+    return convs
 """The hostile prompt set (module docstring). Kept apart from the parity set: the fixtures learn
 their BPE merges from the parity prompts, so changing those would change every fixture."""
 
@@ -92,7 +111,8 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
     section: ``verdict`` (PASS, FAIL, UNMEASURED), ``message``, ``unmeasured`` (why, or None),
     ``mode`` (``render``: text compared by character; ``prompt_tokens``: token counts),
     ``template_sha256``, ``conversations`` (per conversation: ``TextComparison.to_dict`` or
-    ``{conversation, ok, n_reference_tokens, n_candidate_tokens}``) and ``skipped`` (conversations
+    ``{conversation, ok, n_reference_tokens, n_candidate_tokens}``, with ``refused``: the server's
+    error, where it refused a conversation the reference renders: a FAIL) and ``skipped`` (conversations
     a mode cannot ask: a server always adds the generation prompt).
 
     ``model``: the ``GGUFModel``; ``reference``: the llama.cpp engine (tokenizes for
@@ -100,7 +120,7 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
     conversation, ``EngineError`` when the candidate fails. Long because the two ways in (a render op, a server's prompt count) share the conversations loop and its verdict."""
     import hashlib
 
-    from harness.measure.chat_template import load_conversations, render
+    from harness.measure.chat_template import render
     from harness.measure.tokens import compare_text
 
     template = model.raw_metadata("tokenizer.chat_template")
@@ -117,7 +137,7 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
         return tokens[int(i)] if isinstance(i, int) and 0 <= int(i) < len(tokens) else ""
 
     bos, eos = special("tokenizer.ggml.bos_token_id"), special("tokenizer.ggml.eos_token_id")
-    convs = load_conversations(CONVERSATIONS)
+    convs = conversations_for(template)
     refs = {c.id: render(template, c, bos_token=bos, eos_token=eos) for c in convs}
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
@@ -137,7 +157,15 @@ def check_chat_template(model: Any, engine: Any, reference: Any, candidate: str,
         skipped = [c.id for c in convs if not c.add_generation_prompt]
         counts = reference.tokenize_many([refs[c.id] for c in asked], add_special=False, parse_special=True)
         for c, ids in zip(asked, counts):
-            n = engine.chat_prompt_tokens(c.to_request())
+            try:
+                n = engine.chat_prompt_tokens(c.to_request())
+            except EngineError as e:  # a conversation the reference renders and the server refuses
+                rows.append({"conversation": c.id, "ok": False, "n_reference_tokens": len(ids), "n_candidate_tokens": None,
+                             "refused": display.plain(str(e))[:300]})
+                if not bad:
+                    bad.append(f"conversation {display.plain(c.id)!r}: the server refused it ({display.plain(str(e))[:200]}); "
+                               f"the reference renders it to {len(ids)} tokens")
+                continue
             row = {"conversation": c.id, "ok": n == len(ids), "n_reference_tokens": len(ids), "n_candidate_tokens": n}
             if n != len(ids) and not bad:
                 where = localize_by_prefix(template, c, engine, reference, bos, eos)
@@ -176,18 +204,18 @@ def localize_by_prefix(template: str, conv: Any, engine: Any, reference: Any, bo
     cut agrees (the difference is in the whole only) or a cut does not render. Equal counts up to
     k-1 do not prove equal text there: this locates, it does not prove."""
     from harness.errors import InvalidInput
-    from harness.measure.chat_template import Conversation, render
+    from harness.measure.chat_template import render
     from harness.measure.tokens import first_difference
 
     msgs = conv.messages
-    cuts = [Conversation(conv.id, msgs[:k], conv.tools, True) for k in range(1, len(msgs) + 1)]
+    cuts = [conv.cut(k) for k in range(1, len(msgs) + 1)]
     try:
         texts = [render(template, c, bos_token=bos, eos_token=eos) for c in cuts]
         counts = reference.tokenize_many(texts, add_special=False, parse_special=True)
         for k, (c, ids) in enumerate(zip(cuts, counts), start=1):
             if engine.chat_prompt_tokens(c.to_request()) != len(ids):
-                before = render(template, Conversation(conv.id, msgs[:k - 1], conv.tools, False), bos_token=bos, eos_token=eos)
-                upto = render(template, Conversation(conv.id, msgs[:k], conv.tools, False), bos_token=bos, eos_token=eos)
+                before = render(template, conv.cut(k - 1, False), bos_token=bos, eos_token=eos)
+                upto = render(template, conv.cut(k, False), bos_token=bos, eos_token=eos)
                 at = first_difference(before, upto)
                 at = len(before) if at is None else at
                 return {"message": k, "role": str(msgs[k - 1].get("role")), "character": at, "reference_excerpt": upto[at:at + 40]}
