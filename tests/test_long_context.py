@@ -153,3 +153,24 @@ def test_the_long_probe_on_a_4096_context_file_feeds_4096():
     inputs = SimpleNamespace(model=SimpleNamespace(hparams=SimpleNamespace(context_length=4096)))
     r = probes._with_length(probes.ProbeResult("long", Verdict.PASS), 8192, inputs)  # type: ignore[arg-type]
     assert r.details == {"requested_positions": 8192, "context_length": 4096, "positions": 4096}
+
+
+# ------------------------------------------------------------------------------ engines without their extras
+@pytest.mark.parametrize("model", [*fx.LONG_CONTEXT_FIXTURES, *fx.REAL_HEAD_FIXTURES])
+@pytest.mark.parametrize("candidate, hidden, extra", [("transformers", ("torch", "transformers"), "hf"),
+                                                       ("mlx", ("mlx", "mlx.core", "mlx_lm"), "mlx")])
+def test_an_engine_without_its_extra_is_unmeasured_and_named_never_pass(model, candidate, hidden, extra, monkeypatch, capsys, tmp_path):
+    """mlx and transformers with their packages missing (hidden from import here, whether installed
+    or not) on the new fixtures: exit 5, UNMEASURED naming the engine and its install command."""
+    from harness.cli import main as cli_main
+
+    for mod in hidden:
+        monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError, as without the extra
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "p", "tokens": [' + ", ".join(str((37 * i + 11) % 500) for i in range(80)) + "]}\n")
+    rc = cli_main(["parity", "--model", f"fixture:{model}", "--candidate", candidate, "--prompts", str(p), "--greedy-tokens", "0",
+                   "--no-evidence"])
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert rc == Verdict.UNMEASURED.exit_code == 5, out
+    assert f"UNMEASURED: the {candidate} engine needs" in out and f"pip install -e .[{extra}]" in out and "PASS" not in out
