@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The long probe's cost and peak memory as positions grow: 1,024, 4,096 and 8,192 (32,768 on request).
 
-    python benchmarks/bench_long.py [--positions 1024 4096 8192] [--wide 1024]
+    python benchmarks/bench_long.py [--positions 1024 4096 8192] [--wide 1024 4096]
     python benchmarks/run_all.py --only long      # rewrites this section of docs/benchmarks.md alone
 
 Each point runs ``harness.runs.probes.probe_long`` (llama.cpp as the candidate, the float64
@@ -9,9 +9,10 @@ oracle as the reference, the parity gate's cosine 0.98) on ``fixture:tiny-qwen35
 (context_length 32,768, vocabulary 515) in a fresh process, and reports its wall seconds, the
 verdict and min cosine, the harness process's peak RSS (``VmHWM``, the oracle included) and the
 llama.cpp worker's (``ChildPeakRSS``), in MB, beside what one ``[T, V]`` float32 array of logits
-would take. ``--wide`` adds points on ``fixture:tiny-qwen35-v248k`` (V = 248,320, context 4,096),
-where ``[T, V]`` is 1 MB a position: the harness's peak must stay far below it, since the probe
-compares the two engines' blocks as they stream. The llama.cpp worker's peak is llama.cpp's own
+would take. ``--wide`` (default 1,024 and 4,096) adds points on ``fixture:tiny-qwen35-v248k`` (V = 248,320,
+context 4,096), where ``[T, V]`` is 1 MB a position: the harness's peak is set by a 256-row block
+at that width (each engine's block, 254 MB, and the metrics' float64 temporaries), so it must stay
+flat while ``[T, V]`` grows fourfold, since the probe compares the two engines' blocks as they stream. The llama.cpp worker's peak is llama.cpp's own
 (it keeps ``n_outputs × V`` logits in its output buffer), not the harness's.
 
 At 32,768 positions the oracle alone takes about 15 minutes on 2 cores (its attention is
@@ -30,6 +31,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 POSITIONS = (1024, 4096, 8192)
+WIDE = (1024, 4096)
+"""Positions on ``WIDE_MODEL`` (V = 248,320; its context is 4,096): ``[T, V]`` grows from 1 to 4 GB
+between the two, the harness's peak must not."""
 MODEL = "fixture:tiny-qwen35-32k"
 WIDE_MODEL = "fixture:tiny-qwen35-v248k"
 
@@ -70,7 +74,7 @@ def point(model: str, n: int) -> dict[str, Any]:
     return {"model": model, "positions": n, **row}
 
 
-def measure(positions: tuple[int, ...] = POSITIONS, wide: tuple[int, ...] = (1024,), log=print) -> dict[str, Any]:
+def measure(positions: tuple[int, ...] = POSITIONS, wide: tuple[int, ...] = WIDE, log=print) -> dict[str, Any]:
     """``{"points": [point(...)...], "load_start": [...], "load_end": [...]}``."""
     out: dict[str, Any] = {"load_start": [round(x, 1) for x in os.getloadavg()], "points": []}
     for model, ns in ((MODEL, positions), (WIDE_MODEL, wide)):
@@ -87,7 +91,9 @@ def section(r: dict[str, Any]) -> list[str]:
              "`benchmarks/bench_long.py` (`benchmarks/run_all.py --only long`): `harness probe --only long`'s comparison "
              "(`probe_long`: llama.cpp against the float64 oracle, both engines' logit blocks compared as they stream) in a fresh "
              "process per point. Peak RSS of the harness process (the oracle included) and of the llama.cpp worker; `[T, V]` is "
-             "what one float32 array of all positions' logits would take, which the probe never holds. 32,768 positions on request "
+             "what one float32 array of all positions' logits would take, which the probe never holds: at V = 248,320 the peak is "
+             "set by one 256-row block per engine (254 MB each) and the metrics' float64 temporaries, the same at 1,024 and 4,096 "
+             "positions. 32,768 positions on request "
              "(`--positions 32768`: about 15 minutes of oracle on 2 cores). "
              f"Load average {r['load_start']} at the start, {r['load_end']} at the end (2 cores shared).", "",
              "| model | positions | V | seconds | verdict | min cosine | harness peak RSS | llama.cpp worker peak RSS | [T, V] float32 |",
@@ -102,7 +108,7 @@ def section(r: dict[str, Any]) -> list[str]:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", nargs="+", type=int, default=list(POSITIONS))
-    ap.add_argument("--wide", nargs="*", type=int, default=[1024], help=f"positions on {WIDE_MODEL} (V = 248,320)")
+    ap.add_argument("--wide", nargs="*", type=int, default=list(WIDE), help=f"positions on {WIDE_MODEL} (V = 248,320)")
     a = ap.parse_args()
     res = measure(tuple(a.positions), tuple(a.wide), log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(res))
