@@ -174,3 +174,27 @@ def test_an_engine_without_its_extra_is_unmeasured_and_named_never_pass(model, c
     out = captured.out + captured.err
     assert rc == Verdict.UNMEASURED.exit_code == 5, out
     assert f"UNMEASURED: the {candidate} engine needs" in out and f"pip install -e .[{extra}]" in out and "PASS" not in out
+
+
+def test_a_top_k_cell_streams_the_reference_and_never_holds_t_by_v():
+    """measure_topk_prompts (a top-k parity cell, an ``http:`` server as candidate): the reference's
+    blocks against the candidate's [T, k] rows, peak traced allocation under half of one [T, V]
+    side, each position's values those of the reference's own top-k (KLD 0 where k = V's top 8)."""
+    from harness.engines.base import TopK
+    from harness.measure.topk import cut_topk
+    from harness.runs.topk import measure_topk_prompts
+
+    ref = BlockEngine("ref")
+    toks = [t % V for t in range(T)]
+    whole = cut_topk(gather(ref.logits(toks)), 8)
+
+    class Server:
+        info = EngineInfo(name="server", version="0")
+
+        def topk(self, tokens):
+            return TopK(whole.ids.copy(), whole.logprobs.copy())
+
+    prompt = SimpleNamespace(id="p", tokens=toks)
+    pm, peak = _peak(lambda: measure_topk_prompts(ref, Server(), [prompt], V))
+    assert peak < 16 << 20, peak
+    assert pm["position"].tolist() == list(range(T)) and np.nanmax(np.abs(pm["kld"])) < 1e-6
