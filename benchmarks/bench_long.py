@@ -15,8 +15,9 @@ at that width (each engine's block, 254 MB, and the metrics' float64 temporaries
 flat while ``[T, V]`` grows fourfold, since the probe compares the two engines' blocks as they stream. The llama.cpp worker's peak is llama.cpp's own
 (it keeps ``n_outputs × V`` logits in its output buffer), not the harness's.
 
-At 32,768 positions the oracle alone takes about 15 minutes on 2 cores (its attention is
-quadratic); the default points take about 2 minutes. Prints one JSON object and the section.
+At 32,768 positions the oracle alone should take 10 to 15 minutes on 2 cores (extrapolated; its attention is
+quadratic); the default points took about 6 minutes at a load of 6 (the V = 248,320 point at 4,096
+positions nearly 3 of them). Prints one JSON object and the section.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def section(r: dict[str, Any]) -> list[str]:
              "what one float32 array of all positions' logits would take, which the probe never holds: at V = 248,320 the peak is "
              "set by one 256-row block per engine (254 MB each) and the metrics' float64 temporaries, the same at 1,024 and 4,096 "
              "positions. 32,768 positions on request "
-             "(`--positions 32768`: about 15 minutes of oracle on 2 cores). "
+             "(`--positions 32768`: an extrapolated 10 to 15 minutes of oracle on 2 cores). "
              f"Load average {r['load_start']} at the start, {r['load_end']} at the end (2 cores shared).", "",
              "| model | positions | V | seconds | verdict | min cosine | harness peak RSS | llama.cpp worker peak RSS | [T, V] float32 |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]

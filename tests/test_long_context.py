@@ -134,7 +134,7 @@ def _probe_long(model: str, candidate: str, reference: str, n: int | None = None
 @pytest.mark.slow
 @pytest.mark.parametrize("candidate, reference", [("llama.cpp", "oracle"), ("oracle", "llama.cpp")])
 def test_the_long_probe_passes_at_8192_positions(candidate, reference):
-    """The default length on a 32K fixture: 8,192 positions (about 1 min for the oracle at 1 thread)."""
+    """The default length on a 32K fixture: 8,192 positions (about 1 min per run on 2 cores, docs/benchmarks.md section 13)."""
     r = _probe_long("tiny-qwen35-32k", candidate, reference)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "PASS" in r.stdout
@@ -143,7 +143,7 @@ def test_the_long_probe_passes_at_8192_positions(candidate, reference):
 @pytest.mark.slow
 def test_the_long_probe_passes_at_32768_positions_on_request():
     """``--long-tokens 32768``: llama.cpp against the oracle (the oracle's attention in query
-    chunks: memory bounded; about 15 min on 2 cores)."""
+    chunks: memory bounded; an extrapolated 10 to 15 min of oracle on 2 cores, not run here)."""
     r = _probe_long("tiny-qwen35-32k", "llama.cpp", "oracle", 32_768)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
