@@ -46,6 +46,8 @@ of things measured side by side in this run, and the page records the machine an
 12. llama-server under concurrent clients (llama_server_traffic.py): the shipped scenarios at 1, 2
    and 4 slots, wall time, requests per second, the harness's share and peak RSS; ``--only
    llama-server`` rewrites only its part (also run by the full suite when the binary is built).
+13. The long probe's cost and peak memory at 1,024, 4,096 and 8,192 positions (``bench_long``;
+   ``--long-positions`` adds 32,768 on request); ``--only long`` rewrites only its part.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -73,6 +75,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import bench_evidence  # noqa: E402
+import bench_long  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
 import bench_reference_cache  # noqa: E402
@@ -349,8 +352,10 @@ def main() -> None:
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
     ap.add_argument("--serving-histories", default="1024,4096", help="history lengths of section 11 (16384 on request: "
                     "about 25 GB at the 4K run's growth)")
-    ap.add_argument("--only", choices=["parity", "evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server"], default=None,
+    ap.add_argument("--only", choices=["parity", "evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server", "long"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
+    ap.add_argument("--long-positions", default="1024,4096,8192", help="positions of section 13 (32768 on request: about 15 "
+                    "minutes of oracle on 2 cores)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -373,6 +378,12 @@ def main() -> None:
         sp = bench_speculative.measure()
         splice_section(Path(a.out), "The speculative probe's given drafts", bench_speculative.section(sp), "speculative", sp)
         print(f"wrote the speculative section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+    if a.only == "long":
+        print("13. the long probe's cost and memory by positions ...", flush=True)
+        lg = bench_long.measure(tuple(int(n) for n in a.long_positions.split(",") if n))
+        splice_section(Path(a.out), "The long probe's cost", bench_long.section(lg), "long", lg)
+        print(f"wrote the long-probe section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
     histories = tuple(int(h) for h in a.serving_histories.split(",") if h)
     if a.only == "serving":

@@ -16,7 +16,7 @@ from harness.model.gguf_model import GGUFModel, parse_overrides
 
 TOKENS = list(range(30, 130))
 GOOD = ["tiny-qwen35", "tiny-qwen35moe", "small-qwen35", "tiny-qwen35-mtp", "tiny-qwen35moe-mtp", "tiny-qwen35-mtp-own-head", "small-qwen35-F16", "small-qwen35-Q8_0", "small-qwen35-Q4_K_M", "state-qwen35",
-        *fx.REAL_HEAD_FIXTURES]
+        *fx.REAL_HEAD_FIXTURES, *fx.LONG_CONTEXT_FIXTURES]
 NOT_LOADED_HERE = {
     "mtp-declared-absent": "defective on purpose: llama.cpp must refuse it (test below)",
     "tiny-qwen35-v248k": "a 248,320-row vocab: 100 MB of logits per run; its GGUF is read back in test_fixtures",

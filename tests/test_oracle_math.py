@@ -248,6 +248,62 @@ def test_oracle_attention_causal_grouped(seed, t, n_kv, group):
             assert np.allclose(out[tt, i], (p / p.sum()) @ v[: tt + 1, j], rtol=1e-12, atol=1e-12)
 
 
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), t=st.integers(2, 40), n_kv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]))
+def test_oracle_attention_chunked_queries_equal_unchunked(seed, t, n_kv, group):
+    """Queries taken a few rows at a time (a score budget of 1-3 rows) give the values of the
+    whole [H, T, T] score matrix bit for bit: each row's softmax and products are its own. A
+    prefix of keys already cached (Tk > Tq, later query positions) as the oracle's decode has."""
+    from harness.engines.oracle import qwen35
+
+    rng = np.random.default_rng(seed)
+    n_head, d, past = n_kv * group, 8, int(rng.integers(0, 5))
+    q, k, v = rng.normal(size=(t, n_head, d)), rng.normal(size=(past + t, n_kv, d)), rng.normal(size=(past + t, n_kv, 6))
+    q_pos, k_pos = np.arange(past, past + t), np.arange(past + t)
+    whole = qwen35.attention_rows(q, k, v, q_pos, k_pos, 0.35)
+    rows = int(rng.integers(1, 4))
+    old = qwen35.ATTENTION_SCORE_BYTES
+    qwen35.ATTENTION_SCORE_BYTES = 8 * n_head * (past + t) * rows
+    try:
+        chunked = causal_attention(q, k, v, q_pos, k_pos, 0.35)
+    finally:
+        qwen35.ATTENTION_SCORE_BYTES = old
+    assert chunked.shape == whole.shape == (t, n_head, 6)
+    assert np.array_equal(chunked, whole)
+
+
+def test_oracle_attention_memory_bounded_by_score_budget():
+    """At 2,048 positions and 4 heads the whole float64 score matrix is 128 MiB; with the default
+    64 MiB budget lowered to 1 MiB the call's peak traced allocation stays under 8 MiB (q, k, v,
+    output: 1 MiB together), where the unchunked rows' peak is over 128 MiB."""
+    import tracemalloc
+
+    from harness.engines.oracle import qwen35
+
+    rng = np.random.default_rng(0)
+    t = 2048
+    q, k, v = rng.normal(size=(t, 4, 8)), rng.normal(size=(t, 2, 8)), rng.normal(size=(t, 2, 8))
+    pos = np.arange(t)
+    old = qwen35.ATTENTION_SCORE_BYTES
+    qwen35.ATTENTION_SCORE_BYTES = 1 << 20
+    tracemalloc.start()
+    try:
+        chunked = causal_attention(q, k, v, pos, pos, 0.35)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        qwen35.ATTENTION_SCORE_BYTES = old
+    assert peak < 8 << 20, peak
+    tracemalloc.start()
+    try:
+        whole = qwen35.attention_rows(q, k, v, pos, pos, 0.35)
+        _, peak_whole = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_whole > 128 << 20
+    assert np.array_equal(chunked, whole)
+
+
 # ---------------------------------------------------------------------------------------------
 # MoE
 # ---------------------------------------------------------------------------------------------

@@ -357,6 +357,8 @@ def _measure_tier(no_calibrate: bool):
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these probes (split, decode, ubatch, multiseq, prefix, determinism, long, state, serving, speculative).")
 @click.option("--decode-tokens", default=None, type=click.IntRange(min=2),
               help="Tokens the decode probe feeds one per call (default: probes.DECODE_TOKENS, 640; a state drifting between calls shows only after hundreds).")
+@click.option("--long-tokens", default=None, type=click.IntRange(min=1024),
+              help="Positions the long probe feeds (default: probes.LONG_TOKENS, 8,192; 32768 on request), capped at the model's context_length.")
 @click.option("--prompts", default=None, type=click.Path())
 @click.option("--thresholds", default=None, type=click.Path())
 @click.option("--ledger", default=None, type=click.Path())
@@ -372,7 +374,7 @@ def _measure_tier(no_calibrate: bool):
 @click.option("--no-calibrate", is_flag=True, help="Where no calibrated row fits, do not measure the tolerances on the model.")
 @click.option("--scenarios", default=None, type=click.Path(),
               help="Serving probe: a scenario file (harness-serving-scenarios/v1; default: the shipped set, docs/engine-protocol.md \"Op serve\").")
-def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype,
+def probe(candidate, model, reference, only, decode_tokens, long_tokens, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype,
           mlx_folder, no_calibrate, scenarios) -> None:
     """Self-consistency probes of one engine (exit 0: every measured probe passes and split,
     decode and determinism were measured, or with --only every named probe passes; 1: a probe
@@ -386,7 +388,8 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
                        ledger=ledger or d["ledger"], overrides=list(overrides), argv=["harness", *sys.argv[1:]],
                        measure_tier=_measure_tier(no_calibrate), candidate_settings=_dtype_settings(dtype, candidate or d["candidate"], mlx_folder),
                        scenarios=scenarios, write_evidence=not no_evidence, report=True, localize="auto" if localize_ is None else localize_,
-                       **({} if decode_tokens is None else {"decode_tokens": decode_tokens}))
+                       **({} if decode_tokens is None else {"decode_tokens": decode_tokens}),
+                       **({} if long_tokens is None else {"long_tokens": long_tokens}))
     con = _console(stderr=True)
     run = run_probes(req, None if as_json else (lambda name: con.print(f"probe {_m(name)} ...")))
     report_path = run.report_path  # written by the evidence door with the receipt

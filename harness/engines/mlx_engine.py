@@ -49,7 +49,7 @@ when it loads, each an ``EngineError`` naming the remedy:
   (``Qwen35HParams.recurrent``);
 - mlx-lm drops ``mtp.*`` weights; the folder writer writes trunk-only models and refuses MTP blocks.
 
-Needs the ``mlx`` extra: ``pip install -e .[mlx]``.
+Needs the ``mlx`` extra: ``pip install -e .[mlx]``; without it a run is UNMEASURED (exit 5), naming the command.
 """
 
 from __future__ import annotations
@@ -135,12 +135,13 @@ def accumulate_experts_in_f32(model: Any) -> int:
 
 
 def _require_mlx() -> tuple[Any, Any]:
-    """``(mlx.core, mlx_lm)``; ``InvalidInput`` with the install command when either is missing."""
+    """``(mlx.core, mlx_lm)``; ``Unmeasured`` (exit 5) naming the engine and the install command when
+    either is missing: nothing could be measured here, which is no bad input and never a PASS."""
     try:
         import mlx.core as mx
         import mlx_lm
     except ImportError:
-        raise InvalidInput("the mlx engine needs mlx and mlx-lm, which are not installed: pip install -e .[mlx]") from None
+        raise Unmeasured("the mlx engine needs mlx and mlx-lm, which are not installed: pip install -e .[mlx]") from None
     return mx, mlx_lm
 
 

@@ -31,7 +31,7 @@ boundary: measured on ``fixture:trained-qwen35`` (sequences of 70, 45 and 90 tok
 sequence's row 0 is at cosine 0.835 from its solo run (KLD 5.66, 11 of 90 argmaxes differ). Each
 sequence's rows are judged against its solo run by the ``multiseq`` probe.
 
-Needs the ``hf`` extra: ``pip install -e .[hf]`` (torch, transformers).
+Needs the ``hf`` extra: ``pip install -e .[hf]`` (torch, transformers); without it a run is UNMEASURED (exit 5), naming the command.
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ DTYPE_CLASS = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16"
 
 
 def _require_torch():
+    """The ``torch`` module; ``Unmeasured`` (exit 5) naming the engine and the install command when
+    torch or transformers is missing: nothing could be measured here, which is never a PASS."""
     try:
         import torch
         import transformers  # noqa: F401
     except ImportError:
-        raise InvalidInput(
+        raise Unmeasured(
             "the transformers engine needs torch and transformers, which are not installed: pip install -e .[hf]"
         ) from None
     return torch

@@ -5,11 +5,11 @@ probe; both build on these types, so neither imports the other)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from harness.errors import Verdict
+from harness.errors import EngineError, Verdict
 from harness.measure import metrics
 
 @dataclass
@@ -119,12 +119,63 @@ def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance
         max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
         return Comparison(label, n, diff.size == 0, _min(pm["cosine"]), _max(pm["kld"]), max_abs, int(diff[0]) if diff.size else None)
     pm = metrics.position_metrics(base, other)
+    return _judged(label, pm, _max_abs(base, other), tol)
+
+
+def _max_abs(base: np.ndarray, other: np.ndarray) -> float:
+    return float(np.nanmax(np.abs(base.astype(np.float64) - other))) if base.size else 0.0
+
+
+def _judged(label: str, pm: dict[str, np.ndarray], max_abs: float, tol: ProbeTolerance) -> Comparison:
+    """The ``Comparison`` of toleranced per-position metrics ``pm`` (``compare``'s rule)."""
     bad = outside(pm, tol)
     idx = np.flatnonzero(bad)
     ok = idx.size == 0 or (idx.size <= tol.excursions and bool(pm["finite"].all()) and not bad[-1])
-    max_abs = float(np.nanmax(np.abs(base.astype(np.float64) - other))) if n else 0.0
-    return Comparison(label, n, ok, _min(pm["cosine"]), _max(pm["kld"]), max_abs, None if ok else int(idx[0]),
+    return Comparison(label, int(bad.size), ok, _min(pm["cosine"]), _max(pm["kld"]), max_abs, None if ok else int(idx[0]),
                       excursions=int(idx.size) if ok else 0)
+
+
+def aligned(a: Iterator[np.ndarray], b: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Pairs of equal-length row blocks from two streams of ``[B, V]`` blocks that cover the same
+    positions in other block sizes (at most one block of each held at a time)."""
+    ba = bb = None
+    while True:
+        if ba is None or not len(ba):
+            ba = next(a, None)
+        if bb is None or not len(bb):
+            bb = next(b, None)
+        if ba is None or bb is None:
+            return
+        n = min(len(ba), len(bb))
+        yield ba[:n], bb[:n]
+        ba, bb = ba[n:], bb[n:]
+
+
+def compare_streams(label: str, base: Iterator[np.ndarray], other: Iterator[np.ndarray], tol: ProbeTolerance) -> Comparison:
+    """``compare`` (toleranced, not exact) on two streams of float32 ``[B, V]`` blocks covering the
+    same positions (``checked_blocks``), holding one block of each at a time and ``[T]`` metrics,
+    never ``[T, V]``. Raises ``EngineError`` when the streams differ in width or in length (after
+    draining both, so each stream's own count check runs first)."""
+    rows = [0, 0]
+
+    def counted(it: Iterator[np.ndarray], i: int) -> Iterator[np.ndarray]:
+        for x in it:
+            rows[i] += len(x)
+            yield x
+
+    parts, max_abs = [], 0.0
+    a_it, b_it = counted(base, 0), counted(other, 1)
+    for a, b in aligned(a_it, b_it):
+        if a.shape[1] != b.shape[1]:
+            raise EngineError(f"{label}: logit widths differ ({a.shape[1]} vs {b.shape[1]})")
+        parts.append(metrics.position_metrics(a, b))
+        max_abs = max(max_abs, _max_abs(a, b))
+    for it in (a_it, b_it):  # drain: each stream's own count check runs, and neither may run on
+        for _ in it:
+            pass
+    if rows[0] != rows[1]:
+        raise EngineError(f"{label}: the streams cover {rows[0]} and {rows[1]} positions")
+    return _judged(label, metrics.concat_metrics(parts), max_abs, tol)
 
 
 def outside(pm: dict[str, np.ndarray], tol: ProbeTolerance) -> np.ndarray:

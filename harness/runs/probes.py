@@ -21,8 +21,10 @@ Probes (tolerances from thresholds.yaml ``probes:``, each with a basis):
   checkpoint, equals A+C fed fresh; and D continued after A+B equals A+B+D fresh; needs
   ``session_logits`` (capability ``prefix_reuse``): a server's prompt-cache reuse.
 - ``determinism``: the same input twice gives bit-identical logits.
-- ``long``: ≥ 1,024 positions against the reference with the parity gate; reports the first
-  position where the gate fails.
+- ``long``: ``LONG_TOKENS`` (8,192) positions by default, ``--long-tokens`` up to 32,768, capped at
+  the model's declared ``context_length`` (at least 1,024), against the reference with the parity
+  gate, both engines' logits compared block by block as they stream; reports the first position
+  where the gate fails.
 
 A failed probe run by ``run_probes`` carries a reproducer line (``probe_failure``, through
 ``harness.judge.reproducer``): the first failing comparison and its bounds, candidate, model
@@ -39,11 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from harness.engines.base import Engine, gather, last_row
+from harness.engines.base import Engine, checked_blocks, gather, last_row
 from harness.engines.llama_server import SERVE_CAPABILITY
 from harness.engines.timing import timed
 from harness.errors import EngineError, InvalidInput, Unmeasured, Verdict
@@ -56,7 +58,7 @@ from harness.measure import metrics
 from harness.measure.prompts import PromptTokens
 from harness.runs.inputs import RunInputs, RunRequest, engine_record, subject_of
 from harness.runs.explain import explain
-from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, outside  # noqa: F401 (re-exported)
+from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, compare_streams, outside  # noqa: F401 (re-exported)
 from harness.runs.spec_given import _spec_checked, given_cases, judge_case, run_given  # noqa: F401 (_spec_checked re-exported)
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
@@ -306,23 +308,52 @@ def probe_determinism(engine: Engine, tokens: Sequence[int]) -> ProbeResult:
     return _verdict("determinism", [compare("run twice", a, b, exact)], exact)
 
 
+LONG_TOKENS = 8192
+"""Positions the long probe feeds unless told otherwise (``--long-tokens``, up to 32,768 and more),
+capped at the model's declared ``context_length`` (the 4,096-context fixtures get 4,096; the
+``-32k`` fixtures, ``harness.fixtures.synthetic.LONG_CONTEXT_FIXTURES``, the full 8,192): past
+about 2K tokens llama.cpp has given token soup (#29183), lost the oldest context (#27556) and
+dropped digits at about 19K (#21681). Cost and peak memory per length: docs/benchmarks.md
+section 12 (``benchmarks/bench_long.py``)."""
+LONG_MIN_TOKENS = 1024
+"""Fewer positions than this (a model declaring a shorter context) leave the long probe UNMEASURED."""
+
+
+def long_length(requested: int, context_length: int) -> int:
+    """The positions the long probe feeds: ``requested``, capped at the model's declared
+    ``context_length`` (0: none declared, no cap). An engine may refuse a prompt longer than the
+    file declares (llama-server sizes its context from it), which would judge the file, not the
+    engine."""
+    return min(requested, context_length) if context_length > 0 else requested
+
+
 def probe_long(engine: Engine, reference: Engine | None, tokens: Sequence[int], min_cosine: float) -> ProbeResult:
-    """≥ 1,024 positions against the reference with the parity gate's cosine; a FAIL names the
-    first position where the gate fails. Raises ``EngineError`` when the reference returns a
-    non-finite logit (the reference failed, not the candidate)."""
+    """≥ ``LONG_MIN_TOKENS`` positions against the reference with the parity gate's cosine; a FAIL
+    names the first position where the gate fails. The two engines' logit blocks are compared as
+    they stream (``compare_streams``): the probe holds one block of each and ``[T]`` metrics, never
+    ``[T, V]`` (at Qwen3.5's vocabulary 1 MB a position: 32 GB at 32,768). Raises ``EngineError``
+    when the reference returns a non-finite logit (the reference failed, not the candidate)."""
     if reference is None:
         return ProbeResult("long", Verdict.UNMEASURED, reason="no reference engine given")
-    if len(tokens) < 1024:
-        return ProbeResult("long", Verdict.UNMEASURED, reason=f"only {len(tokens)} tokens; the long probe needs >= 1024")
+    if len(tokens) < LONG_MIN_TOKENS:
+        return ProbeResult("long", Verdict.UNMEASURED, reason=f"only {len(tokens)} tokens; the long probe needs >= {LONG_MIN_TOKENS}")
     n = len(tokens)
-    ref = gather(reference.logits(tokens), n)
-    bad = np.flatnonzero(~np.isfinite(ref).all(axis=1))
-    if bad.size:
-        raise EngineError(f"reference {reference.info.name} returned non-finite logits (NaN or Inf) at position {int(bad[0])} "
-                          "of the long probe; a reference that fails cannot judge the candidate")
-    cand = gather(engine.logits(tokens), n)
+    ref = _finite_reference(checked_blocks(reference.logits(tokens), n), reference.info.name)
+    cand = checked_blocks(engine.logits(tokens), n)
     tol = ProbeTolerance(min_cosine=min_cosine, max_kld=float("inf"))
-    return _verdict("long", [compare(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)
+    return _verdict("long", [compare_streams(f"{n} positions vs {reference.info.name}", ref, cand, tol)], tol)
+
+
+def _finite_reference(blocks: Iterator[np.ndarray], name: str) -> Iterator[np.ndarray]:
+    """The reference's blocks, each checked finite as it arrives (``EngineError`` naming the position)."""
+    start = 0
+    for block in blocks:
+        bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+        if bad.size:
+            raise EngineError(f"reference {name} returned non-finite logits (NaN or Inf) at position {start + int(bad[0])} "
+                              "of the long probe; a reference that fails cannot judge the candidate")
+        start += len(block)
+        yield block
 
 
 SPEC_NEAR_TIE = {
@@ -513,6 +544,8 @@ class ProbeRequest(RunRequest):
     measure_tier: MeasureTier | None = None
     candidate_settings: dict[str, Any] = field(default_factory=dict)
     decode_tokens: int = DECODE_TOKENS
+    long_tokens: int = LONG_TOKENS
+    """Positions the long probe feeds (``--long-tokens``), capped at the model's ``context_length``."""
     scenarios: str | None = None
     """The serving probe's scenario file (``--scenarios``; None: the shipped set)."""
 
@@ -599,7 +632,9 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     longest prompt's first ``MAIN_TOKENS`` (they span the 63/64/65 chunk boundary), decode on its
     first ``req.decode_tokens`` (every prompt cycled when it is shorter), multiseq on the three
     longest prompts' first 60, long (against ``reference()``, made only if it runs, judged by the
-    release gate) on every prompt cycled to 1,024 tokens. ``tol`` None (no calibrated row for the
+    release gate) on every prompt cycled to ``req.long_tokens`` capped at the model's
+    ``context_length`` (``long_length``); the speculative probe's history on every prompt cycled to
+    1,024 tokens. ``tol`` None (no calibrated row for the
     engine's class): the toleranced probes are UNMEASURED, naming why. A top-k engine
     (capability ``topk``, an ``http:`` server) gets every probe UNMEASURED: no logits."""
     from harness.fixtures.synthetic import STATE_FIXTURE
@@ -612,7 +647,9 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     short = decode_prompt([p.tokens for p in ptoks], req.decode_tokens)
     three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
     side_by_side = [p.tokens[:60] for p in three]
-    long = long_tokens([p.tokens for p in ptoks])
+    history = long_tokens([p.tokens for p in ptoks])
+    n_long = long_length(req.long_tokens, int(inputs.model.hparams.context_length or 0))
+    long = long_tokens([p.tokens for p in ptoks], n_long)[:n_long]
     min_cosine = resolved.release_min_cosine
     cases = {
         "split": ProbeCase(lambda: probe_split(engine, main, tol, req.seed), first.id, len(main)),
@@ -621,12 +658,13 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "multiseq": ProbeCase(lambda: probe_multiseq(engine, side_by_side, tol), ", ".join(p.id for p in three), sum(map(len, side_by_side))),
         "prefix": ProbeCase(lambda: probe_prefix(engine, main, tol), first.id, len(main)),
         "determinism": ProbeCase(lambda: probe_determinism(engine, main), first.id, len(main)),
-        "long": ProbeCase(lambda: probe_long(engine, reference(), long, min_cosine), "every prompt, cycled", len(long)),
+        "long": ProbeCase(lambda: _with_length(probe_long(engine, reference(), long, min_cosine), req.long_tokens, inputs),
+                          "every prompt, cycled", len(long)),
         "state": ProbeCase(plan_state(req, inputs), "every prompt, cycled", 0, model=f"fixture:{STATE_FIXTURE}"),
         "serving": ProbeCase(plan_serving(req, engine, reference, tol, ptoks, inputs, min_cosine),
                              f"scenarios {req.scenarios or 'shipped'}", 0),
         "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
-                                                           reference() if has_speculative(engine) else None, tol=tol, history=long),
+                                                           reference() if has_speculative(engine) else None, tol=tol, history=history),
                                  first.id, len(main)),
     }
     if tol is None:
@@ -635,6 +673,17 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         served = SERVE_CAPABILITY in engine.info.capabilities  # llama-server: its serving is judged on its top-k rows
         _unmeasured(cases, [c for c in cases if not (served and c == "serving")], f"{engine.info.name} gives top-k logprobs, not logits")
     return cases
+
+
+def _with_length(result: ProbeResult, requested: int, inputs: RunInputs) -> ProbeResult:
+    """The long probe's result with ``details`` naming the positions asked for, the model's declared
+    ``context_length`` and the positions fed (fewer when the file declares a shorter context)."""
+    ctx = int(inputs.model.hparams.context_length or 0)
+    result.details = {**result.details, "requested_positions": requested, "context_length": ctx,
+                      "positions": long_length(requested, ctx)}
+    if result.verdict is Verdict.UNMEASURED and ctx and ctx < min(requested, LONG_MIN_TOKENS):
+        result.reason += f" (the model declares context_length {ctx})"
+    return result
 
 
 def plan_serving(req: ProbeRequest, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,

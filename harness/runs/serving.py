@@ -55,7 +55,7 @@ from harness.measure import metrics
 from harness.measure.continuation import Divergence, judge_greedy
 from harness.measure.prompts import PromptTokens
 from harness.measure.scenarios import Scenario
-from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, outside
+from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, aligned, outside  # noqa: F401 (aligned re-exported)
 
 SERVE_NEAR_TIE = {
     "value": 1e-3,
@@ -84,22 +84,6 @@ to 0.77) stays far below the floor."""
 
 def has_serve(engine: Engine) -> bool:
     return "serve" in engine.info.capabilities and callable(getattr(engine, "serve", None))
-
-
-def aligned(a: Iterator[np.ndarray], b: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Pairs of equal-length row blocks from two streams of ``[B, V]`` blocks that cover the same
-    positions in other block sizes (at most one block of each held at a time)."""
-    ba = bb = None
-    while True:
-        if ba is None or not len(ba):
-            ba = next(a, None)
-        if bb is None or not len(bb):
-            bb = next(b, None)
-        if ba is None or bb is None:
-            return
-        n = min(len(ba), len(bb))
-        yield ba[:n], bb[:n]
-        ba, bb = ba[n:], bb[n:]
 
 
 @dataclass

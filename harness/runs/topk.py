@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.engines.base import Engine, gather
+from harness.engines.base import Engine, TopK, checked_blocks
 from harness.errors import EngineError, Verdict
 from harness.judge import tiers, verdicts
 from harness.judge import topk as topk_tier
@@ -22,27 +22,32 @@ from harness.runs.inputs import RunInputs
 
 def measure_topk_prompts(reference: Any, candidate: Any, prompts: Sequence[Any], n_vocab: int, k: int | None = None) -> dict[str, np.ndarray]:
     """Top-k metrics of every prompt (``PER_POSITION_KEYS`` plus ``prompt_index``/``position``),
-    concatenated: the reference's logits (gathered per prompt) against ``candidate.topk`` cut to
-    ``k`` entries when given (a row measured with k judges k entries).
+    concatenated: the reference's logits, block by block as it streams them (never ``[T, V]``),
+    against ``candidate.topk`` (``[T, k]``) cut to ``k`` entries when given (a row measured with
+    k judges k entries).
 
-    Raises ``EngineError`` (either engine) and ``NotComparable`` (the candidate's).
+    Raises ``EngineError`` (either engine; the reference's non-finite logit naming the prompt and
+    position) and ``NotComparable`` (the candidate's).
     """
     parts = []
     for i, p in enumerate(prompts):
         n = len(p.tokens)
-        ref = gather(reference.logits(p.tokens), n)
-        if ref.shape != (n, n_vocab):
-            raise EngineError(f"reference returned logits of shape {ref.shape} for {n} positions")
-        bad = np.flatnonzero(~np.isfinite(ref).all(axis=1))
-        if bad.size:
-            raise EngineError(f"reference returned non-finite logits at prompt {p.id!r} position {int(bad[0])}")
         top = candidate.topk(p.tokens)
         if top.ids.shape[0] != n:
             raise EngineError(f"candidate {candidate.info.name} gave top-k rows for {top.ids.shape[0]} of {n} positions")
-        pm = topk.topk_position_metrics(ref, topk.truncate(top, k) if k else top)
-        pm["prompt_index"] = np.full(n, i, np.int32)
-        pm["position"] = np.arange(n, dtype=np.int32)
-        parts.append(pm)
+        top = topk.truncate(top, k) if k else top
+        start = 0
+        for block in checked_blocks(reference.logits(p.tokens), n):
+            if block.shape[1] != n_vocab:
+                raise EngineError(f"reference returned logits of width {block.shape[1]}; expected {n_vocab}")
+            bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+            if bad.size:
+                raise EngineError(f"reference returned non-finite logits at prompt {p.id!r} position {start + int(bad[0])}")
+            end = start + block.shape[0]
+            dropped = None if top.dropped_max is None else top.dropped_max[start:end]
+            parts.append({**topk.topk_position_metrics(block, TopK(top.ids[start:end], top.logprobs[start:end], dropped)),
+                          "prompt_index": np.full(end - start, i, np.int32), "position": np.arange(start, end, dtype=np.int32)})
+            start = end
     return metrics.concat_metrics(parts)
 
 

@@ -316,21 +316,47 @@ def rope_neox_partial(x: np.ndarray, pair_pos: np.ndarray, n_rot: int, freq_base
     return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., n_rot:]], axis=-1)
 
 
+ATTENTION_SCORE_BYTES = 64 << 20
+"""The most bytes one float64 score block ``[H_kv, G, Tq_chunk, Tk]`` of ``causal_attention`` may
+take: queries are taken in chunks of ``max(1, ATTENTION_SCORE_BYTES // (8·H·Tk))`` rows, so at 32,768
+positions and 4 heads a chunk is 64 queries (64 MiB) where the whole ``[H, T, T]`` would be 32 GiB."""
+
+
 def causal_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, scale: float
 ) -> np.ndarray:
-    """Causal softmax attention with grouped-query heads.
+    """Causal softmax attention with grouped-query heads, the queries taken in chunks.
 
     q: [Tq, H, D]; k: [Tk, H_kv, D]; v: [Tk, H_kv, D_v]; q_pos: [Tq], k_pos: [Tk] positions (query
-    t sees keys with k_pos ≤ q_pos[t]). Returns [Tq, H, D_v]. Query head i uses KV head
+    t sees keys with k_pos ≤ q_pos[t]). Returns [Tq, H, D_v] float64. Query head i uses KV head
     i // (H / H_kv) (ggml ``mul_mat`` broadcast ``i02 = i12 / r2``; flash attention
     ``ik2 = iq2 / rk2``). scale is 1/sqrt(head_dim) for qwen35 (``build_layer_attn`` ``kq_scale``).
+    Each query row's softmax is its own, so query chunks of at most ``ATTENTION_SCORE_BYTES`` of
+    scores give the unchunked values (each row the same reductions in the same order; tested bit
+    for bit in tests/test_oracle_math.py) while memory stays bounded at any length.
+    Raises ``ValueError`` when H is not a multiple of H_kv.
     Source: llama.cpp ``llm_graph_context::build_attn``; transformers ``eager_attention_forward``.
     """
-    t_q, n_head, d = q.shape
+    t_q, n_head, _ = q.shape
     n_kv = k.shape[1]
     if n_head % n_kv:
         raise ValueError(f"n_head={n_head} is not a multiple of n_head_kv={n_kv}")
+    rows = max(1, ATTENTION_SCORE_BYTES // (8 * n_head * max(1, k.shape[0])))
+    if t_q <= rows:
+        return attention_rows(q, k, v, q_pos, k_pos, scale)
+    out = np.empty((t_q, n_head, v.shape[2]), np.result_type(q, k, v, np.float64))
+    for a in range(0, t_q, rows):
+        out[a:a + rows] = attention_rows(q[a:a + rows], k, v, q_pos[a:a + rows], k_pos, scale)
+    return out
+
+
+def attention_rows(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, scale: float
+) -> np.ndarray:
+    """``causal_attention`` for one chunk of queries, holding its whole ``[H_kv, G, Tq, Tk]`` score
+    block: shapes, sources and errors as ``causal_attention`` (whose caller checks H % H_kv)."""
+    t_q, n_head, d = q.shape
+    n_kv = k.shape[1]
     qg = q.reshape(t_q, n_kv, n_head // n_kv, d)  # head i = kv * group + j
     scores = np.einsum("tkgd,skd->kgts", qg, k) * scale  # [H_kv, G, Tq, Tk]
     visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
