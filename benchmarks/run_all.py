@@ -220,7 +220,7 @@ def profile_summary(prof: Path, main_s: float) -> tuple[list[tuple[str, float]],
     return cats, top
 
 
-def measure_parity(work: Path, positions: int) -> tuple[dict, dict]:
+def measure_parity(work: Path, positions: int, probe_share: bool = True) -> tuple[dict, dict]:
     """Section 2's measurements (and section 10's, made on the same cell first): the parity run
     with the reference cache off, a profiled copy, the oracle alone's RSS and the probe run."""
     v248 = fx.build("tiny-qwen35-v248k")
@@ -235,9 +235,11 @@ def measure_parity(work: Path, positions: int) -> tuple[dict, dict]:
     prof_run = parity_probe(common + ["--ledger", str(work / "ev-prof" / "ledger.jsonl")], profile=prof)
     cats, top = profile_summary(prof, prof_run["main_s"])
     alone = oracle_alone_rss(v248, lists, work)
-    print("2b. harness probe on the same model ...", flush=True)
-    probe = parity_probe(["--model", "fixture:tiny-qwen35-v248k", "--candidate", "oracle", "--ledger",
-                          str(work / "ev-probe" / "ledger.jsonl")], command="probe")
+    probe = None
+    if probe_share:
+        print("2b. harness probe on the same model ...", flush=True)
+        probe = parity_probe(["--model", "fixture:tiny-qwen35-v248k", "--candidate", "oracle", "--ledger",
+                              str(work / "ev-probe" / "ledger.jsonl")], command="probe")
     return ({"run": run, "profiled": prof_run, "categories": cats, "top": top, "oracle_alone_rss_mb": alone,
              "from_text": from_text, "positions": positions, "prompts": len(lists), "probe": probe}, rc)
 
@@ -346,6 +348,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--skip-real-scale", action="store_true", help="leave out sections 4-6 (the 0.8B, 2B and calibration runs)")
+    ap.add_argument("--skip-probe-share", action="store_true", help="leave out section 2's probe run on the same model "
+                    "(every default probe at V = 248,320: minutes)")
     ap.add_argument("--skip-large", action="store_true", help="leave out section 5 (the 2B-class shape)")
     ap.add_argument("--calibrate-classes", default="f32", help="comma-separated classes for section 6 ('' to skip)")
     ap.add_argument("--calibrate-max-tokens", type=int, default=128, help="tokens per prompt in section 6")
@@ -403,7 +407,7 @@ def main() -> None:
     if a.only == "parity":
         print("2. and 10. the parity run, the probe run and the reference cache ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
-            par, rc = measure_parity(Path(d), a.positions)
+            par, rc = measure_parity(Path(d), a.positions, probe_share=not a.skip_probe_share)
         par["load"] = [load()]
         splice_section(Path(a.out), "-position parity run at V = 248,320", parity_section(par) + [
             "", f"(Section 2 rewritten alone by `benchmarks/run_all.py --only parity`; load average at its end {par['load'][0]}.)"],
@@ -430,7 +434,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
         work = Path(d)
         print(f"2. {a.positions}-position parity run at V=248,320 ...", flush=True)
-        r["parity"], r["reference_cache"] = measure_parity(work, a.positions)
+        r["parity"], r["reference_cache"] = measure_parity(work, a.positions, probe_share=not a.skip_probe_share)
         r["load"]["parity"] = load()
 
         print("3. oracle vs llama.cpp on small-qwen35 ...", flush=True)
