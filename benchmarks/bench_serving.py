@@ -93,7 +93,7 @@ def measure(histories: tuple[int, ...] = HISTORIES, model: str = "fixture:tiny-q
 def section(r: dict[str, Any]) -> list[str]:
     """The benchmark page's section for ``measure``'s result."""
     c, h = r["concurrency"], r["history"]
-    lines = ["## 10. The serving probe's cost: concurrency and history", "",
+    lines = ["## 11. The serving probe's cost: concurrency and history", "",
              f"`benchmarks/bench_serving.py`: the oracle on `{r['model']}`, each scenario judged whole by the serving probe "
              "(served once, every request run alone with `generate` and `logits`), no reference comparison. Memory: the peak of "
              f"numpy and Python allocations during the scenario (tracemalloc). Load average {r['load_start']} at the start, "
