@@ -82,8 +82,8 @@ CAUSES = {
 
 @dataclass
 class MtpCheck:
-    """One check of the cell: its verdict and numbers (rows compared, min cosine, max KLD, the
-    first row below the gate as prompt / row), or why it is UNMEASURED."""
+    """One check of the cell: its verdict and numbers (rows compared, min cosine, max KLD, where
+    it failed: ``first_failing_row``), or why it is UNMEASURED."""
 
     name: str
     verdict: Verdict
@@ -211,10 +211,7 @@ def judge_check(name: str, pairs: list[tuple[str, np.ndarray, np.ndarray]], rele
     n = int(pm["cosine"].size)
     cos = pm["cosine"][np.isfinite(pm["cosine"])]
     kld = pm["kld"][np.isfinite(pm["kld"])] if "kld" in pm else np.array([])
-    first = None
-    i = rel.first_failing if rel.first_failing is not None else (cal.first_failing if cal is not None else None)
-    if i is not None:
-        first = {"prompt": pairs[int(pm["prompt_index"][i])][0], "row": int(pm["position"][i]), "cosine": metrics._f(pm["cosine"][i])}
+    first = first_failing_row(pairs, pm, rel, cal, tier)
     if rel.status == "fail" or (cal is not None and cal.status == "fail"):
         verdict = Verdict.FAIL
     elif rel.status == "unmeasured" and need_positions:
@@ -224,6 +221,34 @@ def judge_check(name: str, pairs: list[tuple[str, np.ndarray, np.ndarray]], rele
     line = f"mtp {name}: {rel.line}" + (f"; {cal.line}" if cal is not None else "")
     return MtpCheck(name, verdict, n, float(cos.min()) if cos.size else None, float(kld.max()) if kld.size else None, first, line,
                     None if verdict is not Verdict.UNMEASURED else f"{n} rows compared", calibrated=None if cal is None else cal.to_dict())
+
+
+KLD_BOUND_TEXT = {"max_kld_mean": "KLD mean", "max_kld_p99": "KLD p99"}
+
+
+def first_failing_row(pairs: Sequence[tuple[str, np.ndarray, np.ndarray]], pm: dict[str, np.ndarray], rel: Any, cal: Any,
+                      tier: MtpTier | None) -> dict[str, Any] | None:
+    """Where a check failed, as ``{"prompt", "row", "cosine"}``: the earliest row (cell order:
+    prompt, then row) that fails either tier (``rel``, ``cal``: ``TierResult``; the calibrated
+    cosine is usually the stricter, so its first row can come before the release gate's). When
+    only an aggregate bound of the calibrated tier failed (KLD mean or p99: no row fails alone),
+    the row that contributes most, the largest KLD over the rows the tier judged, with ``kld`` and
+    ``bound`` (the failed bounds, e.g. ``KLD mean``). None when the check did not fail."""
+    cands = [i for i in (rel.first_failing, None if cal is None else cal.first_failing) if i is not None]
+
+    def at(i: int, **extra: Any) -> dict[str, Any]:
+        return {"prompt": pairs[int(pm["prompt_index"][i])][0], "row": int(pm["position"][i]), "cosine": metrics._f(pm["cosine"][i]), **extra}
+
+    if cands:
+        return at(min(cands))
+    if cal is None or cal.status != "fail" or "kld" not in pm:
+        return None
+    kld = np.where(np.isfinite(pm["kld"]), pm["kld"], np.inf)
+    if tier is not None and tier.row is not None and tier.row.max_tokens is not None:
+        kld = np.where(pm["position"] < tier.row.max_tokens, kld, -np.inf)
+    i = int(np.argmax(kld))
+    bounds = [KLD_BOUND_TEXT.get(c.name, c.name) for c in cal.checks if c.ok is False]
+    return at(i, kld=metrics._f(pm["kld"][i]), bound=" and ".join(bounds))
 
 
 @dataclass
@@ -403,13 +428,33 @@ class _Cell:
         return judge_check("hidden", pairs, self.release, False, self.tier)
 
 
+def cause_of(check: str, whole_failed: bool) -> str:
+    """The likely cause of a failed ``check``: ``CAUSES[check]``, except that a check other than
+    ``whole`` fails as ``whole`` does when ``whole`` failed too, so the head itself is blamed, not
+    what only that check varies (the chunked prefill, the other sequence)."""
+    if check == "whole" or not whole_failed:
+        return CAUSES[check]
+    return f"whole fails too, so the head itself is wrong, not what only the {check} check varies: {CAUSES['whole']}"
+
+
+def where_text(where: dict[str, Any]) -> str:
+    """``, first failing row R of prompt 'P'``, or for an aggregate bound ``, worst contributor to
+    the KLD mean: row R of prompt 'P' (KLD k)`` (``first_failing_row``); "" for None."""
+    if not where:
+        return ""
+    if where.get("bound"):
+        return f", worst contributor to the {where['bound']}: row {where.get('row')} of prompt {where.get('prompt')!r} (KLD {where.get('kld'):.3g})"
+    return f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}"
+
+
 def _add_reproducers(checks: Sequence[MtpCheck], case: Any) -> None:
     """Every failed check's one-line reproducer (``harness.judge.reproducer.failure_message``)."""
+    whole_failed = any(c.name == "whole" and c.verdict is Verdict.FAIL for c in checks)
     for c in checks:
         if c.verdict is Verdict.FAIL:
             where = c.first_failing or {}
-            numbers = f"mtp {c.name} FAIL: {c.line}" + (f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}" if where else "")
-            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], CAUSES[c.name],
+            numbers = f"mtp {c.name} FAIL: {c.line}" + where_text(where)
+            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], cause_of(c.name, whole_failed),
                                            case.harness("parity", "--mtp"))
 
 
