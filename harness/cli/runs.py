@@ -379,6 +379,7 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
     decode and determinism were measured, or with --only every named probe passes; 1: a probe
     failed; 5: a required or named probe unmeasured)."""
     # deferred: startup
+    from harness.runs.probe_types import acceptance_lines
     from harness.runs.probes import ProbeRequest, run_probes
 
     d = _parity_defaults()
@@ -397,6 +398,9 @@ def probe(candidate, model, reference, only, decode_tokens, prompts, thresholds,
         print_table(_console(), f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}",
                     ("probe", "verdict", "comparisons", "detail"), [(r.name, r.verdict.value, len(r.comparisons), r.summary()) for r in run.results],
                     fold=("detail",), right=("comparisons",))
+        for r in run.results:
+            for line in acceptance_lines(r.details):
+                click.echo(_p(line))
         for r in run.results:
             if r.reproducer:
                 click.echo(_p(r.reproducer))
