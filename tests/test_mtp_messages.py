@@ -79,3 +79,23 @@ def test_the_chunked_cause_blames_kv_priming_only_when_whole_passed(whole_fails)
         assert "whole fails too" in chunked.reproducer
     else:
         assert "KV not filled by a chunked prefill" in chunked.reproducer
+
+
+def test_a_command_engine_fail_says_no_mtp_tensor_is_named(tmp_path):
+    """``command:example`` made to FAIL (a KLD-mean bound of 1e-30 in every MTP row: its ``hidden``
+    check's 7e-14 fails it): localization cannot name an MTP tensor of an engine that returns none,
+    and the message and receipt say so (12 s on 2 shared cores)."""
+    from pathlib import Path
+
+    from harness.runs.mtp import MtpRequest, run_mtp
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "thresholds.yaml").read_text())
+    for r in doc["mtp"]:
+        r["gates"]["max_kld_mean"]["value"] = 1e-30
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(yaml.safe_dump(doc))
+    run = run_mtp(MtpRequest(model="fixture:tiny-qwen35-mtp", candidate="command:example", thresholds=str(strict), write_evidence=False,
+                             max_tokens=40))
+    assert run.verdict is Verdict.FAIL
+    assert "no MTP tensor named: command:example returns no named MTP tensors" in run.message, run.message
+    assert "returns no named MTP tensors" in run.receipt["report_only"]["localization"]["unmeasured"]

@@ -509,6 +509,11 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
             report["localization"] = {"prompt": p.id, **loc}
             if loc.get("tensor"):
                 message += f"; first divergent MTP tensor: {loc['tensor']}"
+        elif p is not None:
+            why = (f"{candidate.info.name} returns no named MTP tensors (only the harness's own engines, the oracle and its mutants, "
+                   "return the head's tensors by name), so the first divergent MTP tensor cannot be named")
+            report["localization"] = {"prompt": p.id, "unmeasured": why}
+            message += f"; no MTP tensor named: {why}"
     receipt = mtp_receipt(req, inputs, candidate, reference, resolved, conv, prompts, checks, verdict, message, report)
     if not req.write_evidence:
         prepare_receipt(receipt, {})
