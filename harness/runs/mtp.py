@@ -458,6 +458,24 @@ def _add_reproducers(checks: Sequence[MtpCheck], case: Any) -> None:
                                            case.harness("parity", "--mtp"))
 
 
+def _localized(inputs: RunInputs, candidate: Any, prompts: Sequence[Any], checks: Sequence[MtpCheck], report: dict[str, Any]) -> str:
+    """Localize the first failed check on its failing prompt (``localize_mtp``), recorded in
+    ``report["localization"]``; returns what the message adds: the first divergent MTP tensor, or
+    that none can be named for a candidate that returns no named MTP tensors (a ``command:`` engine)."""
+    bad = next(c for c in checks if c.verdict is Verdict.FAIL)
+    p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
+    if p is None:
+        return ""
+    loc = localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
+    if loc is not None:
+        report["localization"] = {"prompt": p.id, **loc}
+        return f"; first divergent MTP tensor: {loc['tensor']}" if loc.get("tensor") else ""
+    why = (f"{candidate.info.name} returns no named MTP tensors (only the harness's own engines, the oracle and its mutants, "
+           "return the head's tensors by name), so the first divergent MTP tensor cannot be named")
+    report["localization"] = {"prompt": p.id, "unmeasured": why}
+    return f"; no MTP tensor named: {why}"
+
+
 def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> MtpRun:
     """Run one MTP cell end to end and write its evidence (module docstring).
 
@@ -502,18 +520,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
     verdict, message = overall(checks)
     _add_reproducers(checks, inputs.reproducer(req.candidate, settings=req.candidate_settings))
     if verdict is Verdict.FAIL:
-        bad = next(c for c in checks if c.verdict is Verdict.FAIL)
-        p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
-        loc = None if p is None else localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
-        if loc is not None:
-            report["localization"] = {"prompt": p.id, **loc}
-            if loc.get("tensor"):
-                message += f"; first divergent MTP tensor: {loc['tensor']}"
-        elif p is not None:
-            why = (f"{candidate.info.name} returns no named MTP tensors (only the harness's own engines, the oracle and its mutants, "
-                   "return the head's tensors by name), so the first divergent MTP tensor cannot be named")
-            report["localization"] = {"prompt": p.id, "unmeasured": why}
-            message += f"; no MTP tensor named: {why}"
+        message += _localized(inputs, candidate, prompts, checks, report)
     receipt = mtp_receipt(req, inputs, candidate, reference, resolved, conv, prompts, checks, verdict, message, report)
     if not req.write_evidence:
         prepare_receipt(receipt, {})
