@@ -307,7 +307,8 @@ def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrid
             continue
         rows = [(c.name, c.verdict.value, c.positions, "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
                  "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
-                 "—" if not c.first_failing else f"{c.first_failing['prompt']} row {c.first_failing['row']}") for c in run.checks]
+                 "—" if not c.first_failing else f"{c.first_failing['prompt']} row {c.first_failing['row']}"
+                 + (f" (worst, {c.first_failing['bound']})" if c.first_failing.get("bound") else "")) for c in run.checks]
         print_table(_console(), f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)",
                     ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"), rows,
                     right=("rows", "min cosine", "max KLD"))
@@ -380,6 +381,7 @@ def probe(candidate, model, reference, only, decode_tokens, long_tokens, prompts
     decode and determinism were measured, or with --only every named probe passes; 1: a probe
     failed; 5: a required or named probe unmeasured)."""
     # deferred: startup
+    from harness.runs.probe_types import acceptance_lines
     from harness.runs.probes import ProbeRequest, run_probes
 
     d = _parity_defaults()
@@ -399,6 +401,9 @@ def probe(candidate, model, reference, only, decode_tokens, long_tokens, prompts
         print_table(_console(), f"probes: {run.receipt['engines']['candidate']['name']} on {run.receipt['model']['name']}",
                     ("probe", "verdict", "comparisons", "detail"), [(r.name, r.verdict.value, len(r.comparisons), r.summary()) for r in run.results],
                     fold=("detail",), right=("comparisons",))
+        for r in run.results:
+            for line in acceptance_lines(r.details):
+                click.echo(_p(line))
         for r in run.results:
             if r.reproducer:
                 click.echo(_p(r.reproducer))

@@ -244,6 +244,19 @@ def report_only_headline(summary: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def acceptance_rows(details: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per speculative case with draft counts (``details["cases"]`` and ``details["given"]``
+    of the speculative probe): ``case``, ``accepted``, ``proposed``, ``acceptance`` (None when
+    nothing was proposed), ``counts`` (what they count), and ``reference`` (the reference head's
+    acceptance on the same case, where measured). Empty for another probe."""
+    out = []
+    for r in list(details.get("cases") or []) + list(details.get("given") or []):
+        if isinstance(r, dict) and "accepted" in r and "proposed" in r:
+            out.append({"case": r.get("case", ""), "accepted": int(r["accepted"]), "proposed": int(r["proposed"]),
+                        "acceptance": r.get("acceptance"), "counts": r.get("counts", ""), "reference": r.get("reference_acceptance")})
+    return out
+
+
 OLD_PER_PROMPT_NAMES = {"flips_near_tie": "near_tie_flips", "flips_hard": "hard_flips"}
 """Per-prompt fields that parity receipts written before the names were unified (the ledger's
 ``near_tie_flips`` / ``hard_flips``) call by their old names; receipts are never rewritten."""

@@ -38,8 +38,8 @@ from harness.engines.options import candidate_flags
 from harness.errors import HarnessError, InvalidInput
 from harness.evidence import fmt
 from harness.evidence.page import Badge, Bold, Code, Inline, Link, Page, untrusted
-from harness.evidence.receipts import (CHAT_PARSERS_SCHEMA_ID, MTP_SCHEMA_ID, PROBE_SCHEMA_ID, SCHEMA_ID, TOKENIZER_SCHEMA_ID, load_receipt, per_prompt_rows,
-                                       receipts_root)
+from harness.evidence.receipts import (CHAT_PARSERS_SCHEMA_ID, MTP_SCHEMA_ID, PROBE_SCHEMA_ID, SCHEMA_ID, TOKENIZER_SCHEMA_ID, acceptance_rows,
+                                       load_receipt, per_prompt_rows, receipts_root)
 from harness.paths import DATA_DIR, DEFAULT_PROMPTS
 from harness.provenance import sha256_file
 
@@ -857,6 +857,75 @@ def _probe_position(rec: dict[str, Any], probe: str, pos: int | None, vocab: fmt
     return [f"{pos} (token {main[pos]} ", Code(text), ")"] if text else f"{pos} (token {main[pos]})"
 
 
+TOLERANCED_PROBES = ("split", "decode", "ubatch", "multiseq", "prefix", "serving")
+"""Probes judged by the class's per-position cosine and KLD (``harness.runs.probes.TOLERANCED``);
+the speculative probe uses them for its verify rows only."""
+
+
+def _probe_tolerance_rows(rec: dict[str, Any]) -> list[list[Inline]]:
+    """The tolerances the receipt's measured probes used, each once: the class's cosine and KLD
+    (naming which probes compared under them), determinism's bit-identity, the speculative probe's
+    near-tie δ; none that no probe of the receipt used."""
+    measured = {p["name"]: p for p in rec["probes"] if p["verdict"] != "UNMEASURED"}
+    users = [n for n in TOLERANCED_PROBES if n in measured]
+    spec = measured.get("speculative")
+    if spec is not None and any(str(c.get("label", "")).endswith("verify logits") or "verify logits (" in str(c.get("label", ""))
+                                for c in spec.get("comparisons") or []):
+        users.append("speculative (verify rows)")
+    probes_th = rec["thresholds"].get("probes") or {}
+    trows: list[list[Inline]] = []
+    for name, label, rel in (("min_cosine", "per-position cosine", "≥"), ("max_kld", "per-position KLD", "≤")):
+        if name in probes_th and users:
+            t = probes_th[name]
+            val = fmt.cosine_threshold(t["value"]) if name == "min_cosine" else fmt.number(t["value"])
+            trows.append([f"{label} (each comparison of {', '.join(users)})", f"{rel} {val}", _basis(t)])
+    if "determinism" in measured:
+        trows.append(["determinism", "bit-identical logits", "declared by the probe (no tolerance)"])
+    tie = ((spec or {}).get("details") or {}).get("near_tie") or {}
+    if spec is not None and tie.get("delta") is not None:
+        trows.append(["speculative near-tie δ (a differing token excused only below this plain-path top-1/top-2 margin)",
+                      f"< {fmt.number(tie['delta'])} logits", _basis({"basis": tie.get("basis")}) if tie.get("basis") else "given on the command line"])
+    return trows or [["none", "no measured probe compared under a tolerance", ""]]
+
+
+def _acceptance_table(page: Page, rec: dict[str, Any]) -> None:
+    """The speculative probe's acceptance, one row per case with what it counts (report-only)."""
+    spec = next((p for p in rec["probes"] if p["name"] == "speculative"), None)
+    rows = acceptance_rows((spec or {}).get("details") or {})
+    if not rows:
+        return
+    body = []
+    for r in rows:
+        ref = r["reference"] if isinstance(r["reference"], dict) else {}
+        body.append([untrusted(r["case"]), f"{r['accepted']}/{r['proposed']}", fmt.NA if r["acceptance"] is None else f"{r['acceptance']:.3f}",
+                     f"{ref['accepted']}/{ref['proposed']}" if "accepted" in ref else untrusted(str(ref.get("unmeasured") or fmt.NA)),
+                     untrusted(r["counts"])])
+    page.h(2, "Speculative acceptance per case").p("Report-only. Each case counts its own drafts (last column); a sum over cases of "
+                                                  "different draft_max would count different things, so none is shown.")
+    page.table(["case", "accepted / proposed", "rate", "reference head", "what it counts"], body, "lrrrl")
+
+
+PROBE_FAIL_MEANING = {
+    "determinism": "the same call twice gives different logits",
+    "long": "the candidate leaves the reference over a long prompt",
+    "serving": "requests served together change what a request gets alone",
+    "speculative": "speculative greedy differs from the engine's own plain greedy (its tokens, its draft counts or its verify rows)",
+    "state": "a state carried between calls changes the logits",
+}
+"""What a failed probe found, for the verdict page's first line; a probe not named here feeds the
+same tokens another way (in pieces, one at a time, side by side, from a cached prefix)."""
+
+
+def probe_fail_sentence(failed: Sequence[str]) -> str:
+    """The verdict page's sentence for the failed probes ``failed``: each probe's finding
+    (``PROBE_FAIL_MEANING``), the probes feeding the same tokens another way grouped."""
+    other = [n for n in failed if n not in PROBE_FAIL_MEANING]
+    parts = [f"{n}: {PROBE_FAIL_MEANING[n]}" for n in failed if n in PROBE_FAIL_MEANING]
+    if other:
+        parts.insert(0, f"{', '.join(other)}: feeding the same tokens another way changes the logits")
+    return "; ".join(parts) + "."
+
+
 def _probe_tables(page: Page, rec: dict[str, Any], vocab: fmt.TokenTexts | None) -> None:
     rows = []
     for pr in rec["probes"]:
@@ -868,15 +937,8 @@ def _probe_tables(page: Page, rec: dict[str, Any], vocab: fmt.TokenTexts | None)
         rows.append([pr["name"], Badge(pr["verdict"]), str(len(cs)),
                      fmt.cosine(min(cos)) if cos else fmt.NA, fmt.kld(max(kl)) if kl else fmt.NA, detail or ""])
     page.h(2, "Probes").table(["probe", "verdict", "comparisons", "lowest cosine", "max KLD", "detail"], rows, "llrrrl")
-    probes_th = rec["thresholds"].get("probes") or {}
-    trows = []
-    for name, label, rel in (("min_cosine", "per-position cosine (each comparison)", "≥"), ("max_kld", "per-position KLD (each comparison)", "≤")):
-        if name in probes_th:
-            t = probes_th[name]
-            val = fmt.cosine_threshold(t["value"]) if name == "min_cosine" else fmt.number(t["value"])
-            trows.append([label, f"{rel} {val}", _basis(t)])
-    trows.append(["determinism", "bit-identical logits", "declared by the probe (no tolerance)"])
-    page.h(2, "Tolerances").table(["gate", "threshold", "basis"], trows)
+    page.h(2, "Tolerances").table(["gate", "threshold", "basis"], _probe_tolerance_rows(rec))
+    _acceptance_table(page, rec)
     for pr in rec["probes"]:
         if pr["verdict"] != "FAIL":
             continue
@@ -900,7 +962,10 @@ def _probe_page(rec: dict[str, Any], c: _Ctx) -> Page:
     failed = [p["name"] for p in rec["probes"] if p["verdict"] == "FAIL"]
     unmeasured = rec.get("unmeasured") or []
     head = {"PASS": f"every measured probe agrees with the engine's own whole-prompt run ({rec['positions']} positions compared).",
-            "FAIL": f"probes failed: {', '.join(failed)}. Feeding the same tokens another way changes the logits.",
+            "FAIL": f"probes failed: {', '.join(failed)}. " + probe_fail_sentence(failed),
+            "ENGINE-ERROR": "the engine failed partway: " + "; ".join(f"{p['name']}: {untrusted(p.get('reason') or 'n/a')}" for p in rec["probes"]
+                                                                     if p["verdict"] == "ENGINE-ERROR")
+                            + ". The comparisons made before it are below; this is not a PASS.",
             "UNMEASURED": "a required probe could not be measured (the engine lacks a capability); this is not a PASS."}[v]
     page.p(Badge(v), " (self-consistency probes): ", head)
     loc_cmd = localize_command(rec, plan or localization_plan(rec), c.receipt_shown)

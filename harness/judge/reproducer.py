@@ -125,10 +125,13 @@ class Reproducer:
     thresholds_file: str | None = None
     config: dict[str, str] | None = None
     candidate_args: Sequence[str] = ()
+    generated: int | None = None
+    """Tokens the case generated after the ``n_tokens`` it fed (a generation case: the speculative
+    probe); None for a case that compared logits only."""
 
     def where(self) -> str:
         """``candidate C, model M sha256 0123456789ab[ with --override-kv ...][, prompt 'id',
-        n_tokens N, chunks ...]``."""
+        n_tokens N, chunks ...][, G generated]``."""
         parts = [f"candidate {printable(self.candidate)}", f"model {printable(self.model)} sha256 {self.sha256[:12]}"]
         if self.overrides:
             parts[-1] += " with " + " ".join(f"--override-kv {printable(o)}" for o in self.overrides)
@@ -136,6 +139,8 @@ class Reproducer:
             parts.append(f"prompt {self.prompt!r}")  # repr escapes control characters
         if self.n_tokens is not None:
             parts += [f"n_tokens {self.n_tokens}", f"chunks {format_chunks(self.chunks)}"]
+        if self.generated is not None:
+            parts.append(f"{self.generated} generated")
         return ", ".join(parts)
 
     def harness(self, subcommand: str, *args: object) -> str:

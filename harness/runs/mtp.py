@@ -82,8 +82,8 @@ CAUSES = {
 
 @dataclass
 class MtpCheck:
-    """One check of the cell: its verdict and numbers (rows compared, min cosine, max KLD, the
-    first row below the gate as prompt / row), or why it is UNMEASURED."""
+    """One check of the cell: its verdict and numbers (rows compared, min cosine, max KLD, where
+    it failed: ``first_failing_row``), or why it is UNMEASURED."""
 
     name: str
     verdict: Verdict
@@ -211,10 +211,7 @@ def judge_check(name: str, pairs: list[tuple[str, np.ndarray, np.ndarray]], rele
     n = int(pm["cosine"].size)
     cos = pm["cosine"][np.isfinite(pm["cosine"])]
     kld = pm["kld"][np.isfinite(pm["kld"])] if "kld" in pm else np.array([])
-    first = None
-    i = rel.first_failing if rel.first_failing is not None else (cal.first_failing if cal is not None else None)
-    if i is not None:
-        first = {"prompt": pairs[int(pm["prompt_index"][i])][0], "row": int(pm["position"][i]), "cosine": metrics._f(pm["cosine"][i])}
+    first = first_failing_row(pairs, pm, rel, cal, tier)
     if rel.status == "fail" or (cal is not None and cal.status == "fail"):
         verdict = Verdict.FAIL
     elif rel.status == "unmeasured" and need_positions:
@@ -224,6 +221,34 @@ def judge_check(name: str, pairs: list[tuple[str, np.ndarray, np.ndarray]], rele
     line = f"mtp {name}: {rel.line}" + (f"; {cal.line}" if cal is not None else "")
     return MtpCheck(name, verdict, n, float(cos.min()) if cos.size else None, float(kld.max()) if kld.size else None, first, line,
                     None if verdict is not Verdict.UNMEASURED else f"{n} rows compared", calibrated=None if cal is None else cal.to_dict())
+
+
+KLD_BOUND_TEXT = {"max_kld_mean": "KLD mean", "max_kld_p99": "KLD p99"}
+
+
+def first_failing_row(pairs: Sequence[tuple[str, np.ndarray, np.ndarray]], pm: dict[str, np.ndarray], rel: Any, cal: Any,
+                      tier: MtpTier | None) -> dict[str, Any] | None:
+    """Where a check failed, as ``{"prompt", "row", "cosine"}``: the earliest row (cell order:
+    prompt, then row) that fails either tier (``rel``, ``cal``: ``TierResult``; the calibrated
+    cosine is usually the stricter, so its first row can come before the release gate's). When
+    only an aggregate bound of the calibrated tier failed (KLD mean or p99: no row fails alone),
+    the row that contributes most, the largest KLD over the rows the tier judged, with ``kld`` and
+    ``bound`` (the failed bounds, e.g. ``KLD mean``). None when the check did not fail."""
+    cands = [i for i in (rel.first_failing, None if cal is None else cal.first_failing) if i is not None]
+
+    def at(i: int, **extra: Any) -> dict[str, Any]:
+        return {"prompt": pairs[int(pm["prompt_index"][i])][0], "row": int(pm["position"][i]), "cosine": metrics._f(pm["cosine"][i]), **extra}
+
+    if cands:
+        return at(min(cands))
+    if cal is None or cal.status != "fail" or "kld" not in pm:
+        return None
+    kld = np.where(np.isfinite(pm["kld"]), pm["kld"], np.inf)
+    if tier is not None and tier.row is not None and tier.row.max_tokens is not None:
+        kld = np.where(pm["position"] < tier.row.max_tokens, kld, -np.inf)
+    i = int(np.argmax(kld))
+    bounds = [KLD_BOUND_TEXT.get(c.name, c.name) for c in cal.checks if c.ok is False]
+    return at(i, kld=metrics._f(pm["kld"][i]), bound=" and ".join(bounds))
 
 
 @dataclass
@@ -403,14 +428,52 @@ class _Cell:
         return judge_check("hidden", pairs, self.release, False, self.tier)
 
 
+def cause_of(check: str, whole_failed: bool) -> str:
+    """The likely cause of a failed ``check``: ``CAUSES[check]``, except that a check other than
+    ``whole`` fails as ``whole`` does when ``whole`` failed too, so the head itself is blamed, not
+    what only that check varies (the chunked prefill, the other sequence)."""
+    if check == "whole" or not whole_failed:
+        return CAUSES[check]
+    return f"whole fails too, so the head itself is wrong, not what only the {check} check varies: {CAUSES['whole']}"
+
+
+def where_text(where: dict[str, Any]) -> str:
+    """``, first failing row R of prompt 'P'``, or for an aggregate bound ``, worst contributor to
+    the KLD mean: row R of prompt 'P' (KLD k)`` (``first_failing_row``); "" for None."""
+    if not where:
+        return ""
+    if where.get("bound"):
+        return f", worst contributor to the {where['bound']}: row {where.get('row')} of prompt {where.get('prompt')!r} (KLD {where.get('kld'):.3g})"
+    return f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}"
+
+
 def _add_reproducers(checks: Sequence[MtpCheck], case: Any) -> None:
     """Every failed check's one-line reproducer (``harness.judge.reproducer.failure_message``)."""
+    whole_failed = any(c.name == "whole" and c.verdict is Verdict.FAIL for c in checks)
     for c in checks:
         if c.verdict is Verdict.FAIL:
             where = c.first_failing or {}
-            numbers = f"mtp {c.name} FAIL: {c.line}" + (f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}" if where else "")
-            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], CAUSES[c.name],
+            numbers = f"mtp {c.name} FAIL: {c.line}" + where_text(where)
+            c.reproducer = failure_message(numbers, replace(case, prompt=where.get("prompt")), [], cause_of(c.name, whole_failed),
                                            case.harness("parity", "--mtp"))
+
+
+def _localized(inputs: RunInputs, candidate: Any, prompts: Sequence[Any], checks: Sequence[MtpCheck], report: dict[str, Any]) -> str:
+    """Localize the first failed check on its failing prompt (``localize_mtp``), recorded in
+    ``report["localization"]``; returns what the message adds: the first divergent MTP tensor, or
+    that none can be named for a candidate that returns no named MTP tensors (a ``command:`` engine)."""
+    bad = next(c for c in checks if c.verdict is Verdict.FAIL)
+    p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
+    if p is None:
+        return ""
+    loc = localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
+    if loc is not None:
+        report["localization"] = {"prompt": p.id, **loc}
+        return f"; first divergent MTP tensor: {loc['tensor']}" if loc.get("tensor") else ""
+    why = (f"{candidate.info.name} returns no named MTP tensors (only the harness's own engines, the oracle and its mutants, "
+           "return the head's tensors by name), so the first divergent MTP tensor cannot be named")
+    report["localization"] = {"prompt": p.id, "unmeasured": why}
+    return f"; no MTP tensor named: {why}"
 
 
 def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> MtpRun:
@@ -457,13 +520,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
     verdict, message = overall(checks)
     _add_reproducers(checks, inputs.reproducer(req.candidate, settings=req.candidate_settings))
     if verdict is Verdict.FAIL:
-        bad = next(c for c in checks if c.verdict is Verdict.FAIL)
-        p = next((q for q in prompts if q.id == (bad.first_failing or {}).get("prompt")), prompts[0] if prompts else None)
-        loc = None if p is None else localize_mtp(inputs, candidate.engine, p.tokens, _chunks(len(p.tokens)) if bad.name == "chunked" else None)
-        if loc is not None:
-            report["localization"] = {"prompt": p.id, **loc}
-            if loc.get("tensor"):
-                message += f"; first divergent MTP tensor: {loc['tensor']}"
+        message += _localized(inputs, candidate, prompts, checks, report)
     receipt = mtp_receipt(req, inputs, candidate, reference, resolved, conv, prompts, checks, verdict, message, report)
     if not req.write_evidence:
         prepare_receipt(receipt, {})
@@ -486,7 +543,8 @@ def mtp_receipt(req: MtpRequest, inputs: RunInputs, candidate: Any, reference: A
         "engines": {"candidate": engine_record(candidate.info.to_dict(), req.candidate, req.candidate_settings),
                     "reference": engine_record(reference.info.to_dict(), req.reference)},
         "mtp_convention": conv,
-        "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "max_tokens": req.max_tokens,
+        "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "id": inputs.prompt_set.id, "count": len(prompts),
+                    "positions": sum(len(p.tokens) for p in prompts), "max_tokens": req.max_tokens,
                     "items": [{"id": p.id, "tokens": list(p.tokens)} for p in prompts]},
         "thresholds": {"release": resolved.to_receipt()["release"], "calibrated": mtp_tier(inputs.thresholds, resolved.subject).to_receipt()},
         "compute_class": resolved.subject.compute_class,

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from harness.errors import EngineError, Verdict
+from harness.evidence.receipts import acceptance_rows
 from harness.measure import metrics
 
 @dataclass
@@ -50,6 +51,11 @@ class Comparison:
     first_bad_position: int | None
     chunks: list[int] | None = None
     excursions: int = 0
+    case: dict[str, Any] | None = None
+    """What a generation case fed (the speculative probe): ``{"prompt": source prompt, "n_tokens":
+    tokens fed, "chunks": piece lengths or None (whole), "generated": tokens generated}``, the
+    reproducer's context of a failure here (``harness.runs.probes.probe_failure``); None for a
+    logits comparison, whose context is its probe's."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -94,18 +100,33 @@ class ProbeResult:
         )
 
     def _acceptance(self) -> str:
-        """``; acceptance A/P (report-only)`` when the details hold draft counts (speculative), else ``""``."""
-        if "accepted" not in self.details or "proposed" not in self.details:
-            return ""
-        ref = (self.details.get("reference_acceptance") or {}).get("acceptance")
-        beside = f", reference {ref:.3g}" if isinstance(ref, (int, float)) else ""
-        return f"; acceptance {self.details['accepted']}/{self.details['proposed']} drafts{beside} (report-only)"
+        """``; acceptance per case in details (report-only)`` when the details hold per-case draft
+        counts (speculative), else ``""``: cases of other draft_max count different things, so no
+        sum over them is shown (``acceptance_rows``)."""
+        return "; acceptance per case in details (report-only)" if acceptance_rows(self.details) else ""
 
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),
              "comparisons": [c.to_dict() for c in self.comparisons]}
         d = {**d, "details": self.details} if self.details else d
         return {**d, "reproducer": self.reproducer} if self.reproducer else d
+
+
+def acceptance_lines(details: dict[str, Any]) -> list[str]:
+    """The console's lines of ``acceptance_rows``: a heading, then per case ``CASE: A/P = RATE``
+    with the reference head's beside it where measured, then what each kind of case counts."""
+    rows = acceptance_rows(details)
+    if not rows:
+        return []
+    out = ["speculative acceptance per case (report-only):"]
+    for r in rows:
+        rate = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+        ref = r["reference"] or {}
+        beside = (f"; reference head {ref['accepted']}/{ref['proposed']}" if isinstance(ref, dict) and "accepted" in ref else "")
+        out.append(f"  {r['case']}: {r['accepted']}/{r['proposed']} = {rate}{beside}")
+    for counts in dict.fromkeys(r["counts"] for r in rows if r["counts"]):
+        out.append(f"  counts: {counts}")
+    return out
 
 
 def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance) -> Comparison:

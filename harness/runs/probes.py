@@ -371,6 +371,11 @@ SPEC_NEAR_TIE = {
 SPEC_TOKENS = 16
 """Tokens each speculative case generates."""
 SPEC_DRAFT_MAX = (1, 2, 3, 4)
+SPEC_ACCEPTANCE_COUNTS = ("drafts accepted / drafts proposed while generating {n} tokens speculatively, up to {k} drafts a step "
+                          "(a chained draft counts only when every draft before it was accepted)")
+"""What one case's acceptance counts (its row's ``counts``): not the implied acceptance of
+``harness parity --mtp`` (every draft row teacher-forced), nor a trained head's recipe
+(docs/engine-protocol.md, "Three acceptance numbers")."""
 SPEC_CASES = ("chunked prompt", "two sequences", "reused prefix", "3-token prompt")
 """The speculative probe's cases, in the order it runs them (``probe_speculative``)."""
 
@@ -407,7 +412,8 @@ def _has_head(engine: Any) -> bool:
 
 def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequence[int]], reference: Engine | None = None,
                       n_tokens: int = SPEC_TOKENS, draft_maxes: Sequence[int] = SPEC_DRAFT_MAX, delta: float | None = None,
-                      tol: ProbeTolerance | None = None, history: Sequence[int] | None = None, given: bool = True) -> ProbeResult:
+                      tol: ProbeTolerance | None = None, history: Sequence[int] | None = None, given: bool = True,
+                      prompt_ids: Sequence[str] = ()) -> ProbeResult:
     """Speculative greedy (``Engine.speculative``, drafts from the MTP head) equals the engine's
     own plain greedy (``generate``), step by step, in ``SPEC_CASES``: ``long`` fed in chunks
     [64, 1, rest] with each draft_max in ``draft_maxes``; ``long[:48]`` and ``others[0][:48]`` generated
@@ -423,6 +429,9 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     cases of ``harness.runs.spec_given`` (``given_cases`` on ``long`` and ``history``, every
     prompt cycled; default ``long``): counts checked against the plain path, verify rows against
     the plain rows under ``tol`` (None: those comparisons unmeasured, said in ``details``).
+    ``prompt_ids``: the ids of the prompts ``long`` and ``others[0]`` were cut from, which each
+    comparison's ``case`` (what it fed: ``Comparison.case``) names. Each case's row counts its
+    own acceptance (``SPEC_ACCEPTANCE_COUNTS``).
     UNMEASURED without the ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for
     malformed output or a refused case (naming it). Long because the cases share the plain
     continuation and the margin lookup defined in it."""
@@ -437,6 +446,7 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     if len(long) < 66:
         return ProbeResult("speculative", Verdict.UNMEASURED, reason=f"only {len(long)} tokens; the speculative probe needs >= 66")
     nv, who = int(engine.n_vocab), engine.info.name
+    id0, id1 = (list(prompt_ids) + ["the probe's long prompt", "the probe's second prompt"][len(prompt_ids):])[:2]
 
     def plain(prompt: Sequence[int], n: int = n_tokens) -> list[int]:
         out = engine.generate(list(prompt), n)  # type: ignore[attr-defined]
@@ -450,54 +460,66 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
 
     comps, rows = [], []
 
-    def add(label: str, prompt: Sequence[int], ref: list[int], spec: Any, k: int) -> None:
+    def add(label: str, prompt: Sequence[int], ref: list[int], spec: Any, k: int, source: str, chunks: Sequence[int] | None = None) -> None:
         def rerun(i: int) -> list[int]:
             out = engine.speculative(list(prompt) + ref[:i], n_tokens - i, draft_max=k)  # type: ignore[attr-defined]
             return [int(t) for t in _spec_checked(out, n_tokens - i, k, nv, who).tokens]
         c, r = compare_speculative(label, ref, _spec_checked(spec, n_tokens, k, nv, who), margin(prompt, ref), delta, rerun)
         r["draft_max"] = k
+        r["counts"] = SPEC_ACCEPTANCE_COUNTS.format(n=n_tokens, k=k)
+        c.case = {"prompt": source, "n_tokens": len(prompt), "chunks": list(chunks) if chunks else None, "generated": n_tokens}
         comps.append(c)
         rows.append(r)
 
-    chunks = [64, 1, len(long) - 65]
-    base = plain(long)
-    for k in draft_maxes:
-        add(f"chunked prompt {chunks}, sequence 0, draft_max {k}", long, base, engine.speculative(long, n_tokens, draft_max=k, chunks=chunks), k)  # type: ignore[attr-defined]
-    pair = [long[:48], other[:48]]
-    multi = getattr(engine, "speculative_multi", None)
-    if callable(multi):
-        outs = multi(pair, n_tokens, draft_max=2)
-        if not isinstance(outs, list) or len(outs) != 2:
-            raise EngineError(f"{who} answered {type(outs).__name__} for two sequences generated together")
-        for i, q in enumerate(pair):
-            add(f"two sequences together, sequence {i}, draft_max 2", q, plain(q), outs[i], 2)
-    a = long[:40]
-    first = _spec_checked(engine.speculative(a, 8, draft_max=3, session={"id": "spec-a"}), 8, 3, nv, who)  # type: ignore[attr-defined]
-    hist = a + [int(t) for t in first.tokens[:-1]]
-    tail = [int(first.tokens[-1])] + other[:8]
-    cont = engine.speculative(tail, n_tokens, draft_max=3, session={"id": "spec-b", "parent": "spec-a", "after": len(hist)})  # type: ignore[attr-defined]
-    add(f"reused prefix ({len(hist)} tokens from session spec-a), sequence 0, draft_max 3", hist + tail, plain(hist + tail), cont, 3)
-    three = long[:3]
-    add("3-token prompt (1 + k tokens), sequence 0, draft_max 2", three, plain(three), engine.speculative(three, n_tokens, draft_max=2), 2)  # type: ignore[attr-defined]
-    drop = getattr(engine, "drop_sessions", None)
-    if callable(drop):
-        drop()
+    base: list[int] = []
     given_rows: list[dict[str, Any]] = []
-    if given:
-        cases, short = given_cases(long, history if history is not None else long)
-        gcomps, given_rows = run_given(engine, cases, plain, delta, tol)
-        comps += gcomps
-        if short:
-            given_rows.append({"unmeasured": f"no case across cells {short}: the history has only {len(history or long)} tokens"})
-    acc = sum(r["accepted"] for r in rows)
-    prop = sum(r["proposed"] for r in rows)
+
+    def run_cases() -> None:
+        chunks = [64, 1, len(long) - 65]
+        base[:] = plain(long)
+        for k in draft_maxes:
+            add(f"chunked prompt {chunks}, sequence 0, draft_max {k}", long, base, engine.speculative(long, n_tokens, draft_max=k, chunks=chunks), k,  # type: ignore[attr-defined]
+                id0, chunks)
+        pair = [long[:48], other[:48]]
+        multi = getattr(engine, "speculative_multi", None)
+        if callable(multi):
+            outs = multi(pair, n_tokens, draft_max=2)
+            if not isinstance(outs, list) or len(outs) != 2:
+                raise EngineError(f"{who} answered {type(outs).__name__} for two sequences generated together")
+            for i, q in enumerate(pair):
+                add(f"two sequences together, sequence {i}, draft_max 2", q, plain(q), outs[i], 2, (id0, id1)[i])
+        a = long[:40]
+        first = _spec_checked(engine.speculative(a, 8, draft_max=3, session={"id": "spec-a"}), 8, 3, nv, who)  # type: ignore[attr-defined]
+        hist = a + [int(t) for t in first.tokens[:-1]]
+        tail = [int(first.tokens[-1])] + other[:8]
+        cont = engine.speculative(tail, n_tokens, draft_max=3, session={"id": "spec-b", "parent": "spec-a", "after": len(hist)})  # type: ignore[attr-defined]
+        add(f"reused prefix ({len(hist)} tokens from session spec-a), sequence 0, draft_max 3", hist + tail, plain(hist + tail), cont, 3,
+            f"{id0}[:40] + 7 generated by session spec-a, then its last token and {id1}[:8]", [len(hist), len(tail)])
+        three = long[:3]
+        add("3-token prompt (1 + k tokens), sequence 0, draft_max 2", three, plain(three), engine.speculative(three, n_tokens, draft_max=2), 2,  # type: ignore[attr-defined]
+            id0)
+        drop = getattr(engine, "drop_sessions", None)
+        if callable(drop):
+            drop()
+        if given:
+            cases, short = given_cases(long, history if history is not None else long, id0)
+            run_given(engine, cases, plain, delta, tol, (comps, given_rows))
+            if short:
+                given_rows.append({"unmeasured": f"no case across cells {short}: the history has only {len(history or long)} tokens"})
+    error = None
+    try:
+        run_cases()
+    except EngineError as e:  # the cases judged so far are kept: the receipt records them beside the error
+        error = f"the engine failed after {len(comps)} comparisons, which are kept: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     details = {"near_tie": {"delta": delta, **({"basis": SPEC_NEAR_TIE["basis"]} if delta == SPEC_NEAR_TIE["value"] else {})},
-               "cases": rows, "accepted": acc, "proposed": prop, "acceptance": acc / prop if prop else None,
-               "reference_acceptance": _reference_acceptance(reference, long, base), "report_only": ["acceptance", "reference_acceptance"],
-               "given": given_rows}
-    res = ProbeResult("speculative", Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps,
-                      bounds=f"speculative greedy = plain greedy; a divergence excused only at a plain-path margin < {delta:g}", details=details)
-    return res
+               "cases": rows, "reference_acceptance": _reference_acceptance(reference, long, base) if base and error is None else
+               {"unmeasured": "the probe ended at an engine error"},
+               "report_only": ["cases[].acceptance", "reference_acceptance"], "given": given_rows}
+    bounds = f"speculative greedy = plain greedy; a divergence excused only at a plain-path margin < {delta:g}"
+    if error is not None and all(c.ok for c in comps):
+        return ProbeResult("speculative", Verdict.ENGINE_ERROR, comps, reason=error, bounds=bounds, details=details)
+    return ProbeResult("speculative", Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps,
+                       reason=error or "", bounds=bounds, details=details)
 
 
 def _reference_acceptance(reference: Engine | None, prompt: Sequence[int], cont: Sequence[int]) -> dict[str, Any]:
@@ -565,7 +587,8 @@ class ProbeRun:
 
 
 def overall_verdict(results: Sequence[ProbeResult], only: Sequence[str] = ()) -> tuple[Verdict, str]:
-    """FAIL if any measured probe failed; UNMEASURED if a required probe was not measured; else
+    """FAIL if any measured probe failed; ENGINE-ERROR if a probe ended at an engine error (the
+    comparisons it made before are in its result); UNMEASURED if a required probe was not measured; else
     PASS. Required: the probes named in ``only`` (``harness probe --only``: it judges what it
     names, each of them), or, when ``only`` is empty, ``REQUIRED_PROBES`` (split, decode,
     determinism; the others may stay UNMEASURED). A subset's PASS says so: ``harness signoff``
@@ -573,8 +596,12 @@ def overall_verdict(results: Sequence[ProbeResult], only: Sequence[str] = ()) ->
     failed = [r.name for r in results if r.verdict is Verdict.FAIL]
     unmeasured = [r.name for r in results if r.verdict is Verdict.UNMEASURED]
     measured = {r.name for r in results if r.verdict is not Verdict.UNMEASURED}
+    errored = [r for r in results if r.verdict is Verdict.ENGINE_ERROR]
     if failed:
-        return Verdict.FAIL, f"failed: {', '.join(failed)}" + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else "")
+        return Verdict.FAIL, (f"failed: {', '.join(failed)}" + (f"; engine error in: {', '.join(r.name for r in errored)}" if errored else "")
+                              + (f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else ""))
+    if errored:
+        return Verdict.ENGINE_ERROR, "engine error in: " + "; ".join(f"{r.name} ({r.reason})" for r in errored)
     required = list(dict.fromkeys(only)) or list(REQUIRED_PROBES)
     missing = [n for n in required if n not in measured]
     if missing:
@@ -664,7 +691,8 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "serving": ProbeCase(plan_serving(req, engine, reference, tol, ptoks, inputs, min_cosine),
                              f"scenarios {req.scenarios or 'shipped'}", 0),
         "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
-                                                           reference() if has_speculative(engine) else None, tol=tol, history=history),
+                                                           reference() if has_speculative(engine) else None, tol=tol, history=history,
+                                                           prompt_ids=[first.id, three[1].id if len(three) > 1 else f"{first.id}, reversed"]),
                                  first.id, len(main)),
     }
     if tol is None:
@@ -748,7 +776,11 @@ def probe_failure(result: ProbeResult, case: Reproducer, reference: str, scenari
     first = result.first_failure
     kind = PROBES[result.name]
     numbers = f"probe {result.name} FAIL: {result.summary()} (bounds: {result.bounds})"
-    case = replace(case, chunks=first.chunks if first is not None else None)
+    if first is not None and first.case:  # a generation case names what it fed itself
+        fed = first.case
+        case = replace(case, prompt=fed.get("prompt"), n_tokens=fed.get("n_tokens"), chunks=fed.get("chunks"), generated=fed.get("generated"))
+    else:
+        case = replace(case, chunks=first.chunks if first is not None else None)
     extra = ["--reference", reference] if result.name in ("long", "serving") else []
     if result.name == "serving" and scenarios:
         extra += ["--scenarios", str(Path(scenarios).resolve())]
@@ -784,11 +816,12 @@ def long_decode_row(results: Sequence[ProbeResult], decode_tokens: int) -> dict[
 
 
 def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThresholds, tier: dict[str, Any], engine: Any, reference: Any,
-                   results: list[ProbeResult], main: Sequence[int], decode: Sequence[int] = ()) -> dict[str, Any]:
+                   results: list[ProbeResult], main: Sequence[int], decode: Sequence[int] = (), ptoks: Sequence[Any] = ()) -> dict[str, Any]:
     """The ``harness-probe-receipt/v1`` document (before id and arrays are added); ``main`` and
     ``decode`` are the token ids the split/ubatch/prefix/determinism and the decode probes fed; ``engine`` and
     ``reference`` (None when the long probe did not run) are ``TimedEngine``s whose timings it
-    records; ``tier`` says where the tolerances came from (``source``, ``self_calibration``) or
+    records; ``ptoks`` the run's tokenized prompts (their set's id, count and tokens, for the
+    page's prompts cell); ``tier`` says where the tolerances came from (``source``, ``self_calibration``) or
     why there were none (``unmeasured_reason``, ``command``)."""
     verdict, message = overall_verdict(results, req.only)
     decode_tokens = req.decode_tokens
@@ -804,8 +837,8 @@ def _probe_receipt(req: ProbeRequest, inputs: RunInputs, resolved: ResolvedThres
         "model": inputs.model_record(),
         "engines": {"candidate": engine_record(engine.info.to_dict(), req.candidate, req.candidate_settings),
                     "reference": None if ref_info is None else engine_record(ref_info, req.reference)},
-        "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "main_tokens": main,
-                    "decode_tokens": list(decode)},
+        "prompts": {"path": str(inputs.prompt_set.path), "sha256": inputs.prompt_set.sha256, "id": inputs.prompt_set.id,
+                    "count": len(ptoks), "positions": sum(len(p.tokens) for p in ptoks), "main_tokens": main, "decode_tokens": list(decode)},
         "thresholds": {**resolved.to_receipt(), "self_calibration": tier.get("self_calibration")},
         "tier": {k: v for k, v in tier.items() if k != "self_calibration"},
         "compute_class": resolved.subject.compute_class,
@@ -868,7 +901,7 @@ def run_probes(req: ProbeRequest, progress: Callable[[str], None] | None = None)
     if "long" in names:
         reference()
     receipt = _probe_receipt(req, inputs, resolved, tier, engine, made[0] if made else None, results,
-                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS], plan["decode"].tokens)
+                             max(ptoks, key=lambda p: len(p.tokens)).tokens[:MAIN_TOKENS], plan["decode"].tokens, ptoks)
     if not req.write_evidence:
         prepare_receipt(receipt, {})  # a dry run refuses what a recording run would
         return ProbeRun(results, verdict, message, receipt)

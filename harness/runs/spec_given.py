@@ -58,6 +58,8 @@ class GivenCase:
     n_tokens: int
     wrong: tuple[int, ...]
     draft_max: int = SPEC_GIVEN_MAX
+    source: str = ""
+    """The prompt ``prompt`` was cut from (an id, or ``every prompt, cycled``): the reproducer's."""
 
 
 def runs_wrong(runs: Sequence[int], k: int = SPEC_GIVEN_MAX) -> tuple[tuple[int, ...], int]:
@@ -72,20 +74,22 @@ def runs_wrong(runs: Sequence[int], k: int = SPEC_GIVEN_MAX) -> tuple[tuple[int,
     return tuple(wrong), j
 
 
-def given_cases(long: Sequence[int], history: Sequence[int]) -> tuple[list[GivenCase], list[int]]:
-    """The shipped given-draft cases on ``long`` (the 160-token prompt) and ``history`` (every
-    prompt cycled): ``runs 0..8``, then one per boundary of ``GIVEN_BOUNDARIES`` that ``history``
-    is long enough for. Returns (cases, boundaries left out for want of history)."""
+def given_cases(long: Sequence[int], history: Sequence[int], long_id: str = "") -> tuple[list[GivenCase], list[int]]:
+    """The shipped given-draft cases on ``long`` (the 160-token prompt, cut from prompt
+    ``long_id``) and ``history`` (every prompt cycled): ``runs 0..8``, then one per boundary of
+    ``GIVEN_BOUNDARIES`` that ``history`` is long enough for. Returns (cases, boundaries left out
+    for want of history)."""
     wrong, n = runs_wrong(GIVEN_RUNS)
     cases = [GivenCase(f"given drafts, runs {GIVEN_RUNS[0]}..{GIVEN_RUNS[-1]} accepted ({len(long)}-token prompt), draft_max "
-                       f"{SPEC_GIVEN_MAX}", [int(t) for t in long], n, wrong)]
+                       f"{SPEC_GIVEN_MAX}", [int(t) for t in long], n, wrong, source=long_id)]
     short = []
     for b in GIVEN_BOUNDARIES:
         if len(history) < b - GIVEN_LEAD:
             short.append(b)
             continue
         cases.append(GivenCase(f"given drafts across cell {b} ({b - GIVEN_LEAD}-token prompt), draft_max {SPEC_GIVEN_MAX}",
-                               [int(t) for t in history[: b - GIVEN_LEAD]], BOUNDARY_TOKENS, (SPEC_GIVEN_MAX + 2,)))
+                               [int(t) for t in history[: b - GIVEN_LEAD]], BOUNDARY_TOKENS, (SPEC_GIVEN_MAX + 2,),
+                               source="every prompt, cycled"))
     return cases, short
 
 
@@ -133,6 +137,14 @@ def straddles(batches: Sequence[tuple[int, int]], cell: int) -> bool:
     return any(a < cell <= b for a, b in batches)
 
 
+def step_text(spec: Any, index: int) -> str:
+    """Where generated token ``index`` came from, for a message: ``step S`` (its verification
+    step, ``Speculation.step_of``) or ``the prefill`` (token 0: the prompt's prefill chose it, no
+    step did)."""
+    s = spec.step_of(index)
+    return "the prefill" if s is None else f"step {s}"
+
+
 def judge_case(label: str, plain: Sequence[int], spec: Any, margin_at: Callable[[int], float], delta: float,
                rerun: Callable[[int], Sequence[int]] | None) -> tuple[Comparison, dict[str, Any]]:
     """``spec`` (a ``Speculation``) against ``plain`` by ``continuation.judge_greedy``: a
@@ -149,13 +161,14 @@ def judge_case(label: str, plain: Sequence[int], spec: Any, margin_at: Callable[
     first = j.near_ties[0] if j.near_ties else j.hard
     if first is not None:
         row.update(first_differing_token=first.index, plain_token=first.solo, speculative_token=first.chosen,
-                   step=spec.step_of(first.index), margin=first.margin, near_tie=first.near_tie)
+                   step="prefill" if spec.step_of(first.index) is None else spec.step_of(first.index), margin=first.margin,
+                   near_tie=first.near_tie)
     if j.near_ties:
         row.update(near_ties=[d.to_dict() for d in j.near_ties], forced=j.forced)
     if j.hard is not None:
         d = j.hard
         where = "teacher-forced " if j.forced else ""
-        return Comparison(label + f" ({where}step {spec.step_of(d.index) if not j.forced else 'after a near-tie'}, token {d.index}: "
+        return Comparison(label + f" ({where}{step_text(spec, d.index) if not j.forced else 'step after a near-tie'}, token {d.index}: "
                           f"plain {d.solo}, speculative {d.chosen}, margin {d.margin:.4g})", d.index, False, None, None, None, d.index), row
     return Comparison(label, len(plain), True, None, None, None, None), row
 
@@ -184,18 +197,20 @@ def verify_rows(label: str, plain_rows: np.ndarray, spec: Any, upto: int, tol: P
     if not c.ok and c.first_bad_position is not None:
         i = c.first_bad_position
         pm = metrics.position_metrics(np.asarray(plain_rows[i:i + 1], np.float32), np.asarray(spec.logits[i:i + 1], np.float32))
-        c.label = (f"{label} verify logits (step {spec.step_of(i)}, token {i}: 1 - cosine {1 - float(pm['cosine'][0]):.3g}, "
+        c.label = (f"{label} verify logits ({step_text(spec, i)}, token {i}: 1 - cosine {1 - float(pm['cosine'][0]):.3g}, "
                    f"KLD {float(pm['kld'][0]):.3g} against the plain path's row)")
     return c
 
 
 def run_given(engine: Any, cases: Sequence[GivenCase], plain: Callable[[Sequence[int], int], list[int]], delta: float,
-              tol: ProbeTolerance | None) -> tuple[list[Comparison], list[dict[str, Any]]]:
+              tol: ProbeTolerance | None, out: tuple[list[Comparison], list[dict[str, Any]]] | None = None
+              ) -> tuple[list[Comparison], list[dict[str, Any]]]:
     """Every case through ``engine.speculative(..., given=...)``: tokens (``judge_case``), counts
     (``counts_check``) and, with ``tol`` and an engine that returns them, the verify rows
     (``verify_rows``). ``plain(prompt, n)``: the engine's plain greedy ids. A refusal or malformed
-    reply is re-raised as ``EngineError`` naming the case."""
-    comps, rows = [], []
+    reply is re-raised as ``EngineError`` naming the case. ``out``: the (comparisons, rows) lists
+    to append to as each case is judged (so a later case's error keeps them), returned."""
+    comps, rows = out if out is not None else ([], [])
     nv, who = int(engine.n_vocab), engine.info.name
     for case in cases:
         ref = plain(case.prompt, case.n_tokens)
@@ -217,10 +232,16 @@ def run_given(engine: Any, cases: Sequence[GivenCase], plain: Callable[[Sequence
         row.update(draft_max=case.draft_max, given=True, implied_accepted=acc, implied_rejected=rej,
                    reported_accepted=list(spec.accepted), reported_rejected=list(spec.rejected),
                    batches=spec.batches(len(case.prompt)), history=len(case.prompt) + len(ref))
-        comps += [c, counts_check(case.label, spec, acc, rej, upto)]
+        fed = {"prompt": case.source, "n_tokens": len(case.prompt), "chunks": None, "generated": case.n_tokens}
+        made = [c, counts_check(case.label, spec, acc, rej, upto)]
         if tol is not None and getattr(spec, "logits", None) is not None:
-            comps.append(verify_rows(case.label, prows, spec, upto, tol))
+            made.append(verify_rows(case.label, prows, spec, upto, tol))
         else:
             row["verify_logits"] = "unmeasured: " + ("no probe tolerance" if tol is None else f"{who} returns no verify logits")
+        for m in made:
+            m.case = fed
+        comps.extend(made)
+        row["counts"] = (f"drafts accepted / drafts proposed while generating {case.n_tokens} tokens from the harness's given drafts "
+                         f"(planted wrong at chosen depths), up to {case.draft_max} a step: set by the plan, not by the head")
         rows.append(row)
     return comps, rows
