@@ -57,10 +57,8 @@ Qwen3.5's vocab at the F32 floor (KLD ~ 1e-8).
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
-import os
 import statistics
 import threading
 from typing import Any, Mapping
@@ -386,9 +384,6 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray 
             the candidate row instead of six. Equal to ``next_token_metrics``'s values bit for
             bit (tests/test_metrics_fused.py).
 
-    At a large vocabulary the rows are split across ``metric_threads()`` threads, each row pair
-    computed whole by one thread: the values are the same for every thread count.
-
     Returns:
         ``{key: array [B]}`` for the keys in ``PER_POSITION_KEYS``:
         ``finite`` / ``ref_finite`` (bool: candidate / reference row has no NaN/Inf),
@@ -407,65 +402,13 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray 
     ref, cand = _check_pair(ref, cand)
     n, v = ref.shape
     out = _empty_result(n)
+    s = _scratch(v)
     nt = None if next_tokens is None else _next_token_result(n, v, next_tokens, scored)
     if nt is not None:
         out.update(nt[0])
-    spans = _row_spans(n, v)
-    if len(spans) == 1:
-        _fill_rows(out, ref, cand, 0, n, nt)
-    else:
-        for f in [_pool().submit(_fill_rows, out, ref, cand, lo, hi, nt) for lo, hi in spans]:
-            f.result()
-    return out
-
-
-_THREAD_MIN_V = 32_768
-_THREAD_MIN_ROWS = 16
-"""``position_metrics`` splits a block across threads only at a vocabulary of at least
-``_THREAD_MIN_V`` and at least ``_THREAD_MIN_ROWS`` rows a thread: below that a thread's start
-costs more than it saves."""
-
-
-@functools.cache
-def metric_threads() -> int:
-    """Threads ``position_metrics`` uses for one block: ``$HARNESS_METRIC_THREADS``, else the CPUs
-    this process may run on, at most 4. Each row pair is computed by exactly one thread with its
-    own scratch buffers, so the values do not depend on the thread count (numpy releases the GIL
-    in its passes over a row). ``InvalidInput`` for a value that is not a positive integer."""
-    env = os.environ.get("HARNESS_METRIC_THREADS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise InvalidInput(f"HARNESS_METRIC_THREADS={env!r}: give a positive integer (1 = no threads)")
-        return int(env)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))
-
-
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=metric_threads(), thread_name_prefix="harness-metrics")
-
-
-def _row_spans(n: int, v: int) -> list[tuple[int, int]]:
-    """Contiguous ``[lo, hi)`` row ranges, one per thread (``metric_threads``), or one range."""
-    t = metric_threads() if v >= _THREAD_MIN_V else 1
-    t = max(1, min(t, n // _THREAD_MIN_ROWS))
-    edges = np.linspace(0, n, t + 1).astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
-
-
-def _fill_rows(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, lo: int, hi: int,
-               nt: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None) -> None:
-    """Rows ``lo .. hi - 1`` of ``position_metrics``'s ``out`` (and of the next-token keys when
-    ``nt`` is ``_next_token_result``'s triple), with this thread's scratch buffers."""
-    v = ref.shape[1]
-    s = _scratch(v)
     kmax = max(TOPK)
     cosine_, kld_, nmse_ = out["cosine"], out["kld"], out["nmse"]
-    for i in range(lo, hi):
+    for i in range(n):
         r, c = ref[i], cand[i]
         rr, cc = s.dot64(r, r), s.dot64(c, c)
         fast = _in_fast_range(rr) and _in_fast_range(cc)
@@ -491,6 +434,7 @@ def _fill_rows(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, lo
         for k in TOPK:
             kk = min(k, v)
             out[f"top{k}_overlap"][i] = len(set(rl[:kk]) & set(cl[:kk])) / kk
+    return out
 
 
 NEXT_TOKEN_KEYS = ("scored", "ref_nll", "cand_nll", "delta_p", "delta_p_next")
