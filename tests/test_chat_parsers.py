@@ -241,6 +241,7 @@ def test_the_command_judges_llama_server_end_to_end_with_receipt_row_and_page(tm
     page = write_report(next(tmp_path.glob("receipts/*/*.json"))).read_text()
     assert "chat parsers of llama-server" in page and "| 'think-close-newline' | not streamed | reasoning\\_content | 30 |" in page
     assert "`harness chat-parsers --server llama-server --model fixture:scripted-qwen35 --reasoning-format deepseek --ledger" in page
+    assert "7 scripts, 42 fields compared" in page and " prompts, " not in page  # provenance counts what it compared
 
 
 def test_the_command_judges_the_llama_cpp_python_server_naming_its_chat_handler(tmp_path, capsys):

@@ -383,8 +383,9 @@ def _provenance(page: Page, rec: dict[str, Any], receipt_link: str | None) -> No
     ]
     if rec.get("prompts", {}).get("sha256"):
         p = rec["prompts"]
-        rows.insert(5, ("prompts", [Code(str(p.get("id", ""))), f", {p.get('count', fmt.NA)} prompts, {p.get('positions', fmt.NA)} positions, sha256 ",
-                                    Code(p["sha256"][:16])]))
+        what, where = p.get("units") or ("prompts", "positions")  # a chat-parsers page counts scripts and fields compared
+        rows.insert(5, (what, [Code(str(p.get("id", ""))), f", {p.get('count', fmt.NA)} {what}, {p.get('positions', fmt.NA)} {where}, sha256 ",
+                               Code(p["sha256"][:16])]))
     page.h(2, "Provenance").fields(rows)
     _timings_table(page, rec)
 
@@ -1102,8 +1103,9 @@ def _summary_page(rec: dict[str, Any], c: _Ctx) -> Page:
     tables_fn(page, rec)
     prompts, th = rec.get("prompts") or rec.get("scripts") or {}, rec.get("thresholds") or {}
     items = prompts.get("items") or rec.get("comparisons") or prompts.get("ids") or []
+    units = ("scripts", "fields compared") if rec.get("scripts") and not rec.get("prompts") else ("prompts", "positions")
     shown = {**rec, "prompts": {"id": Path(str(prompts.get("path") or "")).name, "count": len(items), "positions": rec.get("positions"),
-                                "sha256": prompts.get("sha256")},
+                                "sha256": prompts.get("sha256"), "units": units},
              "thresholds": {"file": th.get("file") or (th.get("calibrated") or {}).get("source"), "sha256": th.get("sha256")}}
     _provenance(page, shown, c.receipt_link)
     cmds = {"reproduce the run": run, "re-render this report": _cmd("harness", "report", c.receipt_shown),
