@@ -268,10 +268,10 @@ def test_a_server_that_cannot_start_here_is_unmeasured_never_pass(tmp_path, monk
     """No llama-server binary and no server extra: exit 5, an UNMEASURED receipt per server naming
     what to build or install, and nothing started."""
     from harness.cli import main
-    from harness.engines import llama_cpp_python_server
+    from harness.engines import llamacpp_python_server
 
     monkeypatch.setenv("HARNESS_LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))
-    monkeypatch.setattr(llama_cpp_python_server, "missing", lambda: "llama-cpp-python's server extra is not installed: no module 'uvicorn'")
+    monkeypatch.setattr(llamacpp_python_server, "missing", lambda: "llama-cpp-python's server extra is not installed: no module 'uvicorn'")
     assert main(["chat-parsers", "--ledger", str(tmp_path / "ledger.jsonl")]) == 5
     out = capsys.readouterr().out
     assert "llama-server: UNMEASURED: llama-server: llama-server is not built for the installed llama-cpp-python: run `make llama-server`" in out

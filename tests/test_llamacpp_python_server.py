@@ -4,7 +4,8 @@
 Fast tests: the text driver (``http_traffic.TextRun``) against a small fake server in the shape of
 llama-cpp-python's streamed ``/v1/completions`` (a token whose text several ids share, a
 continuation sent as text, the prefix reuse read from the log); the engine's command line and its
-refusal of overrides; real servers serving two short scenarios through ``harness probe``
+refusal of overrides; the chat-parsers launcher's command line, chat handler and 'missing' reasons,
+and a failed start that leaves nothing behind; real servers serving two short scenarios through ``harness probe``
 (about 20 s).
 
 Slow test (every shipped scenario on fixture:trained-qwen35; about 90 s alone, 240 s on a loaded
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import yaml
@@ -109,6 +112,55 @@ def test_command_turns_interrupts_off_and_overrides_are_refused():
     assert cmd[cmd.index("--interrupt_requests") + 1] == "False" and cmd[cmd.index("--port") + 1] == "1234"
     with pytest.raises(InvalidInput, match="no --override-kv"):
         load_llamacpp_python_server(MODEL, [parse_override("qwen35.context_length=int:2048")])
+
+
+def test_chat_parsers_command_line_and_its_chat_handler():
+    """The launcher ``harness chat-parsers`` starts (one thread, 2,048 tokens, no verbose log, the
+    handler named) and the handler its receipt names: the one named, else the GGUF template's own
+    (Qwen3.5's template is no format llama-cpp-python knows), ``llama-2`` without a template."""
+    from harness.engines.llamacpp_python_server import chat_handler
+
+    srv = LlamaCppPythonServer(MODEL, parallel=1, n_ctx_slot=2048, threads=1, model_alias="scripted-qwen35", chat_format="chatml",
+                               verbose=False, port=1234)
+    assert srv.command()[3:] == ["--model", str(MODEL), "--model_alias", "scripted-qwen35", "--host", "127.0.0.1", "--port", "1234",
+                                 "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1", "--interrupt_requests", "False",
+                                 "--verbose", "False", "--chat_format", "chatml"]
+    assert "--chat_format" not in LlamaCppPythonServer(MODEL, port=1).command()
+    assert LlamaCppPythonServer(MODEL, port=1).command()[-2:] == ["--verbose", "True"]
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<think>\n"
+    assert chat_handler({"tokenizer.chat_template": template}, None) == "chat_template.default"
+    assert chat_handler({"tokenizer.chat_template": template}, "chatml") == "chatml"
+    assert chat_handler({}, None) == "llama-2"
+
+
+def test_missing_names_the_module_and_the_install_command(monkeypatch):
+    import importlib.util
+
+    from harness.engines import llamacpp_python_server as lps
+
+    assert lps.missing() is None  # this module's tests run only where the extra is installed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert lps.missing() == "llama-cpp-python's server extra is not installed: no module 'uvicorn' (pip install 'llama-cpp-python[server]')"
+    monkeypatch.setattr(lps, "version", lambda: None)
+    assert lps.missing() == "llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')"
+
+
+def test_a_server_that_fails_to_start_leaves_no_log_file(tmp_path, monkeypatch):
+    """A start that fails inside ``with`` stops the process and removes its log (the chat-parsers
+    launcher's behaviour before the two modules were one)."""
+    from harness.engines import llama_server
+    from harness.errors import EngineError
+
+    logs = []
+    real = tempfile.NamedTemporaryFile
+    monkeypatch.setattr(llama_server.tempfile, "NamedTemporaryFile", lambda **kw: logs.append(real(**kw)) or logs[-1])
+    srv = LlamaCppPythonServer(tmp_path / "no-such.gguf", health_timeout_s=60.0)
+    with pytest.raises(EngineError, match=r"^llama-cpp-python-server exited with status [1-9]\d* before it was healthy: .*no-such.gguf"):
+        with srv:
+            pass
+    assert srv.proc is None and srv._log is None
+    assert len(logs) == 1 and not Path(logs[0].name).exists()
 
 
 def _scenarios(tmp_path, names):

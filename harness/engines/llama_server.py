@@ -280,7 +280,11 @@ class LlamaServer:
             self._log = None
 
     def __enter__(self) -> "LlamaServer":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # a start that failed leaves no process and no log file behind
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -27,6 +27,15 @@ What it is, read from its source (llama-cpp-python 0.3.36, ``llama_cpp/server/ap
 - ``logits_all`` is on by default: the context keeps every position's logits (``n_ctx × n_vocab``
   float32: 4.6 GB at Qwen3.5's 248,320 and 4,608 positions).
 
+The same server answers ``harness chat-parsers --server llama-cpp-python`` (``harness.runs.chat_parsers``):
+one thread, a 2,048-token context, ``--verbose False``, and ``--chat_format NAME`` where a chat
+handler is named. Without one, ``Llama.__init__`` picks the handler from the GGUF: a format
+``guess_chat_format_from_gguf_metadata`` recognises in ``tokenizer.chat_template``, else the
+template itself (``chat_template.default``, a ``Jinja2ChatFormatter``); ``chat_handler`` below
+names the handler the same way, so a receipt says which one answered. ``missing()`` says why the
+server cannot be started here at all (the package or its server extra absent), for a run to record
+UNMEASURED; ``version()`` is the installed package's version.
+
 Errors: ``EngineError`` (exit 3) as ``LlamaServer.start`` gives them: a server that exits before it
 answers ``/v1/models``, a port in use, no answer within ``health_timeout_s``.
 """
@@ -36,7 +45,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from harness.display import plain
 from harness.engines.http_engine import HttpEngine
@@ -51,16 +60,66 @@ SERIALIZED = ("serialized: llama-cpp-python's server serves one request at a tim
               "held for a whole streamed reply, llama_cpp/server/app.py)")
 """Why its overlap scenarios are UNMEASURED (module docstring)."""
 PARTIAL_REFUSED = "prefix-match found but partial kv removal not supported"
+INSTALL = "pip install 'llama-cpp-python[server]'"
+"""What installs the server (named by every 'missing' reason)."""
+
+
+def version() -> str | None:
+    """The installed llama-cpp-python's version (its distribution metadata), None when absent."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def missing() -> str | None:
+    """Why the server cannot be started here (the package or a module of its ``server`` extra is
+    not importable), or None. Imports nothing heavy: ``importlib.util.find_spec`` only."""
+    import importlib.util
+
+    if version() is None:
+        return f"llama-cpp-python is not installed ({INSTALL})"
+    for mod in ("llama_cpp.server", "fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings"):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"llama-cpp-python's server extra is not installed: no module {mod!r} ({INSTALL})"
+    return None
+
+
+def chat_handler(metadata: Mapping[str, Any], chat_format: str | None) -> str:
+    """The chat handler the server answers with for a GGUF of ``metadata`` (its raw key values):
+    ``chat_format`` where one is named; else the format llama-cpp-python guesses from the file's
+    ``tokenizer.chat_template`` (``llama_chat_format.guess_chat_format_from_gguf_metadata``), else
+    ``chat_template.default`` (the template itself); ``llama-2`` for a file without a template
+    (``Llama.__init__``'s order)."""
+    if chat_format:
+        return chat_format
+    if not isinstance(metadata.get("tokenizer.chat_template"), str):
+        return "llama-2"
+    from llama_cpp import llama_chat_format
+
+    guessed = llama_chat_format.guess_chat_format_from_gguf_metadata({k: str(v) for k, v in metadata.items() if isinstance(v, str)})
+    return guessed or "chat_template.default"
 
 
 @dataclass
 class LlamaCppPythonServer(LlamaServer):
     """One ``python -m llama_cpp.server`` process (module docstring), run by this interpreter.
     ``n_ctx_slot``: its context (``--n_ctx``, tokens); ``threads``: ``--n_threads`` and
-    ``--n_threads_batch``; ``to_text`` / ``key_id``: ids → the text sent, a logprobs key → its id
-    (the engine's reference vocabulary). ``parallel`` is always 1: it has no slots."""
+    ``--n_threads_batch``; ``model_alias``: ``--model_alias``; ``chat_format``: ``--chat_format``
+    (None: not passed, the handler the GGUF gives, ``chat_handler``); ``verbose``: ``--verbose``
+    (its log lines ``cache_source`` counts); ``to_text`` / ``key_id``: ids → the text sent, a
+    logprobs key → its id (the engine's reference vocabulary; only ``drive`` needs them).
+    ``parallel`` is always 1: it has no slots."""
 
     model_alias: str = "model"
+    chat_format: str | None = None
+    verbose: bool = True
     to_text: Callable[[list[int]], str] | None = None
     key_id: Callable[[Any], int | None] | None = None
 
@@ -70,10 +129,12 @@ class LlamaCppPythonServer(LlamaServer):
     SOLO_EXTRA = {}  # noqa: RUF012 (a class constant: each solo request runs on a fresh server anyway)
 
     def command(self) -> list[str]:
-        """The command line: this interpreter's ``-m llama_cpp.server`` (module docstring)."""
+        """The command line: this interpreter's ``-m llama_cpp.server`` (module docstring), so the
+        server is the installed package's."""
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(self.model), "--model_alias", self.model_alias,
                 "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(self.n_ctx_slot), "--n_threads", str(self.threads),
-                "--n_threads_batch", str(self.threads), *INTERRUPT.split(), "--verbose", "True", *self.extra]
+                "--n_threads_batch", str(self.threads), *INTERRUPT.split(), "--verbose", str(self.verbose),
+                *(["--chat_format", self.chat_format] if self.chat_format else []), *self.extra]
 
     def features(self) -> dict[str, str]:
         """What it serializes, how it was started, and what its prompt cache is (module docstring)."""

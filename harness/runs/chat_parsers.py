@@ -255,10 +255,12 @@ def _serve_llama_server(req: ChatParsersRequest, model: Any, scripts: list[Any])
 def _serve_llama_cpp_python(req: ChatParsersRequest, model: Any, scripts: list[Any]) -> tuple[dict[str, Any], list[ScriptResult]]:
     """llama-cpp-python's server on the model with the chat handler named (or the one it picks),
     asked every script; its record (the package's version, the handler) and results."""
-    from harness.engines.llama_cpp_python_server import LlamaCppPythonServer, chat_handler, version
+    from harness.engines.llamacpp_python_server import LlamaCppPythonServer, chat_handler, version
 
     metadata = {k: model.raw_metadata(k) for k in ("tokenizer.chat_template",)}
-    with LlamaCppPythonServer(model=model.path, alias="scripted-qwen35", chat_format=req.chat_format) as server:
+    server = LlamaCppPythonServer(model=model.path, parallel=1, n_ctx_slot=2048, threads=1, model_alias="scripted-qwen35",
+                                  chat_format=req.chat_format, verbose=False)
+    with server:
         results = judge(server.url, scripts)
         cmd = server.command()
     info = {"name": "llama-cpp-python", "version": version() or "unknown",
@@ -269,17 +271,17 @@ def _serve_llama_cpp_python(req: ChatParsersRequest, model: Any, scripts: list[A
 
 
 def _missing(server: str) -> str | None:
-    from harness.engines import llama_cpp_python_server, llama_server
+    from harness.engines import llama_server, llamacpp_python_server
 
     if server == "llama-server":
         if llama_server.built_binary() is None:
             return f"llama-server is not built for the installed llama-cpp-python: run `{llama_server.BUILD_COMMAND}`"
         return None
-    return llama_cpp_python_server.missing()
+    return llamacpp_python_server.missing()
 
 
 def _unmeasured_info(server: str, req: ChatParsersRequest) -> dict[str, Any]:
-    from harness.engines.llama_cpp_python_server import version
+    from harness.engines.llamacpp_python_server import version
 
     settings: dict[str, Any] = ({"jinja": True, "reasoning_format": req.reasoning_format} if server == "llama-server"
                                 else {"chat_format": req.chat_format})
