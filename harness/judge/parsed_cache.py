@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.errors import InvalidInput
+from harness.fschecks import require_writable_dir
 from harness.paths import PACKAGE_DIR, SCHEMA_DIR, cache_root
 
 FORMAT = "harness-thresholds-parsed/v1"
@@ -89,6 +91,7 @@ def put(raw: bytes, data: Any) -> None:
             return
         entry = {"format": FORMAT, "data_sha256": _data_digest(data), "data": data}
         folder = _folder()
+        require_writable_dir(folder, "thresholds parse cache")  # a read-only cache folder stays untouched, even for root
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
         try:
@@ -98,5 +101,5 @@ def put(raw: bytes, data: Any) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-    except (OSError, TypeError, ValueError):
+    except (InvalidInput, OSError, TypeError, ValueError):
         return

@@ -406,9 +406,18 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray 
     nt = None if next_tokens is None else _next_token_result(n, v, next_tokens, scored)
     if nt is not None:
         out.update(nt[0])
+    _fill_rows(out, ref, cand, s, nt)
+    return out
+
+
+def _fill_rows(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, s: _Scratch,
+               nt: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None) -> None:
+    """Every row of ``position_metrics``'s ``out`` (and the next-token keys when ``nt`` is
+    ``_next_token_result``'s triple), one row pair at a time with the scratch buffers ``s``."""
+    v = ref.shape[1]
     kmax = max(TOPK)
     cosine_, kld_, nmse_ = out["cosine"], out["kld"], out["nmse"]
-    for i in range(n):
+    for i in range(ref.shape[0]):
         r, c = ref[i], cand[i]
         rr, cc = s.dot64(r, r), s.dot64(c, c)
         fast = _in_fast_range(rr) and _in_fast_range(cc)
@@ -434,7 +443,6 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray 
         for k in TOPK:
             kk = min(k, v)
             out[f"top{k}_overlap"][i] = len(set(rl[:kk]) & set(cl[:kk])) / kk
-    return out
 
 
 NEXT_TOKEN_KEYS = ("scored", "ref_nll", "cand_nll", "delta_p", "delta_p_next")
