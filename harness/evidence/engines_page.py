@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 from harness.display import md_text
 from harness.errors import InvalidInput
 from harness.evidence.rows import read_rows
-from harness.evidence.receipts import receipt_file
+from harness.evidence.receipts import canonical_json, receipt_file
+from harness.provenance import sha256_bytes
 
 DEFAULT_LEDGER = "evidence/engines/ledger.jsonl"
 DEFAULT_OUT = "docs/engines.md"
@@ -299,11 +300,10 @@ REFRESH_COMMAND = f"{COMMAND} --refresh"
 def row_sha256(row: Mapping[str, Any]) -> str:
     """sha256 of what in a thresholds row judges (the form ``Row.to_receipt`` gives, as a receipt
     records it): canonical JSON of its keys but ``source`` (where the file lay), empty values
-    left out so a row written before a key existed hashes as it did. 64 hex digits."""
-    import hashlib
-
+    left out so a row written before a key existed hashes as it did (``receipts.canonical_json``,
+    the form every hash of the evidence is taken over). 64 hex digits."""
     keep = {k: v for k, v in row.items() if k != "source" and v not in (None, {}, [], "")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+    return sha256_bytes(canonical_json(keep))
 
 
 def row_label(source: str) -> str | None:
