@@ -30,10 +30,10 @@ def self_peak_mb() -> float:
     return _hwm_kb(os.getpid()) / 1024
 
 
-def _hwm_kb(pid: int) -> int:
+def _hwm_kb(pid: int, field: str = "VmHWM:") -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1])
     except OSError:
         pass
@@ -41,29 +41,38 @@ def _hwm_kb(pid: int) -> int:
 
 
 class ChildPeakRSS:
-    """``with ChildPeakRSS() as p: ...`` then ``p.peak_mb``: the largest VmHWM of any descendant."""
+    """``with ChildPeakRSS() as p: ...`` then ``p.peak_mb``: the largest VmHWM of any descendant;
+    ``p.peak_sum_mb``: the most the descendants held together (their VmRSS added at one reading,
+    the largest such sum; a peak between two readings can be missed)."""
 
     def __init__(self, interval: float = 0.02):
         self.interval = interval
         self.last_kb: dict[int, int] = {}  # pid -> its latest VmHWM reading
+        self.peak_sum_kb = 0  # the largest VmRSS of all descendants added, at one reading
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
         me = os.getpid()
         while not self._stop.is_set():
-            todo = _children(me)
+            todo, now_kb = _children(me), 0
             while todo:
                 pid = todo.pop()
                 kb = _hwm_kb(pid)
                 if kb:
                     self.last_kb[pid] = kb
+                now_kb += _hwm_kb(pid, "VmRSS:")
                 todo += _children(pid)
+            self.peak_sum_kb = max(self.peak_sum_kb, now_kb)
             self._stop.wait(self.interval)
 
     @property
     def peak_mb(self) -> float:
         return max(self.last_kb.values(), default=0) / 1024
+
+    @property
+    def peak_sum_mb(self) -> float:
+        return self.peak_sum_kb / 1024
 
     def __enter__(self) -> "ChildPeakRSS":
         self._thread.start()

@@ -48,6 +48,9 @@ of things measured side by side in this run, and the page records the machine an
    llama-server`` rewrites only its part (also run by the full suite when the binary is built).
 13. The long probe's cost and peak memory at 1,024, 4,096 and 8,192 positions (``bench_long``;
    ``--long-positions`` adds 32,768 on request); ``--only long`` rewrites only its part.
+14. Parity against llama.cpp's own ``llama-perplexity`` on the same KLD job (bench_perplexity.py:
+   1,536 positions at V = 248,320, both tools side by side in one run, seconds, CPU seconds and
+   peak memory, and their ratio; target ≤ 1.5×); ``--only perplexity`` rewrites only its part.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.
@@ -76,6 +79,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_evidence  # noqa: E402
 import bench_long  # noqa: E402
+import bench_perplexity  # noqa: E402
 import bench_metrics  # noqa: E402
 import bench_oracle  # noqa: E402
 import bench_reference_cache  # noqa: E402
@@ -356,10 +360,12 @@ def main() -> None:
     ap.add_argument("--evidence-sizes", default="10,10000,100000", help="ledger sizes of section 7 ('' to skip)")
     ap.add_argument("--serving-histories", default="1024,4096", help="history lengths of section 11 (16384 on request: "
                     "about 25 GB at the 4K run's growth)")
-    ap.add_argument("--only", choices=["parity", "evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server", "long"], default=None,
+    ap.add_argument("--only", choices=["parity", "evidence", "tokenizer", "speculative", "reference-cache", "serving", "llama-server", "long",
+                                           "perplexity"], default=None,
                     help="run one section alone and rewrite only its part of --out (and of its .json)")
     ap.add_argument("--long-positions", default="1024,4096,8192", help="positions of section 13 (32768 on request: about 15 "
                     "minutes of oracle on 2 cores)")
+    ap.add_argument("--perplexity-repeats", type=int, default=2, help="interleaved rounds of section 14 (the fastest is kept)")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     a = ap.parse_args()
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -382,6 +388,12 @@ def main() -> None:
         sp = bench_speculative.measure()
         splice_section(Path(a.out), "The speculative probe's given drafts", bench_speculative.section(sp), "speculative", sp)
         print(f"wrote the speculative section of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        return
+    if a.only == "perplexity":
+        print("14. parity against llama-perplexity on the same KLD job ...", flush=True)
+        pp = bench_perplexity.measure(a.perplexity_repeats)
+        splice_section(Path(a.out), "Parity against llama-perplexity", bench_perplexity.section(pp), "perplexity", pp)
+        print(f"wrote the llama-perplexity section of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
     if a.only == "long":
         print("13. the long probe's cost and memory by positions ...", flush=True)
@@ -479,6 +491,11 @@ def main() -> None:
     out.write_text(render(r))
     (out.with_suffix(".json")).write_text(json.dumps(r, indent=1, default=str))
     print(f"wrote {out} and {out.with_suffix('.json').name}")
+    from harness.paths import llama_tool
+    if llama_tool("llama-perplexity") is not None:
+        print("14. parity against llama-perplexity on the same KLD job ...", flush=True)
+        pp = bench_perplexity.measure(a.perplexity_repeats)
+        splice_section(out, "Parity against llama-perplexity", bench_perplexity.section(pp), "perplexity", pp)
 
 
 def parity_section(par: dict) -> list[str]:

@@ -29,6 +29,7 @@ trimmed); a session's state between requests is kept as llama.cpp's own sequence
 import ctypes
 import json
 import logging
+import os
 import sys
 import tempfile
 from collections import OrderedDict
@@ -55,7 +56,7 @@ HAS_SERVE = all(hasattr(llama_cpp, f) for f in ("llama_get_memory", "llama_memor
 """Whether these bindings have what op ``serve`` uses: clearing one sequence of the memory
 (``llama_memory_seq_rm``) and one sequence's state bytes (``llama_state_seq_get_data`` /
 ``set_data``)."""
-CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize"] + (
+CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "logits_ring"] + (
     ["mtp", "speculative"] if HAS_MTP else []) + (["serve"] if HAS_SERVE else [])
 """The protocol capabilities this engine has with the bindings it runs on (``--capabilities`` prints
 them): an engine table in the harness's config should declare these and no more."""
@@ -168,16 +169,24 @@ class Context:
         ptr = llama_cpp.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(len(items), self.n_vocab)).copy()
 
-    def feed(self, tokens, start_pos=0, chunks=None, seq=0):
-        """Feed one sequence's tokens in the given chunks (each in batches of 512); [T, V]."""
+    def feed(self, tokens, start_pos=0, chunks=None, seq=0, sink=None):
+        """Feed one sequence's tokens in the given chunks (each in batches of 512); [T, V].
+        With ``sink``, each batch's rows (a view of llama.cpp's output buffer) go to
+        ``sink(rows)`` instead, and nothing is returned."""
         rows, pos = [], 0
         for c in chunks or [len(tokens)]:
             end = pos + c
             while pos < end:
                 k = min(512, end - pos)
-                rows.append(self.decode([(tokens[pos + i], start_pos + pos + i, seq) for i in range(k)]))
+                items = [(tokens[pos + i], start_pos + pos + i, seq) for i in range(k)]
+                if sink is None:
+                    rows.append(self.decode(items))
+                else:
+                    self.run(items)
+                    sink(np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(k, self.n_vocab)))
                 pos += k
-        return np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
+        if sink is None:
+            return np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
 
     def save(self, seq=0):
         n = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
@@ -195,6 +204,45 @@ class Context:
             self.batch.token = None  # ours: llama_batch_free would free() it
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
+
+
+class Ring:
+    """The harness's shared-memory logits ring (capability ``logits_ring``; the request's
+    ``logits_ring``: ``path``, ``slots``, ``rows``): rows are written in order into slots 0, 1, ...
+    of the file (slot k at byte k * rows * V * 4), each block announced on stdout as
+    ``{"id", "block": {"slot", "start", "rows"}}``; a slot is written again only after the harness
+    acknowledged it on stdin (``{"id", "ack": slot}``, in order), and ``finish`` reads the acks
+    still due before the final reply."""
+
+    def __init__(self, spec, req_id):
+        self.fd = os.open(spec["path"], os.O_RDWR)
+        self.slots, self.rows, self.id = int(spec["slots"]), int(spec["rows"]), req_id
+        self.sent = self.acked = self.start = 0
+
+    def write(self, rows):
+        for i in range(0, len(rows), self.rows):
+            part = np.ascontiguousarray(rows[i : i + self.rows], dtype=np.float32)
+            if self.sent - self.acked == self.slots:
+                self.wait_ack()
+            slot = self.sent % self.slots
+            data, at = memoryview(part).cast("B"), slot * self.rows * part.shape[1] * 4
+            while data.nbytes:
+                n = os.pwrite(self.fd, data, at)
+                data, at = data[n:], at + n
+            sys.stdout.write(json.dumps({"id": self.id, "block": {"slot": slot, "start": self.start, "rows": len(part)}}) + "\n")
+            sys.stdout.flush()
+            self.sent, self.start = self.sent + 1, self.start + len(part)
+
+    def wait_ack(self):
+        msg = json.loads(sys.stdin.readline() or "null")
+        if not isinstance(msg, dict) or msg.get("id") != self.id or msg.get("ack") != self.acked % self.slots:
+            raise RuntimeError(f"expected the harness's ack of slot {self.acked % self.slots}, got {str(msg)[:80]}")
+        self.acked += 1
+
+    def finish(self):
+        while self.acked < self.sent:
+            self.wait_ack()
+        os.close(self.fd)
 
 
 def n_ctx_for(n):
@@ -600,18 +648,21 @@ class Engine:
                              "n_threads": N_THREADS, "backend": "cpu", "overrides": self.overrides,
                              **({"mtp_convention": "llama.cpp"} if HAS_MTP else {}), "capabilities": CAPABILITIES}}
 
-    def logits(self, req):
+    def logits(self, req, sink=None):
+        """The request's logits [T, V]; with ``sink`` (a ``Ring``'s ``write``) handed to it instead:
+        batch by batch straight from llama.cpp's buffer for one plain sequence, whole otherwise."""
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
-        if req.get("sequences"):
-            return self.side_by_side(req["sequences"], n_ubatch)
-        tokens, session = req["tokens"], req.get("session")
-        if not session:
+        tokens, session = req.get("tokens"), req.get("session")
+        if not req.get("sequences") and not session:
             ctx = Context(self.llm, n_ctx_for(len(tokens)), n_ubatch=n_ubatch)
             try:
-                return ctx.feed(tokens, chunks=req.get("chunks"))
+                return ctx.feed(tokens, chunks=req.get("chunks"), sink=sink)
             finally:
                 ctx.close()
-        return self.in_session(tokens, session, n_ubatch)
+        rows = self.side_by_side(req["sequences"], n_ubatch) if req.get("sequences") else self.in_session(tokens, session, n_ubatch)
+        if sink is None:
+            return rows
+        sink(rows)
 
     def in_session(self, tokens, s, n_ubatch):
         """Feed tokens after the parent's state at ``after`` (a checkpoint), keep checkpoints."""
@@ -907,6 +958,11 @@ class Engine:
             np.save(out / "draft_logits.npy", logits)
             np.save(out / "hidden.npy", hidden)
             return {"ok": True, "files": ["draft_logits.npy", "hidden.npy", "info.json"]}
+        if req.get("logits_ring"):  # rows through the harness's shared-memory ring, no logits.npy
+            ring = Ring(req["logits_ring"], req.get("id"))
+            self.logits(req, sink=ring.write)
+            ring.finish()
+            return {"ok": True, "files": ["info.json"]}
         np.save(out / "logits.npy", self.logits(req).astype(np.float32))
         return {"ok": True, "files": ["logits.npy", "info.json"]}
 

@@ -32,7 +32,9 @@ become their ids; a rendered chat prompt is tokenized so), ``add_special`` (``to
 llama.cpp's output buffer, as several sequences' are; tests compare the two), ``n_generate``
 (``generate``: greedy ids written to ``generated.json``), ``mtp_convention`` (``draft``: ``llama.cpp`` or
 ``vllm``; the MTP head's draft logits and hidden states written to ``draft_logits.npy`` and
-``hidden.npy``, see ``_draft``).
+``hidden.npy``, see ``_draft``), ``prompts`` (``logits``: ``[{"tokens", "settings"}]``, each prompt decoded on a
+fresh context of its own settings, one after another; its ``n_vocab`` header and rows follow the previous prompt's
+on the stream).
 ``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
 (``VmHWM``); a ``tokenize`` run's holds ``tokenize_s`` (inside ``llama_tokenize``).
 """
@@ -437,6 +439,8 @@ def main(req_path: str) -> int:
 
     if req["op"] == "draft":
         _draft(llama_cpp, model, req, n_vocab, info, out_dir)
+    elif req.get("prompts"):
+        _decode_prompts(llama_cpp, model, req, n_vocab, info, out_dir)
     else:
         _decode(llama_cpp, model, req, n_vocab, info, out_dir)
     llama_cpp.llama_model_free(model)
@@ -482,6 +486,19 @@ def _decode(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path
             info["ops"] = capture.ops
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
+
+
+def _decode_prompts(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path) -> None:
+    """The ``logits`` op over ``prompts`` (``[{"tokens", "settings"}]``): each prompt decoded as a
+    one-prompt ``logits`` request is (``_decode``: a fresh context with its own settings, its
+    ``n_vocab`` header and rows on the stream), one after another; ``info`` sums their timings."""
+    total = {"decode_s": 0.0, "decode_wall_s": 0.0, "n_tokens": 0}
+    for p in req["prompts"]:
+        _decode(llama_cpp, model, {**req, "prompts": None, "tokens": p["tokens"], "chunks": None, "settings": p["settings"]},
+                n_vocab, info, out_dir)
+        for k in total:
+            total[k] += info[k]
+    info.update({k: round(v, 4) if isinstance(v, float) else v for k, v in total.items()})
 
 
 def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path) -> None:

@@ -313,6 +313,19 @@ def last_row(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.nd
     return last
 
 
+def logits_each(engine: Any, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:
+    """Each prompt's ``engine.logits`` stream, in order: through the engine's own
+    ``logits_each`` where its class defines one (the llama.cpp reference: one worker run for a
+    whole prompt set; the timing and reference-cache wrappers pass it on), else
+    ``engine.logits(p)`` per prompt, lazily. Looked up on the class, never through a wrapper's
+    ``__getattr__``: a wrapper that changes logits (a mutant) must not be bypassed. Each stream is
+    read before the next is asked for."""
+    each = getattr(type(engine), "logits_each", None)
+    if each is None:
+        return (engine.logits(p) for p in prompts)
+    return engine.logits_each(prompts)
+
+
 def npy_rows(arr: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a ``[T, V]`` array from ``np.load(..., mmap_mode="r")``, as float32.
 

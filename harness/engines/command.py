@@ -56,6 +56,7 @@ from harness.engines.base import (
     validate_chunks,
 )
 from harness.engines.persistent import PersistentProcess, serve_for
+from harness.engines.ring import LogitRing, ring_dir
 from harness.engines.process import (
     check_timeout,
     exit_status,
@@ -74,7 +75,8 @@ RENDER_MAX_BYTES = 1 << 20
 """The largest ``rendered.txt`` (op ``render``) read: a rendered conversation is a prompt, not a corpus."""
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative", "serve")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative", "serve",
+                   "logits_ring")
 CAPABILITIES = ("chunks", "activations", *V2_CAPABILITIES)
 """Every capability a ``[engines.NAME]`` table may declare (docs/engine-protocol.md); another
 value is refused, never left for a probe to find missing."""
@@ -502,11 +504,81 @@ class CommandEngine:
             shutil.rmtree(out_dir, ignore_errors=True)
 
     def _v2_logits(self, body: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
+        if "logits_ring" in self.spec.capabilities and body.get("want") == ["logits"]:
+            yield from self._ring_logits(body, n_rows)
+            return
         with self._exchange(body) as (out_dir, tail):
             arr = load_logits(out_dir, self.who, n_rows, self.n_vocab, tail)
             for start in range(0, n_rows, self.block_size):
                 yield start, npy_rows(arr, start, start + self.block_size)
             del arr
+
+    def _ring_logits(self, body: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
+        """A ``logits`` request answered through a shared-memory ring (capability ``logits_ring``,
+        ``harness.engines.ring``): each announced block is read from its slot and yielded as
+        ``(start, float32 [n, V])``, in position order. Raises ``EngineError`` (the process
+        killed) for a block out of order, outside the ring or past ``n_rows``, and for a final
+        reply before ``n_rows`` rows."""
+        server = self._server()
+        out_dir = server.out_dir()
+        try:
+            with self._open_ring(out_dir) as ring:
+                full = {"schema": REQUEST_SCHEMA_V2, "model": str(self.model_path), "overrides": [o.to_flag() for o in self.overrides],
+                        "settings": dict(self.settings), **body, "logits_ring": ring.spec}
+                blocks = server.request_blocks(full, out_dir, self.spec.timeout_s)
+                expect = 0
+                try:
+                    while True:
+                        try:
+                            block = next(blocks)
+                        except StopIteration as stop:
+                            reply = stop.value
+                            break
+                        slot, start, rows = (block.get(k) for k in ("slot", "start", "rows"))
+                        if not all(type(v) is int for v in (slot, start, rows)) or start != expect or not (0 <= slot < ring.slots) \
+                                or not (0 < rows <= ring.rows) or expect + rows > n_rows:
+                            tail = server.tail()
+                            raise EngineError(f"{self.who} announced ring block {str(block)[:80]!r}; expected rows from {expect} "
+                                              f"(at most {ring.rows}, {n_rows} in all) in a slot below {ring.slots}", tail)
+                        yield start, self._ring_read(ring, slot, rows, server)
+                        expect += rows
+                finally:
+                    blocks.close()  # before the final reply: the engine is mid-request and is killed
+                self._ring_reply(server, out_dir, reply, expect, n_rows)
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+    def _open_ring(self, out_dir: Path) -> LogitRing:
+        """A ring in ``/dev/shm`` (``ring_dir``), else, when that cannot be made (no space), in the
+        request's folder; ``EngineError`` when neither can."""
+        where = ring_dir(out_dir)
+        try:
+            return LogitRing(where, self.n_vocab)
+        except OSError as e:
+            if where != out_dir:
+                try:
+                    return LogitRing(out_dir, self.n_vocab)
+                except OSError:
+                    pass
+            raise EngineError(f"{self.who}: cannot make the logits ring in {where} ({e.strerror or e})") from None
+
+    def _ring_read(self, ring: LogitRing, slot: int, rows: int, server: Any) -> np.ndarray:
+        try:
+            return ring.read(slot, rows)
+        except OSError as e:
+            raise EngineError(f"{self.who}: reading the logits ring failed ({e})", server.tail()) from None
+
+    def _ring_reply(self, server: Any, out_dir: Path, reply: dict[str, Any], got: int, n_rows: int) -> None:
+        """Check a ring request's final reply (its files, the row count) and keep its ``info.json``."""
+        bad = [f for f in reply.get("files", []) if f not in V2_FILES]
+        if bad:
+            raise EngineError(f"{self.who} named {bad[0][:60]!r} among its files; the protocol's files are {', '.join(V2_FILES)}")
+        if got != n_rows:
+            raise EngineError(f"{self.who} finished a ring request after {got} of {n_rows} rows", server.tail())
+        self._reply_files = list(reply.get("files", []))
+        info = load_info(out_dir, self.who, server.tail())
+        if info:
+            server.last_info = info
 
     # -- the engine protocol ------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:

@@ -30,6 +30,7 @@ the setting that avoids it (``crash_cause``).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -38,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -348,12 +350,15 @@ class LlamaCppEngine:
                 self.__dict__["_static_info"] = {k: v for k, v in info.items() if k != "tokenize_s"}
             return json.loads((d / "tokens.json").read_text())
 
-    def _stream(self, request: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
-        """Start a worker on ``request`` and yield its logits as ``(start, float32 [B, V])``
-        blocks of ``block_size`` rows while it decodes. Rows of several sequences (``sequences``)
-        arrive interleaved with their indices and are put in order through a file first."""
+    @contextmanager
+    def _worker_stream(self, request: dict[str, Any]) -> Iterator[tuple["_PipeReader", Any]]:
+        """Start a worker on ``request`` with a pipe for its logits; yields the pipe's reader and a
+        ``finish()`` that waits for the worker and checks its exit (raising with llama.cpp's error).
+        A worker still running when the block ends (the consumer stopped early, or an error) is
+        killed."""
         with scratch_dir("llamacpp-") as workdir:
             r, w = os.pipe()
+            _widen_pipe(w)
             try:
                 proc = self._start({**request, "stream_fd": w}, workdir, pass_fds=(w,))
             finally:
@@ -361,26 +366,62 @@ class LlamaCppEngine:
             deadline = time.monotonic() + self.timeout_s
             try:
                 with open(r, "rb", buffering=0) as pipe:
-                    reader = _PipeReader(pipe, deadline)
-                    head = np.empty(1, dtype="<i8")
-                    if not reader.fill(head):
-                        self._finish(proc, workdir, deadline)  # raises with llama.cpp's error
-                        raise EngineError("llama.cpp worker closed its logits stream without a header")
-                    n_vocab = int(head[0])
-                    if request.get("sequences"):
-                        blocks = self._ordered_from_indexed(reader, n_rows, n_vocab, workdir)
-                    else:
-                        blocks = self._in_order(reader, n_rows, n_vocab)
-                    for item in blocks:
-                        if item is None:  # the stream ended early: the worker's exit says why
-                            self._finish(proc, workdir, deadline)
-                            raise EngineError(f"llama.cpp worker's logits stream ended before {n_rows} rows")
-                        yield item
-                self._finish(proc, workdir, deadline)
+                    yield _PipeReader(pipe, deadline), lambda: self._finish(proc, workdir, deadline)
             finally:
-                if proc.poll() is None:  # the consumer stopped early, or an error: end the worker
+                if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+
+    def _header(self, reader: "_PipeReader", finish: Any) -> int:
+        """The stream's int64 ``n_vocab`` header; a stream that ends first raises the worker's error."""
+        head = np.empty(1, dtype="<i8")
+        if not reader.fill(head):
+            finish()  # raises with llama.cpp's error
+            raise EngineError("llama.cpp worker closed its logits stream without a header")
+        return int(head[0])
+
+    @staticmethod
+    def _checked(blocks: Iterator[LogitBlock | None], n_rows: int, finish: Any) -> Iterator[LogitBlock]:
+        for item in blocks:
+            if item is None:  # the stream ended early: the worker's exit says why
+                finish()
+                raise EngineError(f"llama.cpp worker's logits stream ended before {n_rows} rows")
+            yield item
+
+    def _stream(self, request: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
+        """Start a worker on ``request`` and yield its logits as ``(start, float32 [B, V])``
+        blocks of ``block_size`` rows while it decodes. Rows of several sequences (``sequences``)
+        arrive interleaved with their indices and are put in order through a file first."""
+        with self._worker_stream(request) as (reader, finish):
+            n_vocab = self._header(reader, finish)
+            if request.get("sequences"):
+                with scratch_dir("llamacpp-order-") as d:
+                    yield from self._checked(self._ordered_from_indexed(reader, n_rows, n_vocab, d), n_rows, finish)
+            else:
+                yield from self._checked(self._in_order(reader, n_rows, n_vocab), n_rows, finish)
+            finish()
+
+    def logits_each(self, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:
+        """Each prompt's ``logits`` stream, in order, from one worker run: one process start and
+        one model load for a whole prompt set, where ``logits`` per prompt pays both every time
+        (about 1 s a prompt at V = 248,320). Every prompt is decoded exactly as ``logits(tokens)``
+        decodes it: its own fresh context, with the settings its length resolves to, so its rows
+        are the same bytes (``tests/test_llamacpp.py``). Yields one block iterator per prompt; a
+        prompt's stream must be read before the next one is (what is left unread is read and
+        dropped). Raises ``EngineError`` as ``logits``."""
+        toks = [[int(t) for t in p] for p in prompts]
+        if len(toks) <= 1:
+            yield from (self.logits(t) for t in toks)
+            return
+        req = {"op": "logits", "prompts": [{"tokens": t, "settings": self.settings.resolved(len(t))} for t in toks]}
+        with self._worker_stream(req) as (reader, finish):
+            for t in toks:
+                n_vocab = self._header(reader, finish)
+                stream = self._checked(self._in_order(reader, len(t), n_vocab), len(t), finish)
+                yield stream
+                for _ in stream:  # what the consumer left unread
+                    pass
+            finish()
 
     def _in_order(self, reader: "_PipeReader", n_rows: int, n_vocab: int) -> Iterator[LogitBlock | None]:
         """Blocks read straight from a single sequence's stream (rows in position order)."""
@@ -515,6 +556,21 @@ class LlamaCppEngine:
         total = sum(len(q) for q in seqs)
         req = {"op": "logits", "sequences": seqs, "settings": self.settings.resolved(max(len(q) for q in seqs))}
         yield from self._stream(req, total)
+
+
+PIPE_BYTES = 1 << 20
+"""The logits pipe's capacity asked for (``F_SETPIPE_SZ``; Linux's default ``pipe-max-size``):
+a 1 MB row crosses in one read, not sixteen of the default 64 KiB."""
+
+
+def _widen_pipe(fd: int) -> None:
+    """Ask for a ``PIPE_BYTES`` pipe buffer where the system allows it; a smaller limit
+    (``/proc/sys/fs/pipe-max-size``) or another OS leaves the default, which only costs reads."""
+    setsz = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+    try:
+        fcntl.fcntl(fd, setsz, PIPE_BYTES)
+    except OSError:
+        pass
 
 
 class _PipeReader:

@@ -28,7 +28,7 @@ import subprocess
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Generator, Mapping, Sequence
 
 from harness.engines.process import exit_status, kill_group, read_tail, start_engine, start_error, tail_lines
 from harness.errors import EngineError
@@ -120,15 +120,51 @@ class PersistentProcess:
         Raises ``EngineError`` when the engine exits, times out, answers with something other than
         one JSON object for this id, or answers ``ok: false`` (its ``error`` quoted, the process
         kept)."""
+        req_id = self._send(body, out_dir)
+        return self._final(self._line_object(self._read_line(time.monotonic() + timeout_s, timeout_s), req_id), req_id)
+
+    def request_blocks(self, body: dict[str, Any], out_dir: Path, timeout_s: float) -> Generator[dict[str, Any], None, dict[str, Any]]:
+        """``request`` for a ``logits_ring`` request (``harness.engines.ring``): yields each block
+        line's ``block`` object (``{"slot", "start", "rows"}``, not checked here) and, when the
+        consumer asks for the next one, acknowledges that slot on the engine's stdin
+        (``{"id", "ack": slot}``); returns the final reply. Each line waits at most ``timeout_s``.
+        A consumer that stops before the final reply leaves the engine mid-request: the process
+        is killed (the next request starts a fresh one). Raises as ``request``."""
+        req_id = self._send(body, out_dir)
+        done = False
+        try:
+            while True:
+                obj = self._line_object(self._read_line(time.monotonic() + timeout_s, timeout_s), req_id)
+                block = obj.get("block")
+                if block is None:
+                    done = True
+                    return self._final(obj, req_id)
+                if not isinstance(block, dict):
+                    raise self._fail(f"{self.who} sent request {req_id} a 'block' that is not an object: {str(block)[:80]!r}")
+                yield block
+                self._write_line({"id": req_id, "ack": block.get("slot")}, req_id)
+        finally:
+            if not done and self.proc is not None:
+                self.close()
+
+    def _send(self, body: dict[str, Any], out_dir: Path) -> int:
+        """Write one request line (``id`` and ``out_dir`` added); returns its id."""
         assert self.proc is not None and self.proc.stdin is not None
         req_id = self._next_id
-        line = json.dumps({**body, "id": req_id, "out_dir": str(out_dir)}) + "\n"
+        self._write_line({**body, "id": req_id, "out_dir": str(out_dir)}, req_id)
+        return req_id
+
+    def _write_line(self, obj: dict[str, Any], req_id: int) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
         try:
-            self.proc.stdin.write(line.encode("utf-8"))
+            self.proc.stdin.write((json.dumps(obj) + "\n").encode("utf-8"))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise self._fail(f"{self.who} closed its stdin (the process ended before request {req_id})") from None
-        raw = self._read_line(time.monotonic() + timeout_s, timeout_s)
+            raise self._fail(f"{self.who} closed its stdin (the process ended during request {req_id})") from None
+
+    def _line_object(self, raw: bytes, req_id: int) -> dict[str, Any]:
+        """One reply line parsed: a JSON object carrying this request's ``id``, else the process
+        is killed and ``EngineError`` raised."""
         try:
             reply = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -136,6 +172,10 @@ class PersistentProcess:
             raise self._fail(f"{self.who} answered request {req_id} with a line that is not JSON{why}: {raw[:80]!r}") from None
         if not isinstance(reply, dict) or type(reply.get("id")) is not int or reply["id"] != req_id:  # true == 1 in Python: not an id
             raise self._fail(f"{self.who} answered request {req_id} with {str(reply)[:80]!r}; expected a JSON object with \"id\": {req_id}")
+        return reply
+
+    def _final(self, reply: dict[str, Any], req_id: int) -> dict[str, Any]:
+        """The request's final reply checked: ``ok`` true and ``files`` a list of names."""
         if reply.get("ok") is not True:
             err = reply.get("error")
             raise EngineError(f"{self.who} refused request {req_id}: {str(err)[:400] if err else 'ok is not true'}", self.tail())

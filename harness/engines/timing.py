@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from harness.engines.base import LogitBlock
+from harness.engines.base import LogitBlock, logits_each
 
 
 class TimedEngine:
@@ -77,6 +77,15 @@ class TimedEngine:
 
     def activations(self, *a: Any, **k: Any) -> Any:
         return self._call(lambda: self.engine.activations(*a, **k))
+
+    def logits_each(self, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:
+        """``harness.engines.base.logits_each`` of the engine, every stream timed (starting the
+        engine's run counts in its wall time)."""
+        each = logits_each(self.engine, prompts)
+        for p in prompts:
+            stream = self._call(lambda: next(each))
+            yield self._timed_stream(iter(stream), len(p))
+        self._call(lambda: next(each, None))  # the engine's run ends and checks itself
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.engine, attr)  # AttributeError where the engine lacks it (logits_multi)

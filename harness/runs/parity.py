@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.engines.base import Engine, LogitBlock
+from harness.engines.base import Engine, LogitBlock, logits_each
 from harness.engines.timing import timed
 from harness.errors import EngineError, HarnessError, InvalidInput, Verdict
 from harness.evidence.receipts import report_only_headline
@@ -87,7 +87,8 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, 
 
 
 def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: int, progress: Callable[[int], None] | None = None,
-                   prompt_id: str = "?", score_from: int = 0) -> dict[str, np.ndarray]:
+                   prompt_id: str = "?", score_from: int = 0,
+                   streams: tuple[Iterator[LogitBlock], Iterator[LogitBlock]] | None = None) -> dict[str, np.ndarray]:
     """Per-position metrics (``metrics.position_metrics`` and ``metrics.next_token_metrics``
     keys) of one prompt, streamed.
 
@@ -96,12 +97,15 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
     (``PromptTokens.score_from``: a text window's second half, as ``llama-perplexity`` scores).
     Raises ``EngineError`` on a malformed stream, and when the reference returns a non-finite
     logit (naming the reference, ``prompt_id`` and the position; the candidate's non-finite rows
-    are measured and FAIL at their positions).
+    are measured and FAIL at their positions). ``streams``: the two engines' block streams of
+    this prompt when the caller has them already (``harness.engines.base.logits_each``), else each
+    engine's ``logits(tokens)``.
     """
     n = len(tokens)
     following = np.append(np.asarray(tokens[1:], np.int64), -1)  # the token each position predicts; none after the last
-    ref_it = _rows(ref.logits(tokens), f"reference {ref.info.name}", n, n_vocab, finite=prompt_id)
-    cand_it = _rows(cand.logits(tokens), f"candidate {cand.info.name}", n, n_vocab)
+    ref_blocks, cand_blocks = streams if streams is not None else (ref.logits(tokens), cand.logits(tokens))
+    ref_it = _rows(ref_blocks, f"reference {ref.info.name}", n, n_vocab, finite=prompt_id)
+    cand_it = _rows(cand_blocks, f"candidate {cand.info.name}", n, n_vocab)
     parts = []
     r_buf = np.zeros((0, n_vocab), np.float32)
     c_buf = np.zeros((0, n_vocab), np.float32)
@@ -163,13 +167,18 @@ def measure_cell(model: GGUFModel, reference: Engine, candidate: Engine, prompts
     parts = []
     total = sum(len(p.tokens) for p in prompts)
     done_before = 0
+    # each engine's prompts as one run where it can (the llama.cpp reference: one worker for all)
+    ref_each = _guarded(f"reference {reference.info.name}", logits_each(reference, [p.tokens for p in prompts]))
+    cand_each = _guarded(f"candidate {candidate.info.name}", logits_each(candidate, [p.tokens for p in prompts]))
     for i, p in enumerate(prompts):
         cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
-        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id, p.score_from)
+        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id, p.score_from, (next(ref_each), next(cand_each)))
         pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
         pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
         parts.append(pm)
         done_before += len(p.tokens)
+    for each in (ref_each, cand_each):  # the engines' runs end and check themselves
+        next(each, None)
     per_position = metrics.concat_metrics(parts)
     summary = metrics.summarize(per_position, near_tie_margin)
     return Measured(prompts, per_position, summary, candidate.info.to_dict(), reference.info.to_dict(), n_vocab)

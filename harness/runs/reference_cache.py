@@ -40,6 +40,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from filelock import FileLock, Timeout
 
+from harness.engines.base import logits_each
+
 DTYPE = "<f4"
 DEFAULT_MAX_GB = 20.0
 BLOCK_ROWS = 64
@@ -230,15 +232,39 @@ class CachedReference:
         if chunks is not None:
             yield from self._engine.logits(tokens, chunks)
             return
+        yield from self._via_cache(tokens, lambda: self._engine.logits(tokens))
+
+    def logits_each(self, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[tuple[int, np.ndarray]]]:
+        """Each prompt's blocks, as ``logits``; the prompts without an entry are computed by one
+        ``harness.engines.base.logits_each`` of the engine (one worker run for all of them). A prompt
+        counted as a miss whose entry another job has written meanwhile is read from the cache (its
+        computed rows are dropped unread)."""
+        info = self._engine.info.to_dict()
+        missing = [i for i, p in enumerate(prompts)
+                   if not (self._cache.root / f"{cache_key(self._model_sha256, p, info)[0]}.json").exists()]
+        computed = logits_each(self._engine, [prompts[i] for i in missing])
+        for i, p in enumerate(prompts):
+            if i in missing:
+                stream = next(computed)
+                yield self._via_cache(p, lambda s=stream: s)
+            else:
+                yield self.logits(p)
+        for _ in computed:  # lets the engine's run end and check itself
+            pass
+
+    def _via_cache(self, tokens: Sequence[int], compute: Any) -> Iterator[tuple[int, np.ndarray]]:
+        """The entry's rows when it exists and verifies, else ``compute()``'s stream, passed through
+        and stored. The key's lock is held while the reference computes: a parallel job waits, then
+        reads the entry."""
         n = len(tokens)
         key, inputs = cache_key(self._model_sha256, tokens, self._engine.info.to_dict())
         lock = self._cache._lock(key)
-        lock.acquire()  # held while the reference computes: a parallel job waits, then reads the entry
+        lock.acquire()
         try:
             rows = self._cache.load(key, n)
             if rows is None:
                 self._cache.misses += 1
-                yield from self._cache.store(key, inputs, self._engine.logits(tokens), n)
+                yield from self._cache.store(key, inputs, compute(), n)
                 return
         finally:
             lock.release()

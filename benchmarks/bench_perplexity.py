@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Parity against llama.cpp's own ``llama-perplexity`` on the same KLD job, side by side (issue 58).
+
+    python benchmarks/bench_perplexity.py [--repeats 2]
+    python benchmarks/run_all.py --only perplexity      # rewrites this section of docs/benchmarks.md alone
+
+The job: ``fixture:tiny-qwen35-v248k`` (V = 248,320), a text of this repository's own Python
+source cut to 3 windows of 512 tokens (1,536 positions), as ``llama-perplexity -c 512 --chunks 3``
+cuts it. Legs, each a fresh process tree, in one run and interleaved (``--repeats`` rounds; the
+fastest of each leg is kept, since the machine may be shared):
+
+- ``llama-perplexity --kl-divergence-base`` then ``--kl-divergence`` (built from the installed
+  llama-cpp-python's llama.cpp, ``make llama-tools``), 2 threads: the anchor, two engine passes;
+- ``harness parity --candidate command:example --text T --ctx 512 --no-evidence
+  --greedy-tokens 0 --no-reference-cache``: llama.cpp (the reference) against llama.cpp through
+  the example engine (protocol 2, the logits ring);
+- the same with ``--candidate llama.cpp`` (the built-in reference against itself);
+- the harness with the reference cache warm (the second of two runs on one fresh cache folder)
+  beside the ``--kl-divergence`` pass alone, whose base logits were saved by the first.
+
+For each leg: wall seconds, CPU seconds (user + system of the whole process tree), and peak RSS,
+both the largest single process's (``VmHWM``, what ``/usr/bin/time`` reports for one process) and
+the most the tree held at once (every process's VmRSS added, read every 10 ms: the harness, the
+reference's worker and the engine together). Prints one JSON object and the section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rss import ChildPeakRSS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "fixture:tiny-qwen35-v248k"
+N_CTX, CHUNKS = 512, 3
+
+
+def make_text(model: Path, out: Path) -> int:
+    """Write the first characters of the harness's own sources that tokenize to just over
+    ``CHUNKS`` windows of ``N_CTX`` tokens (by the model's llama.cpp vocabulary) to ``out``;
+    returns the token count."""
+    from llama_cpp import Llama
+
+    vocab = Llama(str(model), vocab_only=True, verbose=False)
+    src = "".join(p.read_text() for p in sorted((ROOT / "harness").rglob("*.py")))
+    want = CHUNKS * N_CTX + 24
+    lo, hi = 0, len(src)
+    while lo < hi:  # the shortest prefix with at least ``want`` tokens
+        mid = (lo + hi) // 2
+        if len(vocab.tokenize(src[:mid].encode(), add_bos=False)) < want:
+            lo = mid + 1
+        else:
+            hi = mid
+    out.write_text(src[:lo])
+    return len(vocab.tokenize(src[:lo].encode(), add_bos=False))
+
+
+def leg(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``argv`` to completion: wall and CPU seconds of its process tree, the largest and the
+    summed peak RSS (MB) of its processes, its exit code and last output line."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with ChildPeakRSS(interval=0.01) as peak:
+        t = time.perf_counter()
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=3600)
+        wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    tail = (p.stdout.strip().splitlines() or [""])[-1]
+    if p.returncode:
+        raise RuntimeError(f"{argv[0]} ... exit {p.returncode}: {p.stderr[-600:]}")
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_mb": round(peak.peak_mb, 1),
+            "sum_peak_mb": round(peak.peak_sum_mb, 1), "last_line": tail[-200:]}
+
+
+def _fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    best = min(runs, key=lambda r: r["wall_s"])
+    return {**best, "walls": [r["wall_s"] for r in runs]}
+
+
+def measure(repeats: int = 2, log=print) -> dict[str, Any]:
+    """The legs of the module docstring, ``repeats`` interleaved rounds each; the ratios of their fastest runs."""
+    from harness.fixtures.resolve import resolve_model
+    from harness.paths import llama_tool
+
+    ppl = llama_tool("llama-perplexity")
+    if ppl is None:
+        raise SystemExit("llama-perplexity is not built: run `make llama-tools`")
+    model = resolve_model(MODEL)
+    work = Path(tempfile.mkdtemp(prefix="bench-ppl-"))
+    text = work / "text.txt"
+    n_text = make_text(model, text)
+    base = work / "base.bin"
+    common = ["-m", str(model), "-c", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2"]
+    harness = [sys.executable, "-m", "harness", "parity", "--model", MODEL, "--text", str(text), "--ctx", str(N_CTX),
+               "--no-evidence", "--greedy-tokens", "0"]
+    runs: dict[str, list] = {k: [] for k in ("ppl_base", "ppl_kld", "example", "builtin", "warm")}
+    out: dict[str, Any] = {"load_start": [round(x, 1) for x in os.getloadavg()], "text_tokens": n_text, "llama_perplexity": str(ppl)}
+    for r in range(repeats):
+        runs["ppl_base"].append(leg([str(ppl), *common, "-f", str(text), "--kl-divergence-base", str(base)]))
+        runs["ppl_kld"].append(leg([str(ppl), *common, "--kl-divergence-base", str(base), "--kl-divergence"]))
+        runs["example"].append(leg([*harness, "--candidate", "command:example", "--no-reference-cache"]))
+        runs["builtin"].append(leg([*harness, "--candidate", "llama.cpp", "--no-reference-cache"]))
+        cache = work / f"cache-{r}"
+        leg([*harness, "--candidate", "command:example"], {"HARNESS_REFERENCE_CACHE": str(cache)})  # fills the cache
+        runs["warm"].append(leg([*harness, "--candidate", "command:example"], {"HARNESS_REFERENCE_CACHE": str(cache)}))
+        log(json.dumps({k: v[-1]["wall_s"] for k, v in runs.items()}))
+    best = {k: _fastest(v) for k, v in runs.items()}
+    two = best["ppl_base"]["wall_s"] + best["ppl_kld"]["wall_s"]
+    two_cpu = best["ppl_base"]["cpu_s"] + best["ppl_kld"]["cpu_s"]
+    ppl_peak = max(best["ppl_base"]["peak_mb"], best["ppl_kld"]["peak_mb"])
+    out.update(legs=best, two_passes_s=round(two, 2), two_passes_cpu_s=round(two_cpu, 2), ppl_peak_mb=ppl_peak,
+               ratio={k: round(best[k]["wall_s"] / two, 2) for k in ("example", "builtin")},
+               cpu_ratio={k: round(best[k]["cpu_s"] / two_cpu, 2) for k in ("example", "builtin")},
+               warm_ratio=round(best["warm"]["wall_s"] / best["ppl_kld"]["wall_s"], 2),
+               load_end=[round(x, 1) for x in os.getloadavg()])
+    return out
+
+
+def section(r: dict[str, Any]) -> list[str]:
+    """The benchmark page's section for ``measure``'s result."""
+    L = r["legs"]
+    ok = r["ratio"]["example"] <= 1.5
+    mem_ok = L["example"]["peak_mb"] <= r["ppl_peak_mb"]
+    lines = ["## 14. Parity against llama-perplexity on the same KLD job", "",
+             f"`benchmarks/bench_perplexity.py` (`benchmarks/run_all.py --only perplexity`): `{MODEL}` (V = 248,320), a text of "
+             f"the harness's own source ({r['text_tokens']:,} tokens) in {CHUNKS} windows of {N_CTX} "
+             f"({CHUNKS * N_CTX:,} positions), 2 threads. Each leg a fresh process tree; the fastest of "
+             f"{len(L['example']['walls'])} interleaved rounds (all rounds' walls in brackets). CPU: user + system seconds of "
+             f"the tree. Peak: the largest single process's VmHWM; Σ peak: the most the process tree held at once (every "
+             f"process's VmRSS added, read every 10 ms: the harness, the reference's worker and the engine). Load average {r['load_start']} at the start, {r['load_end']} at the end "
+             "(2 cores shared).", "",
+             "| leg | wall s | CPU s | peak RSS MB | Σ peak MB |", "|---|---:|---:|---:|---:|"]
+    names = {"ppl_base": "llama-perplexity `--kl-divergence-base`", "ppl_kld": "llama-perplexity `--kl-divergence`",
+             "example": "`harness parity --candidate command:example` (reference computed)",
+             "builtin": "`harness parity --candidate llama.cpp` (reference computed)",
+             "warm": "`harness parity --candidate command:example`, reference cache warm"}
+    for k, name in names.items():
+        g = L[k]
+        lines.append(f"| {name} | {g['wall_s']:.2f} {g['walls']} | {g['cpu_s']:.2f} | {g['peak_mb']:,.0f} | {g['sum_peak_mb']:,.0f} |")
+    lines += ["",
+              f"- llama-perplexity's two passes: {r['two_passes_s']:.2f} s ({r['two_passes_cpu_s']:.2f} CPU s). "
+              f"`harness parity` through the example engine: **{r['ratio']['example']:.2f}×** their wall time "
+              f"(target ≤ 1.5×: {'met' if ok else '**not met**'}), {r['cpu_ratio']['example']:.2f}× their CPU time; "
+              f"the built-in reference against itself: {r['ratio']['builtin']:.2f}× ({r['cpu_ratio']['builtin']:.2f}× CPU).",
+              f"- With the reference's logits in the cache (as `--kl-divergence` reads its base file): "
+              f"{r['warm_ratio']:.2f}× the `--kl-divergence` pass alone.",
+              f"- Peak memory: the harness's largest process {L['example']['peak_mb']:,.0f} MB against llama-perplexity's "
+              f"{r['ppl_peak_mb']:,.0f} MB ({'at or below' if mem_ok else '**above**'}); its processes together at most: "
+              f"{L['example']['sum_peak_mb']:,.0f} MB."]
+    return lines
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+    res = measure(a.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(res))
+    print("\n".join(section(res)))

@@ -1,0 +1,124 @@
+"""Logit rows through shared memory: the ``logits_ring`` transport of command protocol 2.
+
+A ``logits.npy`` of a 2,048-position prompt at Qwen3.5's vocabulary (V = 248,320) is 2 GB that
+the engine writes to a file and the harness reads back. With the capability ``logits_ring``
+(docs/engine-protocol.md, "The logits ring") the harness makes a small file of ``slots`` ×
+``rows`` × V float32 in shared memory (``/dev/shm`` where it is a writable directory, else the
+request's own folder), the engine writes each block of rows into the next slot and announces it
+on its stdout, and the harness reads the slot, computes on it, and acknowledges it on the
+engine's stdin so that the slot can be written again. Memory stays at ``slots × rows × V × 4``
+bytes (128 MB at V = 248,320 with the defaults), however many positions the prompt has, and no
+row touches a disk. llama.cpp's own ``llama-perplexity`` keeps its base logits in one process;
+this is the cross-process equivalent.
+
+The harness reads a slot with ``os.preadv`` into a fresh array (not through a mapping, so the
+shared pages never count in its RSS); the block it yields stays valid after the slot is reused.
+Ring files are named ``harness-ring-<pid>-*``; a run killed with SIGKILL leaves its file, which
+the next run removes (``sweep``), as ``harness.rundir`` does for run folders.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.rundir import pid_alive
+
+RING_SLOTS = 2
+"""Slots in a ring: the engine fills one while the harness reads the other."""
+RING_ROWS = 64
+"""Rows per slot: 64 MB at V = 248,320; a block is at most this many rows."""
+SHM = Path("/dev/shm")
+PREFIX = "harness-ring-"
+
+
+def ring_dir(fallback: Path) -> Path:
+    """``/dev/shm`` when it is a directory this process can write, else ``fallback`` (the
+    request's folder: the ring still bounds memory, through the page cache)."""
+    if SHM.is_dir() and os.access(SHM, os.W_OK | os.X_OK):
+        return SHM
+    return fallback
+
+
+def sweep(where: Path) -> list[Path]:
+    """Remove ring files in ``where`` whose harness process is gone (killed with SIGKILL);
+    returns what was removed. Files of live processes, and names that are not ring files, stay."""
+    gone = []
+    for p in where.glob(f"{PREFIX}*-*"):
+        try:
+            pid = int(p.name[len(PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not pid_alive(pid):
+            try:
+                p.unlink()
+                gone.append(p)
+            except OSError:
+                pass
+    return gone
+
+
+class LogitRing:
+    """A ring file of ``slots`` × ``rows`` × ``n_vocab`` little-endian float32 (C order) in
+    ``where``; slot k starts at byte ``k × rows × n_vocab × 4``. ``spec`` is the request's
+    ``logits_ring`` field. ``read(slot, n)`` returns rows 0..n−1 of a slot as a new float32
+    ``[n, n_vocab]`` array. Use as a context manager, or ``close()``: the file is removed.
+    Raises ``OSError`` when the file cannot be made (no space in ``/dev/shm``)."""
+
+    def __init__(self, where: Path, n_vocab: int, rows: int = RING_ROWS, slots: int = RING_SLOTS):
+        if where == SHM:
+            sweep(where)
+        self.n_vocab, self.rows, self.slots = int(n_vocab), int(rows), int(slots)
+        fd, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".f32", dir=where)
+        self.fd, self.path = fd, Path(name)
+        try:
+            os.ftruncate(fd, self.slots * self.slot_bytes)
+        except OSError:
+            self.close()
+            raise
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot: ``rows × n_vocab × 4``."""
+        return self.rows * self.n_vocab * 4
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The request's ``logits_ring`` field: ``path``, ``slots``, ``rows``."""
+        return {"path": str(self.path), "slots": self.slots, "rows": self.rows}
+
+    def read(self, slot: int, n: int) -> np.ndarray:
+        """Rows 0..n−1 of ``slot`` as float32 ``[n, n_vocab]`` (a copy: valid after the slot is
+        written again). Raises ``ValueError`` for a slot or row count outside the ring, and
+        ``OSError`` for a short read (the file was truncated under us)."""
+        if not (0 <= slot < self.slots and 0 < n <= self.rows):
+            raise ValueError(f"slot {slot} / {n} rows outside a ring of {self.slots} slots × {self.rows} rows")
+        out = np.empty((n, self.n_vocab), dtype="<f4")
+        view = memoryview(out).cast("B")
+        at, done = slot * self.slot_bytes, 0
+        while done < view.nbytes:
+            got = os.preadv(self.fd, [view[done:]], at + done)
+            if got <= 0:
+                raise OSError(f"ring file {self.path.name} ended {view.nbytes - done} bytes short of slot {slot}")
+            done += got
+        return out
+
+    def close(self) -> None:
+        """Close and remove the ring file (idempotent)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None  # type: ignore[assignment]
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "LogitRing":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
