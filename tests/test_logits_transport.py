@@ -185,3 +185,13 @@ def test_the_reference_cache_computes_only_its_misses_in_one_run(tmp_path, monke
     again = reference_cache.wrap(eng, "sha-x")
     assert [gather(s).shape[0] for s in logits_each(again, prompts)] == [40, 60, 100]
     assert again._cache.hits == 3 and again._cache.misses == 0
+
+
+def test_sequences_side_by_side_get_a_context_that_holds_them_all():
+    """One KV cache holds every sequence (kv_unified): three of 200, 150 and 230 tokens need more
+    than the 512 positions the longest alone resolves to (llama.cpp refused them: 'failed to
+    prepare attention ubatches')."""
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    seqs = [[(7 * i + k) % 190 for i in range(n)] for k, n in enumerate((200, 150, 230))]
+    rows = gather(eng.logits_multi(seqs), 580)
+    assert rows.shape[0] == 580 and np.isfinite(rows).all()

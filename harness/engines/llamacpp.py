@@ -554,7 +554,8 @@ class LlamaCppEngine:
         """Logits of several sequences decoded together; rows are the sequences concatenated."""
         seqs = [[int(t) for t in q] for q in sequences]
         total = sum(len(q) for q in seqs)
-        req = {"op": "logits", "sequences": seqs, "settings": self.settings.resolved(max(len(q) for q in seqs))}
+        # one KV cache holds every sequence (kv_unified): the context must fit their sum
+        req = {"op": "logits", "sequences": seqs, "settings": self.settings.resolved(total)}
         yield from self._stream(req, total)
 
 
