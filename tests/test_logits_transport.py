@@ -195,3 +195,4 @@ def test_sequences_side_by_side_get_a_context_that_holds_them_all():
     seqs = [[(7 * i + k) % 190 for i in range(n)] for k, n in enumerate((200, 150, 230))]
     rows = gather(eng.logits_multi(seqs), 580)
     assert rows.shape[0] == 580 and np.isfinite(rows).all()
+

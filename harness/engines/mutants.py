@@ -33,6 +33,7 @@ import numpy as np
 from harness.engines.base import Drafts, EngineInfo, LogitBlock, gather, iter_blocks, validate_chunks
 from harness.engines.oracle import ORACLES
 from harness.engines.oracle.qwen35 import (
+    ATTENTION_SCORE_BYTES,
     Qwen35Oracle,
     _Recorder,
     causal_attention,
@@ -923,7 +924,9 @@ class StateBf16BetweenCalls(_PrecisionFault):
 def _attention_bf16(q, k, v, q_pos, k_pos, scale):
     """Causal attention as a bf16 kernel computes it: q, k, v rounded to bf16, scores and softmax
     accumulated wide, the probabilities rounded to bf16 before the product with v, the output
-    rounded to bf16. Shapes as ``causal_attention``."""
+    rounded to bf16. Shapes as ``causal_attention``; the queries are taken in chunks of at most
+    ``ATTENTION_SCORE_BYTES`` of scores, as the oracle's are, so a long prompt never holds
+    ``[T, T]`` (each query row's softmax is its own: the same values as one chunk)."""
     from harness.engines.oracle.lowp import FORMATS, round_to
 
     def r(x):
@@ -931,12 +934,17 @@ def _attention_bf16(q, k, v, q_pos, k_pos, scale):
 
     t_q, n_head, d = q.shape
     n_kv = k.shape[1]
-    qg = r(q).reshape(t_q, n_kv, n_head // n_kv, d)
-    scores = np.einsum("tkgd,skd->kgts", qg, r(k)) * scale
-    scores = np.where(k_pos[None, :] <= q_pos[:, None], scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p = r(p / p.sum(axis=-1, keepdims=True))
-    return r(np.einsum("kgts,skd->tkgd", p, r(v)).reshape(t_q, n_head, v.shape[2]))
+    kb, vb = r(k), r(v)
+    out = np.empty((t_q, n_head, v.shape[2]), np.float64)
+    rows = max(1, ATTENTION_SCORE_BYTES // (8 * n_head * max(1, k.shape[0])))
+    for a in range(0, t_q, rows):
+        qg = r(q[a:a + rows]).reshape(-1, n_kv, n_head // n_kv, d)
+        scores = np.einsum("tkgd,skd->kgts", qg, kb) * scale
+        scores = np.where(k_pos[None, :] <= q_pos[a:a + rows, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p = r(p / p.sum(axis=-1, keepdims=True))
+        out[a:a + rows] = r(np.einsum("kgts,skd->tkgd", p, vb).reshape(-1, n_head, v.shape[2]))
+    return out
 
 
 class AttnBf16MultiToken(_PrecisionFault):
