@@ -16,7 +16,9 @@ fastest of each leg is kept, since the machine may be shared):
   the example engine (protocol 2, the logits ring);
 - the same with ``--candidate llama.cpp`` (the built-in reference against itself);
 - the harness with the reference cache warm (the second of two runs on one fresh cache folder)
-  beside the ``--kl-divergence`` pass alone, whose base logits were saved by the first.
+  beside the ``--kl-divergence`` pass alone, whose base logits were saved by the first;
+- the example-engine leg again on a text of ``2 × CHUNKS`` windows (3,072 positions): its peak
+  memory must not grow with the positions.
 
 For each leg: wall seconds, CPU seconds (user + system of the whole process tree), and peak RSS,
 both the largest single process's (``VmHWM``, what ``/usr/bin/time`` reports for one process) and
@@ -45,15 +47,15 @@ MODEL = "fixture:tiny-qwen35-v248k"
 N_CTX, CHUNKS = 512, 3
 
 
-def make_text(model: Path, out: Path) -> int:
+def make_text(model: Path, out: Path, windows: int = CHUNKS) -> int:
     """Write the first characters of the harness's own sources that tokenize to just over
-    ``CHUNKS`` windows of ``N_CTX`` tokens (by the model's llama.cpp vocabulary) to ``out``;
+    ``windows`` windows of ``N_CTX`` tokens (by the model's llama.cpp vocabulary) to ``out``;
     returns the token count."""
     from llama_cpp import Llama
 
     vocab = Llama(str(model), vocab_only=True, verbose=False)
     src = "".join(p.read_text() for p in sorted((ROOT / "harness").rglob("*.py")))
-    want = CHUNKS * N_CTX + 24
+    want = windows * N_CTX + 24
     lo, hi = 0, len(src)
     while lo < hi:  # the shortest prefix with at least ``want`` tokens
         mid = (lo + hi) // 2
@@ -99,11 +101,13 @@ def measure(repeats: int = 2, log=print) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-ppl-"))
     text = work / "text.txt"
     n_text = make_text(model, text)
+    text2 = work / "text-double.txt"
+    make_text(model, text2, 2 * CHUNKS)
     base = work / "base.bin"
     common = ["-m", str(model), "-c", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2"]
     harness = [sys.executable, "-m", "harness", "parity", "--model", MODEL, "--text", str(text), "--ctx", str(N_CTX),
                "--no-evidence", "--greedy-tokens", "0"]
-    runs: dict[str, list] = {k: [] for k in ("ppl_base", "ppl_kld", "example", "builtin", "warm")}
+    runs: dict[str, list] = {k: [] for k in ("ppl_base", "ppl_kld", "example", "builtin", "warm", "double")}
     out: dict[str, Any] = {"load_start": [round(x, 1) for x in os.getloadavg()], "text_tokens": n_text, "llama_perplexity": str(ppl)}
     for r in range(repeats):
         runs["ppl_base"].append(leg([str(ppl), *common, "-f", str(text), "--kl-divergence-base", str(base)]))
@@ -113,6 +117,8 @@ def measure(repeats: int = 2, log=print) -> dict[str, Any]:
         cache = work / f"cache-{r}"
         leg([*harness, "--candidate", "command:example"], {"HARNESS_REFERENCE_CACHE": str(cache)})  # fills the cache
         runs["warm"].append(leg([*harness, "--candidate", "command:example"], {"HARNESS_REFERENCE_CACHE": str(cache)}))
+        doubled = [a if a != str(text) else str(text2) for a in harness]
+        runs["double"].append(leg([*doubled, "--candidate", "command:example", "--no-reference-cache"]))
         log(json.dumps({k: v[-1]["wall_s"] for k, v in runs.items()}))
     best = {k: _fastest(v) for k, v in runs.items()}
     two = best["ppl_base"]["wall_s"] + best["ppl_kld"]["wall_s"]
@@ -143,7 +149,8 @@ def section(r: dict[str, Any]) -> list[str]:
     names = {"ppl_base": "llama-perplexity `--kl-divergence-base`", "ppl_kld": "llama-perplexity `--kl-divergence`",
              "example": "`harness parity --candidate command:example` (reference computed)",
              "builtin": "`harness parity --candidate llama.cpp` (reference computed)",
-             "warm": "`harness parity --candidate command:example`, reference cache warm"}
+             "warm": "`harness parity --candidate command:example`, reference cache warm",
+             "double": f"the same as the example leg on {2 * CHUNKS} windows ({2 * CHUNKS * N_CTX:,} positions)"}
     for k, name in names.items():
         g = L[k]
         lines.append(f"| {name} | {g['wall_s']:.2f} {g['walls']} | {g['cpu_s']:.2f} | {g['peak_mb']:,.0f} | {g['sum_peak_mb']:,.0f} |")
@@ -156,7 +163,8 @@ def section(r: dict[str, Any]) -> list[str]:
               f"{r['warm_ratio']:.2f}× the `--kl-divergence` pass alone.",
               f"- Peak memory: the harness's largest process {L['example']['peak_mb']:,.0f} MB against llama-perplexity's "
               f"{r['ppl_peak_mb']:,.0f} MB ({'at or below' if mem_ok else '**above**'}); its processes together at most: "
-              f"{L['example']['sum_peak_mb']:,.0f} MB."]
+              f"{L['example']['sum_peak_mb']:,.0f} MB. On twice the positions: {L['double']['peak_mb']:,.0f} MB and "
+              f"{L['double']['sum_peak_mb']:,.0f} MB together (memory set by blocks and llama.cpp's one ubatch, not by the positions)."]
     return lines
 
 
