@@ -4,7 +4,7 @@
 
 Used by ``benchmarks/run_all.py``; one process per measurement so peak RSS is this run's own.
 Engine time is the wall time inside an engine's forward pass: the llama.cpp worker's ``info`` run
-and its ``logits`` stream while it runs (process start, model load, decode, and the one copy of
+and its ``logits`` stream (or ``logits_each``'s, a prompt set in one worker run) while it runs (process start, model load, decode, and the one copy of
 each row through the pipe, which cannot be told apart from waiting for the decode; the worker's
 ``tokenize`` run is tokenization and counted as harness time, except that a run which also
 describes the model for its ``info`` counts only the worker's own tokenizing seconds so), and the oracle's
@@ -87,6 +87,35 @@ def _timed_stream(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
+def _timed_iter(it, key: str):
+    """``it`` with the time inside each ``next`` added to ``timers[key]`` (once when nested)."""
+    while True:
+        outer = not _depth[0]
+        t = time.perf_counter()
+        _depth[0] += 1
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            _depth[0] -= 1
+            if outer:
+                timers[key] += time.perf_counter() - t
+        yield item
+
+
+def _timed_each(cls, name: str, key: str) -> None:
+    """Time an engine's ``logits_each`` (one run for a prompt set): the outer generator (starting
+    the worker) and every prompt's stream while they run."""
+    real = getattr(cls, name)
+
+    def wrapper(self, *a, **k):
+        for stream in _timed_iter(iter(real(self, *a, **k)), key):
+            yield _timed_iter(iter(stream), key)
+
+    setattr(cls, name, wrapper)
+
+
 worker_peaks: list[float] = []  # each decoding worker's own VmHWM (its info.json), MB
 
 
@@ -132,6 +161,7 @@ def _time_runs(cls) -> None:
 
 _time_runs(LlamaCppEngine)
 _timed_stream(LlamaCppEngine, "logits", "llama.cpp")  # the worker streams its logits while it decodes
+_timed_each(LlamaCppEngine, "logits_each", "llama.cpp")  # a prompt set in one worker run (harness parity)
 _timed_stream(Qwen35Oracle, "logits", "oracle")
 _timed(Qwen35Oracle, "generate", "oracle")  # free-running greedy (report-only): the oracle's own decode steps
 _timed(OracleSession, "feed", "oracle")  # the probes' and serving's step-by-step sessions (inside generate: counted once)
