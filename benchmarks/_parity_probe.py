@@ -69,20 +69,7 @@ def _timed_stream(cls, name: str, key: str) -> None:
     real = getattr(cls, name)
 
     def wrapper(self, *a, **k):
-        it = real(self, *a, **k)
-        while True:
-            outer = not _depth[0]
-            t = time.perf_counter()
-            _depth[0] += 1
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            finally:
-                _depth[0] -= 1
-                if outer:
-                    timers[key] += time.perf_counter() - t
-            yield item
+        yield from _timed_iter(iter(real(self, *a, **k)), key)
 
     setattr(cls, name, wrapper)
 

@@ -128,3 +128,23 @@ def unscaled_twin(name: str, folder: Path) -> Path:
     from harness.fixtures import synthetic as fx
 
     return fx.build_fixture(replace(fx.SPECS[name], layer_gain=1.0, qk_norm_gain=1.0), folder / f"{name}-unscaled.gguf")
+
+
+@pytest.fixture
+def fresh_engine_processes() -> Iterable[None]:
+    """Every protocol-2 engine process closed and the start counts cleared, before and after
+    the test (use as ``pytestmark = pytest.mark.usefixtures("fresh_engine_processes")`` after
+    importing it)."""
+    from harness.engines import persistent
+
+    persistent.close_all()
+    persistent.STARTS.clear()
+    yield
+    persistent.close_all()
+
+
+def engine_starts() -> int:
+    """Protocol-2 engine processes started since ``fresh_engine_processes`` cleared the count."""
+    from harness.engines import persistent
+
+    return sum(persistent.STARTS.values())

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import command_table_refused
+from helpers import command_table_refused, engine_starts, fresh_engine_processes  # noqa: F401 (a fixture)
 
 from harness.measure.metrics import cosine
 from harness.runs.probes import ProbeTolerance, probe_multiseq, probe_prefix, probe_ubatch
@@ -24,16 +24,7 @@ TOKENS = list(range(30, 130))
 TOL = ProbeTolerance(min_cosine=0.99999, max_kld=1e-4)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_processes():
-    persistent.close_all()
-    persistent.STARTS.clear()
-    yield
-    persistent.close_all()
-
-
-def _starts() -> int:
-    return sum(persistent.STARTS.values())
+pytestmark = pytest.mark.usefixtures("fresh_engine_processes")
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +41,10 @@ def test_logits_message_and_one_process_for_many_requests(ref):
     assert cosine(got, pieces).min() > 0.99999
     again = load_command_engine("example", fx.build("tiny-qwen35"))  # another engine object, same model
     assert np.array_equal(gather(again.logits(TOKENS)), got)
-    assert _starts() == 1
+    assert engine_starts() == 1
     assert eng.info.build["reported_name"] == "example-llamacpp" and eng.info.settings["protocol"] == 2
     load_command_engine("example", fx.build("tiny-qwen35moe")).logits(TOKENS[:20]).__next__()
-    assert _starts() == 2  # one per model
+    assert engine_starts() == 2  # one per model
 
 
 def test_sequences_message_each_with_its_own_chunks():
@@ -74,7 +65,7 @@ def test_n_ubatch_setting_reaches_the_engine():
     assert probe_ubatch(eng, TOKENS, TOL, sizes=(1, 7)).verdict is Verdict.PASS
     with pytest.raises(EngineError, match="no setting 'n_batch'"):
         eng.with_settings(n_batch=3)
-    assert _starts() == 1
+    assert engine_starts() == 1
 
 
 def test_generate_message_matches_llama_cpp(ref):
@@ -95,7 +86,7 @@ def test_session_messages_fork_continue_and_drop():
     with pytest.raises(EngineError, match="refused request .*no state after 50 tokens"):
         gather(eng.session_logits(C, session="t", parent="s", after=50))
     assert gather(eng.logits(A)).shape == (50, eng.n_vocab)  # a refusal keeps the process
-    assert _starts() == 1
+    assert engine_starts() == 1
 
 
 def test_undeclared_capabilities_are_unmeasured_never_pass(tmp_path, monkeypatch):
@@ -108,7 +99,7 @@ def test_undeclared_capabilities_are_unmeasured_never_pass(tmp_path, monkeypatch
         assert r.verdict is Verdict.UNMEASURED and not r.comparisons, r.name
     with pytest.raises(EngineError, match="does not declare the 'generate' capability"):
         eng.generate(TOKENS, 3)
-    assert _starts() == 0  # nothing was sent
+    assert engine_starts() == 0  # nothing was sent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +146,7 @@ def _logits(name):
 def test_a_good_fake_serves_many_requests_from_one_process(fakes):
     for _ in range(3):
         assert _logits("good").shape == (10, 515)
-    assert _starts() == 1
+    assert engine_starts() == 1
 
 
 @pytest.mark.parametrize("name, message", [
@@ -180,7 +171,7 @@ def test_misbehaving_engines_are_one_engine_error(fakes, name, message):
         assert server.proc is None  # killed: the next request starts a fresh one
     with pytest.raises(EngineError):
         _logits(name)
-    assert _starts() == (1 if kept else 2)
+    assert engine_starts() == (1 if kept else 2)
 
 
 def test_protocol_tables_are_checked(tmp_path, monkeypatch):

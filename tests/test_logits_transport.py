@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.engines import persistent, ring
+from helpers import engine_starts, fresh_engine_processes  # noqa: F401 (a fixture)
+
+from harness.engines import ring
 from harness.engines.base import gather, logits_each
 from harness.engines.command import CommandEngine, CommandSpec
 from harness.engines.llamacpp import LlamaCppEngine
@@ -26,16 +28,7 @@ from harness.runs import reference_cache
 TOKENS = list(range(30, 130))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_processes():
-    persistent.close_all()
-    persistent.STARTS.clear()
-    yield
-    persistent.close_all()
-
-
-def _starts() -> int:
-    return sum(persistent.STARTS.values())
+pytestmark = pytest.mark.usefixtures("fresh_engine_processes")
 
 
 def _example(capabilities: list[str]) -> CommandEngine:
@@ -73,7 +66,7 @@ def test_a_consumer_that_stops_early_ends_the_engine_and_the_next_request_starts
     it.close()  # the engine waits for an ack that will not come: it is killed, not left mid-request
     assert _ring_files() == []
     got = gather(eng.logits(TOKENS))
-    assert got.shape[0] == len(TOKENS) and _starts() == 2
+    assert got.shape[0] == len(TOKENS) and engine_starts() == 2
 
 
 FAKE = textwrap.dedent('''
