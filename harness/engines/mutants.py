@@ -846,6 +846,44 @@ class SpecVerifyDropsLastRow(_SpecFault):
     spec_body = {"step": _step_drop_last_row, "feed": _feed_drop_last_row}
 
 
+def _draft_crossed(self, t: int, k: int) -> list[int]:
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    if self.foreign is None:  # sequence 0 (or a sequence alone): its own state, recorded per step
+        if self.seen is not None:
+            self.seen.append((self.h_last, self.h_pre_last))
+        return SpecDecoder.draft(self, t, k)
+    own = self.h_last, self.h_pre_last
+    self.h_last, self.h_pre_last = self.foreign[min(len(self.seen), len(self.foreign) - 1)]
+    self.seen.append(own)
+    try:
+        return SpecDecoder.draft(self, t, k)
+    finally:
+        self.h_last, self.h_pre_last = own
+
+
+class SpecDraftsCrossed(_SpecFault):
+    """With sequences generated together, every sequence after the first drafts from the first
+    sequence's hidden state (its step s's head input h is sequence 0's at its step s), its own
+    tokens and its own head K/V otherwise. The trunk verifies every draft, so the output stays
+    plain greedy: only the acceptance collapses (the symptom of xLLM PR #1887, acceptance down to
+    about 40 %, and of vllm-mlx #471 and MTPLX #176, 0 % acceptance from a broken head).
+    Measured with llama.cpp's MTP context in issue 54: sequence 1's acceptance fell from 3/21 to 0/27."""
+
+    spec_body = {"draft": _draft_crossed, "foreign": None, "seen": None}
+
+    def speculative_multi(self, sequences: Sequence[Sequence[int]], n_tokens: int, *, draft_max: int) -> list[Any]:
+        from harness.engines.oracle.speculative import new_decoder, speculate
+
+        outs, first = [], None
+        for q in sequences:
+            dec = new_decoder(self, self.spec_decoder)
+            dec.seen, dec.foreign = [], first
+            outs.append(speculate(dec, [int(t) for t in q], int(n_tokens), int(draft_max)))
+            first = dec.seen if first is None else first
+        return outs
+
+
 _SPEC = [
     Mutant("spec-rejected-kept-ssm", "rejected drafts kept in the recurrent state", SpecRejectedKeptSsm.__doc__,
            ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecRejectedKeptSsm),
@@ -863,6 +901,8 @@ _SPEC = [
            ("QMTP-GIVEN-009",), SpecEarlyCommit),
     Mutant("spec-verify-drops-last-row", "a verify batch across a 256-cell block dropping its last row", SpecVerifyDropsLastRow.__doc__,
            ("QMTP-GIVEN-009",), SpecVerifyDropsLastRow),
+    Mutant("spec-drafts-crossed", "a sequence drafting from another sequence's hidden state (acceptance collapses, output lossless)",
+           SpecDraftsCrossed.__doc__, ("QMTP-ACCEPT-011",), SpecDraftsCrossed),
 ]
 SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in _SPEC}
 """Speculative-decoding mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the
@@ -882,6 +922,7 @@ SPEC_CAUGHT_BY: dict[str, str] = {
     "spec-position-gap": "chunked prompt",
     "spec-early-commit": "given drafts, runs",
     "spec-verify-drops-last-row": "given drafts across cell 256",
+    "spec-drafts-crossed": "two sequences together, sequence 1 (acceptance against the reference head)",
 }
 """Speculative mutant → the first case of the speculative probe that fails on it (``SPEC_CASES``)."""
 
