@@ -849,25 +849,23 @@ class SpecVerifyDropsLastRow(_SpecFault):
 def _draft_crossed(self, t: int, k: int) -> list[int]:
     from harness.engines.oracle.speculative import SpecDecoder
 
-    if self.foreign is None:  # sequence 0 (or a sequence alone): its own state, recorded per step
+    own = SpecDecoder.draft(self, t, k)  # the head's rows stay in its K/V as a correct step leaves them
+    if self.foreign is None:  # sequence 0 (or a sequence alone): its own drafts, recorded per step
         if self.seen is not None:
-            self.seen.append((self.h_last, self.h_pre_last))
-        return SpecDecoder.draft(self, t, k)
-    own = self.h_last, self.h_pre_last
-    self.h_last, self.h_pre_last = self.foreign[min(len(self.seen), len(self.foreign) - 1)]
-    self.seen.append(own)
-    try:
-        return SpecDecoder.draft(self, t, k)
-    finally:
-        self.h_last, self.h_pre_last = own
+            self.seen.append(own)
+        return own
+    theirs = self.foreign[min(len(self.seen), len(self.foreign) - 1)] if self.foreign else []
+    self.seen.append(theirs)
+    return (list(theirs) + own)[:k]
 
 
 class SpecDraftsCrossed(_SpecFault):
-    """With sequences generated together, every sequence after the first drafts from the first
-    sequence's hidden state (its step s's head input h is sequence 0's at its step s), its own
-    tokens and its own head K/V otherwise. The trunk verifies every draft, so the output stays
-    plain greedy: only the acceptance collapses (the symptom of xLLM PR #1887, acceptance down to
-    about 40 %, and of vllm-mlx #471 and MTPLX #176, 0 % acceptance from a broken head).
+    """With sequences generated together, every sequence after the first takes the first
+    sequence's head output: at its step s it proposes the drafts sequence 0's head made at its step
+    s (from sequence 0's hidden state, token and head K/V; its own where sequence 0 drafted fewer).
+    The trunk verifies every draft, so the output stays plain greedy: only the acceptance collapses
+    (the symptom of xLLM PR #1887, acceptance down to about 40 %, and of vllm-mlx #471 and MTPLX
+    #176, 0 % acceptance from a broken head).
     Measured with llama.cpp's MTP context in issue 54: sequence 1's acceptance fell from 3/21 to 0/27."""
 
     spec_body = {"draft": _draft_crossed, "foreign": None, "seen": None}
