@@ -24,7 +24,7 @@ from harness.runs.calibrate.plan import CalibrationRefused
 
 SPEC_MODELS = ("fixture:trained-qwen35-mtp", "fixture:trained-qwen35moe-mtp")
 SPEC_KNOWN_GOOD = ("oracle",)
-SPEC_KNOWN_BAD = ("mutant:spec-drafts-crossed", "mutant:mtp-head-norm-skipped", "mutant:mtp-concat-swapped")
+SPEC_KNOWN_BAD = ("mutant:spec-drafts-crossed", "mutant:mtp-concat-swapped")
 DROP_MARGIN = 2.0
 DROP_FLOOR = 0.5
 MIN_REFERENCE = 4
