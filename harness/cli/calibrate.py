@@ -46,16 +46,22 @@ from harness.cli.runs import _parity_defaults
 @click.option("--state", "state_only", is_flag=True,
               help="Measure only the state probe's rows (each class's known-good engines against themselves on fixture:state-qwen35, "
                    "the precision mutants as known-bad) for --classes (default: f64, f32, bf16, f16) and merge them into --out.")
+@click.option("--speculative", "spec_only", is_flag=True,
+              help="Measure only the speculative probe's acceptance gate (probes.spec_max_acceptance_drop and its declared "
+                   "probes.spec_min_reference_accepted) on the trained MTP fixtures' calibration code prompts, and merge it into --out.")
 @click.option("--mtp-model", "mtp_models", multiple=True, metavar="SPEC", help="With --mtp: the models (default: the MTP fixtures).")
 def calibrate(subject, compute_class, base_model, moe_model, ladder, classes, max_tokens, ladder_max_tokens, mutants, ledger, out, matrix_out,
-              dry_run, as_json, topk_k, probes_only, mtp_only, mtp_models, state_only) -> None:
+              dry_run, as_json, topk_k, probes_only, mtp_only, mtp_models, state_only, spec_only) -> None:
     """Measure known-good and known-bad pairs and write thresholds.yaml (one row per weights key x
     compute class, exit 1 writing nothing when a good pair spreads past its row or a mutant passes
     every gate); with --model, measure one row on that model and record it as evidence; with
     --topk K, measure only the top-k rows and merge them into thresholds.yaml; with --probes, only
     the probe tolerances; with --mtp, only the MTP draft head's rows; with --state, only the state
-    probe's rows. Long because it is the full calibration's steps after the dispatch to each
-    partial mode."""
+    probe's rows; with --speculative, only the speculative probe's acceptance gate. Long because it
+    is the full calibration's steps after the dispatch to each partial mode."""
+    if spec_only:
+        _calibrate_spec(out, dry_run, as_json)
+        return
     if state_only:
         _calibrate_state(tuple(classes) or None, out, dry_run, as_json)
         return
@@ -164,6 +170,26 @@ def _calibrate_state(classes, out, dry_run, as_json) -> None:
     if not dry_run:
         merge_state_rows(out, res.rows)
         click.echo(f"wrote {len(res.rows)} state row(s) to {out}")
+
+
+def _calibrate_spec(out, dry_run, as_json) -> None:
+    """``harness calibrate --speculative``: the acceptance gate's rows only (``harness.runs.calibrate.spec``)."""
+    # deferred: startup
+    from harness.evidence.receipts import harness_info
+    from harness.runs.calibrate.spec import calibrate_speculative, merge_spec_rows, refuse
+
+    if not dry_run:
+        require_writable_file(out, "thresholds file", replace=True)  # before the measurements are spent
+    con = _console(stderr=True)
+    command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --speculative"
+    res = calibrate_speculative(command=command, commit=harness_info().get("git_commit"), log=lambda m: con.print(_p(m), markup=False))
+    if as_json:
+        _echo_json({"goods": res.goods, "bads": res.bads, "rows": res.rows, "problems": res.problems})
+    refuse(res)
+    if not dry_run:
+        merge_spec_rows(out, res.rows)
+        click.echo(f"wrote probes.spec_max_acceptance_drop = {res.rows['spec_max_acceptance_drop']['value']:g} and "
+                   f"probes.spec_min_reference_accepted = {res.rows['spec_min_reference_accepted']['value']} to {out}")
 
 
 def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> None:

@@ -847,6 +847,42 @@ class SpecVerifyDropsLastRow(_SpecFault):
     spec_body = {"step": _step_drop_last_row, "feed": _feed_drop_last_row}
 
 
+def _draft_crossed(self, t: int, k: int) -> list[int]:
+    from harness.engines.oracle.speculative import SpecDecoder
+
+    own = SpecDecoder.draft(self, t, k)  # the head's rows stay in its K/V as a correct step leaves them
+    if self.foreign is None:  # sequence 0 (or a sequence alone): its own drafts, recorded per step
+        if self.seen is not None:
+            self.seen.append(own)
+        return own
+    theirs = self.foreign[min(len(self.seen), len(self.foreign) - 1)] if self.foreign else []
+    self.seen.append(theirs)
+    return (list(theirs) + own)[:k]
+
+
+class SpecDraftsCrossed(_SpecFault):
+    """With sequences generated together, every sequence after the first takes the first
+    sequence's head output: at its step s it proposes the drafts sequence 0's head made at its step
+    s (from sequence 0's hidden state, token and head K/V; its own where sequence 0 drafted fewer).
+    The trunk verifies every draft, so the output stays plain greedy: only the acceptance collapses
+    (the symptom of xLLM PR #1887, acceptance down to about 40 %, and of vllm-mlx #471 and MTPLX
+    #176, 0 % acceptance from a broken head).
+    Measured with llama.cpp's MTP context in issue 54: sequence 1's acceptance fell from 3/21 to 0/27."""
+
+    spec_body = {"draft": _draft_crossed, "foreign": None, "seen": None}
+
+    def speculative_multi(self, sequences: Sequence[Sequence[int]], n_tokens: int, *, draft_max: int) -> list[Any]:
+        from harness.engines.oracle.speculative import new_decoder, speculate
+
+        outs, first = [], None
+        for q in sequences:
+            dec = new_decoder(self, self.spec_decoder)
+            dec.seen, dec.foreign = [], first
+            outs.append(speculate(dec, [int(t) for t in q], int(n_tokens), int(draft_max)))
+            first = dec.seen if first is None else first
+        return outs
+
+
 _SPEC = [
     Mutant("spec-rejected-kept-ssm", "rejected drafts kept in the recurrent state", SpecRejectedKeptSsm.__doc__,
            ("QMTP-SPEC-005", "QMTP-ROLL-006", "QMTP-PROMPT-007", "QMTP-PREFIX-008"), SpecRejectedKeptSsm),
@@ -864,6 +900,8 @@ _SPEC = [
            ("QMTP-GIVEN-009",), SpecEarlyCommit),
     Mutant("spec-verify-drops-last-row", "a verify batch across a 256-cell block dropping its last row", SpecVerifyDropsLastRow.__doc__,
            ("QMTP-GIVEN-009",), SpecVerifyDropsLastRow),
+    Mutant("spec-drafts-crossed", "a sequence drafting from another sequence's hidden state (acceptance collapses, output lossless)",
+           SpecDraftsCrossed.__doc__, ("QMTP-ACCEPT-011",), SpecDraftsCrossed),
 ]
 SPEC_MUTANTS: dict[str, Mutant] = {m.name: m for m in _SPEC}
 """Speculative-decoding mutant name → ``Mutant`` (engine ``mutant:NAME``); each FAILs the
@@ -883,6 +921,7 @@ SPEC_CAUGHT_BY: dict[str, str] = {
     "spec-position-gap": "chunked prompt",
     "spec-early-commit": "given drafts, runs",
     "spec-verify-drops-last-row": "given drafts across cell 256",
+    "spec-drafts-crossed": "two sequences together, sequence 1 (acceptance against the reference head)",
 }
 """Speculative mutant → the first case of the speculative probe that fails on it (``SPEC_CASES``)."""
 

@@ -247,13 +247,15 @@ def report_only_headline(summary: Mapping[str, Any]) -> dict[str, Any]:
 def acceptance_rows(details: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row per speculative case with draft counts (``details["cases"]`` and ``details["given"]``
     of the speculative probe): ``case``, ``accepted``, ``proposed``, ``acceptance`` (None when
-    nothing was proposed), ``counts`` (what they count), and ``reference`` (the reference head's
-    acceptance on the same case, where measured). Empty for another probe."""
+    nothing was proposed), ``counts`` (what they count), ``reference`` (the reference head's
+    first drafts at the case's steps, where measured) and ``gate`` (the case's ``acceptance_gate``
+    record, ``harness.runs.spec_acceptance.judge``; None for a given-draft case). Empty for another probe."""
     out = []
     for r in list(details.get("cases") or []) + list(details.get("given") or []):
         if isinstance(r, dict) and "accepted" in r and "proposed" in r:
             out.append({"case": r.get("case", ""), "accepted": int(r["accepted"]), "proposed": int(r["proposed"]),
-                        "acceptance": r.get("acceptance"), "counts": r.get("counts", ""), "reference": r.get("reference_acceptance")})
+                        "acceptance": r.get("acceptance"), "counts": r.get("counts", ""), "reference": r.get("reference_acceptance"),
+                        "gate": r.get("acceptance_gate") if isinstance(r.get("acceptance_gate"), dict) else None})
     return out
 
 

@@ -890,20 +890,29 @@ def _probe_tolerance_rows(rec: dict[str, Any]) -> list[list[Inline]]:
 
 
 def _acceptance_table(page: Page, rec: dict[str, Any]) -> None:
-    """The speculative probe's acceptance, one row per case with what it counts (report-only)."""
+    """The speculative probe's acceptance, one row per case with what it counts: every draft
+    (report-only) and, for a head-drafted case, the acceptance gate (first drafts against the
+    reference head's at the same steps, ``harness.runs.spec_acceptance``)."""
     spec = next((p for p in rec["probes"] if p["name"] == "speculative"), None)
     rows = acceptance_rows((spec or {}).get("details") or {})
     if not rows:
         return
     body = []
     for r in rows:
-        ref = r["reference"] if isinstance(r["reference"], dict) else {}
+        g = r["gate"] or {}
+        first = f"{g['candidate_accepted']}/{g['steps']}" if "candidate_accepted" in g else fmt.NA
+        refh = f"{g['reference_accepted']}/{g['steps']}" if "reference_accepted" in g else fmt.NA
+        verdict = (f"{g['verdict']} (drop {g['drop']:.2f} ≤ {g['max_drop']:g})" if g.get("verdict") == "PASS" else
+                   f"{g['verdict']} (drop {g['drop']:.2f} > {g['max_drop']:g})" if g.get("verdict") == "FAIL" else
+                   f"UNMEASURED ({g.get('reason', '')})" if g else fmt.NA)
         body.append([untrusted(r["case"]), f"{r['accepted']}/{r['proposed']}", fmt.NA if r["acceptance"] is None else f"{r['acceptance']:.3f}",
-                     f"{ref['accepted']}/{ref['proposed']}" if "accepted" in ref else untrusted(str(ref.get("unmeasured") or fmt.NA)),
-                     untrusted(r["counts"])])
-    page.h(2, "Speculative acceptance per case").p("Report-only. Each case counts its own drafts (last column); a sum over cases of "
-                                                  "different draft_max would count different things, so none is shown.")
-    page.table(["case", "accepted / proposed", "rate", "reference head", "what it counts"], body, "lrrrl")
+                     first, refh, untrusted(verdict), untrusted(r["counts"])])
+    page.h(2, "Speculative acceptance per case").p(
+        "Every draft (accepted / proposed, rate) is report-only: each case counts its own drafts (last column), and a sum over cases of "
+        "different draft_max would count different things, so none is shown. The gate judges the first drafts: at the candidate's own "
+        "verification steps, its first drafts accepted beside the reference head's teacher-forced first drafts right at the same steps "
+        "(thresholds.yaml probes.spec_max_acceptance_drop, probes.spec_min_reference_accepted).")
+    page.table(["case", "accepted / proposed", "rate", "first drafts", "reference head", "gate", "what it counts"], body, "lrrrrll")
 
 
 PROBE_FAIL_MEANING = {

@@ -114,19 +114,34 @@ class ProbeResult:
 
 def acceptance_lines(details: dict[str, Any]) -> list[str]:
     """The console's lines of ``acceptance_rows``: a heading, then per case ``CASE: A/P = RATE``
-    with the reference head's beside it where measured, then what each kind of case counts."""
+    (every draft) and, for a head-drafted case, its acceptance gate: the first drafts accepted
+    beside the reference head's at the same steps and the verdict (``gate_text``); then what each
+    kind of case counts."""
     rows = acceptance_rows(details)
     if not rows:
         return []
-    out = ["speculative acceptance per case (report-only):"]
+    out = ["speculative acceptance per case (all drafts report-only; first drafts gated against the reference head):"]
     for r in rows:
         rate = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
-        ref = r["reference"] or {}
-        beside = (f"; reference head {ref['accepted']}/{ref['proposed']}" if isinstance(ref, dict) and "accepted" in ref else "")
-        out.append(f"  {r['case']}: {r['accepted']}/{r['proposed']} = {rate}{beside}")
+        gate = f"; {gate_text(r['gate'])}" if r["gate"] else ""
+        out.append(f"  {r['case']}: {r['accepted']}/{r['proposed']} = {rate}{gate}")
     for counts in dict.fromkeys(r["counts"] for r in rows if r["counts"]):
         out.append(f"  counts: {counts}")
+    for counts in dict.fromkeys(r["gate"]["counts"] for r in rows if r["gate"] and r["gate"].get("counts")):
+        out.append(f"  gate counts: {counts}")
     return out
+
+
+def gate_text(g: dict[str, Any]) -> str:
+    """One case's acceptance gate (``harness.runs.spec_acceptance.judge``'s record) in words:
+    ``first drafts C/S, reference head NAME R/S: VERDICT (drop D, at most M)`` or the reason it is
+    UNMEASURED."""
+    if "candidate_accepted" not in g:
+        return f"gate UNMEASURED ({g.get('reason', '')})"
+    head = f"first drafts {g['candidate_accepted']}/{g['steps']}, reference head {g['reference']} {g['reference_accepted']}/{g['steps']}"
+    if g.get("verdict") == "UNMEASURED":
+        return f"{head}: gate UNMEASURED (fewer than {g['min_reference_accepted']} reference hits)"
+    return f"{head}: {g['verdict']} (drop {g['drop']:.2f}, at most {g['max_drop']:g})"
 
 
 def compare(label: str, base: np.ndarray, other: np.ndarray, tol: ProbeTolerance) -> Comparison:

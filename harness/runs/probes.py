@@ -59,6 +59,7 @@ from harness.measure.prompts import PromptTokens
 from harness.runs.inputs import RunInputs, RunRequest, engine_record, subject_of
 from harness.runs.explain import explain
 from harness.runs.probe_types import Comparison, ProbeResult, ProbeTolerance, _max, _min, compare, compare_streams, outside  # noqa: F401 (re-exported)
+from harness.runs.spec_acceptance import AcceptanceGate, gate_case
 from harness.runs.spec_given import _spec_checked, given_cases, judge_case, run_given  # noqa: F401 (_spec_checked re-exported)
 
 SPLIT_POINTS = (1, 2, 3, 4, 5, 63, 64, 65)
@@ -413,7 +414,8 @@ def _has_head(engine: Any) -> bool:
 def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequence[int]], reference: Engine | None = None,
                       n_tokens: int = SPEC_TOKENS, draft_maxes: Sequence[int] = SPEC_DRAFT_MAX, delta: float | None = None,
                       tol: ProbeTolerance | None = None, history: Sequence[int] | None = None, given: bool = True,
-                      prompt_ids: Sequence[str] = ()) -> ProbeResult:
+                      prompt_ids: Sequence[str] = (), acceptance: tuple[AcceptanceGate | None, str] = (None, "no acceptance gate given"),
+                      code: Sequence[Sequence[int]] = (), code_ids: Sequence[str] = ()) -> ProbeResult:
     """Speculative greedy (``Engine.speculative``, drafts from the MTP head) equals the engine's
     own plain greedy (``generate``), step by step, in ``SPEC_CASES``: ``long`` fed in chunks
     [64, 1, rest] with each draft_max in ``draft_maxes``; ``long[:48]`` and ``others[0][:48]`` generated
@@ -421,9 +423,9 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     generated with session ``spec-a``, then its last token and ``others[0][:8]`` continued from it,
     draft_max 3) against plain greedy of the whole history fed fresh; a 3-token prompt with draft_max
     2 (a prompt of 1 + k tokens). A divergence is excused only at a near-tie of the plain path's
-    margin (< ``delta``, default ``SPEC_NEAR_TIE``). Acceptance (accepted / proposed) is
-    report-only, beside the reference's teacher-forced one (``reference.draft`` on the plain
-    continuation: the share of its first drafts that equal the next token). After an excused
+    margin (< ``delta``, default ``SPEC_NEAR_TIE``). Acceptance over every draft (accepted /
+    proposed) is report-only; the first drafts are gated against the reference head's (``acceptance``
+    below). After an excused
     near-tie each case goes on by teacher forcing the plain token (the engine restarted on the
     plain prefix, ``compare_speculative`` with ``rerun``). Then, with ``given``, the given-draft
     cases of ``harness.runs.spec_given`` (``given_cases`` on ``long`` and ``history``, every
@@ -431,7 +433,11 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     the plain rows under ``tol`` (None: those comparisons unmeasured, said in ``details``).
     ``prompt_ids``: the ids of the prompts ``long`` and ``others[0]`` were cut from, which each
     comparison's ``case`` (what it fed: ``Comparison.case``) names. Each case's row counts its
-    own acceptance (``SPEC_ACCEPTANCE_COUNTS``).
+    own acceptance (``SPEC_ACCEPTANCE_COUNTS``). ``acceptance``: (the gate, or None and why not) of
+    ``harness.runs.spec_acceptance``: every head-drafted case's first drafts judged against the
+    reference head's at the same steps (a FAIL names the case, the step and the token; the case's
+    row holds ``acceptance_gate``). ``code``: prompts (``code_ids`` their ids) the head-drafted
+    cases run on too, after the run's own (``SPEC_CODE_CASES``).
     UNMEASURED without the ``speculative`` and ``generate`` capabilities. Raises ``EngineError`` for
     malformed output or a refused case (naming it). Long because the cases share the plain
     continuation and the margin lookup defined in it."""
@@ -464,30 +470,41 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
         def rerun(i: int) -> list[int]:
             out = engine.speculative(list(prompt) + ref[:i], n_tokens - i, draft_max=k)  # type: ignore[attr-defined]
             return [int(t) for t in _spec_checked(out, n_tokens - i, k, nv, who).tokens]
-        c, r = compare_speculative(label, ref, _spec_checked(spec, n_tokens, k, nv, who), margin(prompt, ref), delta, rerun)
+        out = _spec_checked(spec, n_tokens, k, nv, who)
+        c, r = compare_speculative(label, ref, out, margin(prompt, ref), delta, rerun)
         r["draft_max"] = k
         r["counts"] = SPEC_ACCEPTANCE_COUNTS.format(n=n_tokens, k=k)
         c.case = {"prompt": source, "n_tokens": len(prompt), "chunks": list(chunks) if chunks else None, "generated": n_tokens}
         comps.append(c)
         rows.append(r)
+        if c.ok:
+            gated = gate_case(label, prompt, ref, out, reference, acceptance)
+            r.update(gated[0])
+            if gated[1] is not None:
+                gated[1].case = c.case
+                comps.append(gated[1])
 
     base: list[int] = []
     given_rows: list[dict[str, Any]] = []
 
-    def run_cases() -> None:
-        chunks = [64, 1, len(long) - 65]
-        base[:] = plain(long)
+    def chunked_and_pair(first: list[int], second: list[int], ids: tuple[str, str], on: str = "") -> list[int]:
+        chunks = [64, 1, len(first) - 65]
+        cont = plain(first)
         for k in draft_maxes:
-            add(f"chunked prompt {chunks}, sequence 0, draft_max {k}", long, base, engine.speculative(long, n_tokens, draft_max=k, chunks=chunks), k,  # type: ignore[attr-defined]
-                id0, chunks)
-        pair = [long[:48], other[:48]]
+            add(f"chunked prompt {chunks}, sequence 0, draft_max {k}{on}", first, cont, engine.speculative(first, n_tokens, draft_max=k, chunks=chunks), k,  # type: ignore[attr-defined]
+                ids[0], chunks)
+        pair = [first[:48], second[:48]]
         multi = getattr(engine, "speculative_multi", None)
         if callable(multi):
             outs = multi(pair, n_tokens, draft_max=2)
             if not isinstance(outs, list) or len(outs) != 2:
                 raise EngineError(f"{who} answered {type(outs).__name__} for two sequences generated together")
             for i, q in enumerate(pair):
-                add(f"two sequences together, sequence {i}, draft_max 2", q, plain(q), outs[i], 2, (id0, id1)[i])
+                add(f"two sequences together, sequence {i}, draft_max 2{on}", q, plain(q), outs[i], 2, ids[i])
+        return cont
+
+    def run_cases() -> None:
+        base[:] = chunked_and_pair(long, other, (id0, id1))
         a = long[:40]
         first = _spec_checked(engine.speculative(a, 8, draft_max=3, session={"id": "spec-a"}), 8, 3, nv, who)  # type: ignore[attr-defined]
         hist = a + [int(t) for t in first.tokens[:-1]]
@@ -501,6 +518,9 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
         drop = getattr(engine, "drop_sessions", None)
         if callable(drop):
             drop()
+        if len(code) >= 2 and min(len(code[0]), len(code[1])) >= 66:
+            cids = (list(code_ids) + ["code prompt 0", "code prompt 1"])[:2]
+            chunked_and_pair([int(t) for t in code[0][:len(long)]], [int(t) for t in code[1]], (cids[0], cids[1]), ", code prompts")
         if given:
             cases, short = given_cases(long, history if history is not None else long, id0)
             run_given(engine, cases, plain, delta, tol, (comps, given_rows))
@@ -512,28 +532,14 @@ def probe_speculative(engine: Engine, long: Sequence[int], others: Sequence[Sequ
     except EngineError as e:  # the cases judged so far are kept: the receipt records them beside the error
         error = f"the engine failed after {len(comps)} comparisons, which are kept: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     details = {"near_tie": {"delta": delta, **({"basis": SPEC_NEAR_TIE["basis"]} if delta == SPEC_NEAR_TIE["value"] else {})},
-               "cases": rows, "reference_acceptance": _reference_acceptance(reference, long, base) if base and error is None else
-               {"unmeasured": "the probe ended at an engine error"},
-               "report_only": ["cases[].acceptance", "reference_acceptance"], "given": given_rows}
-    bounds = f"speculative greedy = plain greedy; a divergence excused only at a plain-path margin < {delta:g}"
+               "cases": rows, "report_only": ["cases[].acceptance"], "given": given_rows}
+    bounds = (f"speculative greedy = plain greedy; a divergence excused only at a plain-path margin < {delta:g}; "
+              + (f"first-draft acceptance dropping at most {acceptance[0].max_drop:g} below the reference head's "
+                 f"(judged where it hits >= {acceptance[0].min_reference})" if acceptance[0] else "first-draft acceptance unmeasured"))
     if error is not None and all(c.ok for c in comps):
         return ProbeResult("speculative", Verdict.ENGINE_ERROR, comps, reason=error, bounds=bounds, details=details)
     return ProbeResult("speculative", Verdict.PASS if all(c.ok for c in comps) else Verdict.FAIL, comps,
                        reason=error or "", bounds=bounds, details=details)
-
-
-def _reference_acceptance(reference: Engine | None, prompt: Sequence[int], cont: Sequence[int]) -> dict[str, Any]:
-    """The reference's teacher-forced acceptance along ``cont``: the share of its MTP head's first
-    drafts (``Engine.draft`` on prompt + cont) that equal the next token (what draft_max 1 would
-    accept); ``{"unmeasured": why}`` when the reference has no MTP head."""
-    if reference is None or "mtp" not in reference.info.capabilities or not callable(getattr(reference, "draft", None)):
-        return {"unmeasured": "no reference with an MTP head (capability 'mtp')"}
-    seq = list(prompt) + list(cont)
-    d = reference.draft(seq)  # type: ignore[attr-defined]
-    n0 = len(prompt)
-    pred = np.asarray(d.logits).argmax(axis=1)  # row t predicts seq[t + 2]
-    hits = [int(pred[n0 + j - 2] == seq[n0 + j]) for j in range(1, len(cont))]
-    return {"engine": reference.info.name, "accepted": int(sum(hits)), "proposed": len(hits), "acceptance": sum(hits) / len(hits) if hits else None}
 
 
 def decode_prompt(prompts: Sequence[Sequence[int]], n: int = DECODE_TOKENS) -> list[int]:
@@ -674,7 +680,6 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
     short = decode_prompt([p.tokens for p in ptoks], req.decode_tokens)
     three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
     side_by_side = [p.tokens[:60] for p in three]
-    history = long_tokens([p.tokens for p in ptoks])
     n_long = long_length(req.long_tokens, int(inputs.model.hparams.context_length or 0))
     long = long_tokens([p.tokens for p in ptoks], n_long)[:n_long]
     min_cosine = resolved.release_min_cosine
@@ -690,10 +695,7 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         "state": ProbeCase(plan_state(req, inputs), "every prompt, cycled", 0, model=f"fixture:{STATE_FIXTURE}"),
         "serving": ProbeCase(plan_serving(req, engine, reference, tol, ptoks, inputs, min_cosine),
                              f"scenarios {req.scenarios or 'shipped'}", 0),
-        "speculative": ProbeCase(lambda: probe_speculative(engine, main, [p.tokens for p in three[1:]] or [main[::-1]],
-                                                           reference() if has_speculative(engine) else None, tol=tol, history=history,
-                                                           prompt_ids=[first.id, three[1].id if len(three) > 1 else f"{first.id}, reversed"]),
-                                 first.id, len(main)),
+        "speculative": ProbeCase(lambda: _speculative(req, resolved, engine, reference, tol, ptoks, inputs), first.id, len(main)),
     }
     if tol is None:
         _unmeasured(cases, TOLERANCED, f"no probe tolerance for {resolved.subject.key_text()} ({resolved.row_misfit})")
@@ -701,6 +703,26 @@ def plan_probes(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine,
         served = SERVE_CAPABILITY in engine.info.capabilities  # llama-server: its serving is judged on its top-k rows
         _unmeasured(cases, [c for c in cases if not (served and c == "serving")], f"{engine.info.name} gives top-k logprobs, not logits")
     return cases
+
+
+def _speculative(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine, reference: Callable[[], Engine], tol: ProbeTolerance | None,
+                 ptoks: list[PromptTokens], inputs: RunInputs) -> ProbeResult:
+    """The speculative probe as ``plan_probes`` runs it: on the run's prompts (the longest's first
+    ``MAIN_TOKENS`` and the next longest) and the shipped code prompts (``CODE_PROMPTS``, the two
+    longest, tokenized as the run's), the acceptance gate from ``resolved.probes``
+    (``harness.runs.spec_acceptance.gate_from``), the history of every prompt cycled."""
+    from harness.measure.code_prompts import CODE_PROMPTS
+    from harness.measure.prompts import load_prompt_set
+    from harness.runs.spec_acceptance import gate_from
+
+    first = max(ptoks, key=lambda p: len(p.tokens))
+    three = sorted(ptoks, key=lambda p: len(p.tokens), reverse=True)[:3]
+    ref = reference() if has_speculative(engine) else None
+    code = sorted(inputs.tokens(ref, load_prompt_set(CODE_PROMPTS)), key=lambda p: len(p.tokens), reverse=True)[:2] if ref is not None else []
+    return probe_speculative(engine, first.tokens[:MAIN_TOKENS], [p.tokens for p in three[1:]] or [first.tokens[:MAIN_TOKENS][::-1]], ref,
+                             tol=tol, history=long_tokens([p.tokens for p in ptoks]),
+                             prompt_ids=[first.id, three[1].id if len(three) > 1 else f"{first.id}, reversed"],
+                             acceptance=gate_from(resolved.probes), code=[p.tokens for p in code], code_ids=[p.id for p in code])
 
 
 def _with_length(result: ProbeResult, requested: int, inputs: RunInputs) -> ProbeResult:

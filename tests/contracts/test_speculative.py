@@ -150,3 +150,42 @@ def test_speculation_under_traffic(spec, spec_tolerance, where):
     if unmeasured and r.verdict is not Verdict.FAIL:
         pytest.skip(f"QMTP-SERVE-010 unmeasured: {'; '.join(unmeasured)}; checked with: {MTP_RUN}")
     assert r.verdict is Verdict.PASS, f"QMTP-SERVE-010: {r.reason} ({where})"
+
+
+def test_head_acceptance_against_the_reference_head(request, spec, reference_engine, where):
+    """QMTP-ACCEPT-011: on the two longest shipped code prompts (``harness.measure.code_prompts``,
+    tokenized by the reference), fed as the speculative probe feeds them (the first 160 tokens in
+    chunks [64, 1, rest] with draft_max 1, and both prompts' first 48 generated together with
+    draft_max 2), each case's first drafts at the candidate's own steps keep the reference head's
+    (``harness.runs.spec_acceptance``: drop at most thresholds.yaml
+    ``probes.spec_max_acceptance_drop``, judged where the reference hits at least
+    ``probes.spec_min_reference_accepted``). Skipped where no case has enough reference hits."""
+    from pathlib import Path
+
+    from harness.judge.thresholds import load_thresholds
+    from harness.measure.code_prompts import CODE_PROMPTS
+    from harness.measure.prompts import load_prompt_set, tokenize_prompts
+    from harness.runs.spec_acceptance import gate_case, gate_from
+
+    gate = gate_from({n: type("G", (), {"value": g["value"]})() for n, g in
+                      load_thresholds(Path(request.config.rootpath) / "thresholds.yaml").data.get("probes", {}).items()})
+    if gate[0] is None:
+        pytest.skip(gate[1])
+    code = sorted(tokenize_prompts(load_prompt_set(CODE_PROMPTS), reference_engine), key=lambda p: len(p.tokens), reverse=True)[:2]
+    first, second = code[0].tokens[:160], code[1].tokens
+    cases = [("chunked prompt, draft_max 1, code prompts", first, spec.speculative(first, SPEC_TOKENS, draft_max=1, chunks=[64, 1, len(first) - 65]), 1)]
+    if callable(getattr(spec, "speculative_multi", None)):
+        pair = [first[:48], second[:48]]
+        outs = spec.speculative_multi(pair, SPEC_TOKENS, draft_max=2)
+        cases += [(f"two sequences together, sequence {i}, draft_max 2, code prompts", q, outs[i], 2) for i, q in enumerate(pair)]
+    judged = 0
+    for label, prompt, out, k in cases:
+        out = _spec_checked(out, SPEC_TOKENS, k, int(spec.n_vocab), spec.info.name)
+        plain = [int(t) for t in spec.generate(list(prompt), SPEC_TOKENS)]
+        if [int(t) for t in out.tokens] != plain:
+            continue  # a lossy case is QMTP-SPEC-005's and QMTP-ROLL-006's to judge
+        rec, comp = gate_case(label, prompt, plain, out, reference_engine, gate)
+        assert comp is None, f"QMTP-ACCEPT-011: {comp.label} ({where})"
+        judged += rec["acceptance_gate"].get("verdict") in ("PASS", "FAIL")
+    if not judged:
+        pytest.skip(f"the reference head hits too few first drafts on the code prompts to judge any case; checked with: {MTP_RUN}")
