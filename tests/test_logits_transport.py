@@ -189,3 +189,19 @@ def test_sequences_side_by_side_get_a_context_that_holds_them_all():
     rows = gather(eng.logits_multi(seqs), 580)
     assert rows.shape[0] == 580 and np.isfinite(rows).all()
 
+
+
+def test_calibration_fetches_a_models_reference_rows_in_one_worker_run(monkeypatch):
+    from harness.runs.calibrate.pairs import CachedReference as CalibrationReference
+
+    eng = LlamaCppEngine(fx.build("tiny-qwen35"))
+    prompts = [TOKENS[:30], TOKENS[:80], TOKENS[:30]]
+    plain = CalibrationReference(eng)
+    want = [plain.get(p) for p in prompts]
+    starts = []
+    real = LlamaCppEngine._start
+    monkeypatch.setattr(LlamaCppEngine, "_start", lambda self, *a, **k: starts.append(1) or real(self, *a, **k))
+    ref = CalibrationReference(eng)
+    ref.prefetch(prompts)
+    assert len(starts) == 1 and len(ref.cache) == 2  # the repeated prompt once
+    assert all(np.array_equal(ref.get(p), w) for p, w in zip(prompts, want)) and len(starts) == 1

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from harness.engines.base import COMPUTE_CLASSES, gather
+from harness.engines.base import COMPUTE_CLASSES, gather, logits_each
 from harness.errors import HarnessError, Verdict
 from harness.measure import metrics
 from harness.runs.calibrate.fit import PairStats, _round_up, propose_probes
@@ -52,6 +52,16 @@ class CachedReference:
         if key not in self.cache:
             self.cache[key] = gather(self.engine.logits(tokens), len(tokens))
         return self.cache[key]
+
+    def prefetch(self, prompts: Sequence[Sequence[int]]) -> None:
+        """The logits of every prompt not cached yet, in one run of the engine where it can
+        (``harness.engines.base.logits_each``: one llama.cpp worker for all of them, each prompt
+        on its own fresh context, so the rows ``get`` would compute)."""
+        todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self.cache))
+        each = logits_each(self.engine, [list(k) for k in todo])
+        for key in todo:
+            self.cache[key] = gather(next(each), len(key))
+        next(each, None)  # the engine's run ends and checks its exit
 
 
 @dataclass
@@ -144,6 +154,7 @@ def measure_pair(label: str, good: bool, model: str, ref: CachedReference, cand,
     MoE model, the positions the release gate would excuse left out (``ReleaseExcuses``;
     ``extra["release_excused"]`` counts them)."""
     pms, cut_at, found = [], [], []
+    ref.prefetch(prompts)
     for i, toks in enumerate(prompts):
         pm = metrics.position_metrics(ref.get(toks), gather(cand.logits(toks), len(toks)))
         f = flips.cut(ref, cand, toks, label) if flips is not None else None
