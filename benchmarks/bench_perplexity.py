@@ -71,16 +71,21 @@ def leg(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``argv`` to completion: wall and CPU seconds of its process tree, the largest and the
     summed peak RSS (MB) of its processes, its exit code and last output line."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with ChildPeakRSS(interval=0.01) as peak:
+    with ChildPeakRSS(interval=0.01) as peak, tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
-        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=3600)
+        p = subprocess.Popen(argv, stdout=out, stderr=err, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+        rc = p.wait(timeout=3600)
         wall = time.perf_counter() - t
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    tail = (p.stdout.strip().splitlines() or [""])[-1]
-    if p.returncode:
-        raise RuntimeError(f"{argv[0]} ... exit {p.returncode}: {p.stderr[-600:]}")
+    tail = (stdout.strip().splitlines() or [""])[-1]
+    if rc:
+        raise RuntimeError(f"{argv[0]} ... exit {rc}: {stderr[-600:]}")
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_mb": round(peak.peak_mb, 1),
+            "main_peak_mb": round(peak.last_kb.get(p.pid, 0) / 1024, 1),
             "sum_peak_mb": round(peak.peak_sum_mb, 1), "last_line": tail[-200:]}
 
 
@@ -145,7 +150,8 @@ def section(r: dict[str, Any]) -> list[str]:
              f"the tree. Peak: the largest single process's VmHWM; Σ peak: the most the process tree held at once (every "
              f"process's VmRSS added, read every 10 ms: the harness, the reference's worker and the engine). Load average {r['load_start']} at the start, {r['load_end']} at the end "
              "(2 cores shared).", "",
-             "| leg | wall s | CPU s | peak RSS MB | Σ peak MB |", "|---|---:|---:|---:|---:|"]
+             "| leg | wall s | CPU s | peak RSS MB (largest process) | the command's own process MB | Σ peak MB |",
+             "|---|---:|---:|---:|---:|---:|"]
     names = {"ppl_base": "llama-perplexity `--kl-divergence-base`", "ppl_kld": "llama-perplexity `--kl-divergence`",
              "example": "`harness parity --candidate command:example` (reference computed)",
              "builtin": "`harness parity --candidate llama.cpp` (reference computed)",
@@ -153,7 +159,8 @@ def section(r: dict[str, Any]) -> list[str]:
              "double": f"the same as the example leg on {2 * CHUNKS} windows ({2 * CHUNKS * N_CTX:,} positions)"}
     for k, name in names.items():
         g = L[k]
-        lines.append(f"| {name} | {g['wall_s']:.2f} {g['walls']} | {g['cpu_s']:.2f} | {g['peak_mb']:,.0f} | {g['sum_peak_mb']:,.0f} |")
+        lines.append(f"| {name} | {g['wall_s']:.2f} {g['walls']} | {g['cpu_s']:.2f} | {g['peak_mb']:,.0f} | {g['main_peak_mb']:,.0f} | "
+                     f"{g['sum_peak_mb']:,.0f} |")
     lines += ["",
               f"- llama-perplexity's two passes: {r['two_passes_s']:.2f} s ({r['two_passes_cpu_s']:.2f} CPU s). "
               f"`harness parity` through the example engine: **{r['ratio']['example']:.2f}×** their wall time "
@@ -161,7 +168,8 @@ def section(r: dict[str, Any]) -> list[str]:
               f"the built-in reference against itself: {r['ratio']['builtin']:.2f}× ({r['cpu_ratio']['builtin']:.2f}× CPU).",
               f"- With the reference's logits in the cache (as `--kl-divergence` reads its base file): "
               f"{r['warm_ratio']:.2f}× the `--kl-divergence` pass alone.",
-              f"- Peak memory: the harness's largest process {L['example']['peak_mb']:,.0f} MB against llama-perplexity's "
+              f"- Peak memory: the harness's largest process {L['example']['peak_mb']:,.0f} MB (the harness's own "
+              f"{L['example']['main_peak_mb']:,.0f} MB) against llama-perplexity's "
               f"{r['ppl_peak_mb']:,.0f} MB ({'at or below' if mem_ok else '**above**'}); its processes together at most: "
               f"{L['example']['sum_peak_mb']:,.0f} MB. On twice the positions: {L['double']['peak_mb']:,.0f} MB and "
               f"{L['double']['sum_peak_mb']:,.0f} MB together (memory set by blocks and llama.cpp's one ubatch, not by the positions)."]
