@@ -150,15 +150,22 @@ def test_a_receipts_reproduce_line_asks_for_the_dtype_and_folder_it_was_run_with
 
 def test_a_probe_that_passed_without_only_reproduces_without_only(tmp_path, monkeypatch):
     """``harness probe`` with every probe: PASS (exit 0); its report's reproduce line has no
-    ``--only`` (nine of them made a run judged as a subset: UNMEASURED, exit 5), and run as
-    printed it gives PASS again."""
+    ``--only`` (nine of them made a run judged as a subset: UNMEASURED, exit 5), carries the
+    lengths the run was given (``--decode-tokens``, ``--long-tokens``: without them the line
+    would feed the defaults), and run as printed it gives PASS again, at those lengths."""
     root = project(tmp_path / "p")
-    assert harness(root, monkeypatch, "probe", "--candidate", "oracle", "--model", "fixture:tiny-qwen35", "--prompts", "prompts.jsonl") == 0
+    assert harness(root, monkeypatch, "probe", "--candidate", "oracle", "--model", "fixture:tiny-qwen35", "--prompts", "prompts.jsonl",
+                   "--decode-tokens", "96", "--long-tokens", "1024") == 0
     rec = receipts(root)["harness-probe-receipt/v1"]
     assert rec["verdict"] == "PASS" and rec["only"] == []
     line = reproduce_line(root / "evidence" / "parity" / "reports" / rec["id"][:16] / "report.md")
     assert "--only" not in line and line.startswith("harness probe --candidate oracle --model fixture:tiny-qwen35")
+    assert "--decode-tokens 96 --long-tokens 1024" in line
+    shutil.rmtree(root / "evidence")
     assert run_line(root, monkeypatch, line) == 0
+    again = receipts(root)["harness-probe-receipt/v1"]
+    assert again["long_decode"]["tokens"] == 96 and again["verdict"] == "PASS"
+    assert next(p for p in again["probes"] if p["name"] == "long")["details"]["positions"] == 1024
 
 
 def test_a_bf16_mlx_parity_on_a_folder_reproduces_with_both_options(tmp_path, monkeypatch):

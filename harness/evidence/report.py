@@ -319,6 +319,22 @@ def _shipped_prompts(prompts: dict[str, Any]) -> bool:
         return False
 
 
+def _probe_lengths(rec: dict[str, Any]) -> list[str]:
+    """A probe run's ``--decode-tokens`` (``long_decode.tokens``) and ``--long-tokens`` (the long
+    probe's ``details.requested_positions``) where they differ from the defaults the receipt
+    records beside them (``default_tokens``, ``default_positions``): run without them, the line
+    would feed the defaults instead. A receipt without the defaults (older) carries neither."""
+    out: list[str] = []
+    ld = rec.get("long_decode") or {}
+    if ld.get("default_tokens") is not None and ld.get("tokens") not in (None, ld["default_tokens"]):
+        out += ["--decode-tokens", str(int(ld["tokens"]))]
+    long = next((p for p in rec.get("probes") or [] if p.get("name") == "long"), {})
+    d = long.get("details") or {}
+    if d.get("default_positions") is not None and d.get("requested_positions") not in (None, d["default_positions"]):
+        out += ["--long-tokens", str(int(d["requested_positions"]))]
+    return out
+
+
 def _opts(rec: dict[str, Any]) -> list[str]:
     """``--prompts`` (or ``--text``/``--ctx``)/``--thresholds``/``--override-kv`` as the run had
     them (the shipped prompt set omitted)."""
@@ -768,6 +784,7 @@ def reproduce_command(rec: dict[str, Any], ledger_opt: Sequence[str] = ()) -> st
         argv: list[Any] = ["harness", "probe", "--candidate", cand["name"], *flags, "--model", _model_spec(rec)]
         for name in rec.get("only") or []:
             argv += ["--only", name]
+        argv += _probe_lengths(rec)
         if eng.get("reference"):
             argv += ["--reference", eng["reference"]["name"]]
         run = _cmd(*argv, *_opts(rec), *ledger_opt)

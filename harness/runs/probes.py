@@ -726,10 +726,10 @@ def _speculative(req: ProbeRequest, resolved: ResolvedThresholds, engine: Engine
 
 
 def _with_length(result: ProbeResult, requested: int, inputs: RunInputs) -> ProbeResult:
-    """The long probe's result with ``details`` naming the positions asked for, the model's declared
-    ``context_length`` and the positions fed (fewer when the file declares a shorter context)."""
+    """The long probe's result with ``details`` naming the positions asked for (and the default,
+    ``LONG_TOKENS``), the model's declared ``context_length`` and the positions fed (fewer when the file declares a shorter context)."""
     ctx = int(inputs.model.hparams.context_length or 0)
-    result.details = {**result.details, "requested_positions": requested, "context_length": ctx,
+    result.details = {**result.details, "requested_positions": requested, "default_positions": LONG_TOKENS, "context_length": ctx,
                       "positions": long_length(requested, ctx)}
     if result.verdict is Verdict.UNMEASURED and ctx and ctx < min(requested, LONG_MIN_TOKENS):
         result.reason += f" (the model declares context_length {ctx})"
@@ -826,14 +826,16 @@ def localize_hint(case: Reproducer, first: Comparison | None) -> str | None:
 
 def long_decode_row(results: Sequence[ProbeResult], decode_tokens: int) -> dict[str, Any]:
     """The probe receipt's ``long_decode`` row: how many tokens the decode probe fed one per
-    call (``tokens``), its verdict (``not run`` when it was not), and for its worst comparison the
+    call (``tokens``; ``default_tokens``: ``DECODE_TOKENS``, so a reproduce line carries a length
+    that was asked for), its verdict (``not run`` when it was not), and for its worst comparison the
     lowest cosine and the first differing position (None when none differed)."""
     r = next((r for r in results if r.name == "decode"), None)
     if r is None:
-        return {"tokens": int(decode_tokens), "verdict": "not run", "min_cosine": None, "first_bad_position": None, "reason": ""}
+        return {"tokens": int(decode_tokens), "default_tokens": DECODE_TOKENS, "verdict": "not run", "min_cosine": None,
+                "first_bad_position": None, "reason": ""}
     cos = [c.min_cosine for c in r.comparisons if c.min_cosine is not None]
     f = r.first_failure
-    return {"tokens": int(decode_tokens), "verdict": r.verdict.value, "min_cosine": min(cos) if cos else None,
+    return {"tokens": int(decode_tokens), "default_tokens": DECODE_TOKENS, "verdict": r.verdict.value, "min_cosine": min(cos) if cos else None,
             "first_bad_position": f.first_bad_position if f is not None else None, "reason": r.reason}
 
 
