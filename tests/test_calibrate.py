@@ -209,3 +209,34 @@ def test_a_known_good_pair_below_the_release_floor_writes_no_row_and_says_so():
     rows, skipped = rows_from_goods([ok, low], ["f64"], use_torch=False)
     assert [r["weights"] for r in rows] == ["IQ3_S"]
     assert any("oracle-iq2m measures cosine 0.96213, below the release floor 0.98; no row written" in s for s in skipped)
+
+
+def test_a_full_calibration_keeps_the_speculative_acceptance_rows(tmp_path):
+    """``harness calibrate`` rewrites the ``probes:`` section but does not measure the speculative
+    probe's acceptance gate (``harness calibrate --speculative`` does): write_calibration carries
+    ``probes.spec_max_acceptance_drop`` and ``probes.spec_min_reference_accepted`` over from the file
+    it replaces, basis and all, and writes none where that file has none."""
+    import yaml
+
+    from harness.runs.calibrate.document import write_calibration
+
+    good = pair("oracle vs llama.cpp", True, [0.9999999] * 6, 3e-8)
+    rows = [_row("F32", "f64", [good], "ALL_F32", "fixture:trained-qwen35")]
+    loc = {"localize_max_nmse": {"value": 1e-5, "floor": 8e-8, "n": 160}, "localize_min_cosine": {"value": 0.9999, "floor": 0.99999996, "n": 160}}
+    probes = {"f64": {"min_cosine": {"value": 0.999999, "floor": 0.99999999}, "max_kld": {"value": 1e-5, "floor": 2e-7}}}
+    res = CalibrationResult([good], [], rows, probes, loc, {}, {}, [], [])
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "thresholds.yaml").read_text())["probes"]
+    out = tmp_path / "thresholds.yaml"
+    write_calibration(res, out, tmp_path / "matrix.md", "harness calibrate", None)
+    assert "spec_max_acceptance_drop" not in yaml.safe_load(out.read_text())["probes"]  # none to keep: none written
+    old = yaml.safe_load(out.read_text())
+    old["probes"]["spec_max_acceptance_drop"] = dict(shipped["spec_max_acceptance_drop"], value=0.37)
+    old["probes"]["spec_min_reference_accepted"] = shipped["spec_min_reference_accepted"]
+    write_thresholds(old, out)
+    write_calibration(res, out, tmp_path / "matrix.md", "harness calibrate", None)
+    kept = yaml.safe_load(out.read_text())["probes"]
+    assert kept["spec_max_acceptance_drop"]["value"] == 0.37
+    assert kept["spec_max_acceptance_drop"]["basis"] == shipped["spec_max_acceptance_drop"]["basis"]
+    assert kept["spec_min_reference_accepted"] == shipped["spec_min_reference_accepted"]
+    assert kept["localize_max_nmse"]["value"] == 1e-5 and kept["moe_router_max_gap"] is not None  # the rest is the new calibration's
+    assert load_thresholds(out).data["probes"]["spec_max_acceptance_drop"]["value"] == 0.37

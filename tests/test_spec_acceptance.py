@@ -108,3 +108,38 @@ def test_code_prompt_sets_are_repository_source(path, folder):
     assert len(ids) == 6 and len(set(ids)) == 6
     assert {p.id for p in prompts}.isdisjoint({p.id for p in load_prompt_set(CODE_CALIBRATION_PROMPTS if path == CODE_PROMPTS else CODE_PROMPTS).prompts})
     assert json.loads(path.read_text().splitlines()[0])["id"] == prompts[0].id
+
+
+def test_an_acceptance_fail_blames_the_head_not_the_rollback():
+    """A FAIL by the acceptance gate is a head drafting badly, output lossless: its reproducer's
+    likely cause is QMTP-ACCEPT-011's (the head's state, weights, norms), never the token-for-token
+    check's rolled-back state (QMTP-SPEC-005's), which the case passed."""
+    from harness.errors import Verdict
+    from harness.judge.reproducer import Reproducer
+    from harness.runs.probe_types import Comparison, ProbeResult
+    from harness.runs.probes import probe_failure
+
+    steps = [(0, 1, False), (1, 3, False), (2, 5, False), (3, 7, False), (4, 9, False)]
+    _, comp = judge("two sequences together, sequence 1, draft_max 2", steps, [True] * 5, GATE, "llama.cpp")
+    case = {"prompt": "code-python", "n_tokens": 48, "chunks": None, "generated": 16}
+    comp.case = case
+    passed = Comparison("two sequences together, sequence 1, draft_max 2", 16, True, None, None, None, None, case=case)
+    line = probe_failure(ProbeResult("speculative", Verdict.FAIL, [passed, comp], bounds="b"),
+                         Reproducer("mutant:spec-drafts-crossed", "fixture:trained-qwen35-mtp", "0" * 64), "llama.cpp")
+    cause = line.split("likely cause: ", 1)[1]
+    assert "rolled back" not in cause and "spec-drafts-crossed" in cause and "hidden state" in cause, cause
+    assert "prompt 'code-python', n_tokens 48, chunks whole, 16 generated" in line, line
+
+
+def test_the_summary_does_not_call_gated_acceptance_report_only():
+    """The speculative probe's summary line points to the per-case acceptance; since the first
+    drafts are gated against the reference head, it no longer calls all of it report-only."""
+    from harness.errors import Verdict
+    from harness.runs.probe_types import ProbeResult
+
+    steps = [(i, 2 * i + 1, False) for i in range(5)]
+    _, comp = judge("two sequences together, sequence 1, draft_max 2", steps, [True] * 5, GATE, "llama.cpp")
+    details = {"cases": [{"case": "two sequences together, sequence 1, draft_max 2", "accepted": 0, "proposed": 10}]}
+    s = ProbeResult("speculative", Verdict.FAIL, [comp], details=details).summary()
+    assert s.startswith("two sequences together, sequence 1, draft_max 2 acceptance") and "(report-only)" not in s, s
+    assert "first drafts gated against the reference head" in s, s

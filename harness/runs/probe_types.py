@@ -56,6 +56,10 @@ class Comparison:
     tokens fed, "chunks": piece lengths or None (whole), "generated": tokens generated}``, the
     reproducer's context of a failure here (``harness.runs.probes.probe_failure``); None for a
     logits comparison, whose context is its probe's."""
+    obligation: str | None = None
+    """The contract obligation this comparison judges where it is not its probe's (the speculative
+    probe's acceptance gate: QMTP-ACCEPT-011), whose mutants are a failure's likely cause
+    (``harness.runs.probes.probe_failure``); None: the probe's own (``PROBES``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -100,10 +104,12 @@ class ProbeResult:
         )
 
     def _acceptance(self) -> str:
-        """``; acceptance per case in details (report-only)`` when the details hold per-case draft
-        counts (speculative), else ``""``: cases of other draft_max count different things, so no
-        sum over them is shown (``acceptance_rows``)."""
-        return "; acceptance per case in details (report-only)" if acceptance_rows(self.details) else ""
+        """``; acceptance per case in details (first drafts gated against the reference head, the
+        rest report-only)`` when the details hold per-case draft counts (speculative), else ``""``:
+        cases of other draft_max count different things, so no sum over them is shown
+        (``acceptance_rows``)."""
+        return ("; acceptance per case in details (first drafts gated against the reference head, the rest report-only)"
+                if acceptance_rows(self.details) else "")
 
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "summary": self.summary(),

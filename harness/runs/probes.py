@@ -105,6 +105,14 @@ PROBES = {
                              "(recurrent S, conv state or KV kept from rejected drafts), or a step reads another draft's state"),
 }
 """Probe name → ``ProbeKind``, in the order ``harness probe`` runs them."""
+CHECKS = {
+    "QMTP-ACCEPT-011": ProbeKind("QMTP-ACCEPT-011", "the head drafts from the wrong state (another sequence's or a stale hidden "
+                                "state, its own K/V not kept), or its weights or norms are wrong (4-bit head weights, a norm not "
+                                "applied): harness parity --mtp judges its logits"),
+}
+"""Obligation → ``ProbeKind`` of a check inside a probe that is not the probe's own
+(``Comparison.obligation``): the speculative probe's acceptance gate. A failing comparison of one
+takes its likely cause from it (``probe_failure``)."""
 PROBE_NAMES = tuple(PROBES)
 REQUIRED_PROBES = ("split", "decode", "determinism")
 
@@ -794,9 +802,9 @@ def _unmeasured(cases: dict[str, ProbeCase], names: Sequence[str], why: str) -> 
 def probe_failure(result: ProbeResult, case: Reproducer, reference: str, scenarios: str | None = None) -> str:
     """The reproducer line of a failed probe (``harness.judge.reproducer``): the first failing
     comparison and its bounds, the case with the chunks that comparison fed, the bug classes of the
-    mutants that break the probe's obligation, and the ``harness probe`` command that reruns it."""
+    mutants that break the probe's obligation (the comparison's own where it names one: ``CHECKS``), and the ``harness probe`` command that reruns it."""
     first = result.first_failure
-    kind = PROBES[result.name]
+    kind = CHECKS.get(first.obligation or "", PROBES[result.name]) if first is not None else PROBES[result.name]
     numbers = f"probe {result.name} FAIL: {result.summary()} (bounds: {result.bounds})"
     if first is not None and first.case:  # a generation case names what it fed itself
         fed = first.case

@@ -41,6 +41,9 @@ MIN_ROW = "spec_min_reference_accepted"
 COUNTS = ("first drafts accepted / verification steps that proposed drafts (the candidate's own steps); "
           "the reference head: its teacher-forced first draft right at those same steps")
 """What the gate's numbers count (each gated case's ``acceptance_gate.counts``)."""
+OBLIGATION = "QMTP-ACCEPT-011"
+"""The contract obligation the gate judges (contracts/qwen35-mtp-v1.yaml): a failing case's
+``Comparison.obligation``, so its likely cause is a head drafting badly, not a state rollback."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def judge(label: str, steps: Sequence[tuple[int, int, bool]], ref: Sequence[bool
     msg = (f"{label} acceptance (first drafts at the candidate's own steps): candidate {cand}/{len(steps)}, reference head "
            f"{ref_name} {refn}/{len(steps)}, drop {drop:.2f} > {gate.max_drop:g} (probes.{GATE_ROW}); first lost at step {s}, "
            f"token {j}; the output is lossless, the head drafts badly")
-    return rec, Comparison(msg, len(steps), False, None, None, None, j)
+    return rec, Comparison(msg, len(steps), False, None, None, None, j, obligation=OBLIGATION)
 
 
 def gate_case(label: str, prompt: Sequence[int], plain: Sequence[int], spec: Any, reference: Engine | None,

@@ -248,6 +248,24 @@ KEPT_SECTIONS = ("topk", "mtp", "state")
 measured by its own command (``harness calibrate --topk K``, ``--mtp``, ``--state``) with its own
 basis."""
 
+KEPT_PROBES = ("spec_max_acceptance_drop", "spec_min_reference_accepted")
+"""The ``probes:`` entries a full calibration keeps from the file it replaces: the speculative
+probe's acceptance gate, measured by ``harness calibrate --speculative`` (its own basis) and not
+by the full calibration."""
+
+
+def kept_probes(path: str | Path) -> dict[str, Any]:
+    """The ``KEPT_PROBES`` entries of the ``probes:`` section of the thresholds file at ``path``
+    (each as the file has it, basis included); none when the file is absent or unreadable."""
+    from harness.errors import HarnessError
+    from harness.judge.thresholds import load_thresholds
+
+    try:
+        probes = load_thresholds(path).data.get("probes", {}) if Path(path).is_file() else {}
+    except HarnessError:
+        return {}
+    return {k: probes[k] for k in KEPT_PROBES if k in probes}
+
 
 def kept_rows(path: str | Path, section: str) -> list[Any]:
     """The ``section`` rows of the thresholds file at ``path`` (``KEPT_SECTIONS``); none when it
@@ -263,11 +281,12 @@ def kept_rows(path: str | Path, section: str) -> list[Any]:
 
 def write_calibration(res: CalibrationResult, out: str | Path, matrix_out: str | Path, command: str, commit: str | None) -> tuple[Path, Path]:
     """Write a full calibration: thresholds.yaml at ``out`` (``thresholds_document`` with the
-    ``KEPT_SECTIONS`` of the file it replaces, ``write_thresholds``) and the detection matrix
+    ``KEPT_SECTIONS`` and ``KEPT_PROBES`` of the file it replaces, ``write_thresholds``) and the detection matrix
     page at ``matrix_out`` (``matrix_markdown``, keeping the page's hand-measured sections:
     ``kept_matrix_sections``). Returns both paths. Raises ``InvalidInput`` when the document does
     not validate (nothing is replaced then) and ``OSError`` when a file cannot be written."""
     doc = thresholds_document(res, command, commit)
+    doc["probes"].update(kept_probes(out))
     for section in KEPT_SECTIONS:
         doc[section] = kept_rows(out, section)
         if not doc[section]:
