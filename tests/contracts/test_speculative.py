@@ -159,7 +159,10 @@ def test_head_acceptance_against_the_reference_head(request, spec, reference_eng
     draft_max 2), each case's first drafts at the candidate's own steps keep the reference head's
     (``harness.runs.spec_acceptance``: drop at most thresholds.yaml
     ``probes.spec_max_acceptance_drop``, judged where the reference hits at least
-    ``probes.spec_min_reference_accepted``). Skipped where no case has enough reference hits."""
+    ``probes.spec_min_reference_accepted``). Where no case can be judged: RED when the candidate's
+    own steps are not the reference's (a lossy speculative output, or a greedy continuation that
+    leaves the reference's: its head's acceptance cannot be set beside the reference head's), else
+    skipped (the reference head hits too few)."""
     from pathlib import Path
 
     from harness.judge.thresholds import load_thresholds
@@ -178,14 +181,26 @@ def test_head_acceptance_against_the_reference_head(request, spec, reference_eng
         pair = [first[:48], second[:48]]
         outs = spec.speculative_multi(pair, SPEC_TOKENS, draft_max=2)
         cases += [(f"two sequences together, sequence {i}, draft_max 2, code prompts", q, outs[i], 2) for i, q in enumerate(pair)]
-    judged = 0
+    judged, diverged = 0, []
     for label, prompt, out, k in cases:
         out = _spec_checked(out, SPEC_TOKENS, k, int(spec.n_vocab), spec.info.name)
         plain = [int(t) for t in spec.generate(list(prompt), SPEC_TOKENS)]
-        if [int(t) for t in out.tokens] != plain:
-            continue  # a lossy case is QMTP-SPEC-005's and QMTP-ROLL-006's to judge
+        if [int(t) for t in out.tokens] != plain:  # a lossy case is QMTP-SPEC-005's and QMTP-ROLL-006's to judge
+            diverged.append(f"{label}: its speculative output leaves its own greedy continuation (lossy)")
+            continue
         rec, comp = gate_case(label, prompt, plain, out, reference_engine, gate)
         assert comp is None, f"QMTP-ACCEPT-011: {comp.label} ({where})"
-        judged += rec["acceptance_gate"].get("verdict") in ("PASS", "FAIL")
+        if rec["acceptance_gate"].get("verdict") in ("PASS", "FAIL"):
+            judged += 1
+            continue
+        ref_plain = [int(t) for t in reference_engine.generate(list(prompt), SPEC_TOKENS)]
+        if ref_plain != plain:  # the candidate's steps are not the reference's: its trunk decides other tokens
+            step = next(i for i, (a, b) in enumerate(zip(plain + [-1], ref_plain + [-2])) if a != b)
+            diverged.append(f"{label}: greedy token {step} is {plain[step] if step < len(plain) else 'none'}, the reference's "
+                            f"{ref_plain[step] if step < len(ref_plain) else 'none'}")
+    # Nothing judged because the candidate's own steps are not the reference's (a lossy output, or a trunk that
+    # continues otherwise): its head cannot be shown to keep the reference head's acceptance.
+    assert judged or not diverged, (f"QMTP-ACCEPT-011: no case could be judged, the candidate's steps are not the "
+                                    f"reference's: {'; '.join(diverged)} ({where})")
     if not judged:
         pytest.skip(f"the reference head hits too few first drafts on the code prompts to judge any case; checked with: {MTP_RUN}")
