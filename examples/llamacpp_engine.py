@@ -640,6 +640,7 @@ class Engine:
         self.model_path, self.overrides = model_path, list(overrides)
         self.llm = Model(model_path, overrides)
         self.sessions = {}
+        self.plain = None  # ((n_ctx, n_ubatch), Context) of plain logits requests (plain_context)
         self.spec_sessions = {}  # speculative sessions: {id: {"trunk", "head": state bytes, "h": h_last, "n": length}}
 
     def info(self, req):
@@ -654,15 +655,26 @@ class Engine:
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
         tokens, session = req.get("tokens"), req.get("session")
         if not req.get("sequences") and not session:
-            ctx = Context(self.llm, n_ctx_for(len(tokens)), n_ubatch=n_ubatch)
-            try:
-                return ctx.feed(tokens, chunks=req.get("chunks"), sink=sink)
-            finally:
-                ctx.close()
+            ctx = self.plain_context(n_ctx_for(len(tokens)), n_ubatch)
+            return ctx.feed(tokens, chunks=req.get("chunks"), sink=sink)
         rows = self.side_by_side(req["sequences"], n_ubatch) if req.get("sequences") else self.in_session(tokens, session, n_ubatch)
         if sink is None:
             return rows
         sink(rows)
+
+    def plain_context(self, n_ctx, n_ubatch):
+        """The context of plain one-sequence ``logits`` requests, kept from the last one with the same
+        ``n_ctx`` and ``n_ubatch`` and emptied (``llama_memory_clear``: KV cells, conv and recurrent
+        state), so its buffers are not allocated and faulted in again for every request; another
+        shape gets a new one."""
+        key = (n_ctx, n_ubatch)
+        if self.plain is not None and self.plain[0] == key and hasattr(llama_cpp, "llama_memory_clear"):
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.plain[1].ctx), True)
+            return self.plain[1]
+        if self.plain is not None:
+            self.plain[1].close()
+        self.plain = (key, Context(self.llm, n_ctx, n_ubatch=n_ubatch))
+        return self.plain[1]
 
     def in_session(self, tokens, s, n_ubatch):
         """Feed tokens after the parent's state at ``after`` (a checkpoint), keep checkpoints."""

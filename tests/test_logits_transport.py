@@ -31,10 +31,10 @@ TOKENS = list(range(30, 130))
 pytestmark = pytest.mark.usefixtures("fresh_engine_processes")
 
 
-def _example(capabilities: list[str]) -> CommandEngine:
-    """The example engine (examples/llamacpp_engine.py) under a table declaring ``capabilities``."""
+def _example(capabilities: list[str], name: str = "ex") -> CommandEngine:
+    """The example engine (examples/llamacpp_engine.py) under a table ``name`` declaring ``capabilities``."""
     root = Path(__file__).resolve().parents[1]
-    spec = CommandSpec("ex", ["{python}", str(root / "examples" / "llamacpp_engine.py"), "--serve"], 120.0, capabilities, protocol=2)
+    spec = CommandSpec(name, ["{python}", str(root / "examples" / "llamacpp_engine.py"), "--serve"], 120.0, capabilities, protocol=2)
     return CommandEngine(spec, fx.build("tiny-qwen35"), block_size=256)
 
 
@@ -205,3 +205,17 @@ def test_calibration_fetches_a_models_reference_rows_in_one_worker_run(monkeypat
     ref.prefetch(prompts)
     assert len(starts) == 1 and len(ref.cache) == 2  # the repeated prompt once
     assert all(np.array_equal(ref.get(p), w) for p, w in zip(prompts, want)) and len(starts) == 1
+
+
+def test_the_example_engine_reuses_its_context_and_gives_the_bytes_of_a_fresh_one():
+    """examples/llamacpp_engine.py keeps the context of plain logits requests and empties it
+    (llama_memory_clear) for the next of the same shape: the rows are the bytes of a fresh
+    context's, also after another prompt ran in it."""
+    eng = _example(["logits_ring"])
+    a, b = TOKENS[:90], TOKENS[10:100]
+    first = gather(eng.logits(a))
+    gather(eng.logits(b))
+    assert np.array_equal(gather(eng.logits(a)), first)
+    fresh = _example([], name="ex-other")  # another process: b first, then a in the context b left
+    gather(fresh.logits(b))
+    assert np.array_equal(gather(fresh.logits(a)), first) and engine_starts() == 2

@@ -7,6 +7,7 @@ in position order so memory stays bounded at Qwen3.5's vocab (248,320 columns, ~
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -311,6 +312,33 @@ def last_row(blocks: Iterator[LogitBlock], n_tokens: int | None = None) -> np.nd
     if last is None:
         raise EngineError("engine returned no positions")
     return last
+
+
+class BlockPool:
+    """Float32 block buffers handed out again once nobody else holds them, so that streaming a
+    prompt's logits does not fault in fresh memory for every block: at V = 248,320 a 256-row block
+    is 254 MB, and first-touching it cost about 0.3 s (2 MB pages) where a copy into a buffer
+    already resident takes 0.03 s (measured on this project's 2-core machine).
+
+    ``take(n_rows, n_vocab)`` returns a ``[n_rows, n_vocab]`` array: a view of a pooled buffer
+    whose only holder is the pool (``sys.getrefcount``; a consumer's slice of a block holds its
+    buffer), else a new buffer, pooled while fewer than ``size`` are. A block a consumer keeps
+    (``gather``, a list of blocks) is never handed out again while it is kept, so every block
+    stays valid for as long as anyone holds it."""
+
+    def __init__(self, size: int = 3):
+        self.size = int(size)
+        self.buffers: list[np.ndarray] = []
+
+    def take(self, n_rows: int, n_vocab: int) -> np.ndarray:
+        for buf in self.buffers:
+            # 3: the pool's list, the loop variable and getrefcount's own argument
+            if buf.shape[1] == n_vocab and buf.shape[0] >= n_rows and sys.getrefcount(buf) <= 3:
+                return buf[:n_rows]
+        buf = np.empty((n_rows, n_vocab), dtype="<f4")
+        if len(self.buffers) < self.size:
+            self.buffers.append(buf)
+        return buf
 
 
 def logits_each(engine: Any, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:

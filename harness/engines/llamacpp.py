@@ -47,7 +47,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from harness.engines.base import MTP_CONVENTIONS, Drafts, EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import MTP_CONVENTIONS, BlockPool, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.engines.process import exit_status, read_tail, tail_lines
 from harness.errors import EngineError, InvalidInput
 from harness.model.gguf_model import Override
@@ -425,8 +425,9 @@ class LlamaCppEngine:
 
     def _in_order(self, reader: "_PipeReader", n_rows: int, n_vocab: int) -> Iterator[LogitBlock | None]:
         """Blocks read straight from a single sequence's stream (rows in position order)."""
+        pool = BlockPool()
         for start in range(0, n_rows, self.block_size):
-            block = np.empty((min(self.block_size, n_rows - start), n_vocab), dtype="<f4")
+            block = pool.take(min(self.block_size, n_rows - start), n_vocab)
             if not reader.fill(block):
                 yield None
                 return

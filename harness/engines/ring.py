@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.engines.base import BlockPool
 from harness.rundir import pid_alive
 
 RING_SLOTS = 2
@@ -73,6 +74,7 @@ class LogitRing:
         if where == SHM:
             sweep(where)
         self.n_vocab, self.rows, self.slots = int(n_vocab), int(rows), int(slots)
+        self.pool = BlockPool()
         fd, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".f32", dir=where)
         self.fd, self.path = fd, Path(name)
         try:
@@ -92,12 +94,12 @@ class LogitRing:
         return {"path": str(self.path), "slots": self.slots, "rows": self.rows}
 
     def read(self, slot: int, n: int) -> np.ndarray:
-        """Rows 0..n−1 of ``slot`` as float32 ``[n, n_vocab]`` (a copy: valid after the slot is
-        written again). Raises ``ValueError`` for a slot or row count outside the ring, and
+        """Rows 0..n−1 of ``slot`` as float32 ``[n, n_vocab]`` (a copy into a ``BlockPool`` buffer
+        nobody else holds: valid after the slot is written again, and for as long as it is kept). Raises ``ValueError`` for a slot or row count outside the ring, and
         ``OSError`` for a short read (the file was truncated under us)."""
         if not (0 <= slot < self.slots and 0 < n <= self.rows):
             raise ValueError(f"slot {slot} / {n} rows outside a ring of {self.slots} slots × {self.rows} rows")
-        out = np.empty((n, self.n_vocab), dtype="<f4")
+        out = self.pool.take(n, self.n_vocab)
         view = memoryview(out).cast("B")
         at, done = slot * self.slot_bytes, 0
         while done < view.nbytes:
