@@ -326,7 +326,7 @@ class BlockPool:
     (``gather``, a list of blocks) is never handed out again while it is kept, so every block
     stays valid for as long as anyone holds it."""
 
-    def __init__(self, size: int = 3):
+    def __init__(self, size: int = 2):
         self.size = int(size)
         self.buffers: list[np.ndarray] = []
 
