@@ -193,8 +193,8 @@ def build_prompts(path: Path, positions: int, work: Path) -> tuple[Path, list[li
 
 # (file suffix, function) -> category of the harness's own time, for the profile summary
 CATEGORIES = [
-    ("harness/engines/llamacpp.py", "_run", "engine: llama.cpp worker runs without a stream (info, tokenize)"),
-    ("harness/engines/llamacpp.py", "_stream", "engine: llama.cpp worker streaming logits (start, load, decode, pipe)"),
+    ("harness/engines/llamacpp.py", "_run", "engine: llama.cpp worker runs without a stream (info, tokenize, free-running greedy)"),
+    ("harness/engines/llamacpp.py", "_checked", "engine: llama.cpp worker streaming logits (decode, pipe; one run for the prompt set)"),
     ("harness/engines/oracle/qwen35.py", "_forward", "engine: oracle trunk"),
     ("harness/engines/oracle/qwen35.py", "lm_head", "engine: oracle lm_head"),
     ("harness/model/gguf_model.py", "__init__", "opening the GGUF (gguf-py parse; shared with the oracle)"),
