@@ -152,7 +152,7 @@ def test_the_long_probe_on_a_4096_context_file_feeds_4096():
     """The requested 8,192 capped at the file's declared 4,096, said in the result's details."""
     inputs = SimpleNamespace(model=SimpleNamespace(hparams=SimpleNamespace(context_length=4096)))
     r = probes._with_length(probes.ProbeResult("long", Verdict.PASS), 8192, inputs)  # type: ignore[arg-type]
-    assert r.details == {"requested_positions": 8192, "context_length": 4096, "positions": 4096}
+    assert r.details == {"requested_positions": 8192, "default_positions": probes.LONG_TOKENS, "context_length": 4096, "positions": 4096}
 
 
 # ------------------------------------------------------------------------------ engines without their extras

@@ -190,7 +190,10 @@ def test_cli_parity_writes_receipt_and_ledger_and_verify_detects_edit(tmp_path):
     assert t["reference"]["source"] == "engine" and t["candidate"]["source"] == "harness"
     assert t["reference_cache"] == {"enabled": False}  # the suite runs with the cache off (tests/conftest.py)
     for e in (t["reference"], t["candidate"]):
-        assert e["tokens"] == rec["prompts"]["positions"] and e["prefill_tokens_per_s"] > 0 and e["wall_s"] >= e["prefill_s"] > 0
+        assert e["tokens"] == rec["prompts"]["positions"] and e["prefill_tokens_per_s"] > 0 and e["wall_s"] > 0 and e["prefill_s"] > 0
+    # the in-process oracle computes only while the harness waits; the reference's one worker run decodes the
+    # next prompt while the oracle computes, so its own decode seconds may exceed the harness's waits for it
+    assert t["candidate"]["wall_s"] >= t["candidate"]["prefill_s"]
     row = json.loads(ledger.read_text().splitlines()[-1])
     assert row["candidate_tokens_per_s"] == t["candidate"]["prefill_tokens_per_s"]
     v = run_cli("ledger", "verify", "--ledger", str(ledger))

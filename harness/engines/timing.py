@@ -25,7 +25,10 @@ class TimedEngine:
     reports them (``engine.timings`` with ``load_s``, ``decode_s``: llama.cpp's worker measures
     ``llama_model_load_from_file`` and ``llama_decode``; ``source`` ``"engine"``), else
     construction time and the harness-measured time of its logits streams (``source``
-    ``"harness"``); ``prefill_tokens_per_s`` is tokens / prefill_s (None when nothing ran).
+    ``"harness"``); ``prefill_tokens_per_s`` is tokens / prefill_s (None when nothing ran). An
+    engine that computes in its own process while the harness does other work (the llama.cpp
+    reference's one worker run for a prompt set decodes the next prompt while an in-process
+    candidate computes) can report more ``prefill_s`` than the harness waited for it (``wall_s``).
     """
 
     def __init__(self, engine: Any, load_s: float = 0.0):
