@@ -488,20 +488,29 @@ class CommandEngine:
         server = self._server()
         out_dir = server.out_dir()
         try:
-            reply = server.request({"schema": REQUEST_SCHEMA_V2, "model": str(self.model_path),
-                                    "overrides": [o.to_flag() for o in self.overrides], "settings": dict(self.settings), **body},
-                                   out_dir, self.spec.timeout_s)
-            bad = [f for f in reply.get("files", []) if f not in V2_FILES]
-            if bad:
-                raise EngineError(f"{self.who} named {bad[0][:60]!r} among its files; the protocol's files are {', '.join(V2_FILES)}")
-            self._reply_files = list(reply.get("files", []))
-            tail = server.tail()
-            info = load_info(out_dir, self.who, tail)
-            if info:
-                server.last_info = info
-            yield out_dir, tail
+            reply = server.request(self._v2_body(body), out_dir, self.spec.timeout_s)
+            yield out_dir, self._accept_reply(server, out_dir, reply)
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
+
+    def _v2_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A protocol-2 request: the fields every request carries (schema, model, overrides,
+        settings) and ``body``'s."""
+        return {"schema": REQUEST_SCHEMA_V2, "model": str(self.model_path), "overrides": [o.to_flag() for o in self.overrides],
+                "settings": dict(self.settings), **body}
+
+    def _accept_reply(self, server: Any, out_dir: Path, reply: dict[str, Any]) -> str:
+        """Check a final reply's files (only the protocol's), keep its ``info.json`` as what
+        ``info`` reports; returns the engine's stderr tail. Raises ``EngineError``."""
+        bad = [f for f in reply.get("files", []) if f not in V2_FILES]
+        if bad:
+            raise EngineError(f"{self.who} named {bad[0][:60]!r} among its files; the protocol's files are {', '.join(V2_FILES)}")
+        self._reply_files = list(reply.get("files", []))
+        tail = server.tail()
+        info = load_info(out_dir, self.who, tail)
+        if info:
+            server.last_info = info
+        return tail
 
     def _v2_logits(self, body: dict[str, Any], n_rows: int) -> Iterator[LogitBlock]:
         if "logits_ring" in self.spec.capabilities and body.get("want") == ["logits"]:
@@ -523,9 +532,7 @@ class CommandEngine:
         out_dir = server.out_dir()
         try:
             with self._open_ring(out_dir) as ring:
-                full = {"schema": REQUEST_SCHEMA_V2, "model": str(self.model_path), "overrides": [o.to_flag() for o in self.overrides],
-                        "settings": dict(self.settings), **body, "logits_ring": ring.spec}
-                blocks = server.request_blocks(full, out_dir, self.spec.timeout_s)
+                blocks = server.request_blocks(self._v2_body({**body, "logits_ring": ring.spec}), out_dir, self.spec.timeout_s)
                 expect = 0
                 try:
                     while True:
@@ -569,16 +576,10 @@ class CommandEngine:
             raise EngineError(f"{self.who}: reading the logits ring failed ({e})", server.tail()) from None
 
     def _ring_reply(self, server: Any, out_dir: Path, reply: dict[str, Any], got: int, n_rows: int) -> None:
-        """Check a ring request's final reply (its files, the row count) and keep its ``info.json``."""
-        bad = [f for f in reply.get("files", []) if f not in V2_FILES]
-        if bad:
-            raise EngineError(f"{self.who} named {bad[0][:60]!r} among its files; the protocol's files are {', '.join(V2_FILES)}")
+        """Check a ring request's final reply: every row announced, then ``_accept_reply``."""
         if got != n_rows:
             raise EngineError(f"{self.who} finished a ring request after {got} of {n_rows} rows", server.tail())
-        self._reply_files = list(reply.get("files", []))
-        info = load_info(out_dir, self.who, server.tail())
-        if info:
-            server.last_info = info
+        self._accept_reply(server, out_dir, reply)
 
     # -- the engine protocol ------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
