@@ -41,4 +41,6 @@ def test_worker_peak_rss_at_v248k_holds_one_batch_of_logits_not_two():
     batch_mb = 512 * old.n_vocab * 4 / 2**20  # 485 MiB: one 512-row float32 buffer at V = 248,320
     assert old.worker_peak_rss_mb > new.worker_peak_rss_mb + 0.8 * batch_mb
     model_mb = path.stat().st_size / 2**20
-    assert new.worker_peak_rss_mb < model_mb + 600  # model + KV (a few MB here) + 600 MB (issue 15)
+    # model + one batch (485 MiB) + the rest of the compute buffer, KV (a few MB here) and the runtime: 600 MB
+    # (issue 15), measured 582; 2 MiB pages (llamacpp.worker_env) round the worker's buffers up: 598 (+16 MB)
+    assert new.worker_peak_rss_mb < model_mb + 640

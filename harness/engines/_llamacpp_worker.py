@@ -34,7 +34,8 @@ llama.cpp's output buffer, as several sequences' are; tests compare the two), ``
 ``vllm``; the MTP head's draft logits and hidden states written to ``draft_logits.npy`` and
 ``hidden.npy``, see ``_draft``), ``prompts`` (``logits``: ``[{"tokens", "settings"}]``, each prompt decoded on a
 fresh context of its own settings, one after another; its ``n_vocab`` header and rows follow the previous prompt's
-on the stream).
+on the stream), ``ring`` and ``ack_fd`` (``logits`` of a single sequence: its rows go through the
+harness's shared-memory ring, ``_Ring``, and only the announcements through the stream).
 ``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
 (``VmHWM``); a ``tokenize`` run's holds ``tokenize_s`` (inside ``llama_tokenize``).
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import sys
 import time
@@ -281,7 +283,7 @@ class _GraphRows:
             os._exit(24)
         addr, nbytes = int(self.g.ggml_get_data(t)), int(self.g.ggml_nbytes(t))
         t0 = time.perf_counter()
-        self.stream._write((ctypes.c_char * (n * n_vocab * 4)).from_address(addr))
+        self.stream.send_rows(addr, n)
         self.write_s += time.perf_counter() - t0
         _release(addr, nbytes)
         self.rows_seen += n
@@ -296,8 +298,9 @@ class _Stream:
     """The logits stream to the harness (see the module docstring); ``fd`` None sends nothing
     (activation runs decode for their eval callback only)."""
 
-    def __init__(self, fd: int | None, n_vocab: int, indexed: bool):
+    def __init__(self, fd: int | None, n_vocab: int, indexed: bool, ring: "_Ring | None" = None):
         self.fd, self.n_vocab, self.indexed = fd, n_vocab, indexed
+        self.ring = None if indexed else ring  # several sequences' rows always cross the pipe
         self.decode_s = 0.0  # seconds inside llama_decode (not writing to the harness)
         self.graph: _GraphRows | None = None  # rows written by the eval callback instead
         if fd is not None:
@@ -309,13 +312,67 @@ class _Stream:
             n = os.write(self.fd, view)
             view = view[n:]
 
+    def send_rows(self, addr: int, n: int) -> None:
+        """Send the n float32 rows of ``n_vocab`` at address ``addr``: through the ring where
+        there is one, else on the stream itself."""
+        if self.ring is not None:
+            self.ring.send(self, addr, n)
+        else:
+            self._write((ctypes.c_char * (n * self.n_vocab * 4)).from_address(addr))
+
     def rows(self, ptr, n: int, row_of: list[int]) -> None:
         """Send the n rows at ``ptr`` (llama.cpp's float32 output buffer) for rows ``row_of``."""
         if self.fd is None:
             return
         if self.indexed:
             self._write(np.array([n, *row_of], dtype="<i8").data)
-        self._write((ctypes.c_char * (n * self.n_vocab * 4)).from_address(ctypes.addressof(ptr.contents)))
+        self.send_rows(ctypes.addressof(ptr.contents), n)
+
+
+class _Ring:
+    """The harness's logits ring (``harness.engines.ring.LogitRing``; the request's ``ring``:
+    ``path``, ``slots``, ``rows``) as this worker writes it, with ``ack_fd`` the pipe on which the
+    harness gives each slot back (one int64, the slot, in the order the slots were announced).
+    Each piece of at most ``rows`` rows is copied from llama.cpp's memory into the next slot
+    (waiting for that slot's ack when every slot is out) and announced on the stream as two
+    int64s, the slot and the row count. The rows cross in one copy here and one in the harness,
+    instead of a write into the pipe and a read out of it."""
+
+    def __init__(self, spec: dict, ack_fd: int):
+        self.slots, self.rows, self.ack_fd = int(spec["slots"]), int(spec["rows"]), int(ack_fd)
+        fd = os.open(spec["path"], os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.next, self.out = 0, 0  # the slot written next; slots announced and not yet given back
+
+    def send(self, stream: "_Stream", addr: int, n: int) -> None:
+        """Copy ``n`` rows at ``addr`` into slots and announce each on ``stream``."""
+        row = stream.n_vocab * 4
+        if self.slots * self.rows * row > len(self.map):
+            sys.stderr.write("harness-worker: the logits ring is smaller than its slots\n")
+            os._exit(26)
+        for lo in range(0, n, self.rows):
+            k = min(self.rows, n - lo)
+            if self.out == self.slots:
+                self._await((self.next - self.out) % self.slots)
+            ctypes.memmove(self.base + self.next * self.rows * row, addr + lo * row, k * row)
+            stream._write(np.array([self.next, k], dtype="<i8").data)
+            self.next, self.out = (self.next + 1) % self.slots, self.out + 1
+
+    def _await(self, slot: int) -> None:
+        got = b""
+        while len(got) < 8:
+            chunk = os.read(self.ack_fd, 8 - len(got))
+            if not chunk:  # the harness is gone
+                os._exit(26)
+            got += chunk
+        if int.from_bytes(got, "little", signed=True) != slot:
+            sys.stderr.write(f"harness-worker: the harness gave back ring slot {int.from_bytes(got, 'little', signed=True)}, not {slot}\n")
+            os._exit(26)
+        self.out -= 1
 
 
 def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of):
@@ -437,6 +494,8 @@ def main(req_path: str) -> int:
         (out_dir / "info.json").write_text(json.dumps(info))
         return 0
 
+    if req.get("ring"):  # one ring for every prompt of the request
+        req["_ring"] = _Ring(req["ring"], req["ack_fd"])
     if req["op"] == "draft":
         _draft(llama_cpp, model, req, n_vocab, info, out_dir)
     elif req.get("prompts"):
@@ -456,7 +515,7 @@ def _decode(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path
     ``output``), ``activations.npz`` or ``generated.json`` written; timings added to ``info``."""
     s = req["settings"]
     sequences = req.get("sequences") or [req["tokens"]]
-    stream = _Stream(req.get("stream_fd"), n_vocab, indexed=len(sequences) > 1)
+    stream = _Stream(req.get("stream_fd"), n_vocab, indexed=len(sequences) > 1, ring=req.get("_ring"))
     capture = None
     if req["op"] == "activations":
         capture = _Capture(llama_cpp, set(req["names"]) if req.get("names") else None)

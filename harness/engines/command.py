@@ -44,6 +44,7 @@ import numpy as np
 
 from harness.config import HarnessConfig, configured_engine, did_you_mean, engine_table, load_config
 from harness.engines.base import (
+    BlockPool,
     COMPUTE_CLASSES,
     MTP_CONVENTIONS,
     Drafts,
@@ -408,6 +409,7 @@ class CommandEngine:
         self.settings = dict(settings or {})
         self._last_info: dict[str, Any] = {}
         self._reply_files: list[str] = []  # the files the latest protocol-2 reply named
+        self._ring_pool = BlockPool()  # the blocks read from every request's ring (``_open_ring``)
 
     @property
     def who(self) -> str:
@@ -560,11 +562,11 @@ class CommandEngine:
         request's folder; ``EngineError`` when neither can."""
         where = ring_dir(out_dir)
         try:
-            return LogitRing(where, self.n_vocab)
+            return LogitRing(where, self.n_vocab, pool=self._ring_pool)
         except OSError as e:
             if where != out_dir:
                 try:
-                    return LogitRing(out_dir, self.n_vocab)
+                    return LogitRing(out_dir, self.n_vocab, pool=self._ring_pool)
                 except OSError:
                     pass
             raise EngineError(f"{self.who}: cannot make the logits ring in {where} ({e.strerror or e})") from None

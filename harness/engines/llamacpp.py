@@ -49,6 +49,7 @@ import numpy as np
 
 from harness.engines.base import MTP_CONVENTIONS, BlockPool, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.engines.process import exit_status, read_tail, tail_lines
+from harness.engines.ring import LogitRing, ring_dir
 from harness.errors import EngineError, InvalidInput
 from harness.model.gguf_model import Override
 from harness.rundir import scratch_dir
@@ -209,6 +210,10 @@ class LlamaCppEngine:
     """
 
     name = "llama.cpp"
+    use_ring = True
+    """A single sequence's rows cross from the worker through a shared-memory ring
+    (``harness.engines.ring``) where one can be made; False: through the pipe, as before (tests
+    compare the two)."""
 
     def __init__(
         self,
@@ -229,6 +234,10 @@ class LlamaCppEngine:
         self.timings: dict[str, float] = {}
         """Summed over this engine's worker runs: ``load_s`` (model load), ``decode_s`` (inside
         ``llama_decode``), ``n_tokens`` (tokens decoded)."""
+        self._pool = BlockPool()
+        """The blocks of this engine's streams, kept across its worker runs and prompts: at
+        V = 248,320 a 256-row block is 254 MB, and two fresh ones a prompt cost the harness
+        about 0.3 s of page zeroing each (``BlockPool``)."""
         self.worker_peak_rss_mb = 0.0
         """The largest decoding worker's peak RSS so far (its ``VmHWM``, MB): benchmarks, tests."""
         self.flash_attn_ran: str | None = None
@@ -259,9 +268,7 @@ class LlamaCppEngine:
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 pass_fds=pass_fds,
-                # ggml's abort() otherwise attaches gdb for a backtrace: seconds to minutes
-                # (or a hang under load) before the worker dies, and gdb's lines bury the assert
-                env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+                env=worker_env(os.environ),
             )
 
     def _finish(self, proc: subprocess.Popen, workdir: Path, deadline: float) -> dict[str, Any]:
@@ -351,26 +358,45 @@ class LlamaCppEngine:
             return json.loads((d / "tokens.json").read_text())
 
     @contextmanager
-    def _worker_stream(self, request: dict[str, Any]) -> Iterator[tuple["_PipeReader", Any]]:
+    def _worker_stream(self, request: dict[str, Any], ring: bool = False) -> Iterator[tuple["_PipeReader", Any]]:
         """Start a worker on ``request`` with a pipe for its logits; yields the pipe's reader and a
         ``finish()`` that waits for the worker and checks its exit (raising with llama.cpp's error).
+        ``ring`` (a single sequence's rows): the rows go through a shared-memory ring
+        (``_open_ring``; the reader's ``ring``) where one can be made, else through the pipe.
         A worker still running when the block ends (the consumer stopped early, or an error) is
         killed."""
         with scratch_dir("llamacpp-") as workdir:
+            lring = self._open_ring(workdir) if ring and self.use_ring else None
             r, w = os.pipe()
             _widen_pipe(w)
+            ack_r, ack_w = os.pipe() if lring else (None, None)
+            fds = (w,) if ack_r is None else (w, ack_r)
+            extra = {} if lring is None else {"ring": lring.spec, "ack_fd": ack_r}
             try:
-                proc = self._start({**request, "stream_fd": w}, workdir, pass_fds=(w,))
+                proc = self._start({**request, "stream_fd": w, **extra}, workdir, pass_fds=fds)
             finally:
-                os.close(w)
+                for fd in fds:
+                    os.close(fd)
             deadline = time.monotonic() + self.timeout_s
             try:
                 with open(r, "rb", buffering=0) as pipe:
-                    yield _PipeReader(pipe, deadline), lambda: self._finish(proc, workdir, deadline)
+                    yield _PipeReader(pipe, deadline, lring, ack_w), lambda: self._finish(proc, workdir, deadline)
             finally:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+                if ack_w is not None:
+                    os.close(ack_w)
+                if lring is not None:
+                    lring.close()
+
+    def _open_ring(self, workdir: Path) -> LogitRing | None:
+        """A mapped ``LogitRing`` for the worker's rows in ``/dev/shm`` (else ``workdir``), or None
+        when none can be made (the pipe then carries the rows, as before the ring)."""
+        try:
+            return LogitRing(ring_dir(workdir), self.n_vocab, rows=WORKER_RING_ROWS, mapped=True)
+        except OSError:
+            return None
 
     def _header(self, reader: "_PipeReader", finish: Any) -> int:
         """The stream's int64 ``n_vocab`` header; a stream that ends first raises the worker's error."""
@@ -392,7 +418,7 @@ class LlamaCppEngine:
         """Start a worker on ``request`` and yield its logits as ``(start, float32 [B, V])``
         blocks of ``block_size`` rows while it decodes. Rows of several sequences (``sequences``)
         arrive interleaved with their indices and are put in order through a file first."""
-        with self._worker_stream(request) as (reader, finish):
+        with self._worker_stream(request, ring=request["op"] == "logits" and not request.get("sequences")) as (reader, finish):
             n_vocab = self._header(reader, finish)
             if request.get("sequences"):
                 with scratch_dir("llamacpp-order-") as d:
@@ -414,7 +440,7 @@ class LlamaCppEngine:
             yield from (self.logits(t) for t in toks)
             return
         req = {"op": "logits", "prompts": [{"tokens": t, "settings": self.settings.resolved(len(t))} for t in toks]}
-        with self._worker_stream(req) as (reader, finish):
+        with self._worker_stream(req, ring=True) as (reader, finish):
             for t in toks:
                 n_vocab = self._header(reader, finish)
                 stream = self._checked(self._in_order(reader, len(t), n_vocab), len(t), finish)
@@ -424,8 +450,12 @@ class LlamaCppEngine:
             finish()
 
     def _in_order(self, reader: "_PipeReader", n_rows: int, n_vocab: int) -> Iterator[LogitBlock | None]:
-        """Blocks read straight from a single sequence's stream (rows in position order)."""
-        pool = BlockPool()
+        """Blocks read straight from a single sequence's stream (rows in position order), or,
+        with a ring, from the slots it announces."""
+        if reader.ring is not None:
+            yield from reader.ring_blocks(n_rows, n_vocab, self.block_size, self._pool)
+            return
+        pool = self._pool
         for start in range(0, n_rows, self.block_size):
             block = pool.take(min(self.block_size, n_rows - start), n_vocab)
             if not reader.fill(block):
@@ -560,6 +590,42 @@ class LlamaCppEngine:
         yield from self._stream(req, total)
 
 
+WORKER_RING_ROWS = 16
+"""Rows per slot of the worker's ring: 2 slots of 16 rows are 32 MB at V = 248,320, mapped in the
+worker and in the harness. Larger slots cost resident memory in both (the worker already holds
+one 512-row batch), not speed: a slot is copied in about 2 ms."""
+
+
+HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
+"""glibc's malloc tunable (glibc 2.35 on, "Memory Allocation Tunables" in its manual): memory it
+maps itself (every large allocation: llama.cpp's compute and output buffers, its KV cache) is
+advised ``MADV_HUGEPAGE``, so a kernel whose transparent huge pages are in ``madvise`` mode backs
+it with 2 MiB pages."""
+
+
+def worker_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a llama.cpp worker: ``base`` with ``GGML_NO_BACKTRACE=1`` (ggml's
+    ``abort()`` otherwise attaches gdb for a backtrace: seconds to minutes, or a hang under load,
+    before the worker dies, and gdb's lines bury the assert) and ``HUGETLB_TUNABLE`` added to
+    ``GLIBC_TUNABLES`` (after the caller's own tunables; a caller who set ``glibc.malloc.hugetlb``
+    keeps theirs).
+
+    Why huge pages: the worker gives the pages of each batch's logits back to the kernel once
+    written (``_llamacpp_worker``, issue 15's one-batch memory bound), so every 512-row batch at
+    V = 248,320 faults about 250,000 4 KiB pages in again, and every prompt's fresh context as
+    many. On ``fixture:tiny-qwen35-v248k`` (3 × 512 positions, docs/benchmarks.md section 14)
+    that was 1.88 million page faults and about 4 s of kernel time in the worker; with 2 MiB
+    pages, 17,000 faults and about 1.3 s. The logits are the same bytes (memory placement
+    changes no arithmetic; ``tests/test_llamacpp_rows.py``). An older glibc ignores the tunable
+    and a kernel with transparent huge pages off ignores the advice: the worker is then as
+    before."""
+    env = {**base, "GGML_NO_BACKTRACE": "1"}
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" not in tunables:
+        env["GLIBC_TUNABLES"] = f"{tunables}:{HUGETLB_TUNABLE}" if tunables else HUGETLB_TUNABLE
+    return env
+
+
 PIPE_BYTES = 1 << 20
 """The logits pipe's capacity asked for (``F_SETPIPE_SZ``; Linux's default ``pipe-max-size``):
 a 1 MB row crosses in one read, not sixteen of the default 64 KiB."""
@@ -576,10 +642,51 @@ def _widen_pipe(fd: int) -> None:
 
 
 class _PipeReader:
-    """Exact reads from the worker's stream into NumPy buffers, bounded by a deadline."""
+    """Exact reads from the worker's stream into NumPy buffers, bounded by a deadline; with a
+    ``ring`` (``LogitRing``) and ``ack_fd`` (the pipe on which slots are given back), the rows
+    of a single sequence come through the ring (``ring_blocks``)."""
 
-    def __init__(self, pipe: Any, deadline: float):
-        self.pipe, self.deadline = pipe, deadline
+    def __init__(self, pipe: Any, deadline: float, ring: LogitRing | None = None, ack_fd: int | None = None):
+        self.pipe, self.deadline, self.ring, self.ack_fd = pipe, deadline, ring, ack_fd
+
+    def ring_blocks(self, n_rows: int, n_vocab: int, block_size: int, pool: BlockPool | None = None) -> Iterator[LogitBlock | None]:
+        """A single sequence's ``n_rows`` rows from the ring, as blocks of ``block_size`` rows
+        (the last shorter, taken from ``pool``), as the pipe gives them. Each announcement (int64 slot, int64 row
+        count) is read from the stream, the slot's rows copied into the blocks and the slot given
+        back to the worker (int64 slot on ``ack_fd``) before the blocks it completed are yielded.
+        None when the stream ends first (the worker's exit says why). Raises ``EngineError`` for
+        an announcement outside the ring or past ``n_rows``, or a ring of another vocabulary."""
+        ring = self.ring
+        assert ring is not None and self.ack_fd is not None
+        if ring.n_vocab != n_vocab:
+            raise EngineError(f"llama.cpp worker streams {n_vocab} logits a row into a ring of {ring.n_vocab}")
+        head, pool = np.empty(2, dtype="<i8"), pool if pool is not None else BlockPool()
+        got, start, block, filled = 0, 0, None, 0
+        while got < n_rows:
+            if not self.fill(head):
+                yield None
+                return
+            slot, k = int(head[0]), int(head[1])
+            if not (0 <= slot < ring.slots and 0 < k <= ring.rows and got + k <= n_rows):
+                raise EngineError(f"llama.cpp worker announced {k} rows in ring slot {slot} at row {got} of {n_rows}")
+            done: list[LogitBlock] = []
+            lo = 0  # rows of this slot copied so far
+            while lo < k:
+                if block is None:
+                    block, filled = pool.take(min(block_size, n_rows - start), n_vocab), 0
+                m = min(k - lo, block.shape[0] - filled)
+                ring.read_into(slot, lo, block[filled:filled + m])
+                lo, filled = lo + m, filled + m
+                if filled == block.shape[0]:
+                    done.append((start, block))
+                    start, block = start + filled, None
+            got += k
+            try:
+                os.write(self.ack_fd, head[:1].tobytes())
+            except OSError:
+                yield None  # the worker is gone: its exit says why
+                return
+            yield from done
 
     def fill(self, array: np.ndarray) -> bool:
         """Fill ``array`` (C-contiguous) from the stream; False if the stream ends first.

@@ -111,10 +111,13 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
     c_buf = np.zeros((0, n_vocab), np.float32)
     done = 0
     while done < n:
-        while r_buf.shape[0] == 0:
-            r_buf = next(ref_it)
+        # the candidate's block first: the reference's worker is running already (its stream
+        # was opened), and a candidate that starts on its first request then starts at once
+        # and decodes beside it, instead of after the reference's first block
         while c_buf.shape[0] == 0:
             c_buf = next(cand_it)
+        while r_buf.shape[0] == 0:
+            r_buf = next(ref_it)
         k = min(r_buf.shape[0], c_buf.shape[0])
         at = np.arange(done, done + k)
         parts.append(metrics.position_metrics(r_buf[:k], c_buf[:k], following[at], (at >= score_from) & (following[at] >= 0)))
