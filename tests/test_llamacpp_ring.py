@@ -102,3 +102,11 @@ def test_a_stream_that_ends_early_yields_none_and_a_ring_of_another_width_is_ref
     with pytest.raises(EngineError, match="ring of 8"):
         list(reader.ring_blocks(5, 16, 256))
     ring.close(), ring2.close()
+
+
+def test_a_worker_gone_after_its_last_rows_is_not_a_short_stream(tmp_path):
+    reader, ring, ack_r = _reader(tmp_path, [0, 3, 1, 2])
+    os.close(ack_r)  # the worker has exited: giving its slots back fails with EPIPE
+    got = list(reader.ring_blocks(5, 8, 256))
+    assert len(got) == 1 and got[0][0] == 0 and got[0][1].shape == (5, 8)
+    ring.close()

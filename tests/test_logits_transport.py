@@ -6,6 +6,7 @@ plain path, bound its memory, and turn a misbehaving engine into one ENGINE-ERRO
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -219,3 +220,26 @@ def test_the_example_engine_reuses_its_context_and_gives_the_bytes_of_a_fresh_on
     fresh = _example([], name="ex-other")  # another process: b first, then a in the context b left
     gather(fresh.logits(b))
     assert np.array_equal(gather(fresh.logits(a)), first) and engine_starts() == 2
+
+
+@pytest.mark.skipif(ring.sealed_memfd(8) is None, reason="no sealed memfd on this system: the ring is a plain file read with preadv")
+def test_a_sealed_ring_cannot_be_truncated_by_the_engine_and_is_read_through_its_mapping(tmp_path):
+    with ring.LogitRing(tmp_path, n_vocab=100, rows=4, slots=2, sealed=True) as r:
+        assert r.memfd and r._slots is not None and str(r.path).startswith("/proc/")
+        assert list(tmp_path.iterdir()) == []  # nothing on a file system to sweep
+        code = textwrap.dedent(f'''
+            import os, numpy as np
+            fd = os.open({str(r.path)!r}, os.O_RDWR)
+            os.pwrite(fd, np.arange(400, dtype="<f4").tobytes(), 400 * 4)
+            try:
+                open({str(r.path)!r}, "wb")
+                print("truncated")
+            except PermissionError:
+                print("refused")
+            ''')
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "refused", out.stderr
+        assert os.fstat(r.fd).st_size == 2 * 4 * 100 * 4
+        assert r.read(1, 3).tobytes() == np.arange(300, dtype="<f4").tobytes()  # slot 1, rows 0..2
+        path = r.path
+    assert not path.exists()  # gone with its descriptor

@@ -562,7 +562,7 @@ class CommandEngine:
         request's folder; ``EngineError`` when neither can."""
         where = ring_dir(out_dir)
         try:
-            return LogitRing(where, self.n_vocab, pool=self._ring_pool)
+            return LogitRing(where, self.n_vocab, pool=self._ring_pool, sealed=True)
         except OSError as e:
             if where != out_dir:
                 try:

@@ -394,7 +394,7 @@ class LlamaCppEngine:
         """A mapped ``LogitRing`` for the worker's rows in ``/dev/shm`` (else ``workdir``), or None
         when none can be made (the pipe then carries the rows, as before the ring)."""
         try:
-            return LogitRing(ring_dir(workdir), self.n_vocab, rows=WORKER_RING_ROWS, mapped=True)
+            return LogitRing(ring_dir(workdir), self.n_vocab, rows=WORKER_RING_ROWS, mapped=True, sealed=True)
         except OSError:
             return None
 
@@ -653,8 +653,9 @@ class _PipeReader:
         """A single sequence's ``n_rows`` rows from the ring, as blocks of ``block_size`` rows
         (the last shorter, taken from ``pool``), as the pipe gives them. Each announcement (int64 slot, int64 row
         count) is read from the stream, the slot's rows copied into the blocks and the slot given
-        back to the worker (int64 slot on ``ack_fd``) before the blocks it completed are yielded.
-        None when the stream ends first (the worker's exit says why). Raises ``EngineError`` for
+        back to the worker (int64 slot on ``ack_fd``) before the blocks it completed are yielded
+        (a worker that has already exited, after its last rows, is not an error here). None when
+        the stream ends first (the worker's exit says why). Raises ``EngineError`` for
         an announcement outside the ring or past ``n_rows``, or a ring of another vocabulary."""
         ring = self.ring
         assert ring is not None and self.ack_fd is not None
@@ -684,8 +685,7 @@ class _PipeReader:
             try:
                 os.write(self.ack_fd, head[:1].tobytes())
             except OSError:
-                yield None  # the worker is gone: its exit says why
-                return
+                pass  # the worker is gone: after its last rows, rightly; else the next read finds the stream ended
             yield from done
 
     def fill(self, array: np.ndarray) -> bool:

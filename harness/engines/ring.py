@@ -11,19 +11,23 @@ bytes (128 MB at V = 248,320 with the defaults), however many positions the prom
 row touches a disk. llama.cpp's own ``llama-perplexity`` keeps its base logits in one process;
 this is the cross-process equivalent.
 
-The harness reads a slot with ``os.preadv`` into a pooled array (not through a mapping: an
-engine that truncates the file, as ``open(path, "wb")`` does, would make a read of the mapping
-raise SIGBUS and kill the harness, where a short ``preadv`` is one ENGINE-ERROR); the block it
-yields stays valid after the slot is reused. The harness's own llama.cpp worker
-(``harness.engines.llamacpp``), which never truncates it, is read through a mapping
-(``mapped=True``): a copy in user space, about twice as fast (64 rows at V = 248,320: 6.5 ms
-against 15 ms here).
-Ring files are named ``harness-ring-<pid>-*``; a run killed with SIGKILL leaves its file, which
-the next run removes (``sweep``), as ``harness.rundir`` does for run folders.
+Where the system has them (Linux), the ring is a sealed memfd (``sealed_memfd``): an anonymous
+shared-memory file that cannot be shrunk or grown, which the engine opens by its
+``/proc/<pid>/fd/<fd>`` path. The harness reads it through a mapping, a copy in user space
+(64 rows at V = 248,320: 6.5 ms, against 15 ms through ``preadv``), because the seal makes a
+truncation impossible: an engine that opens it with ``open(path, "wb")`` gets EPERM, where the
+truncated plain file would kill the harness with SIGBUS on a mapped read. It needs no sweeping: it
+is gone with the harness's last descriptor, however the harness ends. Elsewhere the ring is a
+plain file (in ``/dev/shm`` when it is a writable directory, else in the request's folder) read
+with ``os.preadv`` (a short read is one ENGINE-ERROR); such files are named
+``harness-ring-<pid>-*``, and one a run killed with SIGKILL leaves is removed by the next run
+(``sweep``), as ``harness.rundir`` does for run folders. Either way, a block the harness yields
+is its own copy, valid after the slot is written again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
@@ -69,6 +73,35 @@ def sweep(where: Path) -> list[Path]:
     return gone
 
 
+def sealed_memfd(size: int) -> tuple[int, Path] | None:
+    """An anonymous shared-memory file of ``size`` bytes (Linux ``memfd_create(2)``) sealed
+    against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then ``F_SEAL_SEAL``), and
+    the path another process opens it by (``/proc/<pid>/fd/<fd>``): ``(fd, path)``, or None
+    where memfds, seals or that path are not available (the caller makes a file instead).
+
+    Why: an engine that opens the ring with ``open(path, "wb")`` truncates a plain file, and a
+    mapped read of a truncated file kills the reader with SIGBUS; a sealed memfd refuses the
+    truncation (EPERM, in the engine), so the harness can read it through a mapping. It needs no
+    sweeping either: it is gone when its last descriptor closes, however the harness ends."""
+    seals = [getattr(fcntl, n, None) for n in ("F_ADD_SEALS", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL")]
+    if not hasattr(os, "memfd_create") or None in seals:
+        return None
+    add, shrink, grow, seal = seals
+    try:
+        fd = os.memfd_create(f"{PREFIX}{os.getpid()}", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, add, shrink | grow | seal)
+        path = Path(f"/proc/{os.getpid()}/fd/{fd}")
+        os.close(os.open(path, os.O_RDWR))  # the path opens (a /proc without it: no memfd ring)
+        return fd, path
+    except OSError:
+        os.close(fd)
+        return None
+
+
 class LogitRing:
     """A ring file of ``slots`` × ``rows`` × ``n_vocab`` little-endian float32 (C order) in
     ``where``; slot k starts at byte ``k × rows × n_vocab × 4``. ``spec`` is the request's
@@ -76,23 +109,31 @@ class LogitRing:
     ``[n, n_vocab]`` array (``mapped``: copied from a read-only mapping of the file, for a writer
     that never truncates it; see the module docstring). ``pool``: the ``BlockPool`` that ``read``
     takes its blocks from (an engine's own, kept across its requests, so that a prompt set does
-    not fault in two fresh blocks a prompt), else a pool of its own. Use as a context manager, or ``close()``: the file is removed.
+    not fault in two fresh blocks a prompt), else a pool of its own. ``sealed``: a sealed memfd
+    (``sealed_memfd``, read through a mapping) where the system has them, else the file. Use as a context manager, or ``close()``: the file is removed.
     Raises ``OSError`` when the file cannot be made (no space in ``/dev/shm``)."""
 
     def __init__(self, where: Path, n_vocab: int, rows: int = RING_ROWS, slots: int = RING_SLOTS, mapped: bool = False,
-                 pool: BlockPool | None = None):
-        if where == SHM:
-            sweep(where)
+                 pool: BlockPool | None = None, sealed: bool = False):
         self.n_vocab, self.rows, self.slots = int(n_vocab), int(rows), int(slots)
         self.pool = pool if pool is not None else BlockPool()
         self._map: mmap.mmap | None = None
         self._slots: np.ndarray | None = None
-        fd, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".f32", dir=where)
-        self.fd, self.path = fd, Path(name)
+        made = sealed_memfd(self.slots * self.slot_bytes) if sealed else None
+        self.memfd = made is not None
+        if made is not None:
+            self.fd, self.path = made
+            mapped = True  # its size cannot change: a mapped read cannot fault past its end
+        else:
+            if where == SHM:
+                sweep(where)
+            fd, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".f32", dir=where)
+            self.fd, self.path = fd, Path(name)
         try:
-            os.ftruncate(fd, self.slots * self.slot_bytes)
+            if not self.memfd:
+                os.ftruncate(self.fd, self.slots * self.slot_bytes)
             if mapped:
-                self._map = mmap.mmap(fd, self.slots * self.slot_bytes, prot=mmap.PROT_READ)
+                self._map = mmap.mmap(self.fd, self.slots * self.slot_bytes, prot=mmap.PROT_READ)
                 self._slots = np.frombuffer(self._map, dtype="<f4").reshape(self.slots, self.rows, self.n_vocab)
         except OSError:
             self.close()
@@ -146,10 +187,11 @@ class LogitRing:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None  # type: ignore[assignment]
-            try:
-                self.path.unlink()
-            except OSError:
-                pass
+            if not self.memfd:  # a memfd is gone with its last descriptor
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass
 
     def __enter__(self) -> "LogitRing":
         return self
