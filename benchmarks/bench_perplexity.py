@@ -7,7 +7,8 @@
 The job: ``fixture:tiny-qwen35-v248k`` (V = 248,320), a text of this repository's own Python
 source cut to 3 windows of 512 tokens (1,536 positions), as ``llama-perplexity -c 512 --chunks 3``
 cuts it. Legs, each a fresh process tree, in one run and interleaved (``--repeats`` rounds; the
-fastest of each leg is kept, since the machine may be shared):
+fastest of each leg is kept, since the machine may be shared), after one untimed warm-up leg, with
+the harness's Python bytecode cached (``leg_env``):
 
 - ``llama-perplexity --kl-divergence-base`` then ``--kl-divergence`` (built from the installed
   llama-cpp-python's llama.cpp, ``make llama-tools``), 2 threads: the anchor, two engine passes;
@@ -67,13 +68,21 @@ def make_text(model: Path, out: Path, windows: int = CHUNKS) -> int:
     return len(vocab.tokenize(src[:lo].encode(), add_bos=False))
 
 
+def leg_env() -> dict[str, str]:
+    """This environment without ``PYTHONDONTWRITEBYTECODE``: the harness's modules run from their
+    cached bytecode, as an installed package's do (compiling about 100 modules from source costs a
+    harness process about 0.3 s a start; llama-perplexity is a compiled binary). The untimed
+    warm-up leg of ``measure`` writes that cache."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def leg(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``argv`` to completion: wall and CPU seconds of its process tree, the largest and the
     summed peak RSS (MB) of its processes, its exit code and last output line."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with ChildPeakRSS(interval=0.01) as peak, tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
-        p = subprocess.Popen(argv, stdout=out, stderr=err, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+        p = subprocess.Popen(argv, stdout=out, stderr=err, text=True, cwd=ROOT, env={**leg_env(), **(env or {})})
         rc = p.wait(timeout=3600)
         wall = time.perf_counter() - t
         out.seek(0)
@@ -113,6 +122,7 @@ def measure(repeats: int = 2, log=print) -> dict[str, Any]:
     harness = [sys.executable, "-m", "harness", "parity", "--model", MODEL, "--text", str(text), "--ctx", str(N_CTX),
                "--no-evidence", "--greedy-tokens", "0"]
     runs: dict[str, list] = {k: [] for k in ("ppl_base", "ppl_kld", "example", "builtin", "warm", "double")}
+    leg([*harness, "--candidate", "command:example", "--no-reference-cache"])  # warm-up, untimed: bytecode written
     out: dict[str, Any] = {"load_start": [round(x, 1) for x in os.getloadavg()], "text_tokens": n_text, "llama_perplexity": str(ppl)}
     for r in range(repeats):
         runs["ppl_base"].append(leg([str(ppl), *common, "-f", str(text), "--kl-divergence-base", str(base)]))
@@ -146,7 +156,8 @@ def section(r: dict[str, Any]) -> list[str]:
              f"`benchmarks/bench_perplexity.py` (`benchmarks/run_all.py --only perplexity`): `{MODEL}` (V = 248,320), a text of "
              f"the harness's own source ({r['text_tokens']:,} tokens) in {CHUNKS} windows of {N_CTX} "
              f"({CHUNKS * N_CTX:,} positions), 2 threads. Each leg a fresh process tree; the fastest of "
-             f"{len(L['example']['walls'])} interleaved rounds (all rounds' walls in brackets). CPU: user + system seconds of "
+             f"{len(L['example']['walls'])} interleaved rounds after an untimed warm-up (all rounds' walls in brackets), the "
+             f"harness's Python bytecode cached as an installed package's is. CPU: user + system seconds of "
              f"the tree. Peak: the largest single process's VmHWM; Σ peak: the most the process tree held at once (every "
              f"process's VmRSS added, read every 10 ms: the harness, the reference's worker and the engine). Load average {r['load_start']} at the start, {r['load_end']} at the end "
              "(2 cores shared).", "",
