@@ -243,3 +243,21 @@ def test_a_sealed_ring_cannot_be_truncated_by_the_engine_and_is_read_through_its
         assert r.read(1, 3).tobytes() == np.arange(300, dtype="<f4").tobytes()  # slot 1, rows 0..2
         path = r.path
     assert not path.exists()  # gone with its descriptor
+
+
+def test_prestart_starts_a_protocol_2_engine_once_and_leaves_a_failed_start_to_the_request(tmp_path):
+    from harness.engines.base import prestart
+
+    eng = TimedEngine(_example(["logits_ring"]))
+    prestart(eng)
+    assert engine_starts() == 1  # running before any request
+    prestart(eng)
+    got = gather(eng.logits(TOKENS))
+    assert got.shape[0] == len(TOKENS) and engine_starts() == 1  # the request used the process prestart made
+    one = CommandEngine(CommandSpec("p1", [sys.executable, "-c", "pass"], 30.0, [], protocol=1), fx.build("tiny-qwen35"))
+    prestart(one)
+    assert engine_starts() == 1  # protocol 1 starts a process per request: nothing to start early
+    missing = CommandEngine(CommandSpec("gone", [str(tmp_path / "no-such-engine")], 30.0, [], protocol=2), fx.build("tiny-qwen35"))
+    prestart(missing)  # no error here
+    with pytest.raises(EngineError, match="no-such-engine"):
+        gather(missing.logits(TOKENS))

@@ -354,6 +354,15 @@ def logits_each(engine: Any, prompts: Sequence[Sequence[int]]) -> Iterator[Itera
     return engine.logits_each(prompts)
 
 
+def prestart(engine: Any) -> None:
+    """Start ``engine``'s process now where its class can (``prestart``: a protocol-2 command
+    engine), so that its start-up (an interpreter and its imports) runs while the reference
+    tokenizes and loads instead of after; nothing for an engine without one. Looked up on the
+    class, as ``logits_each`` is. A start that fails is left to the first request to report."""
+    if getattr(type(engine), "prestart", None) is not None:
+        engine.prestart()
+
+
 def npy_rows(arr: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a ``[T, V]`` array from ``np.load(..., mmap_mode="r")``, as float32.
 

@@ -478,6 +478,16 @@ class CommandEngine:
         self._last_info = load_info(out_dir, self.who, res.tail)
         return out_dir, res.tail
 
+    def prestart(self) -> None:
+        """A protocol-2 engine's process started before its first request
+        (``harness.engines.base.prestart``); a start that fails is left to that request to
+        report. Nothing for protocol 1 (a process per request)."""
+        if self.spec.protocol == 2:
+            try:
+                self._server().start()
+            except EngineError:
+                pass
+
     # -- protocol 2: one persistent process per model -----------------------------------------
     def _server(self) -> PersistentProcess:
         key = (self.spec.name, tuple(self.spec.command), str(self.spec.cwd), str(self.model_path), tuple(o.to_flag() for o in self.overrides))

@@ -69,6 +69,13 @@ class PersistentProcess:
         STARTS[self.key] += 1
         self._buf = b""
 
+    def start(self) -> None:
+        """Start the process now if it is not running (a request would start it otherwise).
+        Raises ``EngineError`` when it cannot be started."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._start()
+
     def tail(self) -> str:
         """The last lines of the engine's stderr (raw: escape before showing)."""
         if self._err is None:

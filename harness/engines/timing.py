@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from harness.engines.base import LogitBlock, logits_each
+from harness.engines.base import LogitBlock, logits_each, prestart
 
 
 class TimedEngine:
@@ -89,6 +89,10 @@ class TimedEngine:
             stream = self._call(lambda: next(each))
             yield self._timed_stream(iter(stream), len(p))
         self._call(lambda: next(each, None))  # the engine's run ends and checks itself
+
+    def prestart(self) -> None:
+        """``harness.engines.base.prestart`` of the engine (its start counts in its wall time)."""
+        self._call(lambda: prestart(self.engine))
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.engine, attr)  # AttributeError where the engine lacks it (logits_multi)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from harness.engines.base import Engine, LogitBlock, logits_each
+from harness.engines.base import Engine, LogitBlock, logits_each, prestart
 from harness.engines.timing import timed
 from harness.errors import EngineError, HarnessError, InvalidInput, Verdict
 from harness.evidence.receipts import report_only_headline
@@ -432,6 +432,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     evidence = preflight_evidence(req.ledger) if req.write_evidence else None
     reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
+    prestart(candidate)  # its start-up beside the reference's tokenization, not after it
     if text is not None:
         prompts, text_rec = text_prompts(inputs, reference.engine, text, req.ctx)
     else:
