@@ -67,6 +67,7 @@ class Moved:
         return f"{self.row} {self.gate} {_value(self.old)} → {_value(self.new)}{now}"
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``--json``): row, gate, old, new, now_row."""
         return {"row": self.row, "gate": self.gate, "old": self.old, "new": self.new, "now_row": self.now_row}
 
 
@@ -203,6 +204,7 @@ class MovedCell:
         return f"{head} was judged by rows that moved since: {what}; re-judge: {self.command}; then sign off again"
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``harness status --json``'s ``signoff_cells_moved``)."""
         return {**{k: v for k, v in vars(self).items() if k != "moved"}, "moved": [m.to_dict() for m in self.moved]}
 
 

@@ -406,19 +406,20 @@ def _older_file(run: Run, f: _Found, so: Signoff, older: _Older, label: str) -> 
 
 
 def _superseded_by(run: Run, new: _Found, found: _Standing, so: Signoff, older: _Older) -> str:
-    """Queue a ``supersede`` row for every standing earlier row of ``run``'s cell whose receipt
-    differs from the plan only in its thresholds file and was judged by bounds that moved: the
-    cell was judged again by ``new``. Returns the words the cell's item adds (empty when none)."""
+    """Queue a ``supersede`` row for the standing earlier rows of ``run``'s cell, newest first, as
+    long as each one's receipt differs from the plan only in its thresholds file and was judged by
+    bounds that moved: the cell was judged again by ``new``. The first earlier row that is not such
+    a row ends the walk, so a later sign-off reads one earlier receipt per cell at most. Returns the
+    words the cell's item adds (empty when none)."""
     rid = new.row["receipt_id"]
     named = []
-    for f in found.by("same", same_cell_key(run.inputs)):
-        if f.row["seq"] >= new.row["seq"] or f.receipt is None or f.row["receipt_id"] == rid:
-            continue
-        if [d.split()[0] for d in differences(run.inputs, f.inputs)] != ["thresholds_sha256"]:
-            continue
+    earlier = [f for f in found.by("same", same_cell_key(run.inputs)) if f.row["seq"] < new.row["seq"] and f.row["receipt_id"] != rid]
+    for f in sorted(earlier, key=lambda f: -f.row["seq"]):
+        if f.receipt is None or [d.split()[0] for d in differences(run.inputs, f.inputs)] != ["thresholds_sha256"]:
+            break
         moved = moved_bounds(f.receipt, older.thresholds)
         if not moved:
-            continue
+            break
         what = "; ".join(x.text() for x in moved)
         so.superseding.append({"seq": f.row["seq"], "reason": f"re-judged by receipt {rid[:12]} (row {new.row['seq']}) under thresholds "
                                f"sha256 {str(run.inputs['thresholds_sha256'])[:12]}: {what}"})
