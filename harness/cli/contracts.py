@@ -120,34 +120,60 @@ def _page_notice() -> None:
     if line:
         click.echo(_p(line), err=True)
 
+def _signed_cells_moved(ledger, thresholds, as_json: bool) -> list:
+    """The cells of each release's newest SIGNED sign-off judged by thresholds bounds that moved
+    since (``harness.release.rejudge.signed_cells_moved``), one escaped line each unless ``as_json``."""
+    from harness.evidence.record import evidence_paths
+    from harness.release.rejudge import signed_cells_moved
+    from harness.runs.inputs import resolve_thresholds_path
+
+    moved = signed_cells_moved(evidence_paths(ledger).ledger, resolve_thresholds_path(thresholds), ledger_opt=ledger is not None)
+    if not as_json:
+        for cell in moved:
+            click.echo(_p(f"STALE sign-off: {cell.line()}"))
+    return moved
+
+
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path())
-@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED or NOT-APPLICABLE (5 when none is DISCHARGED).")
+@click.option("--check", is_flag=True, help="Exit 1 unless every obligation is DISCHARGED or NOT-APPLICABLE (5 when none is DISCHARGED) "
+              "and no signed cell was judged by thresholds bounds that moved since.")
 @click.option("--evidence-dir", default=None, type=click.Path(), help="Where records are (default: the project's <evidence>/discharge).")
 @click.option("--candidate", "candidates", multiple=True, metavar="NAME",
               help="The GREEN subject whose current build is judged (repeatable; default: every subject with records).")
+@click.option("--ledger", default=None, type=click.Path(), help="Ledger whose sign-offs are checked (default: the project's).")
+@click.option("--thresholds", default=None, type=click.Path(),
+              help="Thresholds file the signed cells' bounds are compared with (default: ./thresholds.yaml, else the shipped one).")
 @click.option("--json", "as_json", is_flag=True)
-def status(paths, check, evidence_dir, candidates, as_json) -> None:
+def status(paths, check, evidence_dir, candidates, ledger, thresholds, as_json) -> None:
     """Computed status of every obligation (UNBOUND, BOUND, RED-SEEN, DISCHARGED, NOT-APPLICABLE, STALE) per GREEN
     subject, and coverage per contract. PATHS: files, folders or ids; default: the project's
     contracts/ and the shipped contracts it uses ([tool.harness] contracts, else those discharged
-    here). Records are kept per subject build (evidence/discharge/CONTRACT/NAME@BUILD/)."""
+    here). Records are kept per subject build (evidence/discharge/CONTRACT/NAME@BUILD/). Also
+    names each cell of a release's newest SIGNED sign-off whose receipt was judged by
+    thresholds bounds that moved since, with the command that judges it again."""
     # deferred: startup
     from harness.contracts import discharge as dis
     from harness.contracts import suite
 
+    moved = _signed_cells_moved(ledger, thresholds, as_json)
     targets = list(paths) or suite.default_contract_paths()
     if not targets:
         msg = ("no contracts to report: this project has no contracts/ and has discharged no shipped contract "
                f"(shipped: {', '.join(suite.shipped_contracts())}); run e.g. harness discharge qwen35-e2e-verification-v1 "
                "--candidate command:NAME, or list them in [tool.harness] contracts")
+        if as_json:  # JSON on stdout, the message too
+            _echo_json({"obligations": [], "coverage": [], "signoff_cells_moved": [c.to_dict() for c in moved], "message": msg})
+        if check and moved:
+            sys.exit(1)
         if check:
             raise Unmeasured(msg)
-        click.echo(msg)
+        if not as_json:
+            click.echo(msg)
         return
     rows, coverage = dis.status(targets, evidence_dir, candidates)
     if as_json:
-        _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage})
+        _echo_json({"obligations": [vars(r) for r in rows], "coverage": coverage, "signoff_cells_moved": [c.to_dict() for c in moved]})
     else:
         _render_table("obligation status", ("contract", "obligation", "candidate", "status", "detail"),
                       [(r.contract, r.obligation, r.candidate or "-", r.status, _short(r.detail, 160)) for r in rows], STATUS_STYLES,
@@ -156,6 +182,8 @@ def status(paths, check, evidence_dir, candidates, as_json) -> None:
                       [(c["contract"], c["version"], str(c["obligations"]), *(str(c[s]) for s in dis.STATUSES)) for c in coverage],
                       fold=(), right=("obligations", *dis.STATUSES))
     _page_notice()
+    if check and moved:
+        sys.exit(1)
     if check and dis.check_exit(rows):
         if dis.check_exit(rows) == 5:
             raise Unmeasured(f"no obligation of {', '.join(c['contract'] for c in coverage)} is DISCHARGED: every one is NOT-APPLICABLE to "

@@ -260,7 +260,7 @@ def signoff(manifest, ledger, discharge_dir, no_record, as_json) -> None:
     if as_json:
         _echo_json({"manifest": manifest_dict(m), "verdict": so.verdict, "exit_code": so.exit_code, "builds": so.builds,
                     "items": [vars(i) for i in so.items], "cells": [vars(c) for c in so.cells], "relied_on": so.relied_on,
-                    "row": so.row})
+                    "moved": so.moved, "supersedes": so.superseding, "row": so.row})
         sys.exit(so.exit_code)
     _render_table(f"release {m.release}: cells", ("model", "candidate", "backend", "status", "parity", "probe"),
                   [(c.model, c.candidate, c.backend, c.status, (c.parity or "-")[:12], (c.probe or "-")[:12]) for c in so.cells], SIGNOFF_STYLES,
@@ -269,6 +269,11 @@ def signoff(manifest, ledger, discharge_dir, no_record, as_json) -> None:
         _render_table(f"release {m.release}: blocking", ("status", "what", "which", "detail", "command"),
                       [(i.status, i.what, i.label, _short(i.detail, 200), i.command or "-") for i in so.blocking], SIGNOFF_STYLES,
                       keys=3, fold=("what", "detail"))
+    for cell in so.moved:
+        click.echo(_p(f"judged by rows that moved since: {cell['cell']} receipt {cell['receipt_id'][:12]}: {cell['what']}; "
+                      f"re-judge: {cell['command']}"))
+    for sup in so.superseding:
+        click.echo(_p(f"{'superseded' if so.row else 'would supersede'} row {sup['seq']}: {sup['reason']}"))
     na = [i for i in so.items if i.status == "n/a"]
     if na:
         click.echo(_p(f"not applicable: {len(na)} obligation(s), e.g. {na[0].label}: {na[0].detail}"))

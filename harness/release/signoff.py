@@ -17,7 +17,11 @@ each as an ``Item`` with a status (``ok``, ``missing``, ``unmeasured``, ``stale`
 * every cell (model × candidate × backend, the backend as the engine reports it): the newest
   standing ledger row of a parity receipt and of a probe receipt made from the planned inputs
   (``harness.release.cells``). Parity must PASS with a measured calibrated tier; the probe run must
-  PASS. A receipt of the same cell made from other inputs is stale (naming the fields); a receipt
+  PASS. A receipt of the same cell made from other inputs is stale (naming the fields); one that
+  differs only in the thresholds file is current while none of the bounds that judged it moved,
+  else stale naming each row, its old and new bound and the command that judges it again
+  (``harness.release.rejudge``; ``_older_file``), and once a receipt made with the file now is
+  found, the earlier rows it re-judged are superseded (``_superseded_by``); a receipt
   that exists without a ledger row is missing;
 * with ``tokenizer: true`` in the manifest, every model × candidate: the newest standing
   ``tokenizer`` row (``harness tokenizer``) of that model's current sha256 whose receipt was made
@@ -35,7 +39,8 @@ The verdict is SIGNED (exit 0) when every item is ok or n/a; else BLOCKED: exit 
 failed or is stale (even if other things are missing), exit 5 when nothing failed but something is
 missing or unmeasured. Invalid manifests are exit 2 before anything is judged. The sign-off is
 recorded as one ``signoff`` ledger row (``harness.evidence.ledger``) listing every receipt it
-relied on with its sha256, each cell's status and each blocking line.
+relied on with its sha256, each cell's status and each blocking line, after the ``supersede`` rows
+of the cells it found re-judged.
 """
 
 from __future__ import annotations
@@ -51,16 +56,18 @@ from harness.contracts import discharge as dis
 from harness.contracts.loader import Contract, Obligation, load_contract
 from harness.engines.registry import resolve_engine
 from harness.errors import HarnessError, Verdict
-from harness.evidence.rows import CACHE_COLUMNS
+from harness.evidence.rows import CACHE_COLUMNS, supersede_row
 from harness.evidence.ledger_cache import LedgerCache
 from harness.evidence.receipts import receipt_file
 from harness.evidence.record import EvidencePaths, evidence_paths, preflight_evidence, record_row
 from harness.fixtures.resolve import resolve_model
 from harness.model.lint import lint_path
 from harness.provenance import sha256_bytes
+from harness.judge.thresholds import Thresholds, load_thresholds
 from harness.release.cells import (PlanContext, Run, differences, keys_of_receipt, known_receipt_keys, plan_context, plan_runs,
                                    receipt_inputs, receipt_verdict, run_command, same_cell_key)
 from harness.release.manifest import Manifest
+from harness.release.rejudge import moved_bounds, rejudge_command
 from harness.runs.probes import covers_required
 
 OK, MISSING, UNMEASURED, STALE, FAILED, NA = "ok", "missing", "unmeasured", "stale", "failed", "n/a"
@@ -106,6 +113,12 @@ class Signoff:
     relied_on: list[dict[str, str]] = field(default_factory=list)
     builds: dict[str, str] = field(default_factory=dict)
     row: dict[str, Any] | None = None
+    moved: list[dict[str, Any]] = field(default_factory=list)
+    """The cells whose receipt was judged by bounds that moved since (``_older_file``): cell label,
+    receipt id, row seq, each ``Moved`` and the re-judge command."""
+    superseding: list[dict[str, Any]] = field(default_factory=list)
+    """``supersede`` rows to append before the sign-off row (``_superseded_by``): a re-judged cell's
+    earlier rows, withdrawn naming the receipt that judged it again."""
 
     @property
     def blocking(self) -> list[Item]:
@@ -313,8 +326,9 @@ def ledger_receipts(paths: EvidencePaths, kinds: tuple[str, ...] = ("parity", "s
     return _Standing(out, rebuilt)
 
 
-def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff) -> tuple[str, str | None]:
-    """The status of one run and the receipt id it used (module docstring)."""
+def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff, older: "_Older | None" = None) -> tuple[str, str | None]:
+    """The status of one run and the receipt id it used (module docstring); ``older``: the
+    thresholds file now, to judge a receipt made with another one (``_older_file``)."""
     cmd = f"harness sweep {shlex.quote(str(m.path))}"
     label = f"{run.cell.candidate.engine} @ {run.cell.model.spec} [{run.cell.backend}] {run.kind}"
     exact = _newest_readable(found.by("input", run.key))
@@ -334,19 +348,83 @@ def _judge_run(m: Manifest, run: Run, found: _Standing, so: Signoff) -> tuple[st
                                  f"but the engine reported: {'; '.join(diff)}", run_command(m, run)))
             return FAILED, f.row["receipt_id"]
         status, why = _receipt_status(run, f.receipt)
+        again = _superseded_by(run, f, found, so, older) if exact and older is not None else ""
         fix = {OK: None, FAILED: run_command(m, run), UNMEASURED: _measure_command(run)}.get(status, cmd)
-        so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}", fix))
+        so.items.append(Item("cell", label, status, f"receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}): {why}{again}", fix))
         return status, f.row["receipt_id"]
     same = [f for sha in dict.fromkeys((run.inputs.get("model_sha256"), run.cell.model.sha256))
             for f in found.by("same", same_cell_key(run.inputs, sha))]
     f = _newest_readable(sorted(same, key=lambda f: f.row["seq"]))
     if f is not None:
         diff = differences(run.inputs, f.inputs)
+        if [d.split()[0] for d in diff] == ["thresholds_sha256"] and older is not None:
+            return _older_file(run, f, so, older, label)
         so.items.append(Item("cell", label, STALE, f"newest receipt {f.row['receipt_id'][:12]} (row {f.row['seq']}) was made from other "
                              f"inputs: {'; '.join(diff)}", run_command(m, run)))
         return STALE, None
     so.items.append(Item("cell", label, MISSING, f"no receipt in the ledger (all missing cells: {cmd})", run_command(m, run)))
     return MISSING, None
+
+
+@dataclass(frozen=True)
+class _Older:
+    """What judging a receipt made with another thresholds file needs: the file now (loaded), its
+    path and the ``--ledger`` its re-judge commands name (None: the project's)."""
+
+    thresholds: Thresholds
+    path: Path
+    ledger: Path | None
+
+
+def _older_file(run: Run, f: _Found, so: Signoff, older: _Older, label: str) -> tuple[str, str | None]:
+    """A cell's newest receipt made from the planned inputs but another thresholds file: current
+    when none of the bounds that judged it moved (``rejudge.moved_bounds``), judged from the
+    receipt as any other; else STALE naming each row, its old and new bound and the command that
+    judges it again (the receipt's reproduce line with the file now), and listed in ``so.moved``."""
+    rid, seq = f.row["receipt_id"], f.row["seq"]
+    was = str(f.inputs.get("thresholds_sha256"))[:12]
+    moved = moved_bounds(f.receipt, older.thresholds)
+    if f.problem:
+        so.relied_on.append({"id": rid, "sha256": f.row["receipt_sha256"]})
+        so.items.append(Item("cell", label, FAILED, f.problem, _VERIFY))
+        return FAILED, rid
+    if moved is None:  # a receipt made before receipts recorded their subject: nothing to compare
+        so.items.append(Item("cell", label, STALE, f"newest receipt {rid[:12]} (row {seq}) was judged by thresholds sha256 {was} and "
+                             "records no subject to compare its bounds with the file now", rejudge_command(f.receipt, older.path, older.ledger)))
+        return STALE, None
+    if moved:
+        command, what = rejudge_command(f.receipt, older.path, older.ledger), "; ".join(x.text() for x in moved)
+        so.moved.append({"cell": label, "receipt_id": rid, "row": seq, "moved": [x.to_dict() for x in moved], "what": what, "command": command})
+        so.items.append(Item("cell", label, STALE, f"receipt {rid[:12]} (row {seq}) was judged by thresholds sha256 {was}; rows that moved since: "
+                             f"{what}", command))
+        return STALE, None
+    so.relied_on.append({"id": rid, "sha256": f.row["receipt_sha256"]})
+    status, why = _receipt_status(run, f.receipt)
+    so.items.append(Item("cell", label, status, f"receipt {rid[:12]} (row {seq}), judged by thresholds sha256 {was}, none of whose "
+                         f"bounds moved since: {why}", None if status == OK else rejudge_command(f.receipt, older.path, older.ledger)))
+    return status, rid
+
+
+def _superseded_by(run: Run, new: _Found, found: _Standing, so: Signoff, older: _Older) -> str:
+    """Queue a ``supersede`` row for the standing earlier rows of ``run``'s cell, newest first, as
+    long as each one's receipt differs from the plan only in its thresholds file and was judged by
+    bounds that moved: the cell was judged again by ``new``. The first earlier row that is not such
+    a row ends the walk, so a later sign-off reads one earlier receipt per cell at most. Returns the
+    words the cell's item adds (empty when none)."""
+    rid = new.row["receipt_id"]
+    named = []
+    earlier = [f for f in found.by("same", same_cell_key(run.inputs)) if f.row["seq"] < new.row["seq"] and f.row["receipt_id"] != rid]
+    for f in sorted(earlier, key=lambda f: -f.row["seq"]):
+        if f.receipt is None or [d.split()[0] for d in differences(run.inputs, f.inputs)] != ["thresholds_sha256"]:
+            break
+        moved = moved_bounds(f.receipt, older.thresholds)
+        if not moved:
+            break
+        what = "; ".join(x.text() for x in moved)
+        so.superseding.append({"seq": f.row["seq"], "reason": f"re-judged by receipt {rid[:12]} (row {new.row['seq']}) under thresholds "
+                               f"sha256 {str(run.inputs['thresholds_sha256'])[:12]}: {what}"})
+        named.append(f"{f.row['receipt_id'][:12]} (row {f.row['seq']}: {what})")
+    return f"; re-judged: supersedes receipt {', '.join(named)}" if named else ""
 
 
 _VERIFY = "harness ledger verify --deep"
@@ -376,15 +454,16 @@ def _receipt_status(run: Run, receipt: dict[str, Any]) -> tuple[str, str]:
     return (UNMEASURED if v == "UNMEASURED" else FAILED), f"parity {v}: {str(g.get('message', ''))[:300]}"
 
 
-def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths, so: Signoff) -> None:
+def _cells(m: Manifest, ctx: PlanContext, runs: list[Run], paths: EvidencePaths, so: Signoff, ledger_given: bool = False) -> None:
     found = ledger_receipts(paths)
+    older = _Older(load_thresholds(ctx.thresholds), ctx.thresholds, paths.ledger if ledger_given else None)
     if found.rebuilt:  # judged from the rebuilt cache; blocked once so that someone looks at the edit
         so.items.append(Item("evidence", "query cache", FAILED, f"{found.rebuilt}; rebuilt from the ledger before judging", _VERIFY))
     order = [OK, NA, UNMEASURED, MISSING, STALE, FAILED]
     for i in range(0, len(runs), 2):
         parity, probe = runs[i], runs[i + 1]
-        ps, pid = _judge_run(m, parity, found, so)
-        qs, qid = _judge_run(m, probe, found, so)
+        ps, pid = _judge_run(m, parity, found, so, older)
+        qs, qid = _judge_run(m, probe, found, so, older)
         for pin_version in [parity.cell.candidate.version] if parity.cell.candidate.version else []:
             picked = found.of_receipt(pid)
             rec = picked.receipt if picked else None
@@ -461,11 +540,13 @@ def signoff(m: Manifest, ledger: str | Path | None = None, discharge_dir: str | 
     _pins(m, ctx, so)
     _lint(m, ctx, so)
     _contracts(m, so, Path(discharge_dir) if discharge_dir else None)
-    _cells(m, ctx, runs, paths, so)
+    _cells(m, ctx, runs, paths, so, ledger_given=ledger is not None)
     _tokenizer(m, ctx, paths, so)
     seen: set[str] = set()
     so.relied_on = [r for r in so.relied_on if not (r["id"] in seen or seen.add(r["id"]))]
     if record:
+        for sup in {s["seq"]: s for s in so.superseding}.values():  # a re-judged cell's earlier rows: withdrawn, never edited
+            record_row(paths.ledger, supersede_row(sup["seq"], sup["reason"]), None, paths.markdown)
         so.row = record_row(paths.ledger, signoff_row(so), None, paths.markdown)
     return so
 
