@@ -35,8 +35,14 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-import llama_cpp
-import numpy as np
+# The harness runs its llama.cpp reference beside this engine, often on the same few cores. With
+# OpenMP's default wait policy each of llama.cpp's threads spins at every barrier of the graph
+# while the other process holds the core it waits for; passive waiting sleeps instead (the same
+# arithmetic, so the same logits). Read by libgomp when llama.cpp loads: set before the import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
 
 try:  # llama.cpp's nextn (MTP) staging API: experimental bindings, absent before llama-cpp-python 0.3.36
     from llama_cpp import llama_cpp_ext

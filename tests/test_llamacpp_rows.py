@@ -44,3 +44,14 @@ def test_worker_peak_rss_at_v248k_holds_one_batch_of_logits_not_two():
     # model + one batch (485 MiB) + the rest of the compute buffer, KV (a few MB here) and the runtime: 600 MB
     # (issue 15), measured 582; 2 MiB pages (llamacpp.worker_env) round the worker's buffers up: 598 (+16 MB)
     assert new.worker_peak_rss_mb < model_mb + 640
+
+
+def test_the_worker_environment_asks_for_huge_pages_and_passive_waits_but_keeps_the_callers_choices():
+    from harness.engines.llamacpp import worker_env
+
+    env = worker_env({"PATH": "/bin"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["GGML_NO_BACKTRACE"] == "1" and env["PATH"] == "/bin"
+    mine = worker_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert mine["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1" and mine["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert worker_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"

@@ -606,7 +606,8 @@ it with 2 MiB pages."""
 def worker_env(base: Mapping[str, str]) -> dict[str, str]:
     """The environment of a llama.cpp worker: ``base`` with ``GGML_NO_BACKTRACE=1`` (ggml's
     ``abort()`` otherwise attaches gdb for a backtrace: seconds to minutes, or a hang under load,
-    before the worker dies, and gdb's lines bury the assert) and ``HUGETLB_TUNABLE`` added to
+    before the worker dies, and gdb's lines bury the assert), ``OMP_WAIT_POLICY=PASSIVE`` unless
+    the caller set it, and ``HUGETLB_TUNABLE`` added to
     ``GLIBC_TUNABLES`` (after the caller's own tunables; a caller who set ``glibc.malloc.hugetlb``
     keeps theirs).
 
@@ -618,8 +619,15 @@ def worker_env(base: Mapping[str, str]) -> dict[str, str]:
     pages, 17,000 faults and about 1.3 s. The logits are the same bytes (memory placement
     changes no arithmetic; ``tests/test_llamacpp_rows.py``). An older glibc ignores the tunable
     and a kernel with transparent huge pages off ignores the advice: the worker is then as
-    before."""
-    env = {**base, "GGML_NO_BACKTRACE": "1"}
+    before.
+
+    Why passive waiting: the worker decodes beside the candidate engine, often on the same
+    cores. llama.cpp's CPU backend (built with OpenMP) otherwise spins its threads at every
+    barrier of the graph while the other process holds the core they wait for. On 2 cores with
+    the example engine beside it (docs/benchmarks.md section 14) a parity run took 13.2–17.2 s
+    with spinning and 11.0–11.4 s with passive waiting, under the same background load; alone,
+    the two are alike. The arithmetic, and so the logits, are the same."""
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **base, "GGML_NO_BACKTRACE": "1"}
     tunables = env.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" not in tunables:
         env["GLIBC_TUNABLES"] = f"{tunables}:{HUGETLB_TUNABLE}" if tunables else HUGETLB_TUNABLE
