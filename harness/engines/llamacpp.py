@@ -442,12 +442,17 @@ class LlamaCppEngine:
         req = {"op": "logits", "prompts": [{"tokens": t, "settings": self.settings.resolved(len(t))} for t in toks]}
         with self._worker_stream(req, ring=True) as (reader, finish):
             for t in toks:
-                n_vocab = self._header(reader, finish)
-                stream = self._checked(self._in_order(reader, len(t), n_vocab), len(t), finish)
-                yield stream
+                stream = self._prompt_stream(reader, finish, len(t))
+                yield stream  # before the worker has loaded: the caller can start its candidate meanwhile
                 for _ in stream:  # what the consumer left unread
                     pass
             finish()
+
+    def _prompt_stream(self, reader: "_PipeReader", finish: Any, n_rows: int) -> Iterator[LogitBlock]:
+        """One prompt of a ``logits_each`` run: its ``n_vocab`` header, read on the first block
+        asked for, then its rows in order."""
+        n_vocab = self._header(reader, finish)
+        yield from self._checked(self._in_order(reader, n_rows, n_vocab), n_rows, finish)
 
     def _in_order(self, reader: "_PipeReader", n_rows: int, n_vocab: int) -> Iterator[LogitBlock | None]:
         """Blocks read straight from a single sequence's stream (rows in position order), or,
