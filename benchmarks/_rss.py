@@ -43,11 +43,15 @@ def _hwm_kb(pid: int, field: str = "VmHWM:") -> int:
 class ChildPeakRSS:
     """``with ChildPeakRSS() as p: ...`` then ``p.peak_mb``: the largest VmHWM of any descendant;
     ``p.peak_sum_mb``: the most the descendants held together (their VmRSS added at one reading,
-    the largest such sum; a peak between two readings can be missed)."""
+    the largest such sum; a peak between two readings can be missed); ``p.cpu_s[pid]`` and
+    ``p.argv[pid]``: each descendant's user + system seconds at its last reading (up to one
+    interval short) and its command line."""
 
     def __init__(self, interval: float = 0.02):
         self.interval = interval
         self.last_kb: dict[int, int] = {}  # pid -> its latest VmHWM reading
+        self.cpu_s: dict[int, float] = {}  # pid -> its user + system seconds at the latest reading
+        self.argv: dict[int, str] = {}  # pid -> its command line (NULs as spaces), read once
         self.peak_sum_kb = 0  # the largest VmRSS of all descendants added, at one reading
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -62,9 +66,19 @@ class ChildPeakRSS:
                 if kb:
                     self.last_kb[pid] = kb
                 now_kb += _hwm_kb(pid, "VmRSS:")
+                self._cpu(pid)
                 todo += _children(pid)
             self.peak_sum_kb = max(self.peak_sum_kb, now_kb)
             self._stop.wait(self.interval)
+
+    def _cpu(self, pid: int) -> None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            self.cpu_s[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            if pid not in self.argv:
+                self.argv[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            pass
 
     @property
     def peak_mb(self) -> float:

@@ -93,9 +93,23 @@ def leg(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     tail = (stdout.strip().splitlines() or [""])[-1]
     if rc:
         raise RuntimeError(f"{argv[0]} ... exit {rc}: {stderr[-600:]}")
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_mb": round(peak.peak_mb, 1),
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "cpu_by_role": cpu_by_role(peak), "peak_mb": round(peak.peak_mb, 1),
             "main_peak_mb": round(peak.last_kb.get(p.pid, 0) / 1024, 1),
             "sum_peak_mb": round(peak.peak_sum_mb, 1), "last_line": tail[-200:]}
+
+
+ROLES = (("_llamacpp_worker", "llama.cpp worker (reference)"), ("llamacpp_engine.py", "example engine (candidate)"),
+         ("_reaper", "engine supervisor"), ("-m harness", "harness process"), ("llama-perplexity", "llama-perplexity"))
+
+
+def cpu_by_role(peak: Any) -> dict[str, float]:
+    """User + system seconds of a leg's processes summed by what they are (``ROLES``, by command
+    line), as ``ChildPeakRSS`` last read them: where a leg's CPU seconds went."""
+    out: dict[str, float] = {}
+    for pid, secs in peak.cpu_s.items():
+        role = next((name for key, name in ROLES if key in peak.argv.get(pid, "")), "other")
+        out[role] = round(out.get(role, 0.0) + secs, 2)
+    return out
 
 
 def _fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -183,7 +197,10 @@ def section(r: dict[str, Any]) -> list[str]:
               f"{L['example']['main_peak_mb']:,.0f} MB) against llama-perplexity's "
               f"{r['ppl_peak_mb']:,.0f} MB ({'at or below' if mem_ok else '**above**'}); its processes together at most: "
               f"{L['example']['sum_peak_mb']:,.0f} MB. On twice the positions: {L['double']['peak_mb']:,.0f} MB and "
-              f"{L['double']['sum_peak_mb']:,.0f} MB together (memory set by blocks and llama.cpp's one ubatch, not by the positions)."]
+              f"{L['double']['sum_peak_mb']:,.0f} MB together (memory set by blocks and llama.cpp's one ubatch, not by the positions).",
+              "- Where the CPU seconds of the example leg went, by process: "
+              + "; ".join(f"{k} {v:.2f} s" for k, v in sorted(L["example"]["cpu_by_role"].items(), key=lambda kv: -kv[1]))
+              + f"; against llama-perplexity's {r['two_passes_cpu_s']:.2f} s for both passes."]
     return lines
 
 
