@@ -98,7 +98,7 @@ def leg(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
             "sum_peak_mb": round(peak.peak_sum_mb, 1), "last_line": tail[-200:]}
 
 
-ROLES = (("_llamacpp_worker", "llama.cpp worker (reference)"), ("llamacpp_engine.py", "example engine (candidate)"),
+ROLES = (("_llamacpp_worker", "llama.cpp workers (the reference: tokenization, then the logits)"), ("llamacpp_engine.py", "example engine (candidate)"),
          ("_reaper", "engine supervisor"), ("-m harness", "harness process"), ("llama-perplexity", "llama-perplexity"))
 
 
