@@ -630,6 +630,17 @@ class MtpRowsOffByOne(_MutantBase):
         return Drafts(self.mtp_logits(g[:-1], self.mtp_layer()), d.hidden, d.activations)  # the sentinel row kept, the last dropped
 
 
+class MtpChainTargetHidden(_MutantBase):
+    """Chained drafts whose second step is fed the target's hidden state (h_t, the trunk's state
+    step 1 took: the only target state a drafting engine holds) instead of step 1's own output
+    hidden state g_t (vLLM PR #36531: chained MTP steps fed the target's hidden state, and the
+    acceptance regressed). Depth 1 is untouched; the oracle's speculative decoder too (its
+    acceptance probe counts first drafts)."""
+
+    def mtp_chain_hidden(self, g: np.ndarray, h_step1: np.ndarray) -> np.ndarray:
+        return h_step1
+
+
 _MTP = [
     Mutant("mtp-prenorm-hidden", "MTP head fed the pre-norm hidden state", MtpPrenormHidden.__doc__,
            ("QMTP-DRAFT-001", "QMTP-HID-002"), MtpPrenormHidden),
@@ -643,6 +654,8 @@ _MTP = [
            ("QMTP-SEQ-004",), MtpSlotCrossed),
     Mutant("mtp-rows-off-by-one", "MTP draft rows off by one against the declared convention", MtpRowsOffByOne.__doc__,
            ("QMTP-DRAFT-001",), MtpRowsOffByOne),
+    Mutant("mtp-chain-target-hidden", "a chained draft fed the target's hidden state, not step 1's output", MtpChainTargetHidden.__doc__,
+           ("QMTP-CHAIN-012",), MtpChainTargetHidden),
 ]
 MTP_MUTANTS: dict[str, Mutant] = {m.name: m for m in _MTP}
 """MTP draft-head mutant name → ``Mutant`` (engine ``mutant:NAME`` too); each is caught by the
@@ -656,6 +669,7 @@ MTP_CAUGHT_BY: dict[str, str] = {
     "mtp-kv-not-primed": "chunked",
     "mtp-slot-crossed": "sequences",
     "mtp-rows-off-by-one": "whole",
+    "mtp-chain-target-hidden": "depth2",
 }
 """MTP mutant → the MTP cell's check that fails on it (``harness.runs.mtp.CHECKS``)."""
 
