@@ -53,6 +53,14 @@ def _reference(engine, tokens: tuple[int, ...], conv: str):
     return _REFERENCE[key]
 
 
+def _convention(engine, tokens) -> str:
+    """The candidate's ``mtp_convention``: a protocol-2 engine states it in its first draft
+    reply's info.json, so one short draft is asked for when it has not replied yet."""
+    if (engine.info.settings or {}).get("mtp_convention") is None:
+        engine.draft(tokens[:3])
+    return convention_of(engine)
+
+
 def _min_cosine(ref: np.ndarray, cand: np.ndarray) -> float:
     return float(np.nanmin(np.where(np.isfinite(c := metrics.cosine(ref, cand)), c, -np.inf)))
 
@@ -60,7 +68,7 @@ def _min_cosine(ref: np.ndarray, cand: np.ndarray) -> float:
 def test_draft_logits_match_the_reference(drafts, reference_engine, tokens, where, tolerance):
     """QMTP-DRAFT-001: every draft row's cosine against llama.cpp's MTP context ≥ min_cosine."""
     tol = tolerance("QMTP-DRAFT-001")
-    conv = convention_of(drafts)
+    conv = _convention(drafts, tokens)
     ref = _reference(reference_engine, tuple(tokens), conv)
     cand = drafts.draft(tokens)
     assert cand.logits.shape == ref.logits.shape == (len(tokens) - 1, reference_engine.n_vocab)
@@ -109,7 +117,7 @@ def test_chained_drafts_match_the_reference_at_depth_2(drafts, reference_engine,
     tol = tolerance("QMTP-CHAIN-012")
     if MTP_CHAIN not in drafts.info.capabilities:
         pytest.skip(f"{drafts.info.name} does not declare '{MTP_CHAIN}' (no chained drafts); checked with: {MTP_RUN}")
-    conv = convention_of(drafts)
+    conv = _convention(drafts, tokens)
     ref = reference_drafts(reference_engine, conv).chain_many([(tokens, None)])[0]
     cand = drafts.draft_chain(tokens, [int(x) for x in ref.tokens])
     assert cand.logits2.shape == ref.logits2.shape == (len(tokens) - 1, reference_engine.n_vocab)
