@@ -198,6 +198,8 @@ def test_depth_2_needs_its_capability(fakes, tmp_path, monkeypatch):
         _fake("mtp-solo").draft_chain(TOKENS[:10], list(range(9)))
     with pytest.raises(EngineError, match="3 draft_tokens for 9 draft rows"):
         _fake("good").draft_chain(TOKENS[:10], [1, 2, 3])
+    with pytest.raises(EngineError, match=r"one id in \[0, 515\) per row"):
+        _fake("good").draft_chain(TOKENS[:10], [515] * 9)
     assert sum(persistent.STARTS.values()) == 0  # nothing was sent
     from helpers import command_table_refused
 

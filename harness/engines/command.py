@@ -665,8 +665,8 @@ class CommandEngine:
         ``draft`` exchange more) are sent, and ``draft_logits.npy`` and ``draft2_logits.npy`` are
         read, float32 [T − 1, V] each (``harness.engines.base.ChainedDrafts``). Raises
         ``EngineError`` (a capability not declared, fewer than 2 tokens, ``draft_tokens`` of
-        another length, a refusal, a missing or malformed file, no convention stated) and
-        ``NotComparable`` (logits as wide as something other than the vocab)."""
+        another length or outside the vocabulary, a refusal, a missing or malformed file, no
+        convention stated) and ``NotComparable`` (logits as wide as something other than the vocab)."""
         self._need("mtp")
         self._need(MTP_CHAIN)
         tokens = [int(t) for t in tokens]
@@ -674,8 +674,8 @@ class CommandEngine:
             raise EngineError(f"{self.who}: draft logits need at least 2 tokens per sequence (row t predicts tokens[t+2])")
         d = [int(x) for x in (np.argmax(self.draft(tokens).logits, axis=1) if draft_tokens is None else draft_tokens)]
         n = len(tokens) - 1
-        if len(d) != n:
-            raise EngineError(f"{self.who}: {len(d)} draft_tokens for {n} draft rows")
+        if len(d) != n or any(not 0 <= x < self.n_vocab for x in d):
+            raise EngineError(f"{self.who}: {len(d)} draft_tokens for {n} draft rows; one id in [0, {self.n_vocab}) per row is needed")
         body = {"op": "draft", "tokens": tokens, "chunks": None, "depth": 2, "draft_tokens": d, "want": ["draft_logits", "draft2_logits"]}
         with self._exchange(body) as (out_dir, tail):
             mtp_convention_of(self._server().last_info, self.who)
