@@ -63,7 +63,7 @@ HAS_SERVE = all(hasattr(llama_cpp, f) for f in ("llama_get_memory", "llama_memor
 (``llama_memory_seq_rm``) and one sequence's state bytes (``llama_state_seq_get_data`` /
 ``set_data``)."""
 CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "logits_ring"] + (
-    ["mtp", "speculative"] if HAS_MTP else []) + (["serve"] if HAS_SERVE else [])
+    ["mtp", "mtp_chain", "speculative"] if HAS_MTP else []) + (["serve"] if HAS_SERVE else [])
 """The protocol capabilities this engine has with the bindings it runs on (``--capabilities`` prints
 them): an engine table in the harness's config should declare these and no more."""
 NO_MTP = (f"these bindings (llama-cpp-python {llama_cpp.__version__}) have no MTP (nextn) API: "
@@ -270,6 +270,20 @@ def batches(seqs, chunks=None):
     per = max(1, 512 // len(seqs))
     for start in range(0, max(map(len, seqs)), per):
         yield [(q[p], p, i) for i, q in enumerate(seqs) for p in range(start, min(start + per, len(q)))]
+
+
+def chain(head, g, draft_tokens):
+    """Depth 2 of op ``draft`` after its teacher-forced rows (llama.cpp's position convention):
+    for draft row t, last to first, the head's KV cells after its row p = t + 1 are removed
+    (``llama_memory_seq_rm``, as a drafting step removes its draft rows) and the row (g_p, d_t)
+    is decoded at position p + 1, g_p the head's own nextn embedding of row p (after its head
+    norm: what ``propose`` chains) and d_t ``draft_tokens[t]``. Returns float32 [T − 1, V]."""
+    mem = llama_cpp.llama_get_memory(head.ctx)
+    out = np.zeros((len(draft_tokens), head.n_vocab), np.float32)
+    for t in range(len(draft_tokens) - 1, -1, -1):
+        llama_cpp.llama_memory_seq_rm(mem, 0, t + 2, -1)
+        out[t] = head.decode([(int(draft_tokens[t]), t + 2, 0)], g[t + 1][None])[0]
+    return out
 
 
 def propose(head, wants):
@@ -894,7 +908,9 @@ class Engine:
         MTP context as rows (h_{p−1}, x_p) at position p, h_{−1} = 0: row 0 is a sentinel, decoded
         (it is a key the head attends to) but not a draft; row p ≥ 1 drafts tokens[p + 1], draft row
         p − 1. So a chunked prefill fills the head's KV cache piece by piece, as llama.cpp's server
-        does. Raises ``ValueError`` on a model without an MTP block (the harness reports the refusal)."""
+        does. With ``"depth": 2`` (capability ``mtp_chain``; one sequence, fed whole) also the
+        depth-2 rows (``chain``), returned third (else None). Raises ``ValueError`` on a model
+        without an MTP block (the harness reports the refusal) or a depth-2 request it cannot run."""
         m = self.llm
         if not HAS_MTP:
             raise ValueError(NO_MTP)
@@ -903,13 +919,19 @@ class Engine:
         seqs = [q["tokens"] for q in req["sequences"]] if req.get("sequences") else [req["tokens"]]
         if any(len(q) < 2 for q in seqs):
             raise ValueError("draft logits need at least 2 tokens per sequence")
+        depth2 = int(req.get("depth") or 1) == 2
+        if depth2 and (len(seqs) > 1 or req.get("chunks") or len(req.get("draft_tokens") or []) != len(seqs[0]) - 1):
+            raise ValueError("depth 2 takes one sequence fed whole and one draft token per draft row (draft_tokens)")
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
         n_ctx = n_ctx_for(sum(map(len, seqs)))
         trunk = Context(m, n_ctx, n_seq=len(seqs), n_ubatch=n_ubatch)
         llama_cpp_ext.llama_set_embeddings_nextn(trunk.ctx, True, False)
         head = Context(m, n_ctx, n_seq=len(seqs), n_ubatch=n_ubatch, other=trunk)
+        if depth2:
+            llama_cpp_ext.llama_set_embeddings_nextn(head.ctx, True, False)  # g: the head's t_h_nextn (after its head norm)
         hidden = [np.zeros((len(q), m.n_embd), np.float32) for q in seqs]
         drafts = [np.zeros((len(q) - 1, m.n_vocab), np.float32) for q in seqs]
+        g = np.zeros((len(seqs[0]), m.n_embd), np.float32)
         try:
             for items in batches(seqs, req.get("chunks") if len(seqs) == 1 else None):
                 trunk.run(items)
@@ -921,10 +943,14 @@ class Engine:
                 for (_, pos, seq), row in zip(items, out):
                     if pos >= 1:
                         drafts[seq][pos - 1] = row
+                if depth2:
+                    g[[pos for _, pos, _ in items]] = np.ctypeslib.as_array(
+                        llama_cpp_ext.llama_get_embeddings_nextn(head.ctx), shape=(len(items), m.n_embd))
+            chained = chain(head, g, req.get("draft_tokens")) if depth2 else None
         finally:
             head.close()
             trunk.close()
-        return np.concatenate(drafts), np.concatenate(hidden)
+        return np.concatenate(drafts), np.concatenate(hidden), chained
 
     def serve(self, req, out):
         """Op ``serve``: the scenario through a ``Server`` on a fresh context (its prompt cache
@@ -972,10 +998,12 @@ class Engine:
         if op == "serve":
             return {"ok": True, "files": self.serve(req, out) + ["info.json"]}
         if op == "draft":
-            logits, hidden = self.draft(req)
+            logits, hidden, depth2 = self.draft(req)
             np.save(out / "draft_logits.npy", logits)
             np.save(out / "hidden.npy", hidden)
-            return {"ok": True, "files": ["draft_logits.npy", "hidden.npy", "info.json"]}
+            if depth2 is not None:
+                np.save(out / "draft2_logits.npy", depth2)
+            return {"ok": True, "files": ["draft_logits.npy", "hidden.npy", "info.json"] + (["draft2_logits.npy"] if depth2 is not None else [])}
         if req.get("logits_ring"):  # rows through the harness's shared-memory ring, no logits.npy
             ring = Ring(req["logits_ring"], req.get("id"))
             self.logits(req, sink=ring.write)

@@ -88,6 +88,19 @@ for line in sys.stdin:
         np.save(out + "/hidden.npy", h.astype(np.float16))
     else:
         np.save(out + "/hidden.npy", h)
+    if req.get("depth") == 2:  # row t: d_t + 0.25 in column 0, so the harness's draft_tokens show
+        d2 = np.zeros((n_rows, V), np.float32); d2[:, 0] = np.asarray(req["draft_tokens"]) + 0.25
+        files.append("draft2_logits.npy")
+        if MODE == "no-draft2":
+            files.remove("draft2_logits.npy")
+        elif MODE == "draft2-rows":
+            np.save(out + "/draft2_logits.npy", d2[:-1])
+        elif MODE == "draft2-f64":
+            np.save(out + "/draft2_logits.npy", d2.astype(np.float64))
+        elif MODE == "draft2-vocab":
+            np.save(out + "/draft2_logits.npy", np.zeros((n_rows, V - 1), np.float32))
+        else:
+            np.save(out + "/draft2_logits.npy", d2)
     if MODE == "odd-name":
         files.append("draft.npy")
     print(json.dumps({"id": req["id"], "ok": True, "files": files}), flush=True)
@@ -95,7 +108,7 @@ for line in sys.stdin:
 
 MODES = ("good", "vllm", "no-info", "no-convention", "bad-convention", "no-draft", "garbage", "pickle", "float64", "all-rows",
          "flat", "wrong-vocab", "truncated", "fifo", "no-hidden", "hidden-named-absent", "hidden-width", "hidden-rows",
-         "hidden-f16", "odd-name")
+         "hidden-f16", "odd-name", "no-draft2", "draft2-rows", "draft2-f64", "draft2-vocab")
 
 
 @pytest.fixture()
@@ -104,7 +117,7 @@ def fakes(tmp_path, monkeypatch):
     script = tmp_path / "fake_draft_engine.py"
     script.write_text(textwrap.dedent(FAKE).replace("@V@", str(hp.n_vocab)).replace("@E@", str(hp.n_embd)))
     tables = [f'[engines.{m}]\ncommand = ["{{python}}", "{script}", "{m}"]\nprotocol = 2\ntimeout_s = 10\n'
-              f'capabilities = ["mtp", "multi_seq", "chunks"]\n' for m in MODES]
+              f'capabilities = ["mtp", "mtp_chain", "multi_seq", "chunks"]\n' for m in MODES]
     tables.append(f'[engines.no-mtp]\ncommand = ["{{python}}", "{script}", "good"]\nprotocol = 2\ncapabilities = ["multi_seq"]\n')
     tables.append(f'[engines.mtp-solo]\ncommand = ["{{python}}", "{script}", "good"]\nprotocol = 2\ncapabilities = ["mtp"]\n')
     cfg = tmp_path / "harness.toml"
@@ -156,6 +169,42 @@ def test_a_malformed_draft_reply_is_one_engine_error(fakes, mode, error, message
     with pytest.raises(error, match=message) as e:
         _fake(mode).draft(TOKENS[:10])
     assert "\n" not in str(e.value)
+
+
+def test_a_good_depth_2_reply_becomes_chained_drafts(fakes):
+    """The harness's draft_tokens reach the engine (echoed in column 0) and both files are read."""
+    c = _fake("good").draft_chain(TOKENS[:10], [7, 3, 5, 1, 0, 2, 9, 4, 6])
+    assert c.logits.shape == c.logits2.shape == (9, fakes.n_vocab) and c.logits2.dtype == np.float32
+    assert c.logits[:, 0].tolist() == list(range(1, 10)) and c.logits2[:, 0].tolist() == [x + 0.25 for x in (7, 3, 5, 1, 0, 2, 9, 4, 6)]
+    assert c.tokens.tolist() == [7, 3, 5, 1, 0, 2, 9, 4, 6]
+    own = _fake("good").draft_chain(TOKENS[:5])  # none given: the argmax of its own depth-1 rows (column 0 holds 1 … 4)
+    assert own.tokens.tolist() == [0, 0, 0, 0] and own.logits2[:, 0].tolist() == [0.25] * 4
+
+
+@pytest.mark.parametrize("mode, error, message", [
+    ("no-draft2", EngineError, "wrote no draft2_logits.npy"),
+    ("draft2-rows", EngineError, r"depth-2 draft logits of shape \(8, 515\); expected \[9, V\]"),
+    ("draft2-f64", EngineError, "depth-2 draft logits of dtype float64; the protocol requires float32"),
+    ("draft2-vocab", NotComparable, "depth-2 draft logits have 514 columns but the model's vocab has 515"),
+])
+def test_a_malformed_depth_2_reply_is_one_engine_error(fakes, mode, error, message):
+    with pytest.raises(error, match=message) as e:
+        _fake(mode).draft_chain(TOKENS[:10], list(range(9)))
+    assert "\n" not in str(e.value)
+
+
+def test_depth_2_needs_its_capability(fakes, tmp_path, monkeypatch):
+    with pytest.raises(EngineError, match="does not declare the 'mtp_chain' capability"):
+        _fake("mtp-solo").draft_chain(TOKENS[:10], list(range(9)))
+    with pytest.raises(EngineError, match="3 draft_tokens for 9 draft rows"):
+        _fake("good").draft_chain(TOKENS[:10], [1, 2, 3])
+    with pytest.raises(EngineError, match=r"one id in \[0, 515\) per row"):
+        _fake("good").draft_chain(TOKENS[:10], [515] * 9)
+    assert sum(persistent.STARTS.values()) == 0  # nothing was sent
+    from helpers import command_table_refused
+
+    command_table_refused(tmp_path, monkeypatch, '[engines.c]\ncommand = ["x"]\nprotocol = 2\ncapabilities = ["mtp_chain"]\n',
+                          "capability 'mtp_chain' \\(depth-2 drafts\\) needs 'mtp' too")
 
 
 def test_draft_needs_its_capabilities_and_two_tokens(fakes, tmp_path, monkeypatch):
@@ -222,6 +271,25 @@ def test_example_draft_of_two_sequences_side_by_side(mtp_model, oracle):
         _close(g.logits, w.logits)
         _close(g.hidden, w.hidden)
         assert (1 - cosine(oracle.draft(q).logits, g.logits)).max() < 1e-6  # each sequence as if alone
+
+
+def test_example_depth_2_equals_the_reference_worker_and_the_oracle(mtp_model, oracle):
+    """Chained drafts: the example's depth-2 rows (llama.cpp's MTP context, KV cells after each
+    row removed) equal the reference worker's bit for bit and the oracle's to float32 rounding, in
+    llama.cpp's convention; fed the target's hidden state instead (the mutant) they are far off."""
+    from harness.engines.mutants import load_mutant
+
+    eng = load_command_engine("example", mtp_model)
+    ref = LlamaCppEngine(mtp_model).draft_chain(TOKENS, None, "llama.cpp")
+    assert ref.tokens.tolist() == np.argmax(ref.logits, axis=1).tolist()
+    got = eng.draft_chain(TOKENS, ref.tokens)
+    assert got.logits2.shape == (len(TOKENS) - 1, eng.n_vocab)
+    _close(got.logits, ref.logits)
+    _close(got.logits2, ref.logits2)
+    assert (1 - cosine(oracle.draft_chain(TOKENS, ref.tokens).logits2, got.logits2)).max() < 1e-6
+    assert (1 - cosine(got.logits2[:-1], got.logits[1:])).max() > 0.5  # depth 2 is not depth 1 of the next row
+    bad = load_mutant("mtp-chain-target-hidden", mtp_model).draft_chain(TOKENS, ref.tokens)
+    assert (1 - cosine(bad.logits, got.logits)).max() < 1e-6 and cosine(bad.logits2, got.logits2).min() < 0.5
 
 
 def test_example_refuses_draft_on_a_model_without_mtp():

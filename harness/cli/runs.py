@@ -308,6 +308,7 @@ def _mtp_cells(specs, candidate, reference, prompts, thresholds, ledger, overrid
         rows = [(c.name, c.verdict.value, c.positions, "—" if c.min_cosine is None else f"{c.min_cosine:.8f}",
                  "—" if c.max_kld is None else f"{c.max_kld:.3g}", "—" if not c.calibrated else c.calibrated["status"],
                  "—" if not c.first_failing else f"{c.first_failing['prompt']} row {c.first_failing['row']}"
+                 + (f" depth {c.first_failing['depth']}" if c.first_failing.get("depth") else "")
                  + (f" (worst, {c.first_failing['bound']})" if c.first_failing.get("bound") else "")) for c in run.checks]
         print_table(_console(), f"MTP draft head: {candidate} vs {reference} on {spec} ({run.receipt['mtp_convention']} rows)",
                     ("check", "verdict", "rows", "min cosine", "max KLD", "calibrated tier", "first failing"), rows,

@@ -582,26 +582,36 @@ def _draft(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path)
     if int(llama_cpp.llama_model_n_layer_nextn(model)) < 1:
         sys.stderr.write("harness-worker: the model has no MTP (nextn) layer (llama_model_n_layer_nextn is 0)\n")
         sys.exit(26)
-    items = req.get("items") or [{"tokens": req.get("tokens"), "chunks": req.get("chunks"), "sequences": req.get("sequences")}]
-    drafts, hidden, decode_s = [], [], 0.0
+    items = req.get("items") or [{"tokens": req.get("tokens"), "chunks": req.get("chunks"), "sequences": req.get("sequences"),
+                                  "draft_tokens": req.get("draft_tokens")}]
+    drafts, hidden, chain, decode_s = [], [], [], 0.0
+    depth2 = int(req.get("depth") or 1) == 2
     t1 = time.time()
     for it in items:
-        d, h, dt = _draft_one(llama_cpp, ext, model, req["settings"], it.get("sequences") or [it["tokens"]], it.get("chunks"), conv, n_vocab)
+        seqs = it.get("sequences") or [it["tokens"]]
+        d, h, dt, c = _draft_one(llama_cpp, ext, model, req["settings"], seqs, it.get("chunks"), conv, n_vocab,
+                                 (it.get("draft_tokens") or "own") if depth2 and len(seqs) == 1 else None)
         drafts += d
         hidden += h
+        chain += [c] if c is not None else []
         decode_s += dt
     np.save(out_dir / "draft_logits.npy", np.concatenate(drafts))
     np.save(out_dir / "hidden.npy", np.concatenate(hidden))
+    if depth2:
+        np.save(out_dir / "draft2_logits.npy", np.concatenate([c[0] for c in chain]))
+        np.save(out_dir / "draft_tokens.npy", np.concatenate([c[1] for c in chain]).astype(np.int64))
     info["decode_s"] = round(decode_s, 4)
     info["decode_wall_s"] = round(time.time() - t1, 4)
     info["n_tokens"] = sum(len(h) for h in hidden)
     info["mtp_convention"] = conv
 
 
-def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: str, n_vocab: int):
+def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: str, n_vocab: int, chain=None):
     """One ``draft`` request on fresh trunk and MTP contexts (``_draft``): returns the draft rows
-    and hidden states per sequence and the seconds inside ``llama_decode``. Long because the two
-    contexts' batches are filled by hand, in one place, as llama.cpp's own MTP driver fills them."""
+    and hidden states per sequence, the seconds inside ``llama_decode`` and, with ``chain`` (one
+    sequence: the step-1 tokens d_t, or ``"own"`` for the argmax of each draft row), the depth-2
+    rows and the d_t fed (``_chain``), else None. Long because the two contexts' batches are
+    filled by hand, in one place, as llama.cpp's own MTP driver fills them."""
     shift = 1 if conv == "vllm" else 0
 
     n_embd = int(llama_cpp.llama_model_n_embd(model))
@@ -609,6 +619,9 @@ def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: st
     ctx = _context(llama_cpp, model, s, n_seq_max=len(sequences))
     ext.llama_set_embeddings_nextn(ctx, True, False)
     mctx = _context(llama_cpp, model, s, n_seq_max=len(sequences), other=ctx)
+    if chain is not None:
+        ext.llama_set_embeddings_nextn(mctx, True, False)  # g: the head's own t_h_nextn, after its head norm
+    g_rows = [np.zeros((len(q), n_embd), np.float32) for q in sequences]
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     mbatch = llama_cpp.llama_batch_init(n_batch, n_embd, 1)
     mtokens = (llama_cpp.llama_token * n_batch)()  # llama_batch_init leaves token NULL when embd is allocated
@@ -652,6 +665,10 @@ def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: st
             sys.exit(23)
         decode_s += time.perf_counter() - t
         out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(mctx), shape=(len(rows), n_vocab))
+        if chain is not None:
+            g = np.ctypeslib.as_array(ext.llama_get_embeddings_nextn(mctx), shape=(len(rows), n_embd))
+            for i, (_, _, r, seq) in enumerate(rows):
+                g_rows[seq][r] = g[i]
         for i, (_, _, r, seq) in enumerate(rows):
             d = r - (1 - shift)  # llama.cpp: row p drafts for tokens[p+1], i.e. draft row p − 1
             if 0 <= d < len(drafts[seq]):
@@ -671,12 +688,40 @@ def _draft_one(llama_cpp, ext, model, s: dict, sequences: list, chunks, conv: st
             items = [(q[p], p, sid) for sid, q in enumerate(sequences) for p in range(start, min(start + per, len(q)))]
             if items:
                 step(items)
+    chained = None
+    if chain is not None:
+        d_tok = np.argmax(drafts[0], axis=1) if chain == "own" else np.asarray(chain, np.int64)
+        t = time.perf_counter()
+        chained = (_chain(llama_cpp, mctx, mbatch, mtokens, membd, g_rows[0], d_tok, 1 - shift, n_vocab), d_tok)
+        decode_s += time.perf_counter() - t
     llama_cpp.llama_batch_free(batch)
     mbatch.token = None  # ours (mtokens): llama_batch_free would free() it
     llama_cpp.llama_batch_free(mbatch)
     llama_cpp.llama_free(mctx)
     llama_cpp.llama_free(ctx)
-    return drafts, hidden, decode_s
+    return drafts, hidden, decode_s, chained
+
+
+def _chain(llama_cpp, mctx, mbatch, mtokens, membd, g, d_tok, lead: int, n_vocab: int) -> np.ndarray:
+    """Depth 2 after the teacher-forced rows (``_draft_one``): for draft row t, last to first,
+    the MTP context's KV cells after its head row r = t + lead are removed
+    (``llama_memory_seq_rm``, as llama.cpp's speculative driver drops its draft rows) and the row
+    (g_r, d_t) is decoded at position r + 1, g_r the context's own nextn embedding of row r (its
+    ``t_h_nextn``: after the head norm, what llama.cpp's ``draft-mtp`` driver chains). Returns the
+    rows' logits float32 [T − 1, V]."""
+    mem = llama_cpp.llama_get_memory(mctx)
+    out = np.zeros((len(d_tok), n_vocab), np.float32)
+    for t in range(len(d_tok) - 1, -1, -1):
+        r = t + lead
+        llama_cpp.llama_memory_seq_rm(mem, 0, r + 1, -1)
+        mtokens[0], membd[0] = int(d_tok[t]), g[r]
+        mbatch.pos[0], mbatch.n_seq_id[0], mbatch.seq_id[0][0], mbatch.logits[0] = r + 1, 1, 0, 1
+        mbatch.n_tokens = 1
+        if llama_cpp.llama_decode(mctx, mbatch) != 0:
+            sys.stderr.write("harness-worker: llama_decode (MTP context, depth 2) failed\n")
+            sys.exit(23)
+        out[t] = np.ctypeslib.as_array(llama_cpp.llama_get_logits(mctx), shape=(1, n_vocab))[0]
+    return out
 
 
 def _peak_rss_mb() -> float:

@@ -100,6 +100,30 @@ class Drafts:
     activations: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+MTP_CHAIN = "mtp_chain"
+"""The capability of a depth-2 draft (``draft_chain``; docs/engine-protocol.md, "Depth 2"): an
+engine that declares it with ``mtp`` chains a second draft from its head's own output."""
+
+
+@dataclass
+class ChainedDrafts:
+    """Teacher-forced drafts at depth 1 and 2 of an MTP head for one sequence of T tokens
+    (capability ``mtp_chain``; docs/engine-protocol.md, op ``draft``, "Depth 2").
+
+    ``logits``: float32 [T−1, V], depth 1, as ``Drafts.logits``: row t from (h_t, x_{t+1}).
+    ``logits2``: float32 [T−1, V], depth 2: row t is the head's logits for tokens[t+3] from the
+    row (g_t, d_t) at the position after row t's, g_t the head's own output hidden state of row t
+    (after its head norm: llama.cpp ``t_h_nextn`` of the MTP context, what its ``draft-mtp``
+    driver chains) and d_t the step-1 draft token ``tokens[t]``; the head's K/V holds the
+    teacher-forced rows up to row t and this row, none after (a drafting engine removes its draft
+    rows). ``tokens``: int64 [T−1], the d_t fed (given by the harness, else argmax of ``logits``
+    row t, ties to the lowest id)."""
+
+    logits: np.ndarray
+    logits2: np.ndarray
+    tokens: np.ndarray
+
+
 SPEC_DRAFTS = ("mtp", "given")
 """Draft sources a speculative request may name: ``{"draft": "mtp", "draft_max": k}``, the
 model's own MTP (nextn) head; ``{"draft": "given", "draft_max": k, "tokens": [g_0, g_1, ...]}``,
@@ -211,6 +235,9 @@ class Engine(Protocol):
       ``chunks`` when given); with ``"multi_seq"`` too, ``draft_multi(sequences) -> list[Drafts]``
       for sequences decoded together. ``info.settings["mtp_convention"]`` says where the head's
       rows sit: ``"llama.cpp"`` or ``"vllm"`` (docs/engine-protocol.md, op ``draft``).
+    - ``"mtp_chain"`` (with ``"mtp"``): ``draft_chain(tokens, draft_tokens=None) ->
+      ChainedDrafts``: the teacher-forced drafts at depth 1 and 2 (step 2 fed step 1's output
+      hidden state and ``draft_tokens[t]``, else step 1's own argmax; ``ChainedDrafts``).
     - ``"speculative"``: ``speculative(tokens, n_tokens, *, draft_max, chunks=None, session=None)
       -> Speculation``: greedy continuation through the engine's speculative path with drafts from
       its MTP head (``{"draft": "mtp", "draft_max": k}``, k ≥ 1): each step drafts up to k tokens,

@@ -46,7 +46,9 @@ from harness.config import HarnessConfig, configured_engine, did_you_mean, engin
 from harness.engines.base import (
     BlockPool,
     COMPUTE_CLASSES,
+    MTP_CHAIN,
     MTP_CONVENTIONS,
+    ChainedDrafts,
     Drafts,
     EngineInfo,
     Speculation,
@@ -76,17 +78,18 @@ RENDER_MAX_BYTES = 1 << 20
 """The largest ``rendered.txt`` (op ``render``) read: a rendered conversation is a prompt, not a corpus."""
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
-V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "speculative", "serve",
-                   "logits_ring")
+V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "mtp_chain", "speculative",
+                   "serve", "logits_ring")
 CAPABILITIES = ("chunks", "activations", *V2_CAPABILITIES)
 """Every capability a ``[engines.NAME]`` table may declare (docs/engine-protocol.md); another
 value is refused, never left for a probe to find missing."""
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that
 protocol 1 has no field for."""
-V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "rendered.txt",
-            "speculative.json", "serve.json", "serve_logits.npy")
+V2_FILES = ("logits.npy", "activations.npz", "info.json", "tokens.json", "draft_logits.npy", "hidden.npy", "draft2_logits.npy",
+            "rendered.txt", "speculative.json", "serve.json", "serve_logits.npy")
 """The files a protocol-2 reply may name (each in the request's ``out_dir``): ``draft_logits.npy``
-and ``hidden.npy`` answer op ``draft`` (capability ``mtp``), ``rendered.txt`` op ``render``
+and ``hidden.npy`` answer op ``draft`` (capability ``mtp``), ``draft2_logits.npy`` its depth 2
+(capability ``mtp_chain``), ``rendered.txt`` op ``render``
 (capability ``chat_template``), ``speculative.json`` a speculative ``generate`` (capability
 ``speculative``), ``serve.json`` and ``serve_logits.npy`` op ``serve`` (capability ``serve``)."""
 SERVE_JSON_MAX_BYTES = 16 << 20
@@ -148,6 +151,8 @@ def _spec(name: str, t: Any, cfg: HarnessConfig) -> CommandSpec:
     protocol = t.get("protocol", 1)
     if protocol not in (1, 2) or isinstance(protocol, bool):
         raise InvalidInput(f"{where}.protocol must be 1 (one process per request) or 2 (persistent, JSON lines)")
+    if "mtp_chain" in caps and "mtp" not in caps:
+        raise InvalidInput(f"{where}: capability 'mtp_chain' (depth-2 drafts) needs 'mtp' too (docs/engine-protocol.md, op draft)")
     if protocol == 1 and any(c in V2_CAPABILITIES for c in caps):
         bad = next(c for c in caps if c in V2_CAPABILITIES)
         raise InvalidInput(f"{where}: capability {bad!r} needs protocol = 2 (persistent mode, docs/engine-protocol.md)")
@@ -664,6 +669,31 @@ class CommandEngine:
             raise EngineError(f"{self.who}: draft_multi needs at least one sequence")
         items = [{"tokens": q, "chunks": None} for q in seqs]
         return self._v2_drafts({"op": "draft", "sequences": items, "want": ["draft_logits", "hidden"]}, seqs)
+
+    def draft_chain(self, tokens: Sequence[int], draft_tokens: Sequence[int] | None = None) -> ChainedDrafts:
+        """Teacher-forced drafts at depth 1 and 2 (op ``draft`` with ``"depth": 2``, capability
+        ``mtp_chain``; docs/engine-protocol.md, "Depth 2"), the prompt fed whole: ``draft_tokens``
+        (the T − 1 step-1 tokens d_t; None: the argmax of this engine's own depth-1 rows, one
+        ``draft`` exchange more) are sent, and ``draft_logits.npy`` and ``draft2_logits.npy`` are
+        read, float32 [T − 1, V] each (``harness.engines.base.ChainedDrafts``). Raises
+        ``EngineError`` (a capability not declared, fewer than 2 tokens, ``draft_tokens`` of
+        another length or outside the vocabulary, a refusal, a missing or malformed file, no
+        convention stated) and ``NotComparable`` (logits as wide as something other than the vocab)."""
+        self._need("mtp")
+        self._need(MTP_CHAIN)
+        tokens = [int(t) for t in tokens]
+        if len(tokens) < 2:
+            raise EngineError(f"{self.who}: draft logits need at least 2 tokens per sequence (row t predicts tokens[t+2])")
+        d = [int(x) for x in (np.argmax(self.draft(tokens).logits, axis=1) if draft_tokens is None else draft_tokens)]
+        n = len(tokens) - 1
+        if len(d) != n or any(not 0 <= x < self.n_vocab for x in d):
+            raise EngineError(f"{self.who}: {len(d)} draft_tokens for {n} draft rows; one id in [0, {self.n_vocab}) per row is needed")
+        body = {"op": "draft", "tokens": tokens, "chunks": None, "depth": 2, "draft_tokens": d, "want": ["draft_logits", "draft2_logits"]}
+        with self._exchange(body) as (out_dir, tail):
+            mtp_convention_of(self._server().last_info, self.who)
+            d1 = npy_rows(load_matrix(out_dir, "draft_logits.npy", self.who, n, self.n_vocab, tail, what="draft logits"), 0, n)
+            d2 = npy_rows(load_matrix(out_dir, "draft2_logits.npy", self.who, n, self.n_vocab, tail, what="depth-2 draft logits"), 0, n)
+        return ChainedDrafts(d1, d2, np.asarray(d, np.int64))
 
     def _v2_drafts(self, body: dict[str, Any], seqs: list[list[int]]) -> list[Drafts]:
         """One op-``draft`` exchange for ``seqs``; its files read, checked and cut per sequence."""

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from harness.engines.base import MTP_CONVENTIONS, BlockPool, Drafts, EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import MTP_CHAIN, MTP_CONVENTIONS, BlockPool, ChainedDrafts, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.engines.process import exit_status, read_tail, tail_lines
 from harness.engines.ring import LogitRing, ring_dir
 from harness.errors import EngineError, InvalidInput
@@ -326,7 +326,7 @@ class LlamaCppEngine:
             version=f"llama-cpp-python {si.get('llama_cpp_python', '?')}",
             settings={**self.settings.__dict__, "overrides": [o.to_flag() for o in self.overrides],
                       **({"flash_attn_ran": self.flash_attn_ran} if self.flash_attn_ran else {})},
-            capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"] + (["mtp"] if si.get("n_layer_nextn") else []),
+            capabilities=["chunks", "n_ubatch", "multi_seq", "activations", "generate"] + (["mtp", MTP_CHAIN] if si.get("n_layer_nextn") else []),
             build={"cpu_features": si.get("system_info", ""), "model_desc": si.get("model_desc", ""),
                    "model_buffers": si.get("model_buffers", {})},
             compute_class="f32",
@@ -564,7 +564,24 @@ class LlamaCppEngine:
         reqs = [{"tokens": [int(t) for t in toks], "chunks": validate_chunks(len(toks), chunks)} for toks, chunks in items]
         return self._draft({"items": reqs}, [r["tokens"] for r in reqs], convention)
 
-    def _draft(self, fields: dict[str, Any], seqs: list[list[int]], convention: str) -> list[Drafts]:
+    def draft_chain(self, tokens: Sequence[int], draft_tokens: Sequence[int] | None = None, convention: str = "llama.cpp") -> ChainedDrafts:
+        """Teacher-forced drafts at depth 1 and 2 through llama.cpp's MTP context (capability
+        ``mtp_chain``; ``harness.engines.base.ChainedDrafts``), the prompt fed whole: after the
+        teacher-forced rows, each draft row's step 2 (g_r, d_t) is decoded at the next position
+        with the context's later KV cells removed (the worker's ``_chain``). Raises as ``draft``."""
+        return self.draft_chain_many([(tokens, draft_tokens)], convention)[0]
+
+    def draft_chain_many(self, items: Sequence[tuple[Sequence[int], Sequence[int] | None]], convention: str = "llama.cpp") -> list[ChainedDrafts]:
+        """``draft_chain`` of several ``(tokens, draft_tokens)`` in one worker run (one model load)."""
+        reqs = [{"tokens": [int(t) for t in toks], "chunks": None, "draft_tokens": None if d is None else [int(x) for x in d]}
+                for toks, d in items]
+        seqs = [r["tokens"] for r in reqs]
+        for r in reqs:
+            if r["draft_tokens"] is not None and len(r["draft_tokens"]) != len(r["tokens"]) - 1:
+                raise EngineError(f"draft_tokens: {len(r['draft_tokens'])} ids for {len(r['tokens']) - 1} draft rows")
+        return self._draft({"items": reqs, "depth": 2}, seqs, convention)
+
+    def _draft(self, fields: dict[str, Any], seqs: list[list[int]], convention: str) -> list[Any]:
         if convention not in MTP_CONVENTIONS:
             raise EngineError(f"unknown MTP convention {convention!r} (one of {', '.join(MTP_CONVENTIONS)})")
         if any(len(q) < 2 for q in seqs):
@@ -575,14 +592,17 @@ class LlamaCppEngine:
             try:
                 logits = np.load(d / "draft_logits.npy", allow_pickle=False)
                 hidden = np.load(d / "hidden.npy", allow_pickle=False)
+                chain = (np.load(d / "draft2_logits.npy", allow_pickle=False), np.load(d / "draft_tokens.npy", allow_pickle=False)) \
+                    if fields.get("depth") == 2 else None
             except (OSError, ValueError) as e:
                 raise EngineError(f"llama.cpp worker wrote unreadable draft logits: {e}") from None
         n_rows, n_tok = sum(len(q) - 1 for q in seqs), sum(len(q) for q in seqs)
-        if logits.shape != (n_rows, self.n_vocab) or hidden.shape[0] != n_tok:
+        if logits.shape != (n_rows, self.n_vocab) or hidden.shape[0] != n_tok or (chain and chain[0].shape != logits.shape):
             raise EngineError(f"llama.cpp worker wrote draft logits {logits.shape} / hidden {hidden.shape} for {len(seqs)} sequence(s)")
         out, r, t = [], 0, 0
         for q in seqs:
-            out.append(Drafts(logits[r : r + len(q) - 1], hidden[t : t + len(q)]))
+            rows = slice(r, r + len(q) - 1)
+            out.append(Drafts(logits[rows], hidden[t : t + len(q)]) if chain is None else ChainedDrafts(logits[rows], chain[0][rows], chain[1][rows]))
             r, t = r + len(q) - 1, t + len(q)
         return out
 

@@ -438,40 +438,40 @@ _DENSE_AND_MOE = ("qwen35", "qwen35moe")
 # every other; tests/test_contracts.py compares this with the observed matrix), the mixin, the archs it affects
 _M = [
     Mutant("attn-output-gate-dropped", "attention output gate dropped", AttnOutputGateDropped.__doc__,
-           ("QHF-EQ-005", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("QHF-EQ-005", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            AttnOutputGateDropped),
     Mutant("qk-norm-skipped", "QK-norm skipped", QKNormSkipped.__doc__,
-           ("QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001"),
+           ("QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            QKNormSkipped),
     Mutant("rope-full-head", "rope over the full head instead of n_rot", RopeFullHead.__doc__,
            # not QE2E-REL-007: on the peaked tiny-qwen35 its cosine stays above the release floor; the
            # calibrated tier catches it
-           ("QHF-EQ-007", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001", "QMTP-ACCEPT-011"),
+           ("QHF-EQ-007", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-ACCEPT-011"),
            RopeFullHead),
     Mutant("q-gate-split-halves", "query/gate split as halves instead of interleaved per head", QGateSplitHalves.__doc__,
-           ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            QGateSplitHalves),
     Mutant("gqa-kv-tiled", "GQA head map tiled instead of grouped", GqaKvTiled.__doc__,
-           ("QHF-EQ-008", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("QHF-EQ-008", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            GqaKvTiled),
     Mutant("gdn-heads-grouped", "v→k head mapping grouped instead of tiled", GdnHeadsGrouped.__doc__,
-           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-ACCEPT-011"),
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-ACCEPT-011"),
            GdnHeadsGrouped),
     Mutant("ssm-a-as-a-log", "decay computed from ssm_a as if it were A_log", SsmAAsALog.__doc__,
-           ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-ACCEPT-011"),
+           ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-ACCEPT-011"),
            SsmAAsALog),
     Mutant("dt-bias-dropped", "DeltaNet dt bias dropped", DtBiasDropped.__doc__,
-           ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("GDN-EQ-002", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            DtBiasDropped),
     Mutant("gdn-l2norm-skipped", "L2 norm of q/k skipped", GdnL2NormSkipped.__doc__,
            # QMTP-GIVEN-009: its q/k overflow float64 in the 1,020-token given-draft case (a non-finite engine fails it)
-           ("GDN-INV-007", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-GIVEN-009"),
+           ("GDN-INV-007", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-GIVEN-009"),
            GdnL2NormSkipped),
     Mutant("beta-sigmoid-dropped", "DeltaNet beta sigmoid dropped", BetaSigmoidDropped.__doc__,
-           ("GDN-BND-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("GDN-BND-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            BetaSigmoidDropped),
     Mutant("conv-kernel-flipped", "causal conv taps reversed", ConvKernelFlipped.__doc__,
-           ("GDN-EQV-010", "GDN-INV-006", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("GDN-EQV-010", "GDN-INV-006", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            ConvKernelFlipped),
     Mutant("conv-state-dropped", "conv state dropped between chunks", ConvStateDropped.__doc__,
            ("GDN-EQV-010", "QE2E-EQV-003", "QE2E-PRB-005", "QE2E-PRB-006", "QE2E-STATE-009", "QMTP-CHUNK-003", "QMTP-PREFIX-008",
@@ -490,33 +490,34 @@ _M = [
            GdnChunkStateNotCarried),
     Mutant("gdn-read-before-decay", "delta rule reads the state before decaying it", GdnReadBeforeDecay.__doc__,
            # not QE2E-REL-007: above the release floor on the peaked tiny-qwen35, caught by the calibrated tier
-           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001"),
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "QHF-EQ-009", "QE2E-PAR-001", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            GdnReadBeforeDecay),
     Mutant("gdn-state-per-k-head", "DeltaNet state kept per key head instead of per value head", GdnStatePerKHead.__doc__,
-           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("GDN-EQ-001", "GDN-EQV-008", "GDN-EQV-009", "GDN-INV-005", "GDN-INV-011", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            GdnStatePerKHead),
     Mutant("ssm-norm-shifted", "ssm_norm given a +1 it does not have", SsmNormShifted.__doc__,
-           ("GDN-EQ-012", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("GDN-EQ-012", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            SsmNormShifted),
     Mutant("schedule-off-by-one", "layer schedule off by one", ScheduleOffByOne.__doc__,
-           ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-007", "QHF-EQ-008", "QHF-EQ-009", "QHF-INV-001", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("QHF-EQ-005", "QHF-EQ-006", "QHF-EQ-007", "QHF-EQ-008", "QHF-EQ-009", "QHF-INV-001", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            ScheduleOffByOne),
     Mutant("norm-shift-twice", "norm +1 applied twice", NormShiftTwice.__doc__,
-           ("QHF-EQ-006", "QHF-EQ-009", "QHF-EQ-013", "QHF-INV-003", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-ACCEPT-011"),
+           ("QHF-EQ-006", "QHF-EQ-009", "QHF-EQ-013", "QHF-INV-003", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-ACCEPT-011"),
            NormShiftTwice),
     Mutant("final-norm-shift-missing", "final norm's +1 missing", FinalNormShiftMissing.__doc__,
-           ("QHF-EQ-009", "QHF-EQ-013", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001"),
+           ("QHF-EQ-009", "QHF-EQ-013", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012"),
            FinalNormShiftMissing),
     Mutant("residual-after-norm", "residual taken after the pre-norm", ResidualAfterNorm.__doc__,
-           ("QHF-CON-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-ACCEPT-011"),
+           ("QHF-CON-004", "QHF-EQ-009", "QE2E-PAR-001", "QE2E-REL-007", "QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-ACCEPT-011"),
            ResidualAfterNorm),
     Mutant("nondeterministic", "run-to-run nondeterministic reduction", Nondeterministic.__doc__,
            # the determinism probe's to catch: on the peaked tiny-qwen35 the split and decode probes see
-           # KLD 2e-10 to 5e-10 from it, below the f64 step (PROBE_MIN_STEP, 1e-9). QMTP-GIVEN-009 compares
-           # verify rows with plain rows of histories to 1,036 tokens under the f64 KLD 1e-9: RED in the
-           # mutant matrix's session (its draws there), GREEN run alone; the noise is a real run-to-run fault.
-           # QMTP-SERVE-010 the same way: served rows against solo rows of the same request, RED in that session
-           ("QE2E-DET-002", "QMTP-GIVEN-009", "QMTP-SERVE-010"),
+           # KLD 2e-10 to 5e-10 from it, below the f64 step (PROBE_MIN_STEP, 1e-9). QMTP-SERVE-010 compares
+           # served rows against solo rows of the same request under the f64 KLD 1e-9: RED in the mutant
+           # matrix's session (its draws there); the noise is a real run-to-run fault. QMTP-GIVEN-009 (verify
+           # rows against plain rows, histories to 1,036 tokens) was RED there by its draws too, and is GREEN
+           # since QMTP-CHAIN-012's bound test runs before it in that session and takes draws first (measured)
+           ("QE2E-DET-002", "QMTP-SERVE-010"),
            Nondeterministic),
     Mutant("moe-weights-unnormalized", "MoE top-k weights not renormalized", MoeWeightsUnnormalized.__doc__,
            ("QHF-MOE-010",),
@@ -630,19 +631,32 @@ class MtpRowsOffByOne(_MutantBase):
         return Drafts(self.mtp_logits(g[:-1], self.mtp_layer()), d.hidden, d.activations)  # the sentinel row kept, the last dropped
 
 
+class MtpChainTargetHidden(_MutantBase):
+    """Chained drafts whose second step is fed the target's hidden state (h_t, the trunk's state
+    step 1 took: the only target state a drafting engine holds) instead of step 1's own output
+    hidden state g_t (vLLM PR #36531: chained MTP steps fed the target's hidden state, and the
+    acceptance regressed). Depth 1 is untouched; the oracle's speculative decoder too (its
+    acceptance probe counts first drafts)."""
+
+    def mtp_chain_hidden(self, g: np.ndarray, h_step1: np.ndarray) -> np.ndarray:
+        return h_step1
+
+
 _MTP = [
     Mutant("mtp-prenorm-hidden", "MTP head fed the pre-norm hidden state", MtpPrenormHidden.__doc__,
-           ("QMTP-DRAFT-001", "QMTP-HID-002"), MtpPrenormHidden),
+           ("QMTP-DRAFT-001", "QMTP-CHAIN-012", "QMTP-HID-002"), MtpPrenormHidden),
     Mutant("mtp-concat-swapped", "MTP fusion concat order swapped (hidden first)", MtpConcatSwapped.__doc__,
-           ("QMTP-DRAFT-001",), MtpConcatSwapped),
+           ("QMTP-DRAFT-001", "QMTP-CHAIN-012"), MtpConcatSwapped),
     Mutant("mtp-head-norm-skipped", "MTP head norm skipped", MtpHeadNormSkipped.__doc__,
-           ("QMTP-DRAFT-001",), MtpHeadNormSkipped),
+           ("QMTP-DRAFT-001", "QMTP-CHAIN-012"), MtpHeadNormSkipped),
     Mutant("mtp-kv-not-primed", "MTP layer KV not filled at chunked prefill", MtpKvNotPrimed.__doc__,
            ("QMTP-CHUNK-003",), MtpKvNotPrimed),
     Mutant("mtp-slot-crossed", "a sequence drafting from another slot's state", MtpSlotCrossed.__doc__,
            ("QMTP-SEQ-004",), MtpSlotCrossed),
     Mutant("mtp-rows-off-by-one", "MTP draft rows off by one against the declared convention", MtpRowsOffByOne.__doc__,
            ("QMTP-DRAFT-001",), MtpRowsOffByOne),
+    Mutant("mtp-chain-target-hidden", "a chained draft fed the target's hidden state, not step 1's output", MtpChainTargetHidden.__doc__,
+           ("QMTP-CHAIN-012",), MtpChainTargetHidden),
 ]
 MTP_MUTANTS: dict[str, Mutant] = {m.name: m for m in _MTP}
 """MTP draft-head mutant name → ``Mutant`` (engine ``mutant:NAME`` too); each is caught by the
@@ -656,6 +670,7 @@ MTP_CAUGHT_BY: dict[str, str] = {
     "mtp-kv-not-primed": "chunked",
     "mtp-slot-crossed": "sequences",
     "mtp-rows-off-by-one": "whole",
+    "mtp-chain-target-hidden": "depth2",
 }
 """MTP mutant → the MTP cell's check that fails on it (``harness.runs.mtp.CHECKS``)."""
 

@@ -1047,7 +1047,7 @@ def _tokenizer_command(rec: dict[str, Any], ledger_opt: Sequence[str]) -> str:
 
 
 def _mtp_tables(page: Page, rec: dict[str, Any]) -> None:
-    """One row per MTP check (whole, chunked, sequences, hidden) and each failing check's line."""
+    """One row per MTP check (whole, chunked, sequences, hidden, depth2: depth 2 beside depth 1) and each failing check's line."""
     rows = [[c["name"], Badge(c["verdict"]), str(c.get("positions", fmt.NA)), fmt.cosine(c.get("min_cosine")), fmt.kld(c.get("max_kld")),
              untrusted(c.get("reason") or "")] for c in rec.get("checks") or []]
     page.h(2, "MTP checks").table(["check", "verdict", "positions", "lowest cosine", "max KLD", "detail"], rows, "llrrrl")

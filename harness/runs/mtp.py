@@ -26,7 +26,14 @@ verdict:
   (buun-llama-cpp PR #110);
 - ``hidden``: when the candidate returns the h_t it fed the head (``hidden.npy``), ``output · h_t``
   against its own trunk logits for the same tokens: a pre-norm hidden state shows here with no
-  reference at all (LightLLM PR #1402, llama.cpp PR #24025).
+  reference at all (LightLLM PR #1402, llama.cpp PR #24025);
+- ``depth2``: chained drafts (capability ``mtp_chain``, ``Engine.draft_chain``): every prompt fed
+  whole, each draft row's second step (g_t, d_t) at the next head position, g_t the head's own
+  output hidden state of row t and d_t the reference head's step-1 draft token, which the harness
+  sends so both sides feed the same token (a near-tie of step 1 cannot make the rows
+  incomparable); the reference's K/V holds the teacher-forced rows up to row t. A chained step fed
+  the target's hidden state instead of g_t fails here (vLLM PR #36531). Judged by the release gate;
+  its calibrated tier is UNMEASURED (``harness calibrate --mtp`` measures depth 1 only).
 
 A check the candidate cannot be asked for is UNMEASURED with the reason, never PASS; the cell's
 verdict is FAIL when any check fails, else UNMEASURED when fewer than the release gate's
@@ -52,7 +59,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from harness.engines.base import MTP_CONVENTIONS, Drafts, Engine, gather
+from harness.engines.base import MTP_CHAIN, MTP_CONVENTIONS, ChainedDrafts, Drafts, Engine, gather
 from harness.engines.timing import timed
 from harness.errors import EngineError, NotComparable, Verdict
 from harness.evidence.receipts import harness_info, host_info, prepare_receipt
@@ -63,7 +70,7 @@ from harness.judge.tiers import Row, Subject
 from harness.measure import metrics
 from harness.runs.inputs import RunInputs, RunRequest, engine_record
 
-CHECKS = ("whole", "chunked", "sequences", "hidden")
+CHECKS = ("whole", "chunked", "sequences", "hidden", "depth2")
 MTP_CLASSES = ("f64", "f32")
 """Compute classes with MTP rows (``harness calibrate --mtp``: the oracle, llama.cpp at other
 settings): no engine of another class runs the head yet, so its calibrated tier is UNMEASURED."""
@@ -77,7 +84,11 @@ CAUSES = {
     "chunked": "the MTP layer's KV not filled by a chunked prefill (only the last piece's rows kept)",
     "sequences": "one sequence drafting from another sequence's hidden state or KV slot",
     "hidden": "the head fed the trunk's hidden state before output_norm (output · h_t is not the trunk's logits)",
+    "depth2": "the chained step fed the target's hidden state instead of step 1's output hidden state (after the head norm; vLLM "
+              "PR #36531), or the step-2 row at another position than the one after step 1's, or the head's KV holding other rows",
 }
+DEPTH2_UNCALIBRATED = ("no calibrated row for depth-2 drafts: harness calibrate --mtp measures depth 1 only, so the release gate "
+                       "judges depth 2")
 
 
 @dataclass
@@ -260,6 +271,8 @@ class ReferenceDrafts:
     draft_multi: Callable[..., list[Drafts]]
     draft_many: Callable[..., list[Drafts]] | None = None
     """Several ``(tokens, chunks)`` in one call (llama.cpp: one worker run, one model load)."""
+    chain_many: Callable[..., list[ChainedDrafts]] | None = None
+    """Depth-2 drafts of several ``(tokens, draft_tokens)`` in one call (None: the reference has none)."""
     cache: dict[tuple, Drafts] = field(default_factory=dict)
 
     def prefetch(self, items: Sequence[tuple[Sequence[int], Sequence[int] | None]]) -> None:
@@ -284,11 +297,14 @@ def reference_drafts(engine: Any, convention: str) -> ReferenceDrafts:
     if "mtp" not in engine.info.capabilities:
         raise EngineError(f"reference {engine.info.name} cannot run the MTP head of this model (no 'mtp' capability: "
                           "the file has no nextn block, or the reference cannot drive one)")
+    chain = MTP_CHAIN in engine.info.capabilities
     if isinstance(engine, Qwen35Oracle):
         engine.mtp_convention = convention
-        return ReferenceDrafts(lambda t, c=None: engine.draft(t, c), engine.draft_multi)
+        return ReferenceDrafts(lambda t, c=None: engine.draft(t, c), engine.draft_multi, None,
+                               (lambda items: [engine.draft_chain(t, d) for t, d in items]) if chain else None)
     return ReferenceDrafts(lambda t, c=None: engine.draft(t, c, convention), lambda qs: engine.draft_multi(qs, convention),
-                           (lambda items: engine.draft_many(items, convention)) if hasattr(engine, "draft_many") else None)
+                           (lambda items: engine.draft_many(items, convention)) if hasattr(engine, "draft_many") else None,
+                           (lambda items: engine.draft_chain_many(items, convention)) if chain and hasattr(engine, "draft_chain_many") else None)
 
 
 def _can_multi(engine: Any) -> bool:
@@ -387,6 +403,27 @@ class _Cell:
         rates = {side: {"accepted": a, "rows": n, "rate": (a / n) if n else None} for side, (a, n) in acc.items()}
         return judge_check("whole", pairs, self.release, True, self.tier), rates
 
+    def depth2(self) -> MtpCheck:
+        """The ``depth2`` check (module docstring): the reference's chained drafts with its own
+        step-1 tokens, then the candidate's with those tokens given."""
+        if MTP_CHAIN not in self.candidate.info.capabilities:
+            return _unmeasured("depth2", f"{self.candidate.info.name} does not declare '{MTP_CHAIN}' (no chained drafts to judge)")
+        if self.drive.chain_many is None:
+            return _unmeasured("depth2", "the reference cannot be driven to chain drafts")
+        self.say("depth 2")
+        refs = self.drive.chain_many([(p.tokens, None) for p in self.prompts])
+        pairs = []
+        for p, r in zip(self.prompts, refs):
+            _checked(Drafts(r.logits2), len(p.tokens), self.n_vocab, "reference")
+            c = self.candidate.engine.draft_chain(p.tokens, [int(x) for x in r.tokens])
+            _checked(Drafts(c.logits2), len(p.tokens), self.n_vocab, "candidate")
+            pairs.append((p.id, r.logits2, c.logits2))
+        tier = MtpTier(self.tier.subject, None, DEPTH2_UNCALIBRATED)
+        check = judge_check("depth2", pairs, self.release, False, tier)
+        if check.first_failing:
+            check.first_failing["depth"] = 2
+        return check
+
     def chunked(self) -> MtpCheck:
         if "chunks" not in self.candidate.info.capabilities:
             return _unmeasured("chunked", f"{self.candidate.info.name} does not declare 'chunks'")
@@ -444,7 +481,8 @@ def where_text(where: dict[str, Any]) -> str:
         return ""
     if where.get("bound"):
         return f", worst contributor to the {where['bound']}: row {where.get('row')} of prompt {where.get('prompt')!r} (KLD {where.get('kld'):.3g})"
-    return f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}"
+    depth = f" at depth {where['depth']} (step 2 chained from draft row {where.get('row')})" if where.get("depth") else ""
+    return f", first failing row {where.get('row')} of prompt {where.get('prompt')!r}" + depth
 
 
 def _add_reproducers(checks: Sequence[MtpCheck], case: Any) -> None:
@@ -515,7 +553,7 @@ def run_mtp(req: MtpRequest, progress: Callable[[str], None] | None = None) -> M
         seqs, solo = cell.sequences()
         if solo is not None:
             report["sequences_vs_solo"] = solo
-        checks = [whole, cell.chunked(), seqs, cell.hidden()]
+        checks = [whole, cell.chunked(), seqs, cell.hidden(), cell.depth2()]
     resolved = inputs.thresholds_for(candidate.info.to_dict())
     verdict, message = overall(checks)
     _add_reproducers(checks, inputs.reproducer(req.candidate, settings=req.candidate_settings))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from contract_helpers import MTP_RUN, PROBE_SEED
 
-from harness.engines.base import gather
+from harness.engines.base import MTP_CHAIN, gather
 from harness.measure import metrics
 from harness.runs.mtp import convention_of, reference_drafts
 
@@ -53,6 +53,14 @@ def _reference(engine, tokens: tuple[int, ...], conv: str):
     return _REFERENCE[key]
 
 
+def _convention(engine, tokens) -> str:
+    """The candidate's ``mtp_convention``: a protocol-2 engine states it in its first draft
+    reply's info.json, so one short draft is asked for when it has not replied yet."""
+    if (engine.info.settings or {}).get("mtp_convention") is None:
+        engine.draft(tokens[:3])
+    return convention_of(engine)
+
+
 def _min_cosine(ref: np.ndarray, cand: np.ndarray) -> float:
     return float(np.nanmin(np.where(np.isfinite(c := metrics.cosine(ref, cand)), c, -np.inf)))
 
@@ -60,7 +68,7 @@ def _min_cosine(ref: np.ndarray, cand: np.ndarray) -> float:
 def test_draft_logits_match_the_reference(drafts, reference_engine, tokens, where, tolerance):
     """QMTP-DRAFT-001: every draft row's cosine against llama.cpp's MTP context ≥ min_cosine."""
     tol = tolerance("QMTP-DRAFT-001")
-    conv = convention_of(drafts)
+    conv = _convention(drafts, tokens)
     ref = _reference(reference_engine, tuple(tokens), conv)
     cand = drafts.draft(tokens)
     assert cand.logits.shape == ref.logits.shape == (len(tokens) - 1, reference_engine.n_vocab)
@@ -101,3 +109,19 @@ def test_sequences_drafted_together_equal_each_alone(drafts, tokens, where, tole
     for i, q in enumerate(seqs):
         worst = _min_cosine(drafts.draft(q).logits, together[i].logits)
         assert worst >= tol["cosine"], f"sequence {i} drafted beside another: min cosine {worst:.8f} ({where})"
+
+
+def test_chained_drafts_match_the_reference_at_depth_2(drafts, reference_engine, tokens, where, tolerance):
+    """QMTP-CHAIN-012: every depth-2 draft row's cosine against llama.cpp's chained drafts ≥
+    min_cosine, the candidate given llama.cpp's step-1 draft tokens."""
+    tol = tolerance("QMTP-CHAIN-012")
+    if MTP_CHAIN not in drafts.info.capabilities:
+        pytest.skip(f"{drafts.info.name} does not declare '{MTP_CHAIN}' (no chained drafts); checked with: {MTP_RUN}")
+    conv = _convention(drafts, tokens)
+    ref = reference_drafts(reference_engine, conv).chain_many([(tokens, None)])[0]
+    cand = drafts.draft_chain(tokens, [int(x) for x in ref.tokens])
+    assert cand.logits2.shape == ref.logits2.shape == (len(tokens) - 1, reference_engine.n_vocab)
+    c = metrics.cosine(ref.logits2, cand.logits2)
+    row = int(np.argmin(np.where(np.isfinite(c), c, -np.inf)))
+    worst = _min_cosine(ref.logits2, cand.logits2)
+    assert worst >= tol["cosine"], f"depth-2 draft logits min cosine {worst:.8f} < {tol['cosine']} at row {row} ({where})"

@@ -38,7 +38,7 @@ import numpy as np
 from scipy.special import expit
 from threadpoolctl import ThreadpoolController
 
-from harness.engines.base import MTP_CONVENTIONS, Drafts, EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import MTP_CHAIN, MTP_CONVENTIONS, ChainedDrafts, Drafts, EngineInfo, LogitBlock, validate_chunks
 from harness.errors import EngineError
 
 @lru_cache(maxsize=1)
@@ -495,7 +495,7 @@ class Qwen35Oracle:
                 "model_sha256": self.model.sha256,
                 **({"mtp_convention": self.mtp_convention} if self.has_mtp() else {}),
             },
-            capabilities=["chunks", "activations", "generate", "serve"] + (["mtp", "speculative"] if self.has_mtp() else []),
+            capabilities=["chunks", "activations", "generate", "serve"] + (["mtp", MTP_CHAIN, "speculative"] if self.has_mtp() else []),
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
             compute_class="f64",
         )
@@ -814,14 +814,16 @@ class Qwen35Oracle:
         return self.init_state(il, w) if state is None else state
 
     def mtp_forward(self, h: np.ndarray, tokens: np.ndarray, pieces: Sequence[int], convention: str,
-                    emit: _Recorder) -> tuple[np.ndarray, int]:
+                    emit: _Recorder, keep: list | None = None) -> tuple[np.ndarray, int]:
         """The head over one sequence, fed in the trunk's pieces: returns ``(g [R, n_embd], first
         draft row)``, g = head_norm(B(u)) with u = eh_proj · [enorm(E[x]); hnorm(h)] and B the
         block's gated attention over its own KV (rows s ≤ r) and FFN. The rows of a trunk piece
         [s, e) are the rows whose inputs it completes (``vllm``: rows s−1 … e−2; ``llama.cpp``:
         rows s … e−1), so a chunked prefill fills the head's KV piece by piece as engines do.
         Named tensors as llama.cpp's ``graph_mtp`` (``mtp_enorm-N``, ``mtp_concat-N`` ...
-        ``h_nextn``). Source: llama.cpp ``src/models/qwen35.cpp`` ``graph_mtp``."""
+        ``h_nextn``). ``keep``: when given, the head's K/V state after the last piece is appended
+        to it (``draft_chain`` attends to its first rows). Source: llama.cpp
+        ``src/models/qwen35.cpp`` ``graph_mtp``."""
         il, eps = self.mtp_layer(), self.hp.rms_eps
         w = self.mtp_weights(il)
         hid, x, pos, first = self.mtp_rows(h, tokens, convention)
@@ -845,6 +847,8 @@ class Qwen35Oracle:
                     out[r0:r1] = emit("h_nextn", -1, self.mtp_head_norm(b, il, w))
             except FloatingPointError as err:
                 raise EngineError(f"oracle: floating-point {err} in the MTP block {il} after op {emit.last!r}") from None
+        if keep is not None:
+            keep.append(state)
         return out, first
 
     def mtp_logits(self, g: np.ndarray, il: int, dtype: Any = np.float32) -> np.ndarray:
@@ -883,6 +887,59 @@ class Qwen35Oracle:
         """``draft`` of several sequences decoded together (capabilities ``mtp`` and
         ``multi_seq``): the oracle keeps one state per sequence, so each equals its solo run."""
         return [self.draft(q) for q in sequences]
+
+    def mtp_chain_hidden(self, g: np.ndarray, h_step1: np.ndarray) -> np.ndarray:
+        """What step 2 of a chained draft is fed as its hidden state: g, step 1's output (after
+        the head norm: llama.cpp's ``draft-mtp`` driver chains the MTP context's ``t_h_nextn``),
+        not ``h_step1``, the trunk's state step 1 was fed. A hook for mutants (vLLM PR #36531)."""
+        return g
+
+    def draft_chain(self, tokens: Sequence[int], draft_tokens: Sequence[int] | None = None) -> ChainedDrafts:
+        """Teacher-forced drafts at depth 1 and 2 (capability ``mtp_chain``;
+        ``harness.engines.base.ChainedDrafts``), the prompt fed whole: depth 1 is ``draft``'s;
+        for draft row t (head row r at position r, ``mtp_rows``) step 2 is the row
+        (``mtp_chain_hidden(g_r, h_r)``, d_t) at position r + 1 over the head's K/V rows ≤ r and
+        itself. ``draft_tokens``: d_t for each of the T − 1 rows (None: argmax of depth 1's row t,
+        ties to the lowest id). Raises ``EngineError`` (no MTP block, fewer than 2 tokens, a
+        ``draft_tokens`` of another length or outside the vocabulary, non-finite values)."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        if len(toks) < 2:
+            raise EngineError("oracle: draft logits need at least 2 tokens (row t predicts tokens[t+2])")
+        last = f"l_out-{self.hp.n_layer - 1}"
+        rec = _Recorder({last})
+        h_normed = self._forward(toks, [len(toks)], rec)
+        h = self.mtp_hidden(np.concatenate(rec.kept[last], axis=0), h_normed)
+        keep: list = []
+        g, first = self.mtp_forward(h, toks, [len(toks)], self.mtp_convention, rec, keep)
+        il = self.mtp_layer()
+        d1 = self.mtp_logits(g[first:], il)
+        d = np.argmax(d1, axis=1) if draft_tokens is None else np.asarray(draft_tokens, np.int64)
+        if d.shape != (len(toks) - 1,) or (d.size and (d.min() < 0 or d.max() >= self.hp.n_vocab)):
+            raise EngineError(f"oracle: draft_tokens must be {len(toks) - 1} ids in [0, {self.hp.n_vocab})")
+        hid = self.mtp_rows(h, toks, self.mtp_convention)[0]
+        g2 = self._chain_rows(il, keep[0], g[first:], hid[first:], d, first)
+        return ChainedDrafts(d1, self.mtp_logits(g2, il), d)
+
+    def _chain_rows(self, il: int, kv: dict[str, Any], g: np.ndarray, hid: np.ndarray, d: np.ndarray, first: int) -> np.ndarray:
+        """Step 2's outputs [R, n_embd]: row t is (``mtp_chain_hidden(g[t], hid[t])``, d[t]) at head
+        position first + t + 1 over ``kv``'s rows ≤ first + t (the head's K/V after the teacher-
+        forced rows), each alone: no step-2 row sees another's."""
+        w, eps = self.mtp_weights(il), self.hp.rms_eps
+        k, v, pos = (np.concatenate(kv[x], axis=0) for x in ("k", "v", "pos"))
+        x = self.mtp_chain_hidden(g, hid)
+        e = self.rmsnorm(self.mtp_embed(il, d), w["nextn.enorm"], eps)
+        u = self.mtp_concat(e, self.rmsnorm(x, w["nextn.hnorm"], eps)) @ w["nextn.eh_proj"].T
+        out = np.empty_like(g)
+        with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):
+            try:
+                for t in range(len(d)):
+                    n = first + t + 1
+                    state = {"k": [k[:n]], "v": [v[:n]], "pos": [pos[:n]]}
+                    b = self.block(il, w, u[t : t + 1], state, np.array([n]), _Recorder(None))
+                    out[t] = self.mtp_head_norm(b, il, w)[0]
+            except FloatingPointError as err:
+                raise EngineError(f"oracle: floating-point {err} in the MTP block {il} (chained drafts)") from None
+        return out
 
     # -- speculative decoding (harness.engines.oracle.speculative) ----------------------------
     spec_decoder: Any = None  # the SpecDecoder class; None: the correct one (mutants plant theirs)

@@ -14,7 +14,7 @@ What is measured (docs/gates.md, "MTP rows"):
   rule: bootstrap CI by prompt, ``MARGIN``, ``MIN_STEP``, never below the release floor).
 - **Known-bad pairs**: every MTP mutant (``harness.engines.mutants.MTP_MUTANTS``) on the first
   model of each architecture, measured in the check that names it (``MTP_CAUGHT_BY``: whole,
-  chunked in two pieces, or the first two prompts side by side); each must fail the release
+  chunked in two pieces, the first two prompts side by side, or depth 2); each must fail the release
   floor or its architecture's ``f64`` row (mutants are the oracle's class), or calibration refuses
   (``CalibrationRefused``), as it does for the trunk.
 
@@ -123,8 +123,9 @@ def measure_good(mm: MtpModel, cls: str, label: str, make: Callable[[Path], Any]
 
 def measure_mutant(mm: MtpModel, name: str, log: Callable[[str], None]) -> PairStats:
     """MTP mutant ``name`` against the reference on ``mm`` in the check that names it
-    (``MTP_CAUGHT_BY``): whole prompts, the prompts in two pieces, or the first two prompts side by
-    side (each against the reference decoding them side by side)."""
+    (``MTP_CAUGHT_BY``): whole prompts, the prompts in two pieces, the first two prompts side by
+    side (each against the reference decoding them side by side), or the depth-2 rows of whole
+    prompts (``depth2``: chained drafts, the reference's step-1 tokens given to the mutant)."""
     from harness.engines.mutants import MTP_CAUGHT_BY, load_mutant
     from harness.runs.mtp import _chunks
 
@@ -133,6 +134,9 @@ def measure_mutant(mm: MtpModel, name: str, log: Callable[[str], None]) -> PairS
     eng = load_mutant(name, mm.path)
     if check == "chunked":
         pairs = [(mm.reference.draft(t, _chunks(len(t))).logits, eng.draft(t, _chunks(len(t))).logits) for t in mm.prompts]
+    elif check == "depth2":  # chained drafts: the reference's step-1 tokens given to the mutant, as the cell does
+        refs = mm.reference.draft_chain_many([(t, None) for t in mm.prompts])
+        pairs = [(r.logits2, eng.draft_chain(t, r.tokens).logits2) for t, r in zip(mm.prompts, refs)]
     elif check == "sequences":
         seqs = mm.prompts[:2]
         pairs = [(r.logits, c.logits) for r, c in zip(mm.reference.draft_multi(seqs), eng.draft_multi(seqs))]
