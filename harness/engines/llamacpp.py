@@ -615,10 +615,12 @@ class LlamaCppEngine:
         yield from self._stream(req, total)
 
 
-WORKER_RING_ROWS = 16
-"""Rows per slot of the worker's ring: 2 slots of 16 rows are 32 MB at V = 248,320, mapped in the
+WORKER_RING_ROWS = 4
+"""Rows per slot of the worker's ring: 2 slots of 4 rows are 8 MB at V = 248,320, mapped in the
 worker and in the harness. Larger slots cost resident memory in both (the worker already holds
-one 512-row batch), not speed: a slot is copied in about 2 ms."""
+one 512-row batch), not speed: with 16 rows the ring's 32 MB pushed the harness's own memory
+above its 512 MB target (532 MB, docs/benchmarks.md section 2); a slot's announcement and ack
+cost microseconds."""
 
 
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
