@@ -26,7 +26,7 @@ from harness.model.gguf_model import GGUFModel
 from harness.model.lint import lint_path
 from harness.provenance import sha256_file
 
-TRAINED = ["trained-qwen35", "trained-qwen35moe", "trained-qwen35-256", "trained-qwen35-heldout"]
+TRAINED = ["trained-qwen35", "trained-qwen35moe", "trained-qwen35-256", "trained-qwen35-heldout", "trained-real-heads-qwen35"]
 MIN_TOP1_PROB = 0.45  # issue 4: "aim for ≥ 0.45" mean top-1 probability on held-out text
 MAX_BYTES = 8 * 2**20  # "a few MB" each
 ORACLE_MIN_COSINE = 0.99999

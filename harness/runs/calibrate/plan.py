@@ -236,7 +236,11 @@ class CalibrationPlan:
     base_model: str = "fixture:trained-qwen35"
     moe_model: str = "fixture:trained-qwen35moe"
     floor_models: tuple[tuple[str, tuple[str, ...]], ...] = (("fixture:tiny-qwen35", COMPUTE_CLASSES),
-                                                             ("fixture:tiny-qwen35moe", COMPUTE_CLASSES))
+                                                             ("fixture:tiny-qwen35moe", COMPUTE_CLASSES),
+                                                             ("fixture:real-heads-qwen35", COMPUTE_CLASSES),
+                                                             ("fixture:real-heads-qwen35-kv1", COMPUTE_CLASSES),
+                                                             ("fixture:real-heads-qwen35moe", ("f64", "f32")),
+                                                             ("fixture:trained-real-heads-qwen35", COMPUTE_CLASSES))
     """``(model, classes)``: known-good pairs of those classes only (no mutant runs on them),
     joining the F32 rows of their architecture. The random-weight fixtures that sign-offs and CI
     run engines on: their logits are sharper than the trained models' in places (the f16 emulation
@@ -244,8 +248,12 @@ class CalibrationPlan:
     fixtures alone allowed 4.8e-5 and 2.5e-5), so every class's row includes them. Every class:
     since their block matrices are scaled down (``FixtureSpec.layer_gain``) a correct bf16 engine
     stays above the release floor on them (oracle-bf16 0.99885 on ``tiny-qwen35``, 0.99498 on
-    ``tiny-qwen35moe``; docs/gates.md, "Random fixtures")."""
-    ladder: tuple[str, ...] | None = None  # None: every TRAINED_LADDER entry plus the F16 bases
+    ``tiny-qwen35moe``; docs/gates.md, "Random fixtures"). The real-head fixtures
+    (``REAL_HEAD_FIXTURES``, and the trained ``trained-real-heads-qwen35``) join them, so the rows
+    a GPU engine is judged by at Qwen3.5's head sizes include those shapes (issue 56); the MoE one
+    at f64/f32 only: oracle-bf16 there has a position at cosine 0.9798 (router gap 0.0053, excused
+    at the release gate), and a known-good pair below the floor keeps a group from its row."""
+    ladder: tuple[str, ...] | None = None  # None: every TRAINED_LADDER and LOWBIT_LADDER entry plus the F16 bases
     classes: tuple[str, ...] = COMPUTE_CLASSES
     mutants: tuple[str, ...] | None = None  # None: all
     include_transformers: bool = True
@@ -253,10 +261,11 @@ class CalibrationPlan:
     ladder_max_tokens: int | None = None
 
     def models(self) -> list[str]:
+        from harness.fixtures.lowbit import LOWBIT_LADDER
         from harness.fixtures.synthetic import LADDER_BASES, TRAINED_LADDER
 
         ladder = self.ladder if self.ladder is not None else tuple(
-            f"fixture:{n}" for n in (*LADDER_BASES, *TRAINED_LADDER))
+            f"fixture:{n}" for n in (*LADDER_BASES, *TRAINED_LADDER, *LOWBIT_LADDER))
         return [m for m in (self.base_model, self.moe_model, *(f for f, _ in self.floor_models), *ladder) if m]
 
     def classes_for(self, spec: str) -> tuple[str, ...]:
