@@ -342,6 +342,8 @@ def _opts(rec: dict[str, Any]) -> list[str]:
     prompts = rec.get("prompts") or {}
     if prompts.get("text"):  # harness parity --text FILE --ctx N
         out += ["--text", prompts["text"]["path"], "--ctx", str(prompts["text"]["n_ctx"])]
+        if prompts["text"].get("judged"):
+            out.append("--score-second-half")
     elif prompts.get("path") and not _shipped_prompts(prompts):
         out += ["--prompts", prompts["path"]]
     th = (rec.get("thresholds") or {}).get("file")
