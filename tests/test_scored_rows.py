@@ -127,9 +127,10 @@ def _text(path: Path, chars: int = 800) -> Path:
     return path
 
 
-def _cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def _cli(*args: str, tmp_path: Path, evidence: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "HARNESS_REFERENCE_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "harness", "parity", "--model", "fixture:tiny-qwen35", "--no-evidence",
+    where = ["--ledger", str(tmp_path / "ev" / "ledger.jsonl")] if evidence else ["--no-evidence"]
+    return subprocess.run([sys.executable, "-m", "harness", "parity", "--model", "fixture:tiny-qwen35", *where,
                            "--greedy-tokens", "0", *args], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
 
@@ -152,8 +153,15 @@ def test_the_receipt_and_console_say_which_positions_were_judged(tmp_path, fresh
     assert rec["report_only"]["perplexity"]["positions"] == t["windows"] * 31  # the same positions as without the option
     plain = _cli("--candidate", "command:example", "--text", str(text), "--ctx", "64", tmp_path=tmp_path)
     assert "judged:" not in plain.stdout and "positions" in plain.stdout
-    shown = _cli("--candidate", "command:example", "--text", str(text), "--ctx", "64", "--score-second-half", tmp_path=tmp_path)
+    shown = _cli("--candidate", "command:example", "--text", str(text), "--ctx", "64", "--score-second-half", tmp_path=tmp_path,
+                 evidence=True)
+    assert shown.returncode == 0, shown.stderr
     assert f"judged: {t['windows'] * 32} positions, from position 32 of each window" in shown.stdout
+    written = json.loads(next((tmp_path / "ev" / "receipts").glob("*/*.json")).read_text())  # the schema-checked receipt on disk
+    assert written["prompts"]["text"]["judged"] == t["judged"] and written["gated"]["positions"] == t["windows"] * 32
+    report = next((tmp_path / "ev").rglob("report.md")).read_text()
+    assert f"Judged: {t['windows'] * 32} positions, from position 32 of each window" in report
+    assert f"--text {text} --ctx 64 --score-second-half" in report  # the reproduce line asks for the same positions
 
 
 def test_too_few_judged_positions_is_unmeasured_where_all_positions_pass(tmp_path, fresh_engine_processes):
