@@ -22,6 +22,7 @@ from harness.engines.base import from_row, gather, logits_each
 from harness.engines.command import CommandEngine, CommandSpec
 from harness.engines.llamacpp import LlamaCppEngine
 from harness.engines.timing import TimedEngine
+from harness.errors import EngineError
 from harness.fixtures import synthetic as fx
 from harness.measure.prompts import PromptTokens
 from harness.model.gguf_model import GGUFModel
@@ -173,3 +174,16 @@ def test_too_few_judged_positions_is_unmeasured_where_all_positions_pass(tmp_pat
     assert half.returncode == 5, half.stderr
     rec = json.loads(half.stdout)
     assert rec["gated"]["verdict"] == "UNMEASURED" and rec["gated"]["positions"] == 50
+
+
+def test_an_engine_that_declares_first_row_and_returns_every_row_is_one_engine_error(tmp_path, fresh_engine_processes):
+    script = tmp_path / "every_row.py"
+    script.write_text("import json, sys\nimport numpy as np\nfor line in sys.stdin:\n    req = json.loads(line)\n"
+                      "    np.save(req['out_dir'] + '/logits.npy', np.zeros((len(req['tokens']), 515), np.float32))\n"
+                      "    print(json.dumps({'id': req['id'], 'ok': True, 'files': ['logits.npy']}), flush=True)\n")
+    spec = CommandSpec("every-row", ["{python}", str(script)], 30.0, ["first_row"], protocol=2)
+    eng = CommandEngine(spec, fx.build("tiny-qwen35"))
+    with pytest.raises(EngineError, match=r"wrote logits of shape \(300, 515\); expected \[150, V\]"):
+        list(next(logits_each(eng, [TOKENS], [150])))
+    cut = CommandEngine(CommandSpec("every-row", ["{python}", str(script)], 30.0, [], protocol=2), fx.build("tiny-qwen35"))
+    assert _rows(next(logits_each(cut, [TOKENS], [150])))[0][0] == 150  # not declared: sent the full request, cut here
