@@ -8,7 +8,10 @@ later comparison.
 Key: sha256 of a canonical JSON of the model file's sha256, the token ids, the reference
 engine's name, version and build (``info.build``: its ``cpu_features`` line, llama.cpp's
 ``llama_print_system_info()``) and its settings (``info.settings``: threads, n_ctx, n_batch,
-n_ubatch, ``type_k``/``type_v`` (KV type), ``use_extra_bufts`` (buffer setting), GGUF overrides).
+n_ubatch, ``type_k``/``type_v`` (KV type), ``use_extra_bufts`` (buffer setting), GGUF overrides),
+and for an entry of a prompt's rows from a position on alone (``harness parity --text
+--score-second-half``) that position, ``first_row``: such an entry never shares a key with the
+prompt's full rows, and holds ``n_tokens`` − ``first_row`` rows.
 
 An entry is two files in the cache folder: ``<key>.f32`` (the rows, little-endian float32,
 C order, ``[n_tokens, n_vocab]``, exactly as the reference streamed them) and ``<key>.json``
