@@ -50,7 +50,8 @@ of things measured side by side in this run, and the page records the machine an
    ``--long-positions`` adds 32,768 on request); ``--only long`` rewrites only its part.
 14. Parity against llama.cpp's own ``llama-perplexity`` on the same KLD job (bench_perplexity.py:
    1,536 positions at V = 248,320, both tools side by side in one run, seconds, CPU seconds and
-   peak memory, and their ratio; target ≤ 1.5×); ``--only perplexity`` rewrites only its part.
+   peak memory, and their ratio; target ≤ 1.5×; also on llama-perplexity's own 768 positions,
+   ``--score-second-half``); ``--only perplexity`` rewrites only its part.
 
 Every section also reports the load average, since the machine may be shared.
 Heavy (tens of minutes on 2 cores, several GB of RAM): documented command only, never in CI.

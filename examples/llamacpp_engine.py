@@ -62,7 +62,7 @@ HAS_SERVE = all(hasattr(llama_cpp, f) for f in ("llama_get_memory", "llama_memor
 """Whether these bindings have what op ``serve`` uses: clearing one sequence of the memory
 (``llama_memory_seq_rm``) and one sequence's state bytes (``llama_state_seq_get_data`` /
 ``set_data``)."""
-CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "logits_ring"] + (
+CAPABILITIES = ["chunks", "multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "logits_ring", "first_row"] + (
     ["mtp", "mtp_chain", "speculative"] if HAS_MTP else []) + (["serve"] if HAS_SERVE else [])
 """The protocol capabilities this engine has with the bindings it runs on (``--capabilities`` prints
 them): an engine table in the harness's config should declare these and no more."""
@@ -156,18 +156,21 @@ class Context:
             self.tokens = (llama_cpp.llama_token * 512)()
             self.batch.token = ctypes.cast(self.tokens, type(self.batch.token))
 
-    def run(self, items, embd=None):
-        """One ``llama_decode`` of items = [(token, pos, seq)], at most 512, logits on every row;
-        ``embd`` float32 [n, n_embd]: the rows' embeddings (MTP context only)."""
+    def run(self, items, embd=None, first_row=0):
+        """One ``llama_decode`` of items = [(token, pos, seq)], at most 512, logits on every row
+        at a position from ``first_row`` on (``batch.logits``: llama.cpp computes no other row's,
+        as llama-perplexity asks for a window's second half); ``embd`` float32 [n, n_embd]: the
+        rows' embeddings (MTP context only). Returns the number of rows with logits."""
         b = self.batch
         for i, (tok, pos, seq) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(pos >= first_row)
             b.seq_id[i][0] = seq
         if embd is not None:
             np.ctypeslib.as_array(b.embd, shape=(512, self.n_embd))[: len(items)] = embd
         b.n_tokens = len(items)
         if llama_cpp.llama_decode(self.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
+        return sum(pos >= first_row for _, pos, _ in items)
 
     def decode(self, items, embd=None):
         """``run``, then the rows' logits float32 [n, V]."""
@@ -175,21 +178,24 @@ class Context:
         ptr = llama_cpp.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(len(items), self.n_vocab)).copy()
 
-    def feed(self, tokens, start_pos=0, chunks=None, seq=0, sink=None):
-        """Feed one sequence's tokens in the given chunks (each in batches of 512); [T, V].
-        With ``sink``, each batch's rows (a view of llama.cpp's output buffer) go to
-        ``sink(rows)`` instead, and nothing is returned."""
+    def feed(self, tokens, start_pos=0, chunks=None, seq=0, sink=None, first_row=0):
+        """Feed one sequence's tokens in the given chunks (each in batches of 512); [T, V], or
+        [T − first_row, V]: the rows from position ``first_row`` on alone (the request's
+        ``first_row``). With ``sink``, each batch's rows (a view of llama.cpp's output buffer) go
+        to ``sink(rows)`` instead, and nothing is returned."""
         rows, pos = [], 0
         for c in chunks or [len(tokens)]:
             end = pos + c
             while pos < end:
                 k = min(512, end - pos)
                 items = [(tokens[pos + i], start_pos + pos + i, seq) for i in range(k)]
-                if sink is None:
-                    rows.append(self.decode(items))
-                else:
-                    self.run(items)
-                    sink(np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(k, self.n_vocab)))
+                n = self.run(items, first_row=first_row)
+                if n:
+                    out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(n, self.n_vocab))
+                    if sink is None:
+                        rows.append(out.copy())
+                    else:
+                        sink(out)
                 pos += k
         if sink is None:
             return np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
@@ -674,9 +680,9 @@ class Engine:
         batch by batch straight from llama.cpp's buffer for one plain sequence, whole otherwise."""
         n_ubatch = int((req.get("settings") or {}).get("n_ubatch", 512))
         tokens, session = req.get("tokens"), req.get("session")
-        if not req.get("sequences") and not session:
+        if not req.get("sequences") and not session:  # "first_row": the rows from it on alone (capability first_row)
             ctx = self.plain_context(n_ctx_for(len(tokens)), n_ubatch)
-            return ctx.feed(tokens, chunks=req.get("chunks"), sink=sink)
+            return ctx.feed(tokens, chunks=req.get("chunks"), sink=sink, first_row=int(req.get("first_row") or 0))
         rows = self.side_by_side(req["sequences"], n_ubatch) if req.get("sequences") else self.in_session(tokens, session, n_ubatch)
         if sink is None:
             return rows

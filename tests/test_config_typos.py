@@ -33,7 +33,7 @@ def test_a_misspelt_capability_is_refused_naming_the_one_meant(tmp_path, value, 
                             *PARITY, "--candidate", "command:mine"))
     assert line == (f"harness: INVALID: {tmp_path / 'pyproject.toml'}: engines.mine.capabilities: unknown capability {value!r} "
                     f"(did you mean {meant!r}?); known: chunks, activations, multi_seq, n_ubatch, generate, prefix_reuse, tokenize, "
-                    "chat_template, mtp, mtp_chain, speculative, serve, logits_ring")
+                    "chat_template, mtp, mtp_chain, speculative, serve, logits_ring, first_row")
 
 
 def test_every_documented_capability_is_accepted(tmp_path, monkeypatch):

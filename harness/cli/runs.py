@@ -91,6 +91,9 @@ def _render_parity(outcome) -> None:
     if text:
         con.print(_p(f"text: {text['path']}: {text['n_tokens']} tokens, {text['windows']} windows of --ctx {text['n_ctx']} "
                      f"({text['unused_tokens']} tokens after the last), scored from position {text['score_from']} of each"), markup=False)
+        if text.get("judged"):
+            j = text["judged"]
+            con.print(_p(f"judged: {j['positions']} positions, from position {j['from']} of each window ({j['why']})"), markup=False)
     if "perplexity" in ro:
         from harness.evidence import fmt
 
@@ -150,13 +153,17 @@ def _render_parity(outcome) -> None:
 @click.option("--text", "text", default=None, type=click.Path(), metavar="FILE",
               help="Prompts: this UTF-8 text cut into windows of --ctx tokens, as llama-perplexity cuts it; perplexity and its ratio are reported.")
 @click.option("--ctx", default=None, type=int, metavar="N", help="With --text: tokens per window (llama-perplexity's n_ctx; default 512).")
+@click.option("--score-second-half", is_flag=True,
+              help="With --text: compare and judge only each window's positions from --ctx/2 on, the rows llama-perplexity "
+              "asks llama.cpp for; engines that can are asked for those rows alone.")
 @click.option("--summary-md", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a Markdown summary for a CI step (also appended to $GITHUB_STEP_SUMMARY when set).")
 @click.option("--junit-xml", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="Write JUnit XML: a testcase per gated tier and per prompt, failure on FAIL.")
 def parity(models, candidate, reference, prompts, thresholds, ledger, overrides, as_json, no_evidence, localize_, dtype, mlx_folder,
            no_calibrate, require_calibrated, greedy_tokens, mtp, mtp_max_tokens, no_reference_cache, cache_type_k, cache_type_v,
-           flash_attn, reference_cache_type_k, reference_cache_type_v, reference_flash_attn, text, ctx, summary_md, junit_xml) -> None:
+           flash_attn, reference_cache_type_k, reference_cache_type_v, reference_flash_attn, text, ctx, score_second_half, summary_md,
+           junit_xml) -> None:
     """Run a candidate and the reference on the same token ids; judge the release gate (cosine
     >= 0.98 over >= 64 positions) and the calibrated tier for the file's weights and the
     candidate's compute class. With --text: over a text's windows of --ctx tokens. With --mtp: the
@@ -169,7 +176,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
 
     d = _parity_defaults()
     specs = list(models) or d["models"]
-    _check_text_options(text, ctx, prompts, mtp, summary_md, junit_xml)
+    _check_text_options(text, ctx, prompts, mtp, summary_md, junit_xml, score_second_half)
     if mtp:
         kv = {"--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--flash-attn": flash_attn,
               "--reference-cache-type-k": reference_cache_type_k, "--reference-cache-type-v": reference_cache_type_v,
@@ -193,7 +200,7 @@ def parity(models, candidate, reference, prompts, thresholds, ledger, overrides,
             measure_tier=tier, require_calibrated=require_calibrated, candidate_settings=settings, greedy_tokens=greedy_tokens,
             reference_settings=reference_settings, reference_cache=not no_reference_cache,
             report=True, localize="auto" if localize_ is None else localize_,
-            text=text, ctx=ctx if ctx is not None else DEFAULT_CTX,
+            text=text, ctx=ctx if ctx is not None else DEFAULT_CTX, score_second_half=score_second_half,
         )
 
     verdicts = []
@@ -230,15 +237,18 @@ def _show_parity(outcome, spec: str, candidate: str, as_json: bool, localize_: b
 
 
 def _check_text_options(text: str | None, ctx: int | None, prompts: str | None, mtp: bool, summary_md: str | None,
-                        junit_xml: str | None) -> None:
-    """``--text``/``--ctx`` make sense together, alone of ``--prompts`` and ``--mtp``, and the CI
-    files can be written (``InvalidInput`` otherwise); the text file and ``--ctx``'s range are
-    checked by the run (``harness.measure.text_windows``) before any engine starts."""
+                        junit_xml: str | None, second_half: bool = False) -> None:
+    """``--text``/``--ctx``/``--score-second-half`` make sense together, alone of ``--prompts``
+    and ``--mtp``, and the CI files can be written (``InvalidInput`` otherwise); the text file and
+    ``--ctx``'s range are checked by the run (``harness.measure.text_windows``) before any engine
+    starts."""
     for path, what in ((summary_md, "--summary-md file"), (junit_xml, "--junit-xml file")):
         if path:
             require_writable_file(path, what)
     if ctx is not None and text is None:
         raise InvalidInput("--ctx: only with --text FILE (the window length of the text's windows)")
+    if second_half and text is None:
+        raise InvalidInput("--score-second-half: only with --text FILE (the second half of each window, as llama-perplexity scores it)")
     if text is not None and prompts is not None:
         raise InvalidInput("--text and --prompts: one of them (the text's windows are the prompts)")
     if text is not None and mtp:

@@ -34,8 +34,11 @@ llama.cpp's output buffer, as several sequences' are; tests compare the two), ``
 ``vllm``; the MTP head's draft logits and hidden states written to ``draft_logits.npy`` and
 ``hidden.npy``, see ``_draft``), ``prompts`` (``logits``: ``[{"tokens", "settings"}]``, each prompt decoded on a
 fresh context of its own settings, one after another; its ``n_vocab`` header and rows follow the previous prompt's
-on the stream), ``ring`` and ``ack_fd`` (``logits`` of a single sequence: its rows go through the
-harness's shared-memory ring, ``_Ring``, and only the announcements through the stream).
+on the stream; a prompt's ``first_row``, as the field of one sequence), ``ring`` and ``ack_fd`` (``logits`` of a single sequence: its rows go through the
+harness's shared-memory ring, ``_Ring``, and only the announcements through the stream),
+``first_row`` (``logits`` of a single sequence: ``batch.logits`` set only for positions from it
+on, as ``llama-perplexity`` sets it for a window's second half; only those rows are computed by
+llama.cpp's output projection and streamed, the first of them first).
 ``info.json`` holds ``load_s``, ``decode_s``, ``n_tokens`` and the worker's ``peak_rss_mb``
 (``VmHWM``); a ``tokenize`` run's holds ``tokenize_s`` (inside ``llama_tokenize``).
 """
@@ -375,17 +378,19 @@ class _Ring:
         self.out -= 1
 
 
-def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of):
-    """Decode ``items`` = [(token, pos, seq)] as one llama_decode call, logits for every item,
-    and send row i of the result to the harness as row ``row_of[i]``."""
-    n = len(items)
+def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of, first_row=0):
+    """Decode ``items`` = [(token, pos, seq)] as one llama_decode call, logits for every item at
+    a position from ``first_row`` on (every item by default), and send the i-th row of the result
+    to the harness as row ``row_of[i]``."""
+    n = 0  # rows asked for
     for i, (tok, pos, seq) in enumerate(items):
         batch.token[i] = tok
         batch.pos[i] = pos
         batch.n_seq_id[i] = 1
         batch.seq_id[i][0] = seq
-        batch.logits[i] = 1
-    batch.n_tokens = n
+        batch.logits[i] = 1 if pos >= first_row else 0
+        n += pos >= first_row
+    batch.n_tokens = len(items)
     graph = stream.graph
     if graph is not None:
         graph.pending = n  # the output buffer holds at least this batch's rows
@@ -397,7 +402,8 @@ def _decode_rows(llama_cpp, ctx, batch, items, stream, row_of):
         sys.stderr.write(f"harness-worker: llama_decode returned {rc}\n")
         sys.exit(23)
     if graph is None:
-        stream.rows(llama_cpp.llama_get_logits(ctx), n, row_of)
+        if n:
+            stream.rows(llama_cpp.llama_get_logits(ctx), n, row_of)
         return
     sent = graph.take()
     if sent != n:
@@ -421,16 +427,18 @@ def _model_info(llama_cpp: Any, model: Any, info: dict[str, Any]) -> int:
     return n_vocab
 
 
-def _decode_pieces(llama_cpp: Any, ctx: Any, batch: Any, tokens: list[int], chunks: list[int], n_batch: int, stream: Any) -> None:
+def _decode_pieces(llama_cpp: Any, ctx: Any, batch: Any, tokens: list[int], chunks: list[int], n_batch: int, stream: Any,
+                   first_row: int = 0) -> None:
     """One sequence fed as consecutive pieces (one call sequence each, state carried by the
-    context), each piece in batches of at most ``n_batch``; every token's logits to ``stream``."""
+    context), each piece in batches of at most ``n_batch``; the logits of every token from
+    position ``first_row`` on to ``stream`` (rows numbered from it)."""
     pos = 0
     for c in chunks:
         end = pos + c
         while pos < end:
             k = min(n_batch, end - pos)
             items = [(tokens[pos + i], pos + i, 0) for i in range(k)]
-            _decode_rows(llama_cpp, ctx, batch, items, stream, list(range(pos, pos + k)))
+            _decode_rows(llama_cpp, ctx, batch, items, stream, [p - first_row for p in range(max(pos, first_row), pos + k)], first_row)
             pos += k
 
 
@@ -534,7 +542,8 @@ def _decode(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_dir: Path
         info["generate_s"] = round(stream.decode_s, 4)
     else:
         if len(sequences) == 1:
-            _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream)
+            _decode_pieces(llama_cpp, ctx, batch, sequences[0], req.get("chunks") or [len(sequences[0])], n_batch, stream,
+                           int(req.get("first_row") or 0))
         else:
             _decode_side_by_side(llama_cpp, ctx, batch, sequences, n_batch, stream)
         info["decode_s"] = round(stream.decode_s, 4)  # llama_decode alone: llama.cpp's prefill time
@@ -553,8 +562,8 @@ def _decode_prompts(llama_cpp, model, req: dict, n_vocab: int, info: dict, out_d
     ``n_vocab`` header and rows on the stream), one after another; ``info`` sums their timings."""
     total = {"decode_s": 0.0, "decode_wall_s": 0.0, "n_tokens": 0}
     for p in req["prompts"]:
-        _decode(llama_cpp, model, {**req, "prompts": None, "tokens": p["tokens"], "chunks": None, "settings": p["settings"]},
-                n_vocab, info, out_dir)
+        _decode(llama_cpp, model, {**req, "prompts": None, "tokens": p["tokens"], "chunks": None, "settings": p["settings"],
+                                   "first_row": p.get("first_row", 0)}, n_vocab, info, out_dir)
         for k in total:
             total[k] += info[k]
     info.update({k: round(v, 4) if isinstance(v, float) else v for k, v in total.items()})

@@ -368,14 +368,52 @@ class BlockPool:
         return buf
 
 
-def logits_each(engine: Any, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:
+FIRST_ROW = "first_row"
+"""The capability of a command engine that computes and returns only a prompt's rows from a
+given position on (protocol 2 ``"first_row": k``; docs/engine-protocol.md, "Only the scored rows"):
+``llama-perplexity`` asks llama.cpp for logits only on each window's second half."""
+
+
+def from_row(blocks: Iterator[LogitBlock], first: int) -> Iterator[LogitBlock]:
+    """The blocks of a full logits stream cut to positions ``first`` on: rows before ``first``
+    dropped (a block that straddles it is sliced, a view), starts kept as positions. What the
+    harness does for an engine that cannot be asked for those rows alone."""
+    for start, block in blocks:
+        lo = max(0, int(first) - int(start))
+        if lo < len(block):
+            yield start + lo, block[lo:]
+
+
+def shifted(blocks: Iterator[LogitBlock], first: int) -> Iterator[LogitBlock]:
+    """An engine's stream of a prompt's rows from ``first`` on, numbered from 0 as the engine
+    counts what it returns, renumbered as positions (``start + first``)."""
+    for start, block in blocks:
+        yield start + int(first), block
+
+
+def logits_each(engine: Any, prompts: Sequence[Sequence[int]], first_rows: Sequence[int] | None = None) -> Iterator[Iterator[LogitBlock]]:
     """Each prompt's ``engine.logits`` stream, in order: through the engine's own
     ``logits_each`` where its class defines one (the llama.cpp reference: one worker run for a
     whole prompt set; the timing and reference-cache wrappers pass it on), else
     ``engine.logits(p)`` per prompt, lazily. Looked up on the class, never through a wrapper's
     ``__getattr__``: a wrapper that changes logits (a mutant) must not be bypassed. Each stream is
-    read before the next is asked for."""
-    each = getattr(type(engine), "logits_each", None)
+    read before the next is asked for.
+
+    ``first_rows`` (one int per prompt, or None): prompt i's stream holds only positions
+    ``first_rows[i]`` .. n − 1, blocks' starts still positions (its first block starts at
+    ``first_rows[i]``). A class whose ``logits_each`` takes them (``logits_each_first_rows``) or
+    whose ``logits`` takes ``first_row`` (``logits_first_row``) is asked for those rows alone;
+    any other engine computes every row and the rows before are dropped here (``from_row``), so
+    the rows that remain are the same either way."""
+    firsts = [int(k) for k in first_rows] if first_rows is not None else None
+    cls = type(engine)
+    if firsts is not None and any(firsts):
+        if getattr(cls, "logits_each_first_rows", False):
+            return engine.logits_each(prompts, first_rows=firsts)
+        if getattr(cls, "logits_first_row", False):
+            return (engine.logits(p, first_row=k) for p, k in zip(prompts, firsts))
+        return (from_row(s, k) for s, k in zip(logits_each(engine, prompts), firsts))
+    each = getattr(cls, "logits_each", None)
     if each is None:
         return (engine.logits(p) for p in prompts)
     return engine.logits_each(prompts)

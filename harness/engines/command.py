@@ -46,6 +46,7 @@ from harness.config import HarnessConfig, configured_engine, did_you_mean, engin
 from harness.engines.base import (
     BlockPool,
     COMPUTE_CLASSES,
+    FIRST_ROW,
     MTP_CHAIN,
     MTP_CONVENTIONS,
     ChainedDrafts,
@@ -55,7 +56,9 @@ from harness.engines.base import (
     LogitBlock,
     check_given,
     checked_token_ids,
+    from_row,
     npy_rows,
+    shifted,
     validate_chunks,
 )
 from harness.engines.persistent import PersistentProcess, serve_for
@@ -79,7 +82,7 @@ RENDER_MAX_BYTES = 1 << 20
 REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
 V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "mtp_chain", "speculative",
-                   "serve", "logits_ring")
+                   "serve", "logits_ring", "first_row")
 CAPABILITIES = ("chunks", "activations", *V2_CAPABILITIES)
 """Every capability a ``[engines.NAME]`` table may declare (docs/engine-protocol.md); another
 value is refused, never left for a probe to find missing."""
@@ -599,8 +602,25 @@ class CommandEngine:
         self._accept_reply(server, out_dir, reply)
 
     # -- the engine protocol ------------------------------------------------------------------
-    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
+    logits_first_row = True
+    """``logits`` takes ``first_row`` (``harness.engines.base.logits_each``): sent to an engine
+    that declares capability ``first_row``, else its full rows are cut here."""
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, first_row: int = 0) -> Iterator[LogitBlock]:
+        """``Engine.logits``: blocks ``(start, float32 [B, V])`` in position order. ``first_row`` >
+        0: positions ``first_row`` .. T − 1 alone, blocks' starts positions: a protocol-2 engine
+        that declares ``first_row`` is sent it (``"first_row": k``, no ``chunks``) and returns
+        those T − k rows alone; any other returns every row and the ones before are dropped
+        here. Raises ``EngineError`` (a malformed reply, a capability not declared)."""
         tokens = [int(t) for t in tokens]
+        first = int(first_row)
+        if first and FIRST_ROW in self.spec.capabilities and self.spec.protocol == 2 and chunks is None and 0 < first < len(tokens):
+            body = {"op": "logits", "tokens": tokens, "chunks": None, "want": ["logits"], "first_row": first}
+            yield from shifted(self._v2_logits(body, len(tokens) - first), first)
+            return
+        if first:
+            yield from from_row(self.logits(tokens, chunks), first)
+            return
         pieces = validate_chunks(len(tokens), chunks) if chunks is not None else None
         if pieces is not None:
             self._need("chunks")

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from harness.engines.base import MTP_CHAIN, MTP_CONVENTIONS, BlockPool, ChainedDrafts, Drafts, EngineInfo, LogitBlock, validate_chunks
+from harness.engines.base import MTP_CHAIN, MTP_CONVENTIONS, BlockPool, ChainedDrafts, Drafts, EngineInfo, LogitBlock, shifted, validate_chunks
 from harness.engines.process import exit_status, read_tail, tail_lines
 from harness.engines.ring import LogitRing, ring_dir
 from harness.errors import EngineError, InvalidInput
@@ -427,22 +427,30 @@ class LlamaCppEngine:
                 yield from self._checked(self._in_order(reader, n_rows, n_vocab), n_rows, finish)
             finish()
 
-    def logits_each(self, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:
+    logits_each_first_rows = True
+    """``logits_each`` takes ``first_rows`` (``harness.engines.base.logits_each``): the worker sets
+    ``batch.logits`` only for the rows asked for, as ``llama-perplexity`` does."""
+
+    def logits_each(self, prompts: Sequence[Sequence[int]], first_rows: Sequence[int] | None = None) -> Iterator[Iterator[LogitBlock]]:
         """Each prompt's ``logits`` stream, in order, from one worker run: one process start and
         one model load for a whole prompt set, where ``logits`` per prompt pays both every time
         (about 1 s a prompt at V = 248,320). Every prompt is decoded exactly as ``logits(tokens)``
         decodes it: its own fresh context, with the settings its length resolves to, so its rows
         are the same bytes (``tests/test_llamacpp.py``). Yields one block iterator per prompt; a
         prompt's stream must be read before the next one is (what is left unread is read and
-        dropped). Raises ``EngineError`` as ``logits``."""
+        dropped). ``first_rows``: prompt i's rows from position ``first_rows[i]`` on alone (the
+        worker's ``first_row``: llama.cpp computes no others), blocks' starts positions. Raises
+        ``EngineError`` as ``logits``."""
         toks = [[int(t) for t in p] for p in prompts]
+        firsts = [int(k) for k in first_rows] if first_rows is not None else [0] * len(toks)
         if len(toks) <= 1:
-            yield from (self.logits(t) for t in toks)
+            yield from (self.logits(t, first_row=k) for t, k in zip(toks, firsts))
             return
-        req = {"op": "logits", "prompts": [{"tokens": t, "settings": self.settings.resolved(len(t))} for t in toks]}
+        req = {"op": "logits", "prompts": [{"tokens": t, "settings": self.settings.resolved(len(t)), **({"first_row": k} if k else {})}
+                                           for t, k in zip(toks, firsts)]}
         with self._worker_stream(req, ring=True) as (reader, finish):
-            for t in toks:
-                stream = self._prompt_stream(reader, finish, len(t))
+            for t, k in zip(toks, firsts):
+                stream = shifted(self._prompt_stream(reader, finish, len(t) - k), k)
                 yield stream  # before the worker has loaded: the caller can start its candidate meanwhile
                 for _ in stream:  # what the consumer left unread
                     pass
@@ -496,11 +504,17 @@ class LlamaCppEngine:
                 f.readinto(memoryview(block).cast("B"))
                 yield start, block
 
-    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, first_row: int = 0) -> Iterator[LogitBlock]:
+        """``Engine.logits``; ``first_row`` > 0: positions ``first_row`` .. T − 1 alone (the
+        worker asks llama.cpp for no others), blocks' starts positions."""
         tokens = [int(t) for t in tokens]
         pieces = validate_chunks(len(tokens), chunks)
-        req = {"op": "logits", "tokens": tokens, "chunks": pieces, "settings": self.settings.resolved(len(tokens))}
-        yield from self._stream(req, len(tokens))
+        first = int(first_row)
+        if not 0 <= first < max(1, len(tokens)):
+            raise EngineError(f"llama.cpp: first row {first} outside a {len(tokens)}-token prompt")
+        req = {"op": "logits", "tokens": tokens, "chunks": pieces, "settings": self.settings.resolved(len(tokens)),
+               **({"first_row": first} if first else {})}
+        yield from shifted(self._stream(req, len(tokens) - first), first)
 
     def activations(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """llama.cpp's own intermediate tensors, captured through the eval callback (``cb_eval``).

@@ -81,10 +81,14 @@ class TimedEngine:
     def activations(self, *a: Any, **k: Any) -> Any:
         return self._call(lambda: self.engine.activations(*a, **k))
 
-    def logits_each(self, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[LogitBlock]]:
-        """``harness.engines.base.logits_each`` of the engine, every stream timed (starting the
-        engine's run counts in its wall time)."""
-        each = logits_each(self.engine, prompts)
+    logits_each_first_rows = True
+    """``logits_each`` passes ``first_rows`` on (``harness.engines.base.logits_each``)."""
+
+    def logits_each(self, prompts: Sequence[Sequence[int]], first_rows: Sequence[int] | None = None) -> Iterator[Iterator[LogitBlock]]:
+        """``harness.engines.base.logits_each`` of the engine (with ``first_rows``), every stream
+        timed (starting the engine's run counts in its wall time); ``tokens`` counts every
+        prompt's tokens, all of which the engine decodes."""
+        each = logits_each(self.engine, prompts, first_rows)
         for p in prompts:
             stream = self._call(lambda: next(each))
             yield self._timed_stream(iter(stream), len(p))

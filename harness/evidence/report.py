@@ -342,6 +342,8 @@ def _opts(rec: dict[str, Any]) -> list[str]:
     prompts = rec.get("prompts") or {}
     if prompts.get("text"):  # harness parity --text FILE --ctx N
         out += ["--text", prompts["text"]["path"], "--ctx", str(prompts["text"]["n_ctx"])]
+        if prompts["text"].get("judged"):
+            out.append("--score-second-half")
     elif prompts.get("path") and not _shipped_prompts(prompts):
         out += ["--prompts", prompts["path"]]
     th = (rec.get("thresholds") or {}).get("file")
@@ -731,7 +733,9 @@ def _report_only_table(page: Page, rec: dict[str, Any]) -> None:
     if text:
         page.p(f"Prompts: the text file {untrusted(text['path'])} ({text['n_tokens']} tokens) cut into {text['windows']} windows of "
                f"{text['n_ctx']} tokens as llama-perplexity cuts it ({text['unused_tokens']} tokens after the last window unused"
-               + (f"; each window starts with BOS {text['bos_id']}" if text["add_bos"] else "") + ").")
+               + (f"; each window starts with BOS {text['bos_id']}" if text["add_bos"] else "") + ")."
+               + (f" Judged: {text['judged']['positions']} positions, from position {text['judged']['from']} of each window "
+                  f"({untrusted(text['judged']['why'])})." if text.get("judged") else ""))
     page.table(["field (report-only)", "value", "how to read it"], rows)
 
 

@@ -119,12 +119,15 @@ def load_prompts(path: str | Path | None) -> list[Prompt]:
 class PromptTokens:
     """A prompt's id and the token ids both engines receive; ``score_from``: the first position
     scored for perplexity and Δp (0 for a prompt; n_ctx/2 for a text window,
-    ``harness.measure.text_windows``)."""
+    ``harness.measure.text_windows``); ``judge_from``: the first position compared and judged
+    at all (0: every position; ``harness parity --text --score-second-half``: ``score_from``, the
+    engines asked for those rows alone where they can, as ``llama-perplexity`` asks llama.cpp)."""
 
     id: str
     tokens: list[int]
     source: str  # "text" (tokenized by the reference) or "ids"
     score_from: int = 0
+    judge_from: int = 0
 
 
 def tokenize_prompts(prompt_set: PromptSet, tokenizer: Any) -> list[PromptTokens]:

@@ -12,7 +12,11 @@ scored over the window's second half only: the logits at positions ``first = n_c
 first half serving as context.
 
 Each window becomes a prompt of the parity cell (``PromptTokens`` with id ``text:WINDOW-i`` and
-``score_from = n_ctx / 2``); the gate judges every position of it as it judges any prompt.
+``score_from = n_ctx / 2``); the gate judges every position of it as it judges any prompt. With
+``--score-second-half`` (``judge_from = n_ctx / 2`` too) only the positions ``llama-perplexity``
+asks llama.cpp logits for are compared and judged, ``n_ctx / 2`` .. ``n_ctx - 1`` of each window
+(``batch.logits`` set for ``pos >= first``), and the engines are asked for those rows alone where
+they can (``harness.engines.base.logits_each``, capability ``first_row``).
 """
 
 from __future__ import annotations
@@ -78,10 +82,12 @@ def tokenize_text(text: str, tokenizer: Any) -> list[int]:
     return list(tokenizer.tokenize(text))
 
 
-def text_windows(tokens: Sequence[int], n_ctx: int, bos_id: int | None = None, path: str | Path = "text") -> list[PromptTokens]:
+def text_windows(tokens: Sequence[int], n_ctx: int, bos_id: int | None = None, path: str | Path = "text",
+                 second_half: bool = False) -> list[PromptTokens]:
     """The consecutive non-overlapping windows of ``n_ctx`` tokens of ``tokens`` (module
     docstring), each a ``PromptTokens`` (id ``text:WINDOW-i``, source ``text``, ``score_from =
-    n_ctx // 2``); ``bos_id`` (the vocabulary adds a BOS): each window's first token becomes it.
+    n_ctx // 2``); ``bos_id`` (the vocabulary adds a BOS): each window's first token becomes it;
+    ``second_half``: ``judge_from = n_ctx // 2`` too (only those positions compared and judged).
 
     Raises ``InvalidInput`` when ``tokens`` hold less than one window (naming ``path``, the
     token count and ``n_ctx``) or ``n_ctx < 2``.
@@ -96,8 +102,20 @@ def text_windows(tokens: Sequence[int], n_ctx: int, bos_id: int | None = None, p
         w = [int(t) for t in tokens[i * n_ctx:(i + 1) * n_ctx]]
         if bos_id is not None:
             w[0] = int(bos_id)
-        out.append(PromptTokens(f"{WINDOW_PREFIX}{i}", w, "text", n_ctx // 2))
+        out.append(PromptTokens(f"{WINDOW_PREFIX}{i}", w, "text", n_ctx // 2, n_ctx // 2 if second_half else 0))
     return out
+
+
+SECOND_HALF_WHY = ("--score-second-half: only each window's positions from n_ctx/2 on, the rows llama-perplexity asks llama.cpp "
+                   "logits for (batch.logits set for pos >= first = n_ctx/2), are computed where an engine can and compared")
+"""The receipt's ``prompts.text.judged.why`` and the console's reason for the positions judged."""
+
+
+def judged_record(windows: Sequence[PromptTokens]) -> dict[str, Any]:
+    """The receipt's ``prompts.text.judged`` of ``--score-second-half``: the first position
+    judged in each window, the positions judged in all and why."""
+    first = windows[0].judge_from if windows else 0
+    return {"from": int(first), "positions": int(sum(len(w.tokens) - w.judge_from for w in windows)), "why": SECOND_HALF_WHY}
 
 
 def text_record(text: TextFile, n_ctx: int, n_tokens: int, windows: Sequence[PromptTokens], bos_id: int | None) -> dict[str, Any]:

@@ -107,6 +107,10 @@ class ParityRequest(RunRequest):
     cuts them (``harness.measure.text_windows``), instead of the prompt set."""
     ctx: int = DEFAULT_CTX
     """``--ctx N``: the window length in tokens with ``text`` (``llama-perplexity``'s ``n_ctx``)."""
+    score_second_half: bool = False
+    """``--score-second-half`` (with ``text``): compare and judge only each window's positions from
+    ``ctx // 2`` on, the rows ``llama-perplexity`` asks llama.cpp for, each engine asked for those
+    rows alone where it can (``PromptTokens.judge_from``)."""
 
 
 @dataclass

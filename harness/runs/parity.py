@@ -59,14 +59,16 @@ def _guarded(name: str, blocks: Iterator[LogitBlock]) -> Iterator[LogitBlock]:
         raise EngineError(f"{name} raised {type(e).__name__}: {e}") from None
 
 
-def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, finite: str | None = None) -> Iterator[np.ndarray]:
-    """Validate an engine's block stream (order, width, count) and yield its blocks.
+def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, finite: str | None = None,
+          first: int = 0) -> Iterator[np.ndarray]:
+    """Validate an engine's block stream (order, width, count) and yield its blocks: positions
+    ``first`` .. ``n_tokens`` − 1, the first block starting at ``first``.
 
     ``finite`` (the prompt id) demands finite logits: the reference's. A reference that returns
     NaN or Inf has failed, not the candidate it was to judge: ``EngineError`` naming it and the
     position, never a FAIL in the candidate's name.
     """
-    expect = 0
+    expect = first
     for start, block in _guarded(name, blocks):
         block = np.asarray(block)
         if block.ndim != 2 or block.shape[1] != n_vocab:
@@ -83,12 +85,13 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, 
             raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
         yield block
     if expect != n_tokens:
-        raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
+        raise EngineError(f"{name} returned {expect - first} positions for a {n_tokens}-token prompt"
+                          + (f" asked from position {first}" if first else ""))
 
 
 def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: int, progress: Callable[[int], None] | None = None,
                    prompt_id: str = "?", score_from: int = 0,
-                   streams: tuple[Iterator[LogitBlock], Iterator[LogitBlock]] | None = None) -> dict[str, np.ndarray]:
+                   streams: tuple[Iterator[LogitBlock], Iterator[LogitBlock]] | None = None, judge_from: int = 0) -> dict[str, np.ndarray]:
     """Per-position metrics (``metrics.position_metrics`` and ``metrics.next_token_metrics``
     keys) of one prompt, streamed.
 
@@ -99,17 +102,19 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
     logit (naming the reference, ``prompt_id`` and the position; the candidate's non-finite rows
     are measured and FAIL at their positions). ``streams``: the two engines' block streams of
     this prompt when the caller has them already (``harness.engines.base.logits_each``), else each
-    engine's ``logits(tokens)``.
+    engine's ``logits(tokens)``. ``judge_from``: only positions ``judge_from`` .. n − 1 are
+    compared (``PromptTokens.judge_from``); ``streams`` then hold those positions alone
+    (``harness.engines.base.logits_each`` with ``first_rows``), and the metrics' rows are theirs.
     """
     n = len(tokens)
     following = np.append(np.asarray(tokens[1:], np.int64), -1)  # the token each position predicts; none after the last
     ref_blocks, cand_blocks = streams if streams is not None else (ref.logits(tokens), cand.logits(tokens))
-    ref_it = _rows(ref_blocks, f"reference {ref.info.name}", n, n_vocab, finite=prompt_id)
-    cand_it = _rows(cand_blocks, f"candidate {cand.info.name}", n, n_vocab)
+    ref_it = _rows(ref_blocks, f"reference {ref.info.name}", n, n_vocab, finite=prompt_id, first=judge_from)
+    cand_it = _rows(cand_blocks, f"candidate {cand.info.name}", n, n_vocab, first=judge_from)
     parts = []
     r_buf = np.zeros((0, n_vocab), np.float32)
     c_buf = np.zeros((0, n_vocab), np.float32)
-    done = 0
+    done = judge_from
     while done < n:
         # the candidate's block first: the reference's worker is running already (its stream
         # was opened), and a candidate that starts on its first request then starts at once
@@ -124,7 +129,7 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
         r_buf, c_buf = r_buf[k:], c_buf[k:]
         done += k
         if progress:
-            progress(done)
+            progress(done - judge_from)
     for it in (ref_it, cand_it):  # drain: lets the streams check their final counts
         for extra in it:
             raise EngineError(f"engine returned {extra.shape[0]} extra positions")
@@ -147,15 +152,16 @@ def _prompt_summary(p: PromptTokens, pm: dict[str, np.ndarray], min_cosine: floa
     fails = metrics.cosine_failures(pm, min_cosine)
     if judged is not None:  # positions the applied tier left out (a router near-tie cut) do not fail
         fails = fails[judged[fails]]
+    at = np.asarray(pm["position"]) if "position" in pm else np.arange(len(p.tokens))  # a judged row's position in the prompt
     return {
         "id": p.id,
-        "positions": len(p.tokens),
+        "positions": len(p.tokens) - p.judge_from,
         "min_cosine": s["min_cosine"],
-        "min_cosine_position": s["min_cosine_index"],
+        "min_cosine_position": None if s["min_cosine_index"] is None else int(at[s["min_cosine_index"]]),
         "mean_cosine": s["mean_cosine"],
         **report_only_headline(s),
         "failing_positions": int(fails.size),
-        "first_failing_position": int(fails[0]) if fails.size else None,
+        "first_failing_position": int(at[fails[0]]) if fails.size else None,
         "nonfinite_positions": s["nonfinite_positions"],
     }
 
@@ -168,18 +174,21 @@ def measure_cell(model: GGUFModel, reference: Engine, candidate: Engine, prompts
     """
     n_vocab = check_comparable(model, reference, candidate, prompts)
     parts = []
-    total = sum(len(p.tokens) for p in prompts)
+    total = sum(len(p.tokens) - p.judge_from for p in prompts)
     done_before = 0
-    # each engine's prompts as one run where it can (the llama.cpp reference: one worker for all)
-    ref_each = _guarded(f"reference {reference.info.name}", logits_each(reference, [p.tokens for p in prompts]))
-    cand_each = _guarded(f"candidate {candidate.info.name}", logits_each(candidate, [p.tokens for p in prompts]))
+    # each engine's prompts as one run where it can (the llama.cpp reference: one worker for all);
+    # with judge_from, each asked for the judged rows alone where it can (else they are cut here)
+    firsts = [p.judge_from for p in prompts] if any(p.judge_from for p in prompts) else None
+    ref_each = _guarded(f"reference {reference.info.name}", logits_each(reference, [p.tokens for p in prompts], firsts))
+    cand_each = _guarded(f"candidate {candidate.info.name}", logits_each(candidate, [p.tokens for p in prompts], firsts))
     for i, p in enumerate(prompts):
         cb = (lambda d, pid=p.id, base=done_before: progress(pid, base + d, total)) if progress else None
-        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id, p.score_from, (next(ref_each), next(cand_each)))
-        pm["prompt_index"] = np.full(len(p.tokens), i, np.int32)
-        pm["position"] = np.arange(len(p.tokens), dtype=np.int32)
+        pm = compare_prompt(reference, candidate, p.tokens, n_vocab, cb, p.id, p.score_from, (next(ref_each), next(cand_each)),
+                            p.judge_from)
+        pm["prompt_index"] = np.full(len(p.tokens) - p.judge_from, i, np.int32)
+        pm["position"] = np.arange(p.judge_from, len(p.tokens), dtype=np.int32)
         parts.append(pm)
-        done_before += len(p.tokens)
+        done_before += len(p.tokens) - p.judge_from
     for each in (ref_each, cand_each):  # the engines' runs end and check themselves
         next(each, None)
     per_position = metrics.concat_metrics(parts)
@@ -396,17 +405,23 @@ def run_cell(
                       cuts=cuts, excuses=excuses)
 
 
-def text_prompts(inputs: Any, reference: Engine, text: text_windows.TextFile, n_ctx: int) -> tuple[list[PromptTokens], dict[str, Any]]:
+def text_prompts(inputs: Any, reference: Engine, text: text_windows.TextFile, n_ctx: int,
+                 second_half: bool = False) -> tuple[list[PromptTokens], dict[str, Any]]:
     """``harness parity --text``: the text's windows of ``n_ctx`` tokens as the cell's prompts
     (``harness.measure.text_windows``, as ``llama-perplexity`` cuts them), tokenized by the
     reference's tokenizer (``RunInputs.tokenizer``), each window's first token BOS when the GGUF's
     ``tokenizer.ggml.add_bos_token`` is true (``tokenizer.ggml.bos_token_id``), and the receipt's
-    ``prompts.text`` record. Raises ``InvalidInput`` for a text shorter than one window."""
+    ``prompts.text`` record; ``second_half`` (``--score-second-half``): each window judged from
+    ``n_ctx // 2`` on, recorded as ``prompts.text.judged``. Raises ``InvalidInput`` for a text
+    shorter than one window."""
     model = inputs.model
     bos = model.metadata("tokenizer.ggml.bos_token_id") if model.metadata("tokenizer.ggml.add_bos_token", False) else None
     tokens = text_windows.tokenize_text(text.text, inputs.tokenizer(reference))
-    windows = text_windows.text_windows(tokens, n_ctx, bos, text.path)
-    return windows, text_windows.text_record(text, n_ctx, len(tokens), windows, bos)
+    windows = text_windows.text_windows(tokens, n_ctx, bos, text.path, second_half)
+    record = text_windows.text_record(text, n_ctx, len(tokens), windows, bos)
+    if second_half:
+        record["judged"] = text_windows.judged_record(windows)
+    return windows, record
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +449,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prestart(candidate)  # its start-up beside the reference's tokenization, not after it
     if text is not None:
-        prompts, text_rec = text_prompts(inputs, reference.engine, text, req.ctx)
+        prompts, text_rec = text_prompts(inputs, reference.engine, text, req.ctx, req.score_second_half)
     else:
         prompts, text_rec = inputs.tokens(reference.engine), None
     if "topk" in candidate.info.capabilities:

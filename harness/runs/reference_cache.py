@@ -8,7 +8,10 @@ later comparison.
 Key: sha256 of a canonical JSON of the model file's sha256, the token ids, the reference
 engine's name, version and build (``info.build``: its ``cpu_features`` line, llama.cpp's
 ``llama_print_system_info()``) and its settings (``info.settings``: threads, n_ctx, n_batch,
-n_ubatch, ``type_k``/``type_v`` (KV type), ``use_extra_bufts`` (buffer setting), GGUF overrides).
+n_ubatch, ``type_k``/``type_v`` (KV type), ``use_extra_bufts`` (buffer setting), GGUF overrides),
+and for an entry of a prompt's rows from a position on alone (``harness parity --text
+--score-second-half``) that position, ``first_row``: such an entry never shares a key with the
+prompt's full rows, and holds ``n_tokens`` − ``first_row`` rows.
 
 An entry is two files in the cache folder: ``<key>.f32`` (the rows, little-endian float32,
 C order, ``[n_tokens, n_vocab]``, exactly as the reference streamed them) and ``<key>.json``
@@ -73,9 +76,12 @@ def _sha256_path(path: Path) -> str:
     return h.hexdigest()
 
 
-def cache_key(model_sha256: str, tokens: Sequence[int], info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def cache_key(model_sha256: str, tokens: Sequence[int], info: dict[str, Any], first_row: int = 0) -> tuple[str, dict[str, Any]]:
     """The entry's key (sha256 hex) and the inputs it hashes. ``info``: the reference's
-    ``EngineInfo.to_dict()`` (name, version, settings, build)."""
+    ``EngineInfo.to_dict()`` (name, version, settings, build); ``first_row`` > 0: an entry of the
+    rows from that position on alone (``--score-second-half``), hashed with it, so it never
+    shares a key with the prompt's full rows (an entry of every row hashes no ``first_row``:
+    the keys made before it existed stay valid)."""
     toks = np.asarray([int(t) for t in tokens], dtype="<i8")
     # Observations recorded beside the settings after a decode (llama.cpp's ``flash_attn_ran``) are
     # not inputs: the key is made before and after the first decode alike.
@@ -83,6 +89,8 @@ def cache_key(model_sha256: str, tokens: Sequence[int], info: dict[str, Any]) ->
     inputs = {"model_sha256": model_sha256, "tokens_sha256": hashlib.sha256(toks.tobytes()).hexdigest(), "n_tokens": int(toks.size),
               "engine": info.get("name"), "version": info.get("version"), "settings": settings,
               "build": info.get("build", {})}
+    if first_row:
+        inputs["first_row"] = int(first_row)
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest(), inputs
 
@@ -154,14 +162,17 @@ class ReferenceCache:
               n_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
         """Pass ``blocks`` through while writing them to a temporary file; once all ``n_tokens``
         rows went by, rename it (with its ``.json``) into place under the lock. A stream that
-        stops early or raises leaves no entry."""
+        stops early or raises leaves no entry. An entry of the rows from position
+        ``inputs["first_row"]`` on holds those rows alone (``n_tokens`` of them), the blocks'
+        starts being positions."""
+        first = int(inputs.get("first_row", 0))
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".f32", dir=self.root)
         h, rows, done, n_vocab = hashlib.sha256(), 0, False, 0
         try:
             with os.fdopen(fd, "wb") as f:
                 for start, block in blocks:
                     b = np.ascontiguousarray(block, dtype=DTYPE)
-                    if b.ndim != 2 or (n_vocab and b.shape[1] != n_vocab) or start != rows:
+                    if b.ndim != 2 or (n_vocab and b.shape[1] != n_vocab) or start - first != rows:
                         rows = -1  # malformed: the consumer rejects it; nothing is stored
                     if rows >= 0:
                         n_vocab = b.shape[1]
@@ -221,6 +232,10 @@ class CachedReference:
     (``model_sha256``, tokens, the engine's info) exists, else from the engine (streamed, and
     stored). Every other attribute is the wrapped engine's."""
 
+    logits_each_first_rows = True
+    """``logits_each`` takes ``first_rows`` (``harness.engines.base.logits_each``): those entries
+    are keyed with their first row (``cache_key``)."""
+
     def __init__(self, engine: Any, cache: ReferenceCache, model_sha256: str):
         self._engine, self._cache, self._model_sha256 = engine, cache, model_sha256
 
@@ -234,30 +249,35 @@ class CachedReference:
             return
         yield from self._via_cache(tokens, lambda: self._engine.logits(tokens))
 
-    def logits_each(self, prompts: Sequence[Sequence[int]]) -> Iterator[Iterator[tuple[int, np.ndarray]]]:
+    def logits_each(self, prompts: Sequence[Sequence[int]],
+                    first_rows: Sequence[int] | None = None) -> Iterator[Iterator[tuple[int, np.ndarray]]]:
         """Each prompt's blocks, as ``logits``; the prompts without an entry are computed by one
         ``harness.engines.base.logits_each`` of the engine (one worker run for all of them). A prompt
         counted as a miss whose entry another job has written meanwhile is read from the cache (its
-        computed rows are dropped unread)."""
+        computed rows are dropped unread). ``first_rows``: prompt i's rows from ``first_rows[i]``
+        on alone (``harness.engines.base.logits_each``), asked of the engine and cached so."""
         info = self._engine.info.to_dict()
+        firsts = [int(k) for k in first_rows] if first_rows is not None else [0] * len(prompts)
         missing = [i for i, p in enumerate(prompts)
-                   if not (self._cache.root / f"{cache_key(self._model_sha256, p, info)[0]}.json").exists()]
-        computed = logits_each(self._engine, [prompts[i] for i in missing])
+                   if not (self._cache.root / f"{cache_key(self._model_sha256, p, info, firsts[i])[0]}.json").exists()]
+        computed = logits_each(self._engine, [prompts[i] for i in missing], [firsts[i] for i in missing] if first_rows is not None else None)
         for i, p in enumerate(prompts):
             if i in missing:
                 stream = next(computed)
-                yield self._via_cache(p, lambda s=stream: s)
+                yield self._via_cache(p, lambda s=stream: s, firsts[i])
+            elif firsts[i]:
+                yield self._via_cache(p, lambda k=firsts[i], q=p: next(logits_each(self._engine, [q], [k])), firsts[i])
             else:
                 yield self.logits(p)
         for _ in computed:  # lets the engine's run end and check itself
             pass
 
-    def _via_cache(self, tokens: Sequence[int], compute: Any) -> Iterator[tuple[int, np.ndarray]]:
+    def _via_cache(self, tokens: Sequence[int], compute: Any, first_row: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """The entry's rows when it exists and verifies, else ``compute()``'s stream, passed through
         and stored. The key's lock is held while the reference computes: a parallel job waits, then
-        reads the entry."""
-        n = len(tokens)
-        key, inputs = cache_key(self._model_sha256, tokens, self._engine.info.to_dict())
+        reads the entry. ``first_row``: the entry of the rows from that position on."""
+        n = len(tokens) - first_row
+        key, inputs = cache_key(self._model_sha256, tokens, self._engine.info.to_dict(), first_row)
         lock = self._cache._lock(key)
         lock.acquire()
         try:
@@ -270,7 +290,7 @@ class CachedReference:
             lock.release()
         self._cache.hits += 1
         for s in range(0, n, BLOCK_ROWS):
-            yield s, np.array(rows[s:s + BLOCK_ROWS])
+            yield first_row + s, np.array(rows[s:s + BLOCK_ROWS])
 
 
 def wrap(engine: Any, model_sha256: str, enabled: bool = True) -> Any:

@@ -504,10 +504,15 @@ class Qwen35Oracle:
     def n_vocab(self) -> int:
         return int(self.model.tensor_info(self._output_name).ne[1])
 
-    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None) -> Iterator[LogitBlock]:
-        """Yield ``(start, float32 [B, V])`` logit blocks; row t follows ``tokens[:t+1]``."""
+    logits_first_row = True
+    """``logits`` takes ``first_row`` (``harness.engines.base.logits_each``)."""
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, first_row: int = 0) -> Iterator[LogitBlock]:
+        """Yield ``(start, float32 [B, V])`` logit blocks; row t follows ``tokens[:t+1]``.
+        ``first_row``: positions ``first_row`` .. T − 1 alone (the LM head is applied to those
+        hidden states only; every position is still run through the layers)."""
         h = self._forward(tokens, chunks, _Recorder(None))
-        for start in range(0, h.shape[0], self.logit_block):
+        for start in range(max(0, int(first_row)), h.shape[0], self.logit_block):
             yield start, self.lm_head(h[start : start + self.logit_block], np.float32)
 
     def activations(
