@@ -77,3 +77,46 @@ def test_llama_cpp_passes_against_the_oracle_on_real_heads(prompts):
 def test_trunk_mutants_fail_on_real_heads(name, mutant, prompts):
     r = _parity(name, f"mutant:{mutant}", prompts)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_a_mutant_whose_arithmetic_overflows_fails_with_non_finite_logits_not_an_engine_error():
+    """gdn-l2norm-skipped overflows float64 on real-heads-qwen35's 1,026-token shipped prompt: a
+    broken engine emits inf/NaN there, so parity FAILs it (exit 1) instead of an ENGINE-ERROR
+    about the oracle (exit 3, before)."""
+    r = subprocess.run([sys.executable, "-m", "harness", "parity", "--model", "fixture:real-heads-qwen35",
+                        "--candidate", "mutant:gdn-l2norm-skipped", "--greedy-tokens", "0", "--no-evidence", "--no-localize",
+                        "--json"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    gated = json.loads(r.stdout)["gated"]
+    assert gated["verdict"] == "FAIL" and gated["nonfinite_positions"] >= 1026
+
+
+class _Overflowing:
+    """Stands in for the oracle: its first block, then the overflow error (or another one)."""
+
+    logit_block, n_vocab = 4, 3
+
+    def __init__(self, message: str, blocks: int = 0):
+        self.message, self.blocks = message, blocks
+
+    def logits(self, tokens, chunks=None, first_row=0):
+        import numpy as np
+        for b in range(self.blocks):
+            yield first_row + 4 * b, np.zeros((4, 3), np.float32)
+        from harness.errors import EngineError
+        raise EngineError(self.message)
+
+
+def test_non_finite_logits_stand_for_the_rows_after_an_overflow_and_other_errors_pass_through():
+    import numpy as np
+    from harness.engines.mutants import _NonFiniteLogits
+    from harness.errors import EngineError
+
+    class M(_NonFiniteLogits, _Overflowing):
+        pass
+
+    blocks = list(M("oracle: floating-point overflow encountered in multiply in layer 2", blocks=1).logits(list(range(10)), first_row=1))
+    assert [(s, b.shape) for s, b in blocks] == [(1, (4, 3)), (5, (4, 3)), (9, (1, 3))]
+    assert np.isfinite(blocks[0][1]).all() and np.isnan(blocks[1][1]).all() and np.isnan(blocks[2][1]).all()
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        list(M("oracle: token id 9 is outside the vocabulary [0, 3)").logits([9]))

@@ -44,7 +44,7 @@ from harness.engines.oracle.qwen35 import (
 )
 from harness.engines.oracle.qwen35moe import moe
 from harness.config import did_you_mean
-from harness.errors import InvalidInput
+from harness.errors import EngineError, InvalidInput
 from harness.model.gguf_model import (
     ATTENTION,
     GLOBAL,
@@ -103,6 +103,34 @@ class _MutantBase:
             build={**base.build, "mutant": m.name, "bug_class": m.bug_class, "fault": m.description},
             compute_class=base.compute_class,
         )
+
+
+_OVERFLOW_MARKS = ("oracle: floating-point", "oracle: non-finite")
+"""How the oracle's ``EngineError`` begins when its arithmetic overflowed or went non-finite
+(``OracleEngine._forward``, the ``_Recorder`` checks, ``lm_head``)."""
+
+
+class _NonFiniteLogits:
+    """A mutant whose fault makes the float64 arithmetic overflow (``gdn-l2norm-skipped`` on the
+    real-head fixtures: un-normalised q·k products of 128-wide heads) yields NaN logits from
+    ``logits`` instead of the oracle's ``EngineError``, as a broken engine emits inf/NaN rather than
+    refusing. A verification harness must then FAIL it (its non-finite positions), not report an
+    ENGINE-ERROR about the oracle. Only plain ``logits`` requests; every other path (pieces
+    through sessions, MTP, serving) keeps the error. Rows: float32 NaN ``[B, V]`` blocks of
+    ``logit_block`` rows from ``first_row`` on."""
+
+    def logits(self, tokens: Sequence[int], chunks: Sequence[int] | None = None, first_row: int = 0) -> Iterator[LogitBlock]:
+        it = super().logits(tokens, chunks, first_row)  # type: ignore[misc]
+        start = max(0, int(first_row))
+        try:
+            for block in it:
+                yield block
+                start = block[0] + block[1].shape[0]
+        except EngineError as e:
+            if not str(e).startswith(_OVERFLOW_MARKS):
+                raise
+            for s in range(start, len(tokens), self.logit_block):  # type: ignore[attr-defined]
+                yield s, np.full((min(self.logit_block, len(tokens) - s), self.n_vocab), np.nan, np.float32)  # type: ignore[attr-defined]
 
 
 class _WeightFault(_MutantBase):
@@ -233,7 +261,7 @@ class DtBiasDropped(_MutantBase):
     gdn_gate = staticmethod(_gate_no_dt_bias)
 
 
-class GdnL2NormSkipped(_MutantBase):
+class GdnL2NormSkipped(_NonFiniteLogits, _MutantBase):  # where it overflows: NaN logits (_NonFiniteLogits)
     """q and k enter the delta rule without L2 normalisation."""
 
     l2norm = staticmethod(lambda x, eps: x)
