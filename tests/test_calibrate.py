@@ -240,3 +240,24 @@ def test_a_full_calibration_keeps_the_speculative_acceptance_rows(tmp_path):
     assert kept["spec_min_reference_accepted"] == shipped["spec_min_reference_accepted"]
     assert kept["localize_max_nmse"]["value"] == 1e-5 and kept["moe_router_max_gap"] is not None  # the rest is the new calibration's
     assert load_thresholds(out).data["probes"]["spec_max_acceptance_drop"]["value"] == 0.37
+
+
+def test_a_top_k_row_is_never_tighter_than_the_calibrated_rows_smallest_step():
+    """A top-k KLD is at most the full KLD, so a top-k row below MIN_STEP would fail float32 noise the
+    calibrated tier allows: llama-server on fixture:trained-qwen35 measured top-20 KLD mean 7.8e-7 and
+    p99 8.2e-6 against a row floored at 1e-7 (1.2e-7 / 8.6e-7), a FAIL of a correct engine."""
+    from harness.runs.calibrate.document import _topk_row
+    from harness.runs.calibrate.plan import MIN_STEP
+
+    dims = {"name": "fixture:trained-qwen35", "sha256": "0" * 64, "arch": "qwen35", "n_layer": 8, "n_embd": 96}
+    goods = [pair("llama.cpp n_ubatch=7 vs llama.cpp", True, [0.9999999] * 5, 3e-9, seed=s, file_type="ALL_F32", dims=dims)
+             for s in (1, 2)]
+    for g in goods:
+        g.compute_class, g.weights = "f32", "F32"
+    bads = [pair("mutant:gdn-chunk-state-not-carried", False, [0.99] * 5, 7.8e-4, seed=3)]
+    row, passing, late = _topk_row(20, "f32", goods, bads, "harness calibrate --topk", "fixture:trained-qwen35", "")
+    gates = row["gates"]
+    assert gates["max_topk_kld_mean"]["value"] == MIN_STEP["max_kld_mean"] == 1e-6
+    assert gates["max_topk_kld_p99"]["value"] == MIN_STEP["max_kld_p99"] == 1e-5
+    assert 7.8e-7 <= gates["max_topk_kld_mean"]["value"] and 8.2e-6 <= gates["max_topk_kld_p99"]["value"]
+    assert passing == [] and late == []
