@@ -117,6 +117,9 @@ def test_parity_passes_against_llama_cpp_python_server(server_url, tmp_path, in_
     assert s["url"] == server_url and s["kind"] == "llama-cpp-python" and s["served_model"] == "trained-qwen35"
     fr = rec["report_only"]["free_running"]  # the server generates at temperature 0 beside the reference
     assert "unmeasured" not in fr and len(fr["prompts"]) == len(rec["prompts"]["items"]) and fr["hard"] == 0
+    # the console shows the tier that judged, and never calls the verdict the release gate's (it was not computed)
+    assert g["topk"]["line"] in out.out and "PASS: top-k tier ok" in out.out
+    assert "verdict is the release gate's" not in out.out
 
 
 def _rescaled_copy(tmp_path: Path, factor: float) -> Path:

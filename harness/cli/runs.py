@@ -52,10 +52,13 @@ def parity_title(rec: dict[str, Any]) -> str:
 def verdict_tail(verdict: Verdict, message: str, gated: dict[str, Any]) -> str:
     """What the verdict line adds to the two tier lines printed above it: for a PASS, only each
     tier's status (``release gate ok, calibrated tier ok``; the message is those two lines
-    again), else the message itself (a FAIL's is its reproducer, an UNMEASURED's its reason)."""
-    rel, cal = gated.get("release"), gated.get("calibrated")
+    again; a top-k cell's: the top-k tier's status, which judged it), else the message itself (a
+    FAIL's is its reproducer, an UNMEASURED's its reason)."""
+    rel, cal, topk = gated.get("release"), gated.get("calibrated"), gated.get("topk")
     if verdict is not Verdict.PASS or not rel or not cal:
         return message
+    if topk:  # a top-k cell (a server's logprobs): its tier judged, the other two cannot
+        return f"top-k tier {topk['status']} (release gate {rel['status']}, calibrated tier {cal['status']}: they need logits)"
     tail = f"release gate {rel['status']}, calibrated tier {cal['status']}"
     return tail + ("; verdict is the release gate's" if cal["status"] == "unmeasured" else "")
 
@@ -76,6 +79,8 @@ def _render_parity(outcome) -> None:
     # the gate lines end in the command that measures a missing row: never broken (soft wrap)
     con.print(_p(g["release"]["line"]), markup=False, soft_wrap=True)
     con.print(_p(g["calibrated"]["line"]), markup=False, soft_wrap=True)
+    if g.get("topk"):
+        con.print(_p(g["topk"]["line"]), markup=False, soft_wrap=True)
     th = rec["thresholds"]
     if th.get("self_calibration"):
         con.print(f"calibrated tier measured on this model: calibration receipt {th['self_calibration'][:12]}", markup=False)
