@@ -49,9 +49,6 @@ def test_the_committed_evidence_holds_mlx_moe_bf16_judged_as_bf16():
     assert "rounded to bfloat16" in rc["engines"]["candidate"]["settings"]["expert_matmul"]
 
 
-@pytest.mark.xfail(strict=True, reason="docs/engines.md is stale on main (issue 52 left open): 12 rows it cites changed in the round-3 "
-                   "re-calibration and the refresh (harness ledger engines-page --refresh, about 45 min here, plus the llama.cpp "
-                   "0.3.17 venv) has not been run; once it has, this XPASSes and the mark must go")
 def test_no_thresholds_row_the_committed_page_cites_has_changed_since_it_was_rendered():
     """Each cell names the thresholds.yaml row that judged it with the sha256 of that row as its
     receipt recorded it; a re-calibration that changes one makes the page stale until fresh rows
