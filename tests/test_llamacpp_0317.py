@@ -96,7 +96,13 @@ def test_the_committed_evidence_holds_the_0317_rows_and_the_moe_difference_the_p
     for model in ("fixture:trained-qwen35", "fixture:trained-qwen35moe", "fixture:trained-qwen35-256-Q4_K_M"):
         par, prb = found[(name, model, "f32", "parity")], found[(name, model, "f32", "probe")]
         assert par["row"]["verdict"] == "PASS" and par["receipt"]["engines"]["candidate"]["version"] == "0.3.17"
-        assert prb["row"]["verdict"] == "PASS"
+        verdicts = {p["name"]: p["verdict"] for p in prb["receipt"]["probes"]}
+        if model.endswith("Q4_K_M"):  # a known false FAIL, open (docs/gates.md "Known false FAILs"): the serving probe's
+            # f32 tolerance was measured on F32 weights, and on Q4_K_M the reference itself leaves it after a cached prefix
+            assert prb["row"]["verdict"] == "FAIL" and [n for n, v in verdicts.items() if v == "FAIL"] == ["serving"]
+            assert all(v == "PASS" for n, v in verdicts.items() if n not in ("serving", "speculative"))
+        else:
+            assert prb["row"]["verdict"] == "PASS"
         assert {p["name"]: p["verdict"] for p in prb["receipt"]["probes"]}["speculative"] == "UNMEASURED"  # no MTP op
     dense = found[(name, "fixture:trained-qwen35", "f32", "parity")]["row"]
     moe = found[(name, "fixture:trained-qwen35moe", "f32", "parity")]["row"]
