@@ -261,3 +261,58 @@ def test_a_top_k_row_is_never_tighter_than_the_calibrated_rows_smallest_step():
     assert gates["max_topk_kld_p99"]["value"] == MIN_STEP["max_kld_p99"] == 1e-5
     assert 7.8e-7 <= gates["max_topk_kld_mean"]["value"] and 8.2e-6 <= gates["max_topk_kld_p99"]["value"]
     assert passing == [] and late == []
+
+
+def test_each_quantized_weights_key_takes_its_probe_floor_from_a_dense_file_of_that_key():
+    """``weights_probe_files``: float-only keys keep the base floors (none listed); a quantized key
+    names the dense (qwen35) basis model even when an MoE row of the key comes first."""
+    from harness.runs.calibrate import quantized_weights, weights_probe_files
+
+    rows = [{"weights": "F32", "basis_models": [{"name": "fixture:a", "arch": "qwen35"}]},
+            {"weights": "BF16+F32", "basis_models": [{"name": "fixture:b", "arch": "qwen35"}]},
+            {"weights": "F32+Q4_K+Q6_K", "basis_models": [{"name": "fixture:moe-q4", "arch": "qwen35moe"}]},
+            {"weights": "F32+Q4_K+Q6_K", "basis_models": [{"name": "fixture:dense-q4", "arch": "qwen35"}]},
+            {"weights": "F32+Q8_0", "basis_models": [{"name": "fixture:moe-q8", "arch": "qwen35moe"}]}]
+    assert weights_probe_files(rows) == {"F32+Q4_K+Q6_K": "fixture:dense-q4", "F32+Q8_0": "fixture:moe-q8"}
+    assert not quantized_weights("F16+F32") and quantized_weights("F32+IQ2_XXS+Q5_K")
+
+
+def test_a_quantized_file_loosens_the_f32_probe_floor_by_llama_cpps_own_batch_dependence():
+    """On Q4_K_M weights llama.cpp's quantized kernels depend on the batch: fed in pieces, it leaves
+    itself fed whole by more than on F32 (the serving probe's false FAIL of the reference, docs/gates.md).
+    ``weights_probe_floors`` joins that floor to the base's for the classes with f32 members only,
+    and names the file and engines in the basis."""
+    from harness.runs.calibrate import weights_probe_floors
+
+    exact = {"min_cosine": {"value": 0.9999999, "floor": 1.0, "n": 3, "models": ["base"], "engines": {"oracle": (1.0, 0.0)}},
+             "max_kld": {"value": 1e-7, "floor": 0.0, "n": 3, "models": ["base"], "engines": {"oracle": (1.0, 0.0)}}}
+    spec = "fixture:trained-qwen35-256-Q4_K_M"
+    out = weights_probe_floors({"F32+Q4_K+Q6_K": spec}, {"f64": exact, "f32": exact, "mixed": exact}, lambda m: None, decode_tokens=48)
+    per = out["F32+Q4_K+Q6_K"]
+    assert sorted(per) == ["f32", "mixed"]  # the f64 class (the oracle) dequantizes: its base floor stands
+    cos = per["f32"]["min_cosine"]
+    assert cos["floor"] < 0.999999  # llama.cpp split/decode vs whole on Q4_K_M (the base here is exact: 1.0)
+    assert cos["value"] <= 1 - 20 * (1 - cos["floor"]) + 1e-12  # 20x in 1 - cosine
+    assert cos["floor"] == min(c for c, _ in cos["engines"].values())
+    assert f"llama.cpp on {spec}" in cos["engines"] and "oracle" in cos["engines"]
+    assert cos["models"] == ["base", spec] and cos["n"] > 3 and cos["decode_tokens"] == 48
+    assert per["f32"]["max_kld"]["floor"] > 0
+
+
+def test_merge_probe_rows_gives_a_quantized_key_its_own_probe_floor(tmp_path):
+    import shutil
+
+    from harness.runs.calibrate import merge_probe_rows
+
+    path = tmp_path / "thresholds.yaml"
+    shutil.copy("thresholds.yaml", path)
+    base = {"min_cosine": {"value": 0.99999, "floor": 0.9999995, "n": 7, "decode_tokens": 640}, "max_kld": {"value": 1e-5, "floor": 1e-7, "n": 7}}
+    q4 = {"min_cosine": {"value": 0.999, "floor": 0.99995, "n": 9, "decode_tokens": 640, "models": ["x", "fixture:q4"],
+                         "engines": {"llama.cpp on fixture:q4": (0.99995, 4e-4)}},
+          "max_kld": {"value": 0.03, "floor": 4e-4, "n": 9}}
+    merge_probe_rows(path, {"f32": base}, None, "harness calibrate --probes", "fixture:trained-qwen35", None, {"F32+Q4_K+Q6_K": {"f32": q4}})
+    rows = [r for r in load_thresholds(path).data["calibrated"] if r["class"] == "f32"]
+    assert {r["probes"]["min_cosine"]["value"] for r in rows if r["weights"] == "F32+Q4_K+Q6_K"} == {0.999}
+    assert {r["probes"]["min_cosine"]["value"] for r in rows if r["weights"] != "F32+Q4_K+Q6_K"} == {0.99999}
+    note = next(r for r in rows if r["weights"] == "F32+Q4_K+Q6_K")["probes"]["min_cosine"]["basis"]
+    assert "llama.cpp on fixture:q4" in note["note"] and "fixture:q4" in note["model"]

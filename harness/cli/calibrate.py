@@ -38,8 +38,8 @@ from harness.cli.runs import _parity_defaults
               help="Measure only the top-k rows (http:NAME candidates) for K logprobs per position, on the F32 trained models, "
                    "for --classes (default f64, f32), and merge them into --out.")
 @click.option("--probes", "probes_only", is_flag=True,
-              help="Measure only the probe tolerances (each class's own split/decode floor on --base-model, the MoE excursion "
-                   "allowance on --moe-model) for --classes (default: all) and merge them into --out, keeping every other number.")
+              help="Measure only the probe tolerances (each class's own split/decode floor on --base-model, llama.cpp's own on a "
+                   "file of each quantized weights key in --out, the MoE excursion allowance on --moe-model) for --classes (default: all) and merge them into --out, keeping every other number.")
 @click.option("--mtp", "mtp_only", is_flag=True,
               help="Measure only the MTP rows (the calibrated tier of `harness parity --mtp`) for --classes (default f64, f32) "
                    "on the MTP fixtures, every MTP mutant as known-bad, and merge them into --out, keeping every other number.")
@@ -196,24 +196,29 @@ def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> 
     """``harness calibrate --probes``: the probe tolerances only (``gates.calibrate.calibrate_probes``)."""
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.runs.calibrate import calibrate_probes, merge_probe_rows
+    from harness.runs.calibrate import calibrate_probes, calibrated_rows, merge_probe_rows
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)
     con = _console(stderr=True)
     classes = classes or ("f64", "f32", "bf16", "f16", "mixed")
-    probes, ex = calibrate_probes(base_model, moe_model or None, classes, log=lambda m: con.print(_p(m), markup=False))
+    probes, ex, by_weights = calibrate_probes(base_model, moe_model or None, classes, log=lambda m: con.print(_p(m), markup=False),
+                                              rows=calibrated_rows(out))
     if as_json:
-        _echo_json({"probes": probes, "moe_excursions": ex})
+        _echo_json({"probes": probes, "moe_excursions": ex, "by_weights": by_weights})
     else:
         for cls, p in probes.items():
             click.echo(f"class {cls}: probe min cosine {p['min_cosine']['value']} (floor {p['min_cosine']['floor']:.10f}), "
                        f"max KLD {p['max_kld']['value']:g} (floor {p['max_kld']['floor']:.3g})")
+        for weights, per in by_weights.items():
+            for cls, p in per.items():
+                click.echo(f"weights {_p(weights)}, class {cls}: probe min cosine {p['min_cosine']['value']} "
+                           f"(floor {p['min_cosine']['floor']:.10f}), max KLD {p['max_kld']['value']:g} (floor {p['max_kld']['floor']:.3g})")
         if ex:
             click.echo(f"MoE excursions: {ex['value']} positions (known-good worst {ex['floor']} on {_p(str(ex['model']))})")
     if not dry_run:
         command = "harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "harness calibrate --probes"
-        merge_probe_rows(out, probes, ex, command, base_model, harness_info().get("git_commit"))
+        merge_probe_rows(out, probes, ex, command, base_model, harness_info().get("git_commit"), by_weights)
         click.echo(f"wrote the probe tolerances of {len(probes)} class(es) to {out}")
 
 

@@ -56,6 +56,7 @@ from harness.runs.calibrate.document import (  # noqa: F401  (re-exported: harne
     HEADER,
     CalibrationResult,
     _basis,
+    calibrated_rows,
     _floors_text,
     _row_document,
     _topk_row,
@@ -99,6 +100,9 @@ from harness.runs.calibrate.pairs import (  # noqa: F401  (re-exported: harness.
     moe_excursions,
     open_for_calibration,
     probe_floors,
+    quantized_weights,
+    weights_probe_files,
+    weights_probe_floors,
     release_excuses,
 )
 from harness.runs.calibrate.plan import (  # noqa: F401  (re-exported: harness.runs.calibrate.NAME)
@@ -161,6 +165,7 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
     base = models[0]
     moe = next((mm for mm in models if mm.spec == plan.moe_model), None)
     probes = probe_floors(base.path, [r["class"] for r in rows if r["weights"] == "F32"] or ["f32"], plan.include_transformers, log, extra=True)
+    wprobes = weights_probe_floors(weights_probe_files(rows), probes, log)
     localization, oracle_acts = localization_bounds(base.path, base.prompts[0][:96])
     p64 = probes.get("f64", probes.get("f32"))
     ptol = ProbeTolerance(min_cosine=p64["min_cosine"]["value"], max_kld=p64["max_kld"]["value"])
@@ -169,7 +174,7 @@ def calibrate(plan: CalibrationPlan, log: Callable[[str], None] = print) -> Cali
     matrix = {b.label: caught(b, r["gates"]) for b in bads if (r := _f32_row(rows, "f64", b)) is not None}
     ex = moe_excursions(dict.fromkeys([moe.spec, *EXCURSION_MODELS[1:]]), probes["f32"], plan.include_transformers, log) if moe is not None and "f32" in probes else None
     return CalibrationResult(goods, bads, rows, probes, localization, matrix, class_detection(bads, rows, probes), skipped,
-                             consistency_problems(goods, bads, rows, probes), ex)
+                             consistency_problems(goods, bads, rows, probes), ex, wprobes)
 
 
 # ------------------------------------------------------------------------------- the subject
@@ -216,10 +221,14 @@ def calibrate_subject(spec: str, compute_class: str, max_tokens: int = 128, use_
 
 
 def calibrate_probes(base_model: str, moe_model: str | None, classes: Sequence[str], use_torch: bool | None = None,
-                     log: Callable[[str], None] = print) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any] | None]:
+                     log: Callable[[str], None] = print, rows: Sequence[dict[str, Any]] = ()
+                     ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any] | None, dict[str, dict[str, dict[str, dict[str, Any]]]]]:
     """``harness calibrate --probes``: only the probe tolerances, per class, on ``base_model``
-    (``probe_floors``) and the MoE excursion allowance on ``moe_model`` and the other
-    ``EXCURSION_MODELS`` (``moe_excursions``, from the f32 bounds). Cheaper than a full calibration; raises ``InvalidInput`` for an unknown class."""
+    (``probe_floors``), per quantized weights key of ``rows`` (the calibrated rows of the
+    thresholds file they merge into: ``weights_probe_floors`` on the file each names), and the MoE
+    excursion allowance on ``moe_model`` and the other ``EXCURSION_MODELS`` (``moe_excursions``,
+    from the f32 bounds). Returns (per class, the allowance or None, per weights key and class).
+    Cheaper than a full calibration; raises ``InvalidInput`` for an unknown class."""
     from harness.fixtures.resolve import resolve_model
 
     unknown = [c for c in classes if c not in CLASS_MEMBERS]
@@ -227,8 +236,9 @@ def calibrate_probes(base_model: str, moe_model: str | None, classes: Sequence[s
         raise InvalidInput(f"unknown compute class {unknown[0]!r}; classes: {', '.join(COMPUTE_CLASSES)}")
     use_optional = True if use_torch is None else use_torch
     probes = probe_floors(resolve_model(base_model), list(dict.fromkeys([*classes, "f32"])), use_optional, log, extra=True)
+    wprobes = weights_probe_floors(weights_probe_files(rows), {c: v for c, v in probes.items() if c in classes}, log)
     ex = moe_excursions(list(dict.fromkeys([moe_model, *EXCURSION_MODELS[1:]])), probes["f32"], use_optional, log) if moe_model else None
-    return {c: v for c, v in probes.items() if c in classes}, ex
+    return {c: v for c, v in probes.items() if c in classes}, ex, wprobes
 
 
 def calibrate_topk(k: int, classes: Sequence[str] = TOPK_CLASSES, models: Sequence[str] = ("fixture:trained-qwen35", "fixture:trained-qwen35moe"),

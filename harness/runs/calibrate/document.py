@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,13 @@ class CalibrationResult:
     skipped: list[str]
     problems: list[str]
     moe_excursions: dict[str, Any] | None = None
+    weights_probes: dict[str, dict[str, dict[str, dict[str, Any]]]] = field(default_factory=dict)
+    """Quantized weights key → class → probe tolerances (``weights_probe_floors``): a row of that
+    key takes these instead of its class's ``probes``."""
+
+    def probes_for(self, weights: str, cls: str) -> dict[str, dict[str, Any]] | None:
+        """The probe tolerances a row of ``weights`` × ``cls`` carries (None: none measured)."""
+        return self.weights_probes.get(weights, {}).get(cls) or self.probes.get(cls)
 
     @property
     def gates(self) -> dict[str, dict[str, Any]]:
@@ -87,7 +94,7 @@ def _row_document(r: dict[str, Any], res: CalibrationResult, command: str, commi
                             g["max_kld_p99"]["value"], False)},
         },
     }
-    pr = res.probes.get(r["class"])
+    pr = res.probes_for(r["weights"], r["class"])
     if pr:
         split_bads = [(0.0, b.label) for b in res.bads if b.extra.get("probe_split")]
         doc["probes"] = probe_document(r["class"], pr, command, res.goods[0].model, split_bads, commit_txt)
@@ -133,10 +140,12 @@ def moe_excursions_document(ex: dict[str, Any], command: str, commit_txt: str) -
 
 
 def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any]]], ex: dict[str, Any] | None, command: str,
-                     base_model: str, commit: str | None) -> Path:
+                     base_model: str, commit: str | None, by_weights: dict[str, dict[str, dict[str, dict[str, Any]]]] | None = None) -> Path:
     """thresholds.yaml at ``path`` with every calibrated row's ``probes`` section of a class in
-    ``probes`` replaced (known-bad sides kept from the file) and, with ``ex``,
-    ``probes.moe_excursions``; every other number kept; written by ``write_thresholds``."""
+    ``probes`` replaced (known-bad sides kept from the file): ``by_weights[weights][class]``
+    (``weights_probe_floors``) where measured for the row's weights key, else ``probes[class]``;
+    with ``ex``, ``probes.moe_excursions``; every other number kept; written by
+    ``write_thresholds``."""
     from harness.fschecks import new_file_mode
     from harness.judge.thresholds import load_thresholds
 
@@ -146,7 +155,8 @@ def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any
         if row["class"] in probes:
             old = row.get("probes", {}).get("min_cosine", {}).get("basis", {}).get("known_bad", [])
             bads = [(0.0, b["what"]) for b in old if str(b.get("what", "")).startswith("mutant:")]
-            row["probes"] = probe_document(row["class"], probes[row["class"]], command, base_model, bads, commit_txt)
+            pr = (by_weights or {}).get(row["weights"], {}).get(row["class"]) or probes[row["class"]]
+            row["probes"] = probe_document(row["class"], pr, command, base_model, bads, commit_txt)
     if ex is not None:
         doc["probes"] = {**doc.get("probes", {}), "moe_excursions": moe_excursions_document(ex, command, commit_txt)}
     doc["probes"] = {**doc.get("probes", {}), "moe_router_max_gap": doc.get("probes", {}).get("moe_router_max_gap", MOE_ROUTER_MAX_GAP)}
@@ -265,6 +275,16 @@ def kept_probes(path: str | Path) -> dict[str, Any]:
     except HarnessError:
         return {}
     return {k: probes[k] for k in KEPT_PROBES if k in probes}
+
+
+def calibrated_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The ``calibrated:`` rows of the thresholds file at ``path`` as the file has them (what
+    ``harness calibrate --probes`` merges into, and reads each quantized weights key's file from:
+    ``weights_probe_files``); none when the file is absent. Raises ``InvalidInput`` for a file
+    ``load_thresholds`` refuses."""
+    from harness.judge.thresholds import load_thresholds
+
+    return list(load_thresholds(path).data.get("calibrated", [])) if Path(path).is_file() else []
 
 
 def kept_rows(path: str | Path, section: str) -> list[Any]:

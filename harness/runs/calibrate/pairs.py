@@ -346,6 +346,79 @@ def probe_floors(path: Path, classes: Sequence[str], use_optional: bool, log: Ca
     return out
 
 
+FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
+"""GGUF tensor types whose products llama.cpp computes in float: a weights key made of these only
+keeps the probe floors measured on the F32 base model."""
+
+
+def quantized_weights(weights: str) -> bool:
+    """Whether a weights key (``F32+Q4_K+Q6_K``: the sorted tensor types of a file) holds a type
+    llama.cpp multiplies through its quantized kernels (any type not in ``FLOAT_WEIGHT_TYPES``)."""
+    return any(t not in FLOAT_WEIGHT_TYPES for t in weights.split("+"))
+
+
+def weights_probe_files(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Quantized weights key → the model whose llama.cpp probe floor joins that key's rows: the
+    first dense (``qwen35``) basis model of any row with the key, else its first basis model. The
+    dense file, because on an MoE file an expert-router near-tie moves whole positions when the
+    prompt is split (the excursion allowance, ``moe_excursions``, counts those), which is no measure
+    of a kernel's rounding. ``rows``: calibrated rows (in memory or thresholds.yaml's) with
+    ``weights`` and ``basis_models`` (``name``, ``arch``)."""
+    found: dict[str, list[tuple[bool, str]]] = {}
+    for r in rows:
+        if quantized_weights(r["weights"]):
+            found.setdefault(r["weights"], []).extend((m.get("arch") != "qwen35", m["name"]) for m in r.get("basis_models") or ())
+    return {w: min(c, key=lambda m: m[0])[1] for w, c in found.items() if c}
+
+
+def weights_probe_floors(files: dict[str, str], base: dict[str, dict[str, dict[str, Any]]], log: Callable[[str], None],
+                         decode_tokens: int | None = None) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """Probe tolerances per quantized weights key: for every class of ``base`` (``probe_floors``'
+    result on the F32 base model) whose members include ``f32``, the base floor joined by the
+    llama.cpp family's own split and decode floor (``_self_comparisons``: llama.cpp at its defaults,
+    at n_ubatch 7, at 1 thread, with extra buffer types where this CPU runs them) on ``files[key]``.
+
+    Why: llama.cpp's products on quantized weights round the activations to 8 bits for the
+    quantized dot product and take another kernel for a batch than for one token, so a correct
+    engine fed the same tokens in other pieces (a split, a decode, a prefix served from a cache)
+    moves by more than on F32 weights: the reference itself, through the example engine, gave
+    cosine 0.99998388 on ``trained-qwen35-256-Q4_K_M`` against the F32 tolerance 0.999988 (the
+    conformance page's serving probe; docs/gates.md, "Probe tolerances on quantized files"). The
+    engines that dequantize to float (oracle, transformers, mlx) are batch-independent there, and
+    their floors are the base's. Returns ``{weights: {class: {"min_cosine", "max_kld"}}}`` in
+    ``probe_floors``' form (``models`` gains the file); a file no engine could load is logged and
+    left out (its rows keep the base floors)."""
+    from harness.fixtures.resolve import resolve_model
+    from harness.runs.probes import DECODE_TOKENS
+
+    decode_tokens = decode_tokens or DECODE_TOKENS
+    engines = _probe_engines(["f32"], False)["f32"]
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for weights, spec in files.items():
+        path = resolve_model(spec)
+        per: dict[str, tuple[float, float]] = {}
+        n = 0
+        for label, make in engines:
+            comps = _measured(f"probe floor on {weights}: {label} on {spec}", make, path, decode_tokens, log)
+            if comps is not None:
+                per[f"{label} on {spec}"] = (min(float(np.min(c["cosine"])) for c in comps), max(float(np.max(c["kld"])) for c in comps))
+                n += len(comps)
+        if not per:
+            continue
+        cos, kld = min(c for c, _ in per.values()), max(k for _, k in per.values())
+        out[weights] = {}
+        for cls, pr in base.items():
+            if "f32" not in CLASS_MEMBERS[cls]:
+                continue
+            prop = propose_probes(min(cos, pr["min_cosine"]["floor"]), max(kld, pr["max_kld"]["floor"]), cls)
+            for name, v in prop.items():
+                old = pr[name]
+                v.update(models=[*old.get("models", []), spec], n=old.get("n", 0) + n, engines={**old.get("engines", {}), **per},
+                         decode_tokens=decode_tokens)
+            out[weights][cls] = prop
+    return out
+
+
 def moe_excursions(specs: Sequence[str], bounds: dict[str, dict[str, Any]], use_optional: bool, log: Callable[[str], None],
                    decode_tokens: int | None = None) -> dict[str, Any]:
     """The excursion allowance of probes on MoE models: on each MoE model of ``specs``, every f32
