@@ -337,3 +337,44 @@ def test_first_flip_refuses_an_engine_without_activations_with_a_value_error():
         near_ties.first_flip(Reference(), object(), [1, 2, 3], 4, 2)
     with pytest.raises(ValueError, match="the reference exposes no activations"):
         near_ties.first_flip(object(), Reference(), [1, 2, 3], 4, 2)
+
+
+def test_a_top_k_cell_is_cut_at_the_router_near_tie_as_the_calibrated_tier_is(moe_prose):
+    """A correct server on an MoE model gives top-k logprobs that part from the reference where its
+    router is near a tie (llama-server on trained-qwen35moe: top-20 KLD mean 7.2e-5 against the
+    f32 top-k row's 1e-6, docs/gates.md). Here llama.cpp at n_ubatch 7 cut to its top 20 stands for
+    the server: judged on every position it FAILs the top-k row; cut at the reference's near-tie
+    (position 336, as the calibrated tier cuts it) it PASSes, and the line and the tier's record
+    say where."""
+    from harness.engines.base import gather
+    from harness.judge import topk as topk_tier
+    from harness.measure import topk
+    from harness.runs.topk import measure_topk_prompts, topk_router_cuts
+
+    path, model, ref, prompts = moe_prose
+    llama7 = LlamaCppEngine(path, settings=LlamaCppSettings(n_ubatch=7))
+
+    class Server:
+        info = llama7.info
+
+        def topk(self, tokens):
+            return topk.cut_topk(gather(llama7.logits(tokens), len(tokens)), 20)
+
+    pp = measure_topk_prompts(ref, Server(), prompts, int(model.hparams.n_vocab), 20)
+    th = load_thresholds(SOURCE_ROOT / "thresholds.yaml")
+    res = th.resolve(subject_of(model, llama7.info.to_dict()), f"fixture:{MOE}")
+    row, misfit = th.resolve_topk(res.subject, 20)
+    assert row is not None and res.subject.compute_class == "f32"
+    whole = topk_tier.judge_topk(topk.summarize_topk(pp), row, "s", 20, res.min_positions, misfit)
+    assert whole.status == "fail"
+    cuts = topk_router_cuts(pp, row, res, model, ref, prompts)
+    (cut,) = cuts.cuts
+    assert cut["position"] == 336 and cuts.count == len(prompts[0].tokens) - 336
+    kept = topk.summarize_topk({k: np.asarray(v)[~cuts.mask] for k, v in pp.items()})
+    judged = topk_tier.judge_topk(kept, row, "s", 20, res.min_positions, misfit, None, cuts)
+    assert judged.status == "ok", judged.line
+    assert "judged up to the reference's first MoE router near-tie" in judged.line and judged.router_cuts["cuts"][0]["position"] == 336
+    # a dense model has no cut
+    dense = fx.build("tiny-qwen35")
+    dres = th.resolve(subject_of(GGUFModel(dense), llama7.info.to_dict()), "fixture:tiny-qwen35")
+    assert topk_router_cuts(pp, row, dres, GGUFModel(dense), ref, prompts) is None

@@ -28,10 +28,12 @@ def release_not_computable(release: Mapping[str, Mapping[str, Any]], k: int, pos
 
 
 def judge_topk(summary: Mapping[str, Any], row: Any, subject_text: str, k: int, min_positions: int,
-               unmeasured_reason: str = "", command: str | None = None) -> TierResult:
+               unmeasured_reason: str = "", command: str | None = None, cuts: Any = None) -> TierResult:
     """The top-k tier: ``row`` (a ``tiers.Row`` of ``Thresholds.topk_rows``, or None) judges the
     top-k KLD mean and p99 over the compared positions. ``unmeasured`` when no row fits (naming
-    ``command``, which measures one) or fewer than ``min_positions`` positions were compared."""
+    ``command``, which measures one) or fewer than ``min_positions`` positions were compared.
+    ``cuts`` (``harness.measure.near_ties.RouterCuts``, from ``runs.topk.topk_router_cuts``): MoE
+    prompts cut at a router near-tie, left out of ``summary`` by the caller; the line says where."""
     compared = int(summary["compared_positions"])
     if row is None:
         line = f"top-k tier ({subject_text}, k {k}): UNMEASURED — {unmeasured_reason}"
@@ -49,12 +51,16 @@ def judge_topk(summary: Mapping[str, Any], row: Any, subject_text: str, k: int, 
     parts = [f"{c.label} ≤ {c.threshold:g}: {'ok' if c.ok else ('FAIL' if c.ok is False else 'not computed')} "
              f"({'n/a' if c.observed is None else f'{c.observed:.3g}'})" for c in checks]
     line = f"top-k tier ({subject_text}, k {row.k} of {k}, {row.source}): " + "; ".join(parts)
+    rc = None
+    if cuts is not None and (cuts.cuts or cuts.notes):
+        line += "; " + (cuts.line() or "not cut at a router near-tie: " + "; ".join(cuts.notes))
+        rc = cuts.to_dict()
     if any(c.ok is False for c in checks):
-        return TierResult("topk", "fail", checks, line, row.source)
+        return TierResult("topk", "fail", checks, line, row.source, router_cuts=rc)
     if compared < min_positions or not checks or any(c.ok is None for c in checks):
         why = f"{compared} positions compared, fewer than {min_positions}" if compared < min_positions else "a gate could not be computed"
-        return TierResult("topk", "unmeasured", checks, f"{line} — UNMEASURED: {why}", row.source, why)
-    return TierResult("topk", "ok", checks, line, row.source)
+        return TierResult("topk", "unmeasured", checks, f"{line} — UNMEASURED: {why}", row.source, why, router_cuts=rc)
+    return TierResult("topk", "ok", checks, line, row.source, router_cuts=rc)
 
 
 def overall_topk(release: TierResult, tier: TierResult) -> tuple[Verdict, str]:

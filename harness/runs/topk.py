@@ -13,7 +13,7 @@ from harness.engines.base import Engine, TopK, checked_blocks
 from harness.errors import EngineError, Verdict
 from harness.judge import tiers, verdicts
 from harness.judge import topk as topk_tier
-from harness.measure import metrics, topk
+from harness.measure import metrics, near_ties, topk
 from harness.measure.prompts import PromptTokens
 from harness.evidence.record import EvidencePaths
 from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest, build_receipt, check_comparable, finish
@@ -51,6 +51,30 @@ def measure_topk_prompts(reference: Any, candidate: Any, prompts: Sequence[Any],
     return metrics.concat_metrics(parts)
 
 
+def topk_router_cuts(pp: dict[str, np.ndarray], row: tiers.Row | None, resolved: Any, model: Any, reference: Engine,
+                     prompts: Sequence[PromptTokens]) -> near_ties.RouterCuts | None:
+    """Where the top-k tier stops judging each prompt of an MoE model: ``near_ties.router_cuts``
+    with a position outside the top-k row when its top-k KLD is above the row's p99 gate, and
+    thresholds.yaml ``probes.moe_router_max_gap``, as the calibrated tier cuts a full-logits cell
+    (``parity.router_cuts_for``). None where the rule does not apply: no top-k row, a dense model,
+    a class or file it is not for (``near_ties.cuts_apply``), no gap in the thresholds file.
+
+    Why: a correct server on an MoE model picks another expert where the reference's router is
+    near a tie, and from there its recurrent state differs. llama-server on ``trained-qwen35moe``
+    (F32) reached top-20 KLD 0.096 at prompt 0 position 724 and a KLD mean of 7.2e-5 against the
+    f32 top-k row's 1e-6, whose known-good pairs were measured on each prompt's first 256 tokens
+    (docs/gates.md, "Top-k cells on a model with experts")."""
+    h = model.hparams
+    gap = resolved.probes.get("moe_router_max_gap")
+    if row is None or h.n_expert <= 0 or gap is None or "max_topk_kld_p99" not in row.gates \
+            or not near_ties.cuts_apply(resolved.subject.compute_class, resolved.subject.weights):
+        return None
+    finite = np.asarray(pp["finite"], bool) & np.asarray(pp["ref_finite"], bool)
+    with np.errstate(invalid="ignore"):
+        outside = finite & (np.asarray(pp["kld"], np.float64) > float(row.gates["max_topk_kld_p99"]["value"]))
+    return near_ties.router_cuts(pp, outside, prompts, reference, h.n_layer, h.n_expert_used, float(gap.value))
+
+
 def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: list[PromptTokens]) -> tuple[CellResult, tiers.Row | None]:
     """Measure and judge a top-k cell (``harness.measure.topk``), and the top-k row used: the row
     that fits the subject and the candidate's k judges the top-k KLD mean and p99; the release
@@ -67,8 +91,10 @@ def topk_cell(inputs: RunInputs, reference: Engine, candidate: Any, prompts: lis
     summary = topk.summarize_topk(pp, near)
     rel = topk_tier.release_not_computable(resolved.release_gates, k, int(summary["positions"]))
     cls = resolved.subject.compute_class
-    tier = topk_tier.judge_topk(summary, row, resolved.subject.key_text(), k, resolved.min_positions, misfit,
-                           tiers.topk_calibrate_command(k, cls))
+    cuts = topk_router_cuts(pp, row, resolved, inputs.model, reference, prompts)
+    judged = summary if cuts is None or not cuts.count else topk.summarize_topk({n: np.asarray(v)[~cuts.mask] for n, v in pp.items()}, near)
+    tier = topk_tier.judge_topk(judged, row, resolved.subject.key_text(), k, resolved.min_positions, misfit,
+                                tiers.topk_calibrate_command(k, cls), cuts)
     verdict, msg = topk_tier.overall_topk(rel, tier)
     m = Measured(prompts, pp, summary, cinfo, reference.info.to_dict(), n_vocab)
     worst = (summary.get("kld") or {}).get("max_index")
