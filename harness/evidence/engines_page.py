@@ -55,6 +55,9 @@ class PageEngine:
     rendered only when the ledger holds rows of the engine."""
     probes: Sequence[tuple[str, str, str | None]] = (("fixture:trained-qwen35", "f32", None),)
     """``(model spec, class, --only)`` of each probe run the refresh makes (``--only`` None: every probe)."""
+    needs: str | None = None
+    """What the engine needs installed to run (markdown), named in the reason of a cell with no row:
+    the refresh runs it only where that imports (``harness.release.engines_refresh.available``)."""
 
 
 MLX_PITFALLS = (
@@ -175,8 +178,7 @@ ENGINES: tuple[PageEngine, ...] = (
     PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
-               {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
-                "bf16": "not run: the machine that made this evidence has no torch (the `hf` extra)"}),
+               {}, needs="the `hf` extra (torch and transformers)"),
     PageEngine("command:llamacpp-0317", {}, LLAMACPP_0317_PITFALLS,
                {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class; pitfalls above)"},
                title="llama.cpp 49bfddec via llama-cpp-python 0.3.17", version="0.3.17",
@@ -399,7 +401,9 @@ def _engine_section(eng: PageEngine, found: Mapping[tuple[str, str, str, str], A
             text = "<br>".join(t for t in (_parity_cell(par, cited), _probe_cell(prb, cited)) if t)
             if not text:
                 reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec) or (
-                    f"not run yet: `harness parity --candidate {eng.name} --model {spec} "
+                    "not run yet" + (f" (no row in the ledger; it needs {eng.needs}, and the refresh runs it only where they import)"
+                                     if eng.needs else "")
+                    + f": `harness parity --candidate {eng.name} --model {spec} "
                     + (f"--dtype {eng.dtypes[cls]} " if cls in eng.dtypes else "") + f"--ledger {shown_ledger}`")
                 unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
                 text = "UNMEASURED ¹"
@@ -447,13 +451,6 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
     lines += [f"| `{label}` | `{sha}` |" for label, sha in sorted(cited, key=lambda c: (c[0].split("[")[0], int(c[0][:-1].split("[")[1]), c[1]))]
     lines.append("")
     return "\n".join(lines)
-
-
-def write(ledger_path: str | Path, out: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> Path:
-    """Render the page and write it to ``out``; returns ``out``."""
-    out = Path(out)
-    out.write_text(render(ledger_path, shown_ledger))
-    return out
 
 
 def write(ledger_path: str | Path, out: str | Path) -> Path:
