@@ -144,6 +144,13 @@ LLAMA_SERVER_PITFALLS = (
     "`--cache-reuse` (KV shifting) is refused for a hybrid context (its log says so).",
     "With one slot (`-np 1`) requests are served one after another: the overlap scenarios are UNMEASURED "
     "\"serialized: one slot\".",
+    "It withholds a sampled token whose text ends in a cut UTF-8 character (a lead byte such as `\\xc3` with its "
+    "continuation bytes still to come) until a later token completes it (`server-context.cpp` `process_token`), so with "
+    "`n_predict` 1 such a greedy pick comes back with no `completion_probabilities` at all, and a stream never sends it "
+    "(its `tokens_predicted` counts it). On the MoE-256 fixtures the greedy pick after `code-python`'s position 42 is "
+    "token 195 (`\\xc3`). The harness asks such a position again with that token banned (`logit_bias` false): the "
+    "probabilities it returns are the raw logits', which a ban leaves alone (token 195 stays the top entry, logprob -2.734 on Q8_0); a "
+    "stream that skipped a withheld token is ENGINE-ERROR naming the request and position.",
 )
 LLAMACPP_PYTHON_SERVER_PITFALLS = (
     "llama-cpp-python's own server (`python -m llama_cpp.server`, the `server` extra), started by the harness "
