@@ -115,3 +115,33 @@ def test_refresh_plans_a_run_per_cell_of_the_engines_here_and_names_the_rest():
         assert "no engine vllm" in str(e)
     else:
         raise AssertionError("an unknown engine was planned")
+
+
+def test_refresh_plans_transformers_parity_cells_when_torch_imports_and_names_why_not_when_it_does_not(monkeypatch):
+    """The transformers group used to carry a fixed 'no torch' reason for both classes, so the
+    refresh planned its probe run but never a parity cell, even where torch imports."""
+    monkeypatch.setattr(engines_refresh, "_imports", lambda *modules: None)
+    runs, skipped = engines_refresh.plan("L.jsonl", engines=["transformers"])
+    parity = [r.argv for r in runs if r.argv[0] == "parity"]
+    assert len(parity) == len(engines_page.MODELS) * 2 and skipped == []
+    assert ("parity", "--candidate", "transformers", "--model", "fixture:trained-qwen35moe-256-Q4_K_M", "--dtype", "bfloat16",
+            "--ledger", "L.jsonl") in parity
+    assert [r.argv[0] for r in runs].count("probe") == 1
+    monkeypatch.setattr(engines_refresh, "_imports", lambda *modules: "ModuleNotFoundError: No module named 'torch'")
+    runs, skipped = engines_refresh.plan("L.jsonl", engines=["transformers"])
+    assert runs == [] and skipped == [
+        "transformers: torch and transformers do not import here (the `hf` extra; ModuleNotFoundError: No module named 'torch')"]
+
+
+def test_imports_names_the_first_module_that_does_not_import():
+    assert engines_refresh._imports("json", "harness") is None
+    assert engines_refresh._imports("json", "no_such_module_52") == "ModuleNotFoundError: No module named 'no_such_module_52'"
+
+
+def test_a_transformers_cell_without_a_row_says_what_it_needs_not_what_a_machine_lacked(tmp_path: Path):
+    (tmp_path / "ledger.jsonl").write_text("")
+    text = engines_page.render(tmp_path / "ledger.jsonl", shown_ledger="L.jsonl")
+    assert "has no torch" not in text
+    assert ("transformers × `fixture:trained-qwen35moe` × bf16: not run yet (no row in the ledger; it needs the `hf` extra "
+            "(torch and transformers), and the refresh runs it only where they import): `harness parity --candidate transformers "
+            "--model fixture:trained-qwen35moe --dtype bfloat16 --ledger L.jsonl`") in text

@@ -286,6 +286,63 @@ def test_llama_server_per_position_shape_lines_up(fake):
     assert [len(b["prompt"]) for _, b, _ in srv.requests] == [1, 2, 3, 4]
 
 
+def _withholding_llama_server(L: np.ndarray, eng_bytes: Callable[[int], bytes]):
+    """A llama-server-shaped fake that withholds, as the real one does (``process_token``), a
+    greedy pick whose text ends in a cut UTF-8 character: with ``n_predict`` 1 it then answers
+    with the token id and no ``completion_probabilities``. ``logit_bias`` false bans an id from
+    sampling and leaves the probabilities of the raw logits as they are."""
+
+    def handler(path, body):
+        row = L[len(body["prompt"]) - 1].copy()
+        banned = [t for t, b in body.get("logit_bias", []) if b is False]
+        sampled = max((i for i in range(len(row)) if i not in banned), key=lambda i: row[i])
+        if http_engine.ends_in_cut_utf8(eng_bytes(sampled)):
+            return 200, json.dumps({"content": "", "tokens": [sampled], "stop_type": "limit"}).encode()
+        return 200, json.dumps({"tokens": [sampled], "completion_probabilities": [{"id": sampled, "logprob": -1.0,
+                                "top_logprobs": _id_entries(row, body["n_probs"], "llama-server")}]}).encode()
+
+    return handler
+
+
+def test_llama_server_withheld_cut_utf8_picks_are_banned_and_the_row_is_the_raw_one(fake):
+    """llama-server answered the MoE-256 fixtures without completion_probabilities where the
+    greedy pick was a token ending in a cut UTF-8 character (``' \\xe2'``): it waits for the bytes
+    that complete it, and n_predict 1 gives none. Banning that pick moves the sampler, not the
+    probabilities: the row is the full top-k, the banned ids in it at their own logprobs."""
+    tokens = [5, 9, 13, 200]
+    L = _known_logits(len(tokens), 515, 2)
+    L[:, 7] = 30.0  # id 7 (b'\x07', whole) the greedy pick elsewhere
+    L[1, 194], L[1, 226] = 40.0, 39.0  # b'\xc2' then b'\xe2': two withheld picks at position 1
+    srv, eng = fake(lambda p, b: (0, b""), kind="llama-server", max_logprobs=4)
+    srv.handler = _withholding_llama_server(L, eng._token_bytes)
+    got = eng.topk(tokens)
+    want = topk.cut_topk(L, 4)
+    assert np.array_equal(got.ids, want.ids) and np.allclose(got.logprobs, want.logprobs)
+    assert got.ids[1, :2].tolist() == [194, 226]
+    asked = [(len(b["prompt"]), b.get("logit_bias")) for _, b, _ in srv.requests]
+    assert asked == [(1, None), (2, None), (2, [[194, False]]), (2, [[194, False], [226, False]]), (3, None), (4, None)]
+
+
+def test_llama_server_missing_probabilities_for_another_cause_or_too_many_withheld_is_a_precise_error(fake):
+    tokens = [5, 9]
+    L = _known_logits(len(tokens), 515, 3)
+    L[1, 192:192 + http_engine.MAX_WITHHELD + 1] = 50.0 - np.arange(http_engine.MAX_WITHHELD + 1)  # every pick a lead byte
+    srv, eng = fake(lambda p, b: (0, b""), kind="llama-server", max_logprobs=4)
+    srv.handler = _withholding_llama_server(L, eng._token_bytes)
+    with pytest.raises(EngineError, match=r"at position 1: every greedy pick ends in a cut UTF-8 character.*8 at most"):
+        eng.topk(tokens)
+    srv.handler = lambda p, b: (200, json.dumps({"content": "a", "tokens": [97], "stop_type": "eos"}).encode())
+    with pytest.raises(EngineError, match=r"at position 0: it sampled \[97\] \(stop_type eos\), not a token it withholds"):
+        eng.topk(tokens)
+
+
+def test_ends_in_cut_utf8_is_llama_servers_rule():
+    cut = [b"\xc2", b" \xe2", b"\xe2\x82", b"\xf0\x9f\x98", b"ab\xf0"]
+    whole = [b"", b"a", "é".encode(), "€".encode(), "😀".encode(), b"\x82", b"\xff", b"\xe2\x82\xac\x82"]
+    assert [http_engine.ends_in_cut_utf8(b) for b in cut] == [True] * len(cut)
+    assert [http_engine.ends_in_cut_utf8(b) for b in whole] == [False] * len(whole)
+
+
 def _echo_server(tokens, L, keys, text_of, model="m"):
     """A llama-cpp-python-shaped fake: echo entry i = row i keyed by text, entry 0 null; a
     non-echo request's first entry is the last prompt row; /extras/tokenize gives back the prefix

@@ -41,8 +41,8 @@ V = 515
 
 
 # ---------------------------------------------------------------------------------- a fake server
-def _event(tok: int, lp: float | str = -0.5, stop: bool = False) -> bytes:
-    body = {"tokens": [] if stop else [tok], "stop": stop,
+def _event(tok: int, lp: float | str = -0.5, stop: bool = False, decoded: int | None = None) -> bytes:
+    body = {"tokens": [] if stop else [tok], "stop": stop, **({"tokens_predicted": decoded} if decoded is not None else {}),
             "completion_probabilities": [] if stop else [{"id": tok, "logprob": lp,
                                                           "top_logprobs": [{"id": tok, "logprob": lp}, {"id": tok + 1, "logprob": -2.0}]}]}
     if stop:
@@ -76,6 +76,9 @@ class _Fake(BaseHTTPRequestHandler):
                 self.wfile.write(b"data: {not json\n\n")
             elif mode == "nan" and i == 1:
                 self.wfile.write(_event(7, "NaNLP"))
+            elif mode == "withheld":  # llama-server decodes token 1 (a cut UTF-8 character) and never streams it
+                if i != 1:
+                    self.wfile.write(_event(10 + i, decoded=i + 1))
             elif mode == "dies" and i == 1:
                 self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_RDWR)
@@ -111,7 +114,9 @@ def test_fake_server_served_tokens_rows_slot(fake):
 
 @pytest.mark.parametrize("mode, words", [
     ("dies", "connection failed|without its final event"), ("truncated", "connection failed|without its final event"), ("notjson", "an event that is not JSON"),
-    ("nan", "is not a log probability")])
+    ("nan", "is not a log probability"),
+    ("withheld", r"decoded 3 tokens but streamed 2: it withholds a generated token whose text ends in a cut UTF-8 character.*"
+                 r"misses the token after its generated position 1")])
 def test_faults_are_one_line_engine_errors(fake, mode, words):
     _Fake.mode = mode
     with pytest.raises(EngineError) as e:

@@ -147,6 +147,24 @@ GREEDY_PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
+MAX_WITHHELD = 8
+"""How many withheld greedy picks in a row llama-server's per-position request may ban before the
+position is an ``EngineError`` (``HttpEngine._llama_server_row``)."""
+
+
+def ends_in_cut_utf8(data: bytes) -> bool:
+    """True when ``data`` ends inside a UTF-8 character: one of its last 4 bytes starts a 2-, 3- or
+    4-byte sequence that has fewer bytes after it than it needs. The test llama-server applies to
+    its generated text before it emits a token (``tools/server/server-common.cpp`` ``validate_utf8``):
+    a lone continuation byte or an invalid byte is not "cut", only a lead byte near the end is."""
+    for back in range(1, min(4, len(data)) + 1):
+        lead = data[-back]
+        need = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 0
+        if need and back < need:
+            return True
+    return False
+
+
 def _spec(name: str, t: Any, cfg: HarnessConfig) -> HttpSpec:
     """One http table, validated; ``InvalidInput`` names the engine and the field."""
     where = engine_table(cfg, "http", name, t, SPEC_KEYS)
@@ -444,17 +462,52 @@ class HttpEngine:
     def _last_row(self, prompt: Any, k: int, where: str) -> dict[Any, float]:
         """The distribution after the whole ``prompt``: the first generated token's top logprobs."""
         if self.kind.name == "llama-server":
-            obj = self._complete(prompt, n_predict=1, n_probs=k, post_sampling_probs=False, cache_prompt=False)
-            probs = obj.get("completion_probabilities")
-            if not isinstance(probs, list) or not probs or not isinstance(probs[0], dict):
-                raise EngineError(f"{self.who} answered without completion_probabilities (missing logprobs) at {where}")
-            return self._entries(probs[0].get("top_logprobs"), where)
+            return self._llama_server_row(prompt, k, where)
         extra = {"return_tokens_as_token_ids": True} if self.kind.keys == "id" else {}
         lp = self._choice(self._complete(prompt, max_tokens=1, logprobs=k, **extra), where).get("logprobs")
         tops = lp.get("top_logprobs") if isinstance(lp, dict) else None
         if not isinstance(tops, list) or not tops:
             raise EngineError(f"{self.who} answered without logprobs (missing logprobs) at {where}")
         return self._entries(tops[0], where)
+
+    def _llama_server_row(self, prompt: list[int], k: int, where: str) -> dict[Any, float]:
+        """llama-server's distribution after ``prompt``: ``/completion`` with ``n_predict`` 1 and
+        ``n_probs`` k, the probabilities of the raw logits (``post_sampling_probs`` false).
+
+        llama-server withholds a sampled token whose text ends in a cut UTF-8 character (a byte
+        token, or a merge such as ``' \\xe2'``), waiting for the bytes that complete it; with
+        ``n_predict`` 1 none come, and it answers without ``completion_probabilities``
+        (``server-context.cpp`` ``process_token``: no ``add_token`` while ``validate_utf8`` finds
+        the text incomplete). The greedy pick is then such a token: the request is repeated with
+        it banned (``logit_bias`` false), which moves the sampler to another token and leaves the
+        logits, and so the probabilities asked for, as they were (``populate_token_probs`` reads
+        them before sampling). At most ``MAX_WITHHELD`` bans per position. Raises ``EngineError``
+        naming the position, the tokens tried and the server's ``stop_type`` when it still answers
+        without them, or when the token it sampled was not withheld."""
+        banned: list[int] = []
+        while True:
+            obj = self._complete(prompt, n_predict=1, n_probs=k, post_sampling_probs=False, cache_prompt=False, return_tokens=True,
+                                 **({"logit_bias": [[t, False] for t in banned]} if banned else {}))
+            probs = obj.get("completion_probabilities")
+            if isinstance(probs, list) and probs and isinstance(probs[0], dict):
+                return self._entries(probs[0].get("top_logprobs"), where)
+            got = obj.get("tokens")
+            tok = got[0] if isinstance(got, list) and len(got) == 1 and isinstance(got[0], int) and not isinstance(got[0], bool) else None
+            cut = tok is not None and 0 <= tok < self.n_vocab and ends_in_cut_utf8(self._token_bytes(tok))
+            tried = f"; banned before: {banned}" if banned else ""
+            if not cut:
+                raise EngineError(f"{self.who} answered without completion_probabilities (missing logprobs) at {where}: it sampled "
+                                  f"{plain(str(got))[:60]} (stop_type {plain(str(obj.get('stop_type')))[:40]}), not a token it withholds "
+                                  f"as a cut UTF-8 character{tried}")
+            if len(banned) >= MAX_WITHHELD:
+                raise EngineError(f"{self.who} answered without completion_probabilities (missing logprobs) at {where}: every "
+                                  f"greedy pick ends in a cut UTF-8 character, which it withholds (tokens {banned + [tok]} "
+                                  f"banned in turn, {MAX_WITHHELD} at most)")
+            banned.append(tok)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The bytes of ``token_id``'s text in the reference vocabulary (b'' outside it)."""
+        return (self.vocab.raw(token_id) or "").encode("utf-8", "surrogateescape")
 
     def topk(self, tokens: Sequence[int]) -> TopK:
         """Top-k logprobs per position (k = ``max_logprobs``) of ``tokens``, row t the distribution

@@ -20,7 +20,8 @@ loopback URLs only; memory holds the requests in flight (k entries per generated
 Faults, each ``EngineError`` (exit 3), one line naming the request: the connection refused or
 broken (a server that dies mid-scenario), an HTTP error status, a stream that ends before its final
 event (a 200 with a truncated body), an event that is not JSON, a logprob that is NaN, null or > 0,
-a token outside the vocabulary, more tokens than asked.
+a token outside the vocabulary, more tokens than asked, fewer tokens streamed than the server says it
+decoded (``tokens_predicted``: a token it withheld as a cut UTF-8 character, never streamed).
 """
 
 from __future__ import annotations
@@ -248,6 +249,11 @@ class _Run:
                 rep.t_first = time.monotonic()
         if len(rep.tokens) > req.n_tokens:
             raise EngineError(f"{who} streamed {len(rep.tokens)} tokens, more than the {req.n_tokens} asked")
+        decoded = ev.get("tokens_predicted")
+        if toks and isinstance(decoded, int) and not isinstance(decoded, bool) and decoded > len(rep.tokens):
+            raise EngineError(f"{who} decoded {decoded} tokens but streamed {len(rep.tokens)}: it withholds a generated token whose "
+                              "text ends in a cut UTF-8 character and never streams it (server-context.cpp process_token), so the "
+                              f"reply misses the token after its generated position {len(rep.tokens) - 1} and its row")
         if toks:
             async with self.progress[req.id]:
                 self.progress[req.id].notify_all()

@@ -55,6 +55,9 @@ class PageEngine:
     rendered only when the ledger holds rows of the engine."""
     probes: Sequence[tuple[str, str, str | None]] = (("fixture:trained-qwen35", "f32", None),)
     """``(model spec, class, --only)`` of each probe run the refresh makes (``--only`` None: every probe)."""
+    needs: str | None = None
+    """What the engine needs installed to run (markdown), named in the reason of a cell with no row:
+    the refresh runs it only where that imports (``harness.release.engines_refresh.available``)."""
 
 
 MLX_PITFALLS = (
@@ -141,6 +144,13 @@ LLAMA_SERVER_PITFALLS = (
     "`--cache-reuse` (KV shifting) is refused for a hybrid context (its log says so).",
     "With one slot (`-np 1`) requests are served one after another: the overlap scenarios are UNMEASURED "
     "\"serialized: one slot\".",
+    "It withholds a sampled token whose text ends in a cut UTF-8 character (a lead byte such as `\\xc3` with its "
+    "continuation bytes still to come) until a later token completes it (`server-context.cpp` `process_token`), so with "
+    "`n_predict` 1 such a greedy pick comes back with no `completion_probabilities` at all, and a stream never sends it "
+    "(its `tokens_predicted` counts it). On the MoE-256 fixtures the greedy pick after `code-python`'s position 42 is "
+    "token 195 (`\\xc3`). The harness asks such a position again with that token banned (`logit_bias` false): the "
+    "probabilities it returns are the raw logits', which a ban leaves alone (token 195 stays the top entry, logprob -2.734 on Q8_0); a "
+    "stream that skipped a withheld token is ENGINE-ERROR naming the request and position.",
 )
 LLAMACPP_PYTHON_SERVER_PITFALLS = (
     "llama-cpp-python's own server (`python -m llama_cpp.server`, the `server` extra), started by the harness "
@@ -175,8 +185,7 @@ ENGINES: tuple[PageEngine, ...] = (
     PageEngine("mlx", {"f32": "float32", "bf16": "bfloat16"}, MLX_PITFALLS, {}),
     PageEngine("transformers", {"f32": "float32", "bf16": "bfloat16"},
                ("Needs the `hf` extra (torch, transformers); an independent forward pass, not a serving engine.",),
-               {"f32": "not run: the machine that made this evidence has no torch (the `hf` extra)",
-                "bf16": "not run: the machine that made this evidence has no torch (the `hf` extra)"}),
+               {}, needs="the `hf` extra (torch and transformers)"),
     PageEngine("command:llamacpp-0317", {}, LLAMACPP_0317_PITFALLS,
                {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class; pitfalls above)"},
                title="llama.cpp 49bfddec via llama-cpp-python 0.3.17", version="0.3.17",
@@ -399,7 +408,9 @@ def _engine_section(eng: PageEngine, found: Mapping[tuple[str, str, str, str], A
             text = "<br>".join(t for t in (_parity_cell(par, cited), _probe_cell(prb, cited)) if t)
             if not text:
                 reason = eng.unmeasured.get(cls) or eng.kind_unmeasured.get((kind, cls)) or eng.model_unmeasured.get(spec) or (
-                    f"not run yet: `harness parity --candidate {eng.name} --model {spec} "
+                    "not run yet" + (f" (no row in the ledger; it needs {eng.needs}, and the refresh runs it only where they import)"
+                                     if eng.needs else "")
+                    + f": `harness parity --candidate {eng.name} --model {spec} "
                     + (f"--dtype {eng.dtypes[cls]} " if cls in eng.dtypes else "") + f"--ledger {shown_ledger}`")
                 unmeasured.append(f"- {eng.name} × `{spec}` × {cls}: {reason}")
                 text = "UNMEASURED ¹"
@@ -447,13 +458,6 @@ def render(ledger_path: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> str:
     lines += [f"| `{label}` | `{sha}` |" for label, sha in sorted(cited, key=lambda c: (c[0].split("[")[0], int(c[0][:-1].split("[")[1]), c[1]))]
     lines.append("")
     return "\n".join(lines)
-
-
-def write(ledger_path: str | Path, out: str | Path, shown_ledger: str = DEFAULT_LEDGER) -> Path:
-    """Render the page and write it to ``out``; returns ``out``."""
-    out = Path(out)
-    out.write_text(render(ledger_path, shown_ledger))
-    return out
 
 
 def write(ledger_path: str | Path, out: str | Path) -> Path:

@@ -39,12 +39,29 @@ def _has(*modules: str) -> bool:
         return False
 
 
+def _imports(*modules: str) -> str | None:
+    """None when every module imports in this interpreter, else the first failure, one line
+    (``ModuleNotFoundError: No module named 'torch'``): installed is not enough, a torch whose
+    native libraries do not load cannot run a cell."""
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # any failure to import (ImportError, OSError of a native library, RuntimeError) means: not here
+            first = (str(e).splitlines() or [""])[0][:200]
+            return f"{type(e).__name__}: {first}"
+    return None
+
+
 def available(name: str) -> str | None:
-    """None when the engine ``name`` can run on this machine, else why not (one line)."""
+    """None when the engine ``name`` can run on this machine, else why not (one line).
+    transformers: torch and transformers must import (``_imports``), not only be installed."""
     if name == "mlx":
         return None if _has("mlx", "mlx_lm") else "mlx-lm is not installed (the `mlx` extra)"
     if name == "transformers":
-        return None if _has("torch", "transformers") else "torch and transformers are not installed (the `hf` extra)"
+        failed = _imports("torch", "transformers")
+        return None if failed is None else f"torch and transformers do not import here (the `hf` extra; {failed})"
     if name == "llama-server":
         from harness.engines.llama_server import BUILD_COMMAND, built_binary
 
