@@ -338,7 +338,12 @@ def _topk_row(k: int, cls: str, gs: list[PairStats], bads: list[PairStats], comm
             f"(harness.measure.topk: KLD with the tail as one bucket), at least the calibrated rows' smallest step "
             f"(KLD mean {MIN_STEP['max_kld_mean']:g}, p99 {MIN_STEP['max_kld_p99']:g}: a top-k KLD is at most the full KLD, so "
             f"float32 noise the calibrated tier allows passes here too). Known-good ({cls}): {goods_txt}. Known-bad: the mutants "
-            f"on the F32 trained model of their architecture, cut the same way.{commit_txt}")
+            f"on {', '.join(sorted({b.model for b in bads})) or 'no model'} (the model of their architecture), cut the same way"
+            + ("" if gs[0].weights == "F32" else
+               f"; on {gs[0].weights} weights a mutant's KLD includes the oracle's own distance from llama.cpp there (the mutants "
+               "are the oracle with one fault, and llama.cpp quantizes its activations), so a row tighter than the oracle's own "
+               "floor catches every mutant whatever its fault")
+            + f".{commit_txt}")
     dims = {g.model: g.extra["dims"] for g in gs}
     row = {
         "weights": gs[0].weights, "class": cls, "k": int(k), "file_type": gs[0].extra["file_type"],
