@@ -190,9 +190,6 @@ ENGINES: tuple[PageEngine, ...] = (
                {"bf16": "not applicable: llama.cpp's CPU backend computes in f32 (the engine's compute class; pitfalls above)"},
                title="llama.cpp 49bfddec via llama-cpp-python 0.3.17", version="0.3.17",
                probes=tuple((m, "f32", None) for m, _, _ in MODELS_F32_PROBED),
-               model_unmeasured={m: "not run: these rows were made while the MoE-256 fixture was to be retrained (it was not, yet); run: "
-                                 f"`harness parity --candidate command:llamacpp-0317 --model {m} --ledger {DEFAULT_LEDGER}`"
-                                 for m in ("fixture:trained-qwen35moe-256-Q8_0", "fixture:trained-qwen35moe-256-Q4_K_M")},
                differences=LLAMACPP_0317_DIFFERENCES),
     PageEngine("llama-server", {}, LLAMA_SERVER_PITFALLS, NOT_BF16, probes=SERVERS_PROBE),
     PageEngine("llama-cpp-python-server", {}, LLAMACPP_PYTHON_SERVER_PITFALLS, NOT_BF16, probes=SERVERS_PROBE),
