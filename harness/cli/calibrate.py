@@ -196,14 +196,14 @@ def _calibrate_probes(classes, base_model, moe_model, out, dry_run, as_json) -> 
     """``harness calibrate --probes``: the probe tolerances only (``gates.calibrate.calibrate_probes``)."""
     # deferred: startup
     from harness.evidence.receipts import harness_info
-    from harness.runs.calibrate import calibrate_probes, calibrated_rows, merge_probe_rows
+    from harness.runs.calibrate import calibrate_probes, merge_probe_rows, section_rows
 
     if not dry_run:
         require_writable_file(out, "thresholds file", replace=True)
     con = _console(stderr=True)
     classes = classes or ("f64", "f32", "bf16", "f16", "mixed")
     probes, ex, by_weights = calibrate_probes(base_model, moe_model or None, classes, log=lambda m: con.print(_p(m), markup=False),
-                                              rows=calibrated_rows(out))
+                                              rows=section_rows(out, "calibrated"))
     if as_json:
         _echo_json({"probes": probes, "moe_excursions": ex, "by_weights": by_weights})
     else:

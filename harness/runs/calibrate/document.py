@@ -37,7 +37,15 @@ class CalibrationResult:
 
     def probes_for(self, weights: str, cls: str) -> dict[str, dict[str, Any]] | None:
         """The probe tolerances a row of ``weights`` × ``cls`` carries (None: none measured)."""
-        return self.weights_probes.get(weights, {}).get(cls) or self.probes.get(cls)
+        return row_probes(self.probes, self.weights_probes, weights, cls)
+
+
+def row_probes(probes: dict[str, dict[str, dict[str, Any]]], by_weights: dict[str, dict[str, dict[str, dict[str, Any]]]] | None,
+               weights: str, cls: str) -> dict[str, dict[str, Any]] | None:
+    """The probe tolerances of a row of ``weights`` × ``cls``: ``by_weights[weights][cls]``
+    (``weights_probe_floors``) where measured for its weights key, else the class's ``probes[cls]``
+    (None: neither)."""
+    return (by_weights or {}).get(weights, {}).get(cls) or probes.get(cls)
 
     @property
     def gates(self) -> dict[str, dict[str, Any]]:
@@ -155,7 +163,7 @@ def merge_probe_rows(path: str | Path, probes: dict[str, dict[str, dict[str, Any
         if row["class"] in probes:
             old = row.get("probes", {}).get("min_cosine", {}).get("basis", {}).get("known_bad", [])
             bads = [(0.0, b["what"]) for b in old if str(b.get("what", "")).startswith("mutant:")]
-            pr = (by_weights or {}).get(row["weights"], {}).get(row["class"]) or probes[row["class"]]
+            pr = row_probes(probes, by_weights, row["weights"], row["class"])
             row["probes"] = probe_document(row["class"], pr, command, base_model, bads, commit_txt)
     if ex is not None:
         doc["probes"] = {**doc.get("probes", {}), "moe_excursions": moe_excursions_document(ex, command, commit_txt)}
@@ -277,24 +285,24 @@ def kept_probes(path: str | Path) -> dict[str, Any]:
     return {k: probes[k] for k in KEPT_PROBES if k in probes}
 
 
-def calibrated_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The ``calibrated:`` rows of the thresholds file at ``path`` as the file has them (what
-    ``harness calibrate --probes`` merges into, and reads each quantized weights key's file from:
-    ``weights_probe_files``); none when the file is absent. Raises ``InvalidInput`` for a file
-    ``load_thresholds`` refuses."""
+def section_rows(path: str | Path, section: str) -> list[Any]:
+    """The ``section`` rows (``calibrated``, ``topk``, ``mtp``, ``state``) of the thresholds file at
+    ``path`` as the file has them; none when the file is absent. Raises ``InvalidInput`` for a file
+    ``load_thresholds`` refuses: ``harness calibrate --probes`` reads each quantized weights key's
+    file from the ``calibrated`` rows it will merge into (``weights_probe_files``), and a file it
+    cannot merge into is refused before half an hour of measuring, not after."""
     from harness.judge.thresholds import load_thresholds
 
-    return list(load_thresholds(path).data.get("calibrated", [])) if Path(path).is_file() else []
+    return list(load_thresholds(path).data.get(section, [])) if Path(path).is_file() else []
 
 
 def kept_rows(path: str | Path, section: str) -> list[Any]:
     """The ``section`` rows of the thresholds file at ``path`` (``KEPT_SECTIONS``); none when it
     is absent or unreadable."""
     from harness.errors import HarnessError
-    from harness.judge.thresholds import load_thresholds
 
     try:
-        return list(load_thresholds(path).data.get(section, [])) if Path(path).is_file() else []
+        return section_rows(path, section)
     except HarnessError:
         return []
 

@@ -346,15 +346,13 @@ def probe_floors(path: Path, classes: Sequence[str], use_optional: bool, log: Ca
     return out
 
 
-FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
-"""GGUF tensor types whose products llama.cpp computes in float: a weights key made of these only
-keeps the probe floors measured on the F32 base model."""
-
-
 def quantized_weights(weights: str) -> bool:
     """Whether a weights key (``F32+Q4_K+Q6_K``: the sorted tensor types of a file) holds a type
-    llama.cpp multiplies through its quantized kernels (any type not in ``FLOAT_WEIGHT_TYPES``)."""
-    return any(t not in FLOAT_WEIGHT_TYPES for t in weights.split("+"))
+    llama.cpp multiplies through its quantized kernels (any type outside
+    ``near_ties.UNQUANTIZED``); a key of float types only keeps the base model's probe floors."""
+    from harness.measure.near_ties import UNQUANTIZED
+
+    return not set(weights.split("+")) <= UNQUANTIZED
 
 
 def weights_probe_files(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
