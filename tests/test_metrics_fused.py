@@ -109,3 +109,36 @@ def test_next_token_metrics_fused_into_position_metrics_equal_the_separate_pass_
     assert fused["cand_nll"][0] == pytest.approx(-lc[5], rel=1e-7)
     top = int(np.argmax(ref[0]))
     assert fused["delta_p"][0] == pytest.approx(np.exp(lc[top]) - np.exp(lr[top]), abs=1e-9)
+
+
+def test_the_candidates_log_partition_from_the_kld_sums_matches_float64():
+    """``position_metrics`` derives the candidate's log Σ exp(c) from the KLD's sums (log Σ exp(r)
+    − E_p[r − c] + KL, issue 47) instead of a pass of its own. Against a float64 log-softmax, on
+    rows close (F32-floor noise), quantization-far, shifted (max logit above 40) and a near-tie:
+    the candidate's NLL keeps the precision the separate pass had (2e-8 absolute; measured 2e-9
+    to 9e-9, and 1.4e-7 on the peaked row against the separate pass's 1.8e-7), and Δp of the next
+    token is exact to 1e-13 (the errors of the two log-partitions now cancel)."""
+    rng = np.random.default_rng(4747)
+    n = 6
+    ref = (rng.standard_normal((n, QWEN35_VOCAB)) * 2.5).astype(np.float32)
+    noise = np.array([1e-6, 1e-3, 0.05, 0.3, 1e-4, 1e-2], np.float32)[:, None]
+    cand = (ref + rng.standard_normal(ref.shape).astype(np.float32) * noise).astype(np.float32)
+    ref[4] += np.float32(55.0)  # shifted exp path on both rows
+    cand[4] += np.float32(55.0)
+    ref[5, 7] = ref[5].max() + np.float32(12.0)  # a peaked row: most mass on one token
+    cand[5, 7] = ref[5, 7] - np.float32(0.5)
+    nxt = np.array([3, 8, 7, 11, 2, 7])
+    pm = M.position_metrics(ref, cand, nxt, np.ones(n, bool))
+    for i in range(n):
+        lr = log_softmax(ref[i].astype(np.float64))
+        lc = log_softmax(cand[i].astype(np.float64))
+        # the peaked row's log Σ exp is set by one float32 exp of a logit near 22 (6e-8 relative):
+        # the reference's own NLL is off by 1.1e-7 there, with or without the derivation
+        tol = 3e-7 if i == 5 else 2e-8
+        assert pm["cand_nll"][i] == pytest.approx(-lc[nxt[i]], abs=tol), i
+        assert pm["ref_nll"][i] == pytest.approx(-lr[nxt[i]], abs=tol), i
+        dp = np.exp(lc[nxt[i]]) - np.exp(lr[nxt[i]])
+        assert pm["delta_p_next"][i] == pytest.approx(dp, abs=1e-7 if i == 5 else 1e-13), i
+    # a wrong identity (say, + m instead of − m) moves the NLL by 2 E_p[r − c]: far outside rel 1e-7
+    # on the quantization-far rows, where E_p[r − c] is ~1e-2
+    assert abs(pm["cand_nll"][3] - pm["ref_nll"][3]) > 1e-4

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -57,6 +58,30 @@ def _plt():
     from matplotlib.figure import Figure
 
     return Figure
+
+
+_PREWARM: list[threading.Thread] = []
+
+
+def prewarm_plots() -> None:
+    """Import matplotlib and its Agg canvas (about 0.4 s on the reference machine) on a daemon
+    thread, once per process, so that a run which will write a report does so while it waits for
+    its engines to start (a llama.cpp worker loading its model) instead of after they finished
+    (issue 47). An import that fails here is left to fail again, with its message, where the
+    report imports it; nothing is rendered and nothing is written."""
+    if _PREWARM:
+        return
+
+    def load() -> None:
+        try:
+            _plt()
+            from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+        except Exception:  # noqa: BLE001 - the report's own import reports it
+            pass
+
+    t = threading.Thread(target=load, name="report-prewarm", daemon=True)
+    _PREWARM.append(t)
+    t.start()
 
 
 def plot_text(s: Any) -> str:

@@ -264,11 +264,17 @@ def _kld_row_f64(r: np.ndarray, c: np.ndarray) -> float:
     return max(0.0, float(p @ (lr - lc)))
 
 
-def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[float, float, float]:
-    """(KL(softmax(r) || softmax(c)) in nats, |r - c|^2, log Σ exp(r)) for finite float32
-    fast-range rows. The log-partition is the one ``_log_partition(r, r_max, s)`` returns, bit
-    for bit (the same float32 exps and float64 sums), so ``position_metrics`` gives it to the
-    next-token metrics without another pass.
+def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[float, float, float, float | None]:
+    """(KL(softmax(r) || softmax(c)) in nats, |r - c|^2, log Σ exp(r), log Σ exp(c) or None) for
+    finite float32 fast-range rows. The reference's log-partition is the one
+    ``_log_partition(r, r_max, s)`` returns, bit for bit (the same float32 exps and float64 sums),
+    so ``position_metrics`` gives it to the next-token metrics without another pass.
+
+    The candidate's follows from the same sums: E_p[exp(x)] = exp(m) Σ exp(c) / Σ exp(r), so
+    log Σ exp(c) = log Σ exp(r) − m + KL, exact in real arithmetic and as precise as a pass of its
+    own (its error is log Σ exp(r)'s plus m's, both ~1e-8 absolute at Qwen3.5's vocab), which it
+    saves: a float32 ``exp`` and a sum over the candidate row (issue 47). None on the float64
+    path, whose KL the float32 sums did not give.
 
     With d = r - c and m = E_p[d], log p_i - log q_i = d_i - m + log E_p[exp(m - d)], so
     KL = log E_p[exp(x)] with x = m - d and E_p[x] = 0, i.e.
@@ -296,11 +302,12 @@ def _kld_row(r: np.ndarray, c: np.ndarray, r_max: float, s: _Scratch) -> tuple[f
     m = s.dot64(e, d) / z
     dd = s.dot64(d, d)
     if m - float(d.min()) > _KLD_FAST_XMAX:
-        return _kld_row_f64(r, c), dd, log_z
+        return _kld_row_f64(r, c), dd, log_z, None
     x = np.subtract(np.float32(m), d, out=d)  # x = m - d overwrites d: a smaller working set
     np.expm1(x, out=y)
     np.subtract(y, x, out=y)
-    return max(0.0, math.log1p(s.dot64(e, y) / z)), dd, log_z
+    kld = math.log1p(s.dot64(e, y) / z)
+    return max(0.0, kld), dd, log_z, log_z - m + kld
 
 
 def _row_f64(r: np.ndarray, c: np.ndarray) -> tuple[bool, bool, float, float, float]:
@@ -320,15 +327,16 @@ def _row_f64(r: np.ndarray, c: np.ndarray) -> tuple[bool, bool, float, float, fl
     return True, True, _cosine_from_dots(rr, cc, rc), _kld_row_f64(r, c), _nmse_from_dots(rr, dd)
 
 
-def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> tuple[float, float, float, float]:
-    """(cosine, kld, nmse, log Σ exp(r)) of a fast-range row pair; kld and the log-partition are
-    NaN when ``r_max`` is None (skipped)."""
+def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> tuple[float, float, float, float, float | None]:
+    """(cosine, kld, nmse, log Σ exp(r), log Σ exp(c) or None) of a fast-range row pair
+    (``_kld_row``); kld and the log-partitions are NaN / None when ``r_max`` is None (skipped)."""
     if r_max is None:
         kld = log_z = math.nan
+        log_zc = None
         np.subtract(r, c, out=s.d)
         dd = s.dot64(s.d, s.d)
     else:
-        kld, dd, log_z = _kld_row(r, c, r_max, s)
+        kld, dd, log_z, log_zc = _kld_row(r, c, r_max, s)
     # While the rows are close, r·c = (|r|^2 + |c|^2 - |r - c|^2) / 2 costs no pass and keeps
     # 1 - cos to relative precision. Its error, from rounding r - c to float32, is at most
     # 1.2e-7 * dd / (2|r||c|) (random-signed, so far less in practice); rows where that bound
@@ -337,7 +345,7 @@ def _fast_pair(r, c, rr: float, cc: float, s: _Scratch, r_max: float | None) -> 
         rc = 0.5 * (rr + cc - dd)
     else:
         rc = float(r.astype(np.float64) @ c.astype(np.float64))
-    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd), log_z
+    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd), log_z, log_zc
 
 
 def _pair_stats(r, c, s: _Scratch, with_kld: bool) -> tuple[bool, bool, float, float, float]:
@@ -379,9 +387,9 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray 
         ref, cand: float32 ``[B, V]`` (a 1-D row is taken as ``B = 1``); other float dtypes are
             converted to float32.
         next_tokens, scored: when given (both), the ``next_token_metrics`` keys are added,
-            computed in the same pass: the reference's log-partition comes from the KLD's own
-            sums and both argmaxes from the top-k, so a scored row pair costs one more read of
-            the candidate row instead of six. Equal to ``next_token_metrics``'s values bit for
+            computed in the same pass: both log-partitions come from the KLD's own sums
+            (``_kld_row``) and both argmaxes from the top-k, so a scored row pair costs no
+            further pass over either row. Equal to ``next_token_metrics``'s values bit for
             bit (tests/test_metrics_fused.py).
 
     Returns:
@@ -429,13 +437,13 @@ def _fill_rows(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, s:
         out["ref_finite"][i] = out["finite"][i] = True
         r_top, r_vals = _topk_row(r, kmax)
         c_top, _ = _topk_row(c, kmax)
-        log_z = None
+        log_z = log_zc = None
         if fast:
-            cos_i, kld_i, nmse_i, log_z = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
+            cos_i, kld_i, nmse_i, log_z, log_zc = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
         cosine_[i], kld_[i], nmse_[i] = cos_i, kld_i, nmse_i
         a, b = int(r_top[0]), int(c_top[0])
         if nt is not None and nt[1][i]:
-            _next_token_row(out, i, r, c, a, b, int(nt[2][i]), log_z, s)
+            _next_token_row(out, i, r, c, a, b, int(nt[2][i]), log_z, s, log_zc)
         out["ref_argmax"][i], out["cand_argmax"][i], out["argmax_agree"][i] = a, b, a == b
         out["ref_margin"][i] = float(r_vals[0]) - float(r_vals[1])
         out["cand_rank"][i] = _rank_of(c, a, c_top)
@@ -487,8 +495,8 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
         ``{key: array [B]}`` for ``NEXT_TOKEN_KEYS``: ``scored`` (bool, as given), ``ref_nll`` /
         ``cand_nll`` (float64, nats), ``delta_p`` / ``delta_p_next`` (float64 in [-1, 1]). A
         position where either row holds NaN/Inf gives NaN everywhere (a candidate FAIL the cosine
-        gate counts, never a probability). Each scored row is read three more times per engine
-        (argmax, exp, their sum: float32 exp, float64 sum); nothing of size ``[B, V]`` is allocated.
+        gate counts, never a probability). The log-partitions come from ``_kld_row``'s sums, as
+        ``position_metrics`` takes them (equal bit for bit); nothing of size ``[B, V]`` is allocated.
 
     Raises ``NotComparable`` (the blocks differ in shape) and ``InvalidInput`` (a block not 2-D,
     V < 2, ``next_tokens``/``scored`` not of length B, a next token id outside [-1, V)).
@@ -504,7 +512,11 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
     s = _scratch(v)
     for i in np.flatnonzero(sc & both):
         r, c = ref[i], cand[i]
-        _next_token_row(out, i, r, c, int(np.argmax(r)), int(np.argmax(c)), int(nxt[i]), None, s)
+        top = int(np.argmax(r))
+        log_z = log_zc = None
+        if _in_fast_range(s.dot64(r, r)) and _in_fast_range(s.dot64(c, c)):  # as position_metrics takes them
+            _, _, log_z, log_zc = _kld_row(r, c, float(r[top]), s)
+        _next_token_row(out, i, r, c, top, int(np.argmax(c)), int(nxt[i]), log_z, s, log_zc)
     return out
 
 
@@ -521,12 +533,13 @@ def _next_token_result(n: int, v: int, next_tokens: np.ndarray, scored: np.ndarr
 
 
 def _next_token_row(out: dict[str, np.ndarray], i: int, r: np.ndarray, c: np.ndarray, top: int, c_top: int, t: int,
-                    log_z_ref: float | None, s: _Scratch) -> None:
+                    log_z_ref: float | None, s: _Scratch, log_z_cand: float | None = None) -> None:
     """Fill position ``i`` of ``next_token_metrics``'s ``out`` from the finite rows ``r`` and ``c``,
     their argmaxes ``top``/``c_top``, the next token ``t`` (-1: none) and, when known, the
-    reference's log-partition (else computed here; ``s.e`` is overwritten)."""
+    reference's and the candidate's log-partitions (``_kld_row``'s; else computed here, and
+    ``s.e`` is overwritten)."""
     lr = _log_partition(r, float(r[top]), s) if log_z_ref is None else log_z_ref
-    lc = _log_partition(c, float(c[c_top]), s)
+    lc = _log_partition(c, float(c[c_top]), s) if log_z_cand is None else log_z_cand
     out["delta_p"][i] = math.exp(float(c[top]) - lc) - math.exp(float(r[top]) - lr)
     if t >= 0:
         out["ref_nll"][i] = lr - float(r[t])

@@ -28,6 +28,7 @@ from harness.engines.timing import timed
 from harness.errors import EngineError, HarnessError, InvalidInput, Verdict
 from harness.evidence.receipts import report_only_headline
 from harness.evidence.record import preflight_evidence
+from harness.evidence.report import prewarm_plots
 from harness.judge import tiers, verdicts
 from harness.judge.calibrated import resolve_row
 from harness.judge.reproducer import Reproducer, causes_breaking, failure_message
@@ -448,6 +449,8 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prestart(candidate)  # its start-up beside the reference's tokenization, not after it
+    if req.write_evidence:
+        prewarm_plots()  # the report's matplotlib import while the engines start, not after them
     if text is not None:
         prompts, text_rec = text_prompts(inputs, reference.engine, text, req.ctx, req.score_second_half)
     else:
