@@ -10,8 +10,8 @@ oracle as the reference, the parity gate's cosine 0.98) on ``fixture:tiny-qwen35
 verdict and min cosine, the harness process's peak RSS (``VmHWM``, the oracle included) and the
 llama.cpp worker's (``ChildPeakRSS``), in MB, beside what one ``[T, V]`` float32 array of logits
 would take. ``--wide`` (default 1,024 and 4,096) adds points on ``fixture:tiny-qwen35-v248k`` (V = 248,320,
-context 4,096), where ``[T, V]`` is 1 MB a position: the harness's peak is set by a 256-row block
-at that width (each engine's block, 254 MB, and the metrics' float64 temporaries), so it must stay
+context 4,096), where ``[T, V]`` is 1 MB a position: the harness's peak is set by one block per engine
+at that width (the oracle's and the llama.cpp stream's, 1 MB a row, and the metrics' float64 temporaries), so it must stay
 flat while ``[T, V]`` grows fourfold, since the probe compares the two engines' blocks as they stream. The llama.cpp worker's peak is llama.cpp's own
 (it keeps ``n_outputs × V`` logits in its output buffer), not the harness's.
 
@@ -93,7 +93,7 @@ def section(r: dict[str, Any]) -> list[str]:
              "(`probe_long`: llama.cpp against the float64 oracle, both engines' logit blocks compared as they stream) in a fresh "
              "process per point. Peak RSS of the harness process (the oracle included) and of the llama.cpp worker; `[T, V]` is "
              "what one float32 array of all positions' logits would take, which the probe never holds: at V = 248,320 the peak is "
-             "set by one 256-row block per engine (254 MB each) and the metrics' float64 temporaries, the same at 1,024 and 4,096 "
+             "set by one block per engine (1 MB a row) and the metrics' float64 temporaries, the same at 1,024 and 4,096 "
              "positions. 32,768 positions on request "
              "(`--positions 32768`: an extrapolated 10 to 15 minutes of oracle on 2 cores). "
              f"Load average {r['load_start']} at the start, {r['load_end']} at the end (2 cores shared).", "",

@@ -60,7 +60,7 @@ def test_a_consumer_that_stops_early_kills_the_worker_and_removes_the_ring():
     before = _ring_files()
     stream = ring.logits(toks)
     start, first = next(stream)
-    assert start == 0 and first.shape[0] == 200
+    assert start == 0 and first.shape[0] == min(ring.block_size, 200) < 200  # rows are left when it stops
     stream.close()
     assert _ring_files() == before
 

@@ -207,6 +207,11 @@ class LlamaCppEngine:
     ``logits_multi(sequences)`` decodes several sequences side by side (one seq id each);
     ``generate(tokens, n)`` continues greedily through llama.cpp's own decode path.
     Raises ``EngineError`` (exit 3) on load failure, crash, timeout or malformed output.
+
+    ``block_size``: rows per yielded block (32: 32 MB at V = 248,320). The rows arrive a ring
+    slot of 4 at a time, so a larger block only delays the consumer's first metrics and holds
+    more memory: at 256 rows the pool's two blocks were 508 MB of the harness process (issue 47;
+    docs/benchmarks.md section 2). The bytes of every row are the same at any block size.
     """
 
     name = "llama.cpp"
@@ -221,7 +226,7 @@ class LlamaCppEngine:
         overrides: Sequence[Override] = (),
         settings: LlamaCppSettings | None = None,
         timeout_s: float = 900.0,
-        block_size: int = 256,
+        block_size: int = 32,
         tokenizer_only: bool = False,
     ):
         self.model_path = Path(model_path)
@@ -235,9 +240,9 @@ class LlamaCppEngine:
         """Summed over this engine's worker runs: ``load_s`` (model load), ``decode_s`` (inside
         ``llama_decode``), ``n_tokens`` (tokens decoded)."""
         self._pool = BlockPool()
-        """The blocks of this engine's streams, kept across its worker runs and prompts: at
-        V = 248,320 a 256-row block is 254 MB, and two fresh ones a prompt cost the harness
-        about 0.3 s of page zeroing each (``BlockPool``)."""
+        """The blocks of this engine's streams, kept across its worker runs and prompts, so that a
+        prompt does not fault in fresh ones (at 256 rows, 254 MB, that page zeroing cost about
+        0.3 s a block: ``BlockPool``)."""
         self.worker_peak_rss_mb = 0.0
         """The largest decoding worker's peak RSS so far (its ``VmHWM``, MB): benchmarks, tests."""
         self.flash_attn_ran: str | None = None
