@@ -32,7 +32,8 @@ def test_a_misspelt_capability_is_refused_naming_the_one_meant(tmp_path, value, 
     line = one_line(harness(tmp_path, f'[tool.harness.engines.mine]\ncommand = ["x"]\nprotocol = 2\ncapabilities = ["{value}"]\n',
                             *PARITY, "--candidate", "command:mine"))
     assert line == (f"harness: INVALID: {tmp_path / 'pyproject.toml'}: engines.mine.capabilities: unknown capability {value!r} "
-                    f"(did you mean {meant!r}?); known: chunks, activations, multi_seq, n_ubatch, generate, prefix_reuse, tokenize, "
+                    f"(did you mean {meant!r}?); known: chunks, activations, dequantized_weights, multi_seq, n_ubatch, generate, prefix_reuse, "
+                    "tokenize, "
                     "chat_template, mtp, mtp_chain, speculative, serve, logits_ring, first_row")
 
 

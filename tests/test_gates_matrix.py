@@ -8,6 +8,7 @@ without a model give no FAIL on it (held out). Slow and needs the hf extra (tran
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 from harness.runs.parity import judge_cell, measure_cell, router_near_ties, subject_of
 from harness.measure.prompts import load_prompt_set, tokenize_prompts
 from harness.engines.llamacpp import LlamaCppEngine
+from harness.engines.registry import resolve_engine
+from harness.runs import exact_check
 from harness.errors import Verdict
 from harness.fixtures import synthetic as fx
 from harness.runs.calibrate import KNOWN_GOOD
@@ -54,8 +57,14 @@ def _judge(model: str, make, thresholds: Path):
     th = load_thresholds(thresholds)
     resolved = th.resolve(subject_of(gm, m.candidate_info), f"fixture:{model}")
     excuses, cuts = router_near_ties(m, resolved, gm, ref)  # as harness parity judges an MoE model (docs/gates.md)
-    return judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, th.near_tie_margin, resolved.row_misfit,
-                      cuts=cuts, excuses=excuses), resolved
+    res = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, th.near_tie_margin, resolved.row_misfit,
+                     cuts=cuts, excuses=excuses)
+    if exact_check.applies(gm, m.candidate_info):  # a low-bit i-quant file: against the oracle too, as harness parity judges
+        ex = exact_check.run(gm, th, make(path), m.candidate_info, prompts, lambda: resolve_engine("oracle", path), measure_cell,
+                             th.near_tie_margin)
+        verdict, message = exact_check.combine(res.verdict, res.message, ex)
+        res = replace(res, verdict=verdict, message=message)
+    return res, resolved
 
 
 @pytest.mark.parametrize("model", MODELS)

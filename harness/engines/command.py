@@ -83,7 +83,7 @@ REQUEST_SCHEMA_V2 = "harness-engine-request/v2"
 SPEC_KEYS = ("command", "timeout_s", "capabilities", "cwd", "env", "compute_class", "protocol")
 V2_CAPABILITIES = ("multi_seq", "n_ubatch", "generate", "prefix_reuse", "tokenize", "chat_template", "mtp", "mtp_chain", "speculative",
                    "serve", "logits_ring", "first_row")
-CAPABILITIES = ("chunks", "activations", *V2_CAPABILITIES)
+CAPABILITIES = ("chunks", "activations", "dequantized_weights", *V2_CAPABILITIES)
 """Every capability a ``[engines.NAME]`` table may declare (docs/engine-protocol.md); another
 value is refused, never left for a probe to find missing."""
 """Capabilities only a persistent (``protocol = 2``) engine can have: they need requests that

@@ -312,7 +312,8 @@ class MlxEngine:
                 "tokenizer": ", ".join(self.tokenizer_files()) or "none of its own",
                 "overrides": [o.to_flag() for o in self.overrides],
             },
-            capabilities=["chunks", "generate", "prefix_reuse", "tokenize"],
+            capabilities=["chunks", "generate", "prefix_reuse", "tokenize"]
+            + (["dequantized_weights"] if self.user_folder is None else []),  # a user's folder: its own weights
             build={"engine": f"{__name__}.MlxEngine", "loader": "harness.fixtures.convert.write_transformers_folder"},
             compute_class=DTYPE_CLASS[self.dtype],
         )

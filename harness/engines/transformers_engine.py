@@ -134,7 +134,7 @@ class TransformersEngine:
                 "multi_seq": f"packed: one row, position ids restarting per sequence{', cu_seq_lens_q/k' if self.packed == 'cu_seqlens' else ''}",
                 "overrides": [o.to_flag() for o in self.overrides],
             },
-            capabilities=["chunks", "activations", "tokenize", "multi_seq"],
+            capabilities=["chunks", "activations", "tokenize", "multi_seq", "dequantized_weights"],
             build={"engine": f"{__name__}.TransformersEngine", "loader": "harness.fixtures.convert.to_transformers",
                    "tokenizer_dir": None if self.tokenizer_dir is None else str(self.tokenizer_dir)},
             compute_class=DTYPE_CLASS[self.dtype],

@@ -199,6 +199,6 @@ def finish(req: ParityRequest, inputs: RunInputs, reference: Any, candidate: Any
     if not req.write_evidence:
         prepare_receipt(receipt, result.per_position)
         return ParityOutcome(result, receipt, None, None, None)
-    page = explain(receipt, req.localize, log) if req.report else None
+    page = explain(receipt, req.localize, log, inputs.model) if req.report else None
     rec = record_evidence(receipt, result.per_position, evidence or req.ledger, page)
     return ParityOutcome(result, rec.receipt, rec.receipt_path, rec.row, rec.ledger_path, cal_path, rec.report_path)

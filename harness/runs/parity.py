@@ -39,7 +39,7 @@ from harness.model.gguf_model import GGUFModel
 from harness.runs.cell import CellResult, Measured, ParityOutcome, ParityRequest, Progress, build_receipt, check_comparable, finish
 from harness.runs.inputs import subject_of
 from harness.runs.localize import DEFAULT_MAX_TOKENS
-from harness.runs import reference_cache
+from harness.runs import exact_check, reference_cache
 from harness.runs.referee import OracleReferee, referee
 from harness.runs.topk import run_topk_parity
 
@@ -355,6 +355,15 @@ def router_near_ties(m: Measured, resolved: ResolvedThresholds, model: GGUFModel
     return excuses, router_cuts_for(m, resolved, model, reference, None if excuses is None else excuses.mask)
 
 
+def exact_check_for(inputs: Any, candidate: Engine, m: Measured, prompts: list[PromptTokens]) -> exact_check.ExactCheck | None:
+    """``harness.runs.exact_check.run`` for the cell where it applies (a low-bit i-quant file, a
+    candidate with the capability ``dequantized_weights``), else None."""
+    if not exact_check.applies(inputs.model, m.candidate_info):
+        return None
+    return exact_check.run(inputs.model, inputs.thresholds, candidate, m.candidate_info, prompts,
+                           lambda: inputs.engine("oracle"), measure_cell, inputs.thresholds.near_tie_margin)
+
+
 def oracle_referee(m: Measured, resolved: ResolvedThresholds, inputs: Any, reference: Engine, candidate: Engine,
                    excuses: near_ties.RouterExcuses | None) -> OracleReferee | None:
     """``harness.runs.referee.referee`` of the cell at the release floor, on the positions below it
@@ -469,7 +478,15 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     result = judge_cell(m, resolved.release_gates, resolved.row, resolved.subject, inputs.thresholds.near_tie_margin,
                         resolved.row_misfit, command, req.require_calibrated, inputs.reproducer(req.candidate, settings=req.candidate_settings),
                         cuts, excuses, ruling)
+    exact = exact_check_for(inputs, candidate.engine, m, prompts)
+    if exact is not None:
+        verdict, message = exact_check.combine(result.verdict, result.message, exact)
+        result = replace(result, verdict=verdict, message=message)
+    elif (why := exact_check.not_run_line(inputs.model, m.candidate_info)) is not None:
+        result = replace(result, message=f"{result.message}; {why}")
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
+    if exact is not None:
+        receipt["gated"]["exact_check"] = exact.to_dict()
     if text_rec is not None:  # the prompts are the text's windows: the receipt names the text file, not a prompt set
         receipt["prompts"].update(id=text_rec["path"].rsplit("/", 1)[-1], path=text_rec["path"], sha256=text_rec["sha256"], text=text_rec)
     return finish(req, inputs, reference, candidate, prompts, result, receipt, cal_path, reference_cache.record_of(cached), evidence, log)

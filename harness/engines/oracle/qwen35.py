@@ -495,7 +495,7 @@ class Qwen35Oracle:
                 "model_sha256": self.model.sha256,
                 **({"mtp_convention": self.mtp_convention} if self.has_mtp() else {}),
             },
-            capabilities=["chunks", "activations", "generate", "serve"] + (["mtp", MTP_CHAIN, "speculative"] if self.has_mtp() else []),
+            capabilities=["chunks", "activations", "generate", "serve", "dequantized_weights"] + (["mtp", MTP_CHAIN, "speculative"] if self.has_mtp() else []),
             build={"engine": type(self).__module__ + "." + type(self).__qualname__},
             compute_class="f64",
         )
