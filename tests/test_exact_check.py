@@ -69,6 +69,7 @@ def test_a_correct_dequantizing_candidate_passes_the_exact_check(tmp_path):
 
 def test_llama_cpp_as_the_candidate_is_judged_against_llama_cpp_alone_and_told_why(tmp_path):
     out, receipt = _run(tmp_path, "llama.cpp")
-    assert "exact_check" not in receipt["gated"]
+    assert receipt["gated"]["exact_check"]["status"] == "not-run"
     assert "exact check: not run" in receipt["gated"]["message"]
+    assert receipt["gated"]["exact_check"]["line"] in receipt["gated"]["message"]
     assert out.result.verdict is Verdict.PASS

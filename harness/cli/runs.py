@@ -60,6 +60,8 @@ def verdict_tail(verdict: Verdict, message: str, gated: dict[str, Any]) -> str:
     if topk:  # a top-k cell (a server's logprobs): its tier judged, the other two cannot
         return f"top-k tier {topk['status']} (release gate {rel['status']}, calibrated tier {cal['status']}: they need logits)"
     tail = f"release gate {rel['status']}, calibrated tier {cal['status']}"
+    ex = gated.get("exact_check")
+    tail += f", exact check {ex['status']}" if ex else ""
     return tail + ("; verdict is the release gate's" if cal["status"] == "unmeasured" else "")
 
 
@@ -81,6 +83,8 @@ def _render_parity(outcome) -> None:
     con.print(_p(g["calibrated"]["line"]), markup=False, soft_wrap=True)
     if g.get("topk"):
         con.print(_p(g["topk"]["line"]), markup=False, soft_wrap=True)
+    if g.get("exact_check"):
+        con.print(_p(g["exact_check"]["line"]), markup=False, soft_wrap=True)
     th = rec["thresholds"]
     if th.get("self_calibration"):
         con.print(f"calibrated tier measured on this model: calibration receipt {th['self_calibration'][:12]}", markup=False)

@@ -46,7 +46,8 @@ FLOAT_WEIGHTS = ("F32", "ALL_F32")
 
 @dataclass
 class ExactCheck:
-    """The exact check of one cell: ``status`` (``pass`` / ``fail`` / ``unmeasured``), its one-line
+    """The exact check of one cell: ``status`` (``pass`` / ``fail`` / ``unmeasured``, or ``not-run``
+    where the file is a low-bit i-quant one but the candidate does not dequantize), its one-line
     ``line``, the row it judged by (``row``: ``source`` and gates; None when none fits), the
     comparison's summary (``summary``: positions, min cosine, KLD mean and p99, where the worst
     position is) and ``seconds``."""
@@ -58,8 +59,10 @@ class ExactCheck:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "line": self.line, "row": self.row, "summary": self.summary,
-                "seconds": round(self.seconds, 3), "reference": "oracle (float64, the file's weights dequantized)"}
+        d = {"status": self.status, "line": self.line, "row": self.row, "summary": self.summary, "seconds": round(self.seconds, 3)}
+        if self.status != "not-run":
+            d["reference"] = "oracle (float64, the file's weights dequantized)"
+        return d
 
 
 def low_bit_types(model: GGUFModel) -> list[str]:

@@ -458,7 +458,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
     reference = timed(lambda: inputs.engine(req.reference, **req.reference_settings))
     candidate = timed(lambda: inputs.engine(req.candidate, **req.candidate_settings))
     prestart(candidate)  # its start-up beside the reference's tokenization, not after it
-    if req.write_evidence:
+    if req.write_evidence and req.report:
         prewarm_plots()  # the report's matplotlib import while the engines start, not after them
     if text is not None:
         prompts, text_rec = text_prompts(inputs, reference.engine, text, req.ctx, req.score_second_half)
@@ -484,6 +484,7 @@ def run_parity(req: ParityRequest, progress: Progress | None = None, log: Callab
         result = replace(result, verdict=verdict, message=message)
     elif (why := exact_check.not_run_line(inputs.model, m.candidate_info)) is not None:
         result = replace(result, message=f"{result.message}; {why}")
+        exact = exact_check.ExactCheck("not-run", why)
     receipt = build_receipt(req, inputs, result, resolved, cal_id)
     if exact is not None:
         receipt["gated"]["exact_check"] = exact.to_dict()
