@@ -23,13 +23,14 @@ Cost: one more run of the candidate and one of the oracle over the cell's prompt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from harness.engines.base import ASSUMED_CLASS
 from harness.errors import HarnessError, Verdict
 from harness.judge import tiers, verdicts
 from harness.model.gguf_model import GGUFModel
+from harness.runs.inputs import subject_of
 
 CAPABILITY = "dequantized_weights"
 """An engine capability: it computes quantized weights dequantized to floats, its activations not
@@ -101,13 +102,8 @@ def run(model: GGUFModel, thresholds: Any, candidate: Any, candidate_info: dict[
     fits (its line says which), never a PASS then. Engine failures of the candidate propagate
     (``EngineError``), as in the cell's own comparison.
     """
-    import time
-
     t0 = time.perf_counter()
-    hp = model.hparams
-    declared = candidate_info.get("compute_class")
-    subject = tiers.Subject(FLOAT_WEIGHTS[0], FLOAT_WEIGHTS[1], declared or ASSUMED_CLASS, declared is not None,
-                            hp.n_layer, hp.n_embd, model.sha256, hp.arch)
+    subject = replace(subject_of(model, candidate_info), weights=FLOAT_WEIGHTS[0], file_type=FLOAT_WEIGHTS[1])
     row, misfit = tiers.find_row(thresholds.rows, subject)
     head = f"exact check (candidate against the float64 oracle on the dequantized weights, {subject.key_text()})"
     if row is None:
