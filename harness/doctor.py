@@ -13,7 +13,9 @@
   library cannot take the report with it;
 - which of llama.cpp's tools are built (``harness.paths.llama_tool``: ``llama-server``,
   ``llama-quantize``, ``llama-imatrix``, ``llama-perplexity``);
-- the fixtures cache (``harness.fixtures.synthetic.cache_dir``): its folder, files and bytes.
+- the fixtures cache (``harness.fixtures.synthetic.cache_dir``): its folder, files and bytes;
+- the metrics' row kernel (``harness.measure.rowkernel.kernel_status``): compiled (its cached
+  library) or the numpy path, and why (building it on first call, about a second).
 
 Nothing here fails: what is missing is reported as missing (``None``), and the command exits 0.
 """
@@ -158,8 +160,10 @@ def _folder_size(folder: Path) -> tuple[int, int]:
 def doctor() -> dict[str, Any]:
     """Everything ``harness doctor`` reports (module docstring), JSON-ready: ``host``,
     ``harness`` (version, source folder), ``extras``, ``llama_cpp``, ``llama_tools`` (name →
-    path or None) and ``fixtures_cache`` (``path``, ``exists``, ``files``, ``bytes``). Never raises
-    for something missing."""
+    path or None), ``fixtures_cache`` (``path``, ``exists``, ``files``, ``bytes``) and
+    ``metrics_kernel`` (``path``: compiled or numpy, ``detail``). Never raises for something missing."""
+    from harness.measure.rowkernel import kernel_status
+
     fx = cache_dir()
     files, size = _folder_size(fx)
     return {
@@ -169,4 +173,5 @@ def doctor() -> dict[str, Any]:
         "llama_cpp": llama_cpp(),
         "llama_tools": {name: (str(p) if (p := llama_tool(name)) else None) for name in LLAMA_TOOLS},
         "fixtures_cache": {"path": str(fx), "exists": fx.is_dir(), "files": files, "bytes": size},
+        "metrics_kernel": kernel_status(),
     }

@@ -103,9 +103,10 @@ their build ids (``harness.engines.registry.engine_build_id``)."""
 
 @lru_cache(maxsize=1)
 def numbers_sha256() -> str:
-    """The harness version that matters for a result: sha256 over the ``*.py`` files of
-    ``NUMBERS_SOURCES`` (path relative to the package and content), read once per process. A sweep
-    re-runs a cell when it changes; a docs or CLI change leaves it alone."""
+    """The harness version that matters for a result: sha256 over the ``*.py`` and ``*.c`` files
+    (the metrics' row kernel, ``harness/measure/rowkernel.c``) of ``NUMBERS_SOURCES`` (path
+    relative to the package and content), read once per process. A sweep re-runs a cell when it
+    changes; a docs or CLI change leaves it alone."""
     pkg = Path(__file__).resolve().parent
-    files = [f for d in NUMBERS_SOURCES for f in sorted((pkg / d).rglob("*.py"))]
+    files = [f for d in NUMBERS_SOURCES for pat in ("*.py", "*.c") for f in sorted((pkg / d).rglob(pat))]
     return _files_sha256(files, pkg)

@@ -87,11 +87,12 @@ def numbers_sha256(package_parent: Path) -> str:
 
 @pytest.mark.parametrize("module, counts", [("harness/runs/calibrate/fit.py", True), ("harness/runs/topk.py", True),
                                             ("harness/judge/verdicts.py", True), ("harness/measure/metrics.py", True),
+                                            ("harness/measure/rowkernel.c", True),
                                             ("harness/cli/runs.py", False)])
 def test_the_numbers_hash_follows_the_runs_into_their_folders(copy: Path, module: str, counts: bool):
     """``provenance.numbers_sha256`` decides when a sweep re-runs a cell, so an edit to any run,
     measurement or judgement module changes it (``harness/runs/calibrate/`` is a package, read
-    recursively); a CLI edit does not."""
+    recursively), and so does the metrics' C row kernel; a CLI edit does not."""
     before = numbers_sha256(copy)
     (copy / module).write_text((copy / module).read_text() + "\n# edited\n")
     assert (numbers_sha256(copy) != before) is counts

@@ -171,7 +171,7 @@ def init(engine: str, force: bool, harness_source: str | None) -> None:
 def doctor(as_json: bool) -> None:
     """What this machine has for the harness: Python and platform, the extras installed, llama-cpp-python
     (version, llama.cpp commit, CPU features as receipts record them), llama.cpp's built tools, the
-    fixtures cache. Always exits 0."""
+    fixtures cache, the metrics' row kernel (compiled, or numpy and why). Always exits 0."""
     from harness.doctor import doctor as _doctor  # deferred: startup
 
     d = _doctor()
@@ -190,4 +190,6 @@ def doctor(as_json: bool) -> None:
              ("CPU features", lc["cpu_features"] if lc["cpu_features"] is not None else "n/a")]
     rows += [(name, path or "not built (make llama-tools)") for name, path in d["llama_tools"].items()]
     rows.append(("fixtures cache", f"{fx['path']}: {fx['files']} files, {fx['bytes'] / 2**20:.1f} MiB" if fx["exists"] else f"{fx['path']} (not created yet)"))
+    mk = d["metrics_kernel"]
+    rows.append(("metrics kernel", f"{mk['path']}: {mk['detail']}"))
     print_table(_console(), "harness doctor", ("what", "this machine"), rows, fold=("this machine",))

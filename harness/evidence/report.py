@@ -139,17 +139,19 @@ def _envelope(x: np.ndarray, y: np.ndarray, columns: int = _ENVELOPE_COLUMNS) ->
     n = x.size
     if n <= 2 * columns:
         return x, y
-    edges = np.linspace(0, n, columns + 1).astype(np.int64)
-    keep: list[np.ndarray] = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        seg = y[a:b]
-        nan = np.isnan(seg)
-        picks = [int(np.argmax(nan))] if nan.any() else []
-        if not nan.all():
-            picks += [int(np.nanargmin(seg)), int(np.nanargmax(seg))]
-        keep.append(a + np.unique(picks))
-    idx = np.concatenate(keep)
-    return x[idx], y[idx]
+    starts = np.linspace(0, n, columns + 1).astype(np.int64)[:-1]
+    bin_of = np.repeat(np.arange(columns), np.diff(np.append(starts, n)))
+    idx = np.arange(n)
+    nan = np.isnan(y)
+    picks = [np.minimum.reduceat(np.where(nan, idx, n), starts)]  # each bin's first NaN (n: none)
+    for fill, reduce in ((np.inf, np.minimum), (-np.inf, np.maximum)):
+        filled = np.where(nan, fill, y)
+        extreme = reduce.reduceat(filled, starts)
+        hit = (filled == extreme[bin_of]) & ~nan  # the first such index per bin, as nanargmin/nanargmax pick
+        picks.append(np.minimum.reduceat(np.where(hit, idx, n), starts))
+    keep = np.unique(np.concatenate(picks))
+    keep = keep[keep < n]
+    return x[keep], y[keep]
 
 
 # ----------------------------------------------------------------------------- plots

@@ -24,28 +24,38 @@ candidate logits holding NaN/Inf are a FAIL at that position; the caller decides
 ``cosine_failures``, which treats a flagged row as failing.
 
 Speed (Qwen3.5's V = 248,320, 1 MB per float32 row): rows are processed one at a time so each
-row's working set stays in cache; top-k never sorts the vocabulary (a column-maximum bound picks
-the few candidates, then a partition/sort over those alone); KLD uses one float32 ``exp`` and one
-float32 ``expm1`` per row with float64 sums, in a form (``log1p(E_p[expm1(x) - x])``, below) whose
-error is relative to the KLD itself rather than to the log-partition function.
-``benchmarks/bench_metrics.py`` measures the cost against a plain pass over both arrays.
+row's working set stays in cache. Two paths compute the same fields:
 
-Reads per row pair (fast path; the rows stay in cache after their first read): the reference row
-4 times (|r|², top-k, r − c, exp r), the candidate row 3 times (|c|², top-k, r − c), and ten
-passes over three row-sized float32 scratch buffers (d = r − c, e = exp r, y = expm1(x) − x):
-a bounded number, independent of the position count. ``position_metrics`` runs each row pair
-through every metric in that one sequence of passes; the per-metric functions
-(``cosine``, ``kl_divergence`` ...) share the kernels.
+- the compiled path (``harness.measure.rowkernel``, ``rowkernel.c``), taken whenever the kernel
+  builds on this machine (a C compiler; ``harness doctor`` says which path runs and why): two
+  fused passes per row pair. Pass 1 reads both rows once for |r|², |c|², |r − c|², the KLD's
+  Σ exp r and Σ exp(r)·(r − c), min/max of r − c and each 256-entry sub-block's maximum (the
+  top-k bound), and writes exp r; pass 2 reads r, c and exp r (still in cache) for the KLD's
+  Σ exp(r)·g(m − d). Top-k then scans only the sub-blocks whose maximum reaches the k-th largest
+  sub-block maximum. About 2.4× faster than the numpy path here (``benchmarks/bench_metrics.py``).
+- the numpy path, one numpy call per pass: the reference row 4 times (|r|², top-k, r − c, exp r),
+  the candidate row 3 times (|c|², top-k, r − c), and ten passes over three row-sized float32
+  scratch buffers (d = r − c, e = exp r, y = expm1(x) − x). Top-k never sorts the vocabulary (a
+  column-maximum bound over a ``[V / W, W]`` view picks the few candidates, then a partition/sort
+  over those alone).
+
+Both read a bounded number of times per row, independent of the position count; the per-metric
+functions (``cosine``, ``kl_divergence`` ...) take the same path as ``position_metrics``, so they
+give its values. ``tests/test_rowkernel.py`` checks the two paths against each other (integer
+fields exactly, float fields within the numpy path's error) and against float64.
 
 Where float64 is kept, because the result would be wrong without it:
 
-- every sum: each block of ~2,048 float32 products (BLAS ``sdot``) is added in float64
-  (``_Scratch.dot64``): a float32 sum over 248,320 terms would lose the 1e-7 differences that
-  separate an F32 engine from a broken one;
+- every sum: on the numpy path each block of ~2,048 float32 products (BLAS ``sdot``) is added in
+  float64 (``_Scratch.dot64``); the compiled path sums runs of 4 terms per vector lane in float32
+  and those partials in float64 (rowkernel.c): a float32 sum over 248,320 terms would lose the
+  1e-7 differences that separate an F32 engine from a broken one;
 - r·c is derived in float64 from |r|², |c|² and |r − c|² while the rows are close (1 − cosine keeps
   relative precision), else computed as a float64 dot (``_fast_pair``);
 - the KLD's log-partition terms: the form ``log1p(E_p[expm1(x) - x])`` with float64 sums makes the
-  error relative to the KLD (about 1e-8 at the F32 floor) rather than to log Z (about 12);
+  error relative to the KLD rather than to log Z (about 12): about 1e-8 relative at the F32 floor
+  on the compiled path (g(x) = expm1(x) − x by its Taylor series while |x| < 0.5, so no
+  cancellation), about 3e-5 on the numpy path (float32 ``expm1(x) − x``), both far inside any gate;
   rows whose logits differ by more than ~30 take a float64 log-softmax (``_kld_row_f64``);
 - rows with non-finite values or sums of squares outside [1e-30, 1e30] (``_row_f64``).
 
@@ -66,6 +76,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness.errors import InvalidInput, NotComparable
+from harness.measure import rowkernel
 
 TOPK = (5, 10)
 """The top-k overlaps reported; the largest k also bounds the candidate-rank shortcut."""
@@ -421,36 +432,87 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarray 
 def _fill_rows(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, s: _Scratch,
                nt: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None) -> None:
     """Every row of ``position_metrics``'s ``out`` (and the next-token keys when ``nt`` is
-    ``_next_token_result``'s triple), one row pair at a time with the scratch buffers ``s``."""
-    v = ref.shape[1]
-    kmax = max(TOPK)
-    cosine_, kld_, nmse_ = out["cosine"], out["kld"], out["nmse"]
+    ``_next_token_result``'s triple): through the compiled kernel (``rowkernel``) when it is
+    available, else one row pair at a time with numpy and the scratch buffers ``s``. Rows the kernel flags (outside the fast range,
+    or logits so far apart that the KLD needs float64) finish on the numpy path's float64 code."""
+    if ref.shape[0] and rowkernel.available():
+        _fill_rows_kernel(out, ref, cand, s, nt)
+        return
     for i in range(ref.shape[0]):
-        r, c = ref[i], cand[i]
-        rr, cc = s.dot64(r, r), s.dot64(c, c)
-        fast = _in_fast_range(rr) and _in_fast_range(cc)
-        if not fast:
-            rf, cf, cos_i, kld_i, nmse_i = _row_f64(r, c)
-            out["ref_finite"][i], out["finite"][i] = rf, cf
-            if not (rf and cf):
-                continue
+        _fill_row_numpy(out, i, ref[i], cand[i], s, nt)
+
+
+def _fill_row_numpy(out: dict[str, np.ndarray], i: int, r: np.ndarray, c: np.ndarray, s: _Scratch,
+                    nt: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None) -> None:
+    """Row ``i`` of ``_fill_rows`` on the numpy path."""
+    rr, cc = s.dot64(r, r), s.dot64(c, c)
+    fast = _in_fast_range(rr) and _in_fast_range(cc)
+    if not fast:
+        rf, cf, cos_i, kld_i, nmse_i = _row_f64(r, c)
+        out["ref_finite"][i], out["finite"][i] = rf, cf
+        if not (rf and cf):
+            return
+    out["ref_finite"][i] = out["finite"][i] = True
+    r_top, r_vals = _topk_row(r, max(TOPK))
+    c_top, _ = _topk_row(c, max(TOPK))
+    log_z = log_zc = None
+    if fast:
+        cos_i, kld_i, nmse_i, log_z, log_zc = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
+    _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, r_top, r_vals, c_top, log_z, log_zc, s, nt)
+
+
+def _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, r_top, r_vals, c_top, log_z, log_zc, s, nt) -> None:
+    """The fields of row ``i`` that follow from its cosine, KLD, NMSE, both top-k lists and the
+    log-partitions (None: computed here when the next-token metrics need them)."""
+    out["cosine"][i], out["kld"][i], out["nmse"][i] = cos_i, kld_i, nmse_i
+    a, b = int(r_top[0]), int(c_top[0])
+    if nt is not None and nt[1][i]:
+        _next_token_row(out, i, r, c, a, b, int(nt[2][i]), log_z, s, log_zc)
+    out["ref_argmax"][i], out["cand_argmax"][i], out["argmax_agree"][i] = a, b, a == b
+    out["ref_margin"][i] = float(r_vals[0]) - float(r_vals[1])
+    out["cand_rank"][i] = _rank_of(c, a, c_top)
+    rl, cl = r_top.tolist(), c_top.tolist()
+    for k in TOPK:
+        kk = min(k, r.shape[0])
+        out[f"top{k}_overlap"][i] = len(set(rl[:kk]) & set(cl[:kk])) / kk
+
+
+def _kernel_pair(r: np.ndarray, c: np.ndarray, st: np.ndarray) -> tuple[float, float, float, float, float | None]:
+    """(cosine, kld, nmse, log Σ exp(r), log Σ exp(c) or None) of a row pair from the kernel's
+    stats row ``st`` (flag 0 or 2), by the rules of ``_fast_pair`` and ``_kld_row``."""
+    rr, cc, dd = float(st[rowkernel.S_RR]), float(st[rowkernel.S_CC]), float(st[rowkernel.S_DD])
+    log_z = float(st[rowkernel.S_LOGZ])
+    if st[rowkernel.S_FLAG] == 0:
+        kld = max(0.0, math.log1p(float(st[rowkernel.S_T])))
+        log_zc = log_z - float(st[rowkernel.S_M]) + kld
+    else:
+        kld, log_zc = _kld_row_f64(r, c), None
+    if dd <= _RC_FROM_DD * 2.0 * math.sqrt(rr * cc):
+        rc = 0.5 * (rr + cc - dd)
+    else:
+        rc = float(r.astype(np.float64) @ c.astype(np.float64))
+    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd), log_z, log_zc
+
+
+def _kernel_block(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``rowkernel.rows`` over a block with top-k size ``max(TOPK)`` (at most V)."""
+    return rowkernel.rows(ref, cand, min(max(TOPK), ref.shape[1]))
+
+
+def _fill_rows_kernel(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, s: _Scratch,
+                      nt: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None) -> None:
+    """``_fill_rows`` through the compiled kernel: one call per block, then a few scalar steps
+    per row; flag-1 rows (non-finite, or sums of squares outside the fast range) go to
+    ``_fill_row_numpy``, whose float64 path handles them."""
+    stats, ids, vals = _kernel_block(ref, cand)
+    for i in range(ref.shape[0]):
+        r, c, st = ref[i], cand[i], stats[i]
+        if st[rowkernel.S_FLAG] == 1:
+            _fill_row_numpy(out, i, r, c, s, nt)
+            continue
         out["ref_finite"][i] = out["finite"][i] = True
-        r_top, r_vals = _topk_row(r, kmax)
-        c_top, _ = _topk_row(c, kmax)
-        log_z = log_zc = None
-        if fast:
-            cos_i, kld_i, nmse_i, log_z, log_zc = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
-        cosine_[i], kld_[i], nmse_[i] = cos_i, kld_i, nmse_i
-        a, b = int(r_top[0]), int(c_top[0])
-        if nt is not None and nt[1][i]:
-            _next_token_row(out, i, r, c, a, b, int(nt[2][i]), log_z, s, log_zc)
-        out["ref_argmax"][i], out["cand_argmax"][i], out["argmax_agree"][i] = a, b, a == b
-        out["ref_margin"][i] = float(r_vals[0]) - float(r_vals[1])
-        out["cand_rank"][i] = _rank_of(c, a, c_top)
-        rl, cl = r_top.tolist(), c_top.tolist()
-        for k in TOPK:
-            kk = min(k, v)
-            out[f"top{k}_overlap"][i] = len(set(rl[:kk]) & set(cl[:kk])) / kk
+        cos_i, kld_i, nmse_i, log_z, log_zc = _kernel_pair(r, c, st)
+        _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, ids[i, 0], vals[i, 0], ids[i, 1], log_z, log_zc, s, nt)
 
 
 NEXT_TOKEN_KEYS = ("scored", "ref_nll", "cand_nll", "delta_p", "delta_p_next")
@@ -510,7 +572,18 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
     if both is None or both.shape[0] != n:
         both = finite_rows(ref) & finite_rows(cand)
     s = _scratch(v)
-    for i in np.flatnonzero(sc & both):
+    rows = np.flatnonzero(sc & both)
+    if rows.size and rowkernel.available():  # as position_metrics takes them
+        stats, ids, _ = _kernel_block(ref[rows], cand[rows])
+        for j, i in enumerate(rows):
+            r, c, st = ref[i], cand[i], stats[j]
+            if st[rowkernel.S_FLAG] == 1:
+                _next_token_row(out, i, r, c, int(np.argmax(r)), int(np.argmax(c)), int(nxt[i]), None, s)
+                continue
+            _, _, _, log_z, log_zc = _kernel_pair(r, c, st)
+            _next_token_row(out, i, r, c, int(ids[j, 0, 0]), int(ids[j, 1, 0]), int(nxt[i]), log_z, s, log_zc)
+        return out
+    for i in rows:
         r, c = ref[i], cand[i]
         top = int(np.argmax(r))
         log_z = log_zc = None
@@ -551,6 +624,10 @@ def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = Fa
     """Field ``which`` of ``_pair_stats`` (2 cosine, 3 kld, 4 nmse) for every row pair, float64 [B]."""
     ref, cand = _check_pair(ref, cand)
     s = _scratch(ref.shape[1])
+    if ref.shape[0] and rowkernel.available():  # the path position_metrics takes: the same values
+        stats, _, _ = _kernel_block(ref, cand)
+        return np.array([_pair_stats(r, c, s, with_kld)[which] if st[rowkernel.S_FLAG] == 1
+                         else _kernel_pair(r, c, st)[which - 2] for r, c, st in zip(ref, cand, stats)], dtype=np.float64)
     return np.array([_pair_stats(r, c, s, with_kld)[which] for r, c in zip(ref, cand)], dtype=np.float64)
 
 

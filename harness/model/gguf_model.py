@@ -308,26 +308,27 @@ class LazyArrayField(ReaderField):
         if self.types[-1] != GGUFValueType.STRING:
             raise ValueError(f"{self.name} is an array of {self.types[-1].name}, not of strings")
         if self.__dict__.get("_strings") is None:
-            self._strings = StringArray(self._reader, self._value_offs + 12, self.length)
+            self._strings = StringArray(self._reader, self._value_offs + 12, self.length, self.__dict__.get("_starts"))
         return self._strings
 
 
 class StringArray:
     """``Sequence[str]`` over a GGUF string array (each element a uint64 byte length then UTF-8
-    bytes) in a ``PlainReader``'s map: the element offsets are found by one walk over the
-    lengths (as ``PlainReader._lazy_array`` sizes the array; about 0.1 s for 248,320 tokens,
-    against seconds for gguf-py's parse of every element), and an element is decoded when read.
-    Bytes that are not UTF-8 decode as surrogate escapes (gguf-py's ``contents()`` raises on
-    them). A report needs a handful of token texts, not the vocabulary."""
+    bytes) in a ``PlainReader``'s map: the element offsets are those ``PlainReader._lazy_array``
+    found when it sized the array at open (``starts``; else one walk over the lengths, about 0.1 s
+    for 248,320 tokens, against seconds for gguf-py's parse of every element), and an element is
+    decoded when read. Bytes that are not UTF-8 decode as surrogate escapes (gguf-py's
+    ``contents()`` raises on them). A report needs a handful of token texts, not the vocabulary."""
 
-    def __init__(self, reader: Any, start: int, length: int):
+    def __init__(self, reader: Any, start: int, length: int, starts: np.ndarray | None = None):
         self._buf, self._fmt = reader._plain, "<Q" if reader.byte_order == "I" else ">Q"
-        offs = np.empty(length, dtype=np.int64)
-        pos = start
-        for i in range(length):  # bounds were checked when the array was sized at open
-            offs[i] = pos
-            pos += 8 + struct.unpack_from(self._fmt, self._buf, pos)[0]
-        self._offs = offs
+        if starts is None or len(starts) != length:
+            found, pos = [], start
+            for _ in range(length):  # bounds were checked when the array was sized at open
+                found.append(pos)
+                pos += 8 + struct.unpack_from(self._fmt, self._buf, pos)[0]
+            starts = np.array(found, dtype=np.int64)
+        self._offs = starts
 
     def __len__(self) -> int:
         return int(self._offs.shape[0])
@@ -388,9 +389,10 @@ class PlainReader(GGUFReader):
             name = str(bytes(kv_kdata), encoding="utf-8")
             lazy = self._lazy_array(offs) if raw_kv_type[0] == GGUFValueType.ARRAY else None
             if lazy is not None:
-                size, itype, length = lazy
+                size, itype, length, starts = lazy
                 field = LazyArrayField(orig_offs, name, [], [], [GGUFValueType.ARRAY, itype])
                 field._reader, field._value_offs, field._head, field.length = self, offs, head, length
+                field._starts = starts
             else:
                 size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
                 field = ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types)
@@ -398,11 +400,12 @@ class PlainReader(GGUFReader):
             offs += size
         return offs
 
-    def _lazy_array(self, offs: int) -> tuple[int, Any, int] | None:
-        """(byte size, element type, length) of a long array of scalars or strings at
-        ``offs``, found without parsing its elements (strings: by stepping over their
-        lengths); None for a short array or one of arrays. Raises ``ValueError`` for an
-        unknown element type or an array that runs past the end of the file."""
+    def _lazy_array(self, offs: int) -> tuple[int, Any, int, np.ndarray | None] | None:
+        """(byte size, element type, length, element offsets) of a long array of scalars or
+        strings at ``offs``, found without parsing its elements (strings: by stepping over their
+        lengths, whose offsets ``StringArray`` then reuses; None for scalars); None for a short
+        array or one of arrays. Raises ``ValueError`` for an unknown element type or an array that
+        runs past the end of the file."""
         raw = int(self._get(offs, np.uint32)[0])
         alen = int(self._get(offs + 4, np.uint64)[0])
         if alen <= LAZY_ARRAY_MIN or raw == GGUFValueType.ARRAY:
@@ -415,17 +418,20 @@ class PlainReader(GGUFReader):
             size = alen * np.dtype(scalar).itemsize
             if start + size > end:
                 raise ValueError(f"truncated: an array of {alen} {itype.name} at offset {offs} runs past the end of the file")
-            return 12 + size, itype, alen
+            return 12 + size, itype, alen, None
         if itype != GGUFValueType.STRING:
             raise ValueError(f"Unknown/unhandled field type {itype}")
         buf, fmt, pos = self._plain, "<Q" if self.byte_order == "I" else ">Q", start
+        starts: list[int] = []
+        mark = starts.append
         for _ in range(alen):
             if pos + 8 > end:
                 raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
+            mark(pos)
             pos += 8 + struct.unpack_from(fmt, buf, pos)[0]
         if pos > end:
             raise ValueError(f"truncated: string array at offset {offs} runs past the end of the file")
-        return pos - offs, itype, alen
+        return pos - offs, itype, alen, np.array(starts, dtype=np.int64)  # 8 bytes per element, not a list of ints
 
 
 _READERS: OrderedDict[tuple, tuple[bytes, Any]] = OrderedDict()

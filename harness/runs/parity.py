@@ -60,14 +60,11 @@ def _guarded(name: str, blocks: Iterator[LogitBlock]) -> Iterator[LogitBlock]:
         raise EngineError(f"{name} raised {type(e).__name__}: {e}") from None
 
 
-def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, finite: str | None = None,
-          first: int = 0) -> Iterator[np.ndarray]:
+def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, first: int = 0) -> Iterator[np.ndarray]:
     """Validate an engine's block stream (order, width, count) and yield its blocks: positions
-    ``first`` .. ``n_tokens`` − 1, the first block starting at ``first``.
-
-    ``finite`` (the prompt id) demands finite logits: the reference's. A reference that returns
-    NaN or Inf has failed, not the candidate it was to judge: ``EngineError`` naming it and the
-    position, never a FAIL in the candidate's name.
+    ``first`` .. ``n_tokens`` − 1, the first block starting at ``first``. (The reference's
+    logits must also be finite: ``compare_prompt`` checks that from the metrics' ``ref_finite``,
+    which the metrics' own pass computes, so no pass of its own reads the rows again.)
     """
     expect = first
     for start, block in _guarded(name, blocks):
@@ -76,11 +73,6 @@ def _rows(blocks: Iterator[LogitBlock], name: str, n_tokens: int, n_vocab: int, 
             raise EngineError(f"{name} returned a logit block of shape {block.shape}; expected [B, {n_vocab}]")
         if start != expect:
             raise EngineError(f"{name} returned a block starting at position {start}; expected {expect}")
-        if finite is not None:
-            bad = np.flatnonzero(~metrics.finite_rows(block))
-            if bad.size:
-                raise EngineError(f"{name} returned non-finite logits (NaN or Inf) at prompt {finite!r} position {start + int(bad[0])} "
-                                  f"({bad.size} position(s) in this block); a reference that fails cannot judge the candidate")
         expect += block.shape[0]
         if expect > n_tokens:
             raise EngineError(f"{name} returned {expect} positions for a {n_tokens}-token prompt")
@@ -110,7 +102,8 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
     n = len(tokens)
     following = np.append(np.asarray(tokens[1:], np.int64), -1)  # the token each position predicts; none after the last
     ref_blocks, cand_blocks = streams if streams is not None else (ref.logits(tokens), cand.logits(tokens))
-    ref_it = _rows(ref_blocks, f"reference {ref.info.name}", n, n_vocab, finite=prompt_id, first=judge_from)
+    ref_name = f"reference {ref.info.name}"
+    ref_it = _rows(ref_blocks, ref_name, n, n_vocab, first=judge_from)
     cand_it = _rows(cand_blocks, f"candidate {cand.info.name}", n, n_vocab, first=judge_from)
     parts = []
     r_buf = np.zeros((0, n_vocab), np.float32)
@@ -127,6 +120,10 @@ def compare_prompt(ref: Engine, cand: Engine, tokens: Sequence[int], n_vocab: in
         k = min(r_buf.shape[0], c_buf.shape[0])
         at = np.arange(done, done + k)
         parts.append(metrics.position_metrics(r_buf[:k], c_buf[:k], following[at], (at >= score_from) & (following[at] >= 0)))
+        bad = np.flatnonzero(~parts[-1]["ref_finite"])
+        if bad.size:  # the reference failed, not the candidate it was to judge: never a FAIL in the candidate's name
+            raise EngineError(f"{ref_name} returned non-finite logits (NaN or Inf) at prompt {prompt_id!r} position {done + int(bad[0])} "
+                              f"({bad.size} position(s) in this block); a reference that fails cannot judge the candidate")
         r_buf, c_buf = r_buf[k:], c_buf[k:]
         done += k
         if progress:
