@@ -161,3 +161,21 @@ def test_without_a_kernel_the_numpy_path_runs_and_says_why(fresh_kernel, monkeyp
     ref, cand = _rows(1000)
     m = M.position_metrics(ref, cand)  # the numpy path: same fields
     assert m["finite"].sum() == 11 and m["ref_argmax"][11] == 0
+
+
+def test_splitting_a_block_over_threads_changes_no_number(monkeypatch):
+    """Each row's values depend on its row pair alone: one thread, three, or a block cut in two
+    give the same bits."""
+    if not rowkernel.available():
+        pytest.skip(f"no compiled row kernel on this machine ({rowkernel.kernel_status()['detail']})")
+    ref, cand = _rows(QWEN35_VOCAB + 3)
+    ref, cand = np.ascontiguousarray(ref[:9]), np.ascontiguousarray(cand[:9])  # finite rows, flags 0 and 2
+    monkeypatch.setattr(rowkernel, "_threads", lambda: 1)
+    one = rowkernel.rows(ref, cand, 10)
+    monkeypatch.setattr(rowkernel, "_threads", lambda: 3)
+    three = rowkernel.rows(ref, cand, 10)
+    cut = [np.concatenate(x) for x in zip(rowkernel.rows(ref[:4], cand[:4], 10), rowkernel.rows(ref[4:], cand[4:], 10))]
+    for a, b, c in zip(one, three, cut):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert one[0][:, rowkernel.S_FLAG].tolist() == [0, 0, 0, 0, 2, 0, 0, 0, 2]  # anti-correlated and 40x apart: float64 KLD

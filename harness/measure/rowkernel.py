@@ -151,8 +151,39 @@ def available() -> bool:
     return _kernel() is not None
 
 
+THREADS_MAX = 4
+"""At most this many threads split a block's rows (each row pair is independent; the kernel
+releases the GIL). A run's engines are paused while the harness measures a block (the in-process
+oracle is a generator; llama.cpp's worker has written its rows ahead), so the cores are free."""
+
+_pool: dict[int, object] = {}
+"""The thread pool of this process (keyed by pid: a forked child starts its own, the parent's
+threads do not exist in it)."""
+
+
+def _threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(THREADS_MAX, cores))
+
+
+def _executor():
+    pid = os.getpid()
+    with _lock:
+        if pid not in _pool:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool.clear()
+            _pool[pid] = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="rowkernel")
+        return _pool[pid]
+
+
 def rows(ref: np.ndarray, cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run the kernel over every row pair of two C-contiguous float32 blocks ``[n, V]``.
+    """Run the kernel over every row pair of two C-contiguous float32 blocks ``[n, V]``, the rows
+    split over up to ``THREADS_MAX`` threads (as many as this process may use cores); each row's
+    values depend on its row pair alone, so the split never changes a number.
 
     Args:
         k: top-k size, 1 .. min(64, V).
@@ -176,11 +207,19 @@ def rows(ref: np.ndarray, cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
     stats = np.zeros((n, N_STATS), dtype=np.float64)
     ids = np.zeros((n, 2, k), dtype=np.int64)
     vals = np.zeros((n, 2, k), dtype=np.float32)
-    e = np.empty(v, dtype=np.float32)
-    bm = np.empty(2 * -(-v // 256), dtype=np.float32)
-    if n:
-        rc = fn(ref.ctypes.data, cand.ctypes.data, n, v, k, e.ctypes.data, bm.ctypes.data,
-                stats.ctypes.data, ids.ctypes.data, vals.ctypes.data)
-        if rc != 0:
-            raise RuntimeError(f"row kernel rejected n={n} V={v} k={k}")
+
+    def part(a: int, b: int) -> int:
+        e = np.empty(v, dtype=np.float32)
+        bm = np.empty(2 * -(-v // 256), dtype=np.float32)
+        return fn(ref[a:b].ctypes.data, cand[a:b].ctypes.data, b - a, v, k, e.ctypes.data, bm.ctypes.data,
+                  stats[a:b].ctypes.data, ids[a:b].ctypes.data, vals[a:b].ctypes.data)
+
+    parts = min(_threads(), n)
+    if parts <= 1:
+        codes = [part(0, n)] if n else []
+    else:
+        cuts = np.linspace(0, n, parts + 1).astype(int)
+        codes = list(_executor().map(part, cuts[:-1], cuts[1:]))
+    if any(codes):
+        raise RuntimeError(f"row kernel rejected n={n} V={v} k={k}")
     return stats, ids, vals

@@ -16,7 +16,7 @@ import os
 import struct
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -434,6 +434,12 @@ class PlainReader(GGUFReader):
         return pos - offs, itype, alen, np.array(starts, dtype=np.int64)  # 8 bytes per element, not a list of ints
 
 
+@lru_cache(maxsize=8)
+def _sha256_of(path: str, dev: int, ino: int, size: int, mtime_ns: int) -> str:
+    """``sha256_file(path)`` once per file identity (the arguments after ``path`` are its key)."""
+    return sha256_file(path)
+
+
 _READERS: OrderedDict[tuple, tuple[bytes, Any]] = OrderedDict()
 """The last two files parsed: identity (device, inode, size, mtime) -> (bytes before the tensor
 data, reader). A parity run opens its model twice (the harness and the in-process oracle); at
@@ -737,8 +743,14 @@ class GGUFModel:
 
     @cached_property
     def sha256(self) -> str:
-        """sha256 of the file's bytes (hex)."""
-        return sha256_file(self.path)
+        """sha256 of the file's bytes (hex), hashed once per process and file identity (device,
+        inode, size, mtime: a file rewritten in place is hashed again): a parity run opens its
+        model twice (the harness and the in-process oracle), and a 248,320-token model is 70 MB."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return sha256_file(self.path)  # raises InvalidInput naming the file
+        return _sha256_of(str(self.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     @property
     def file_type(self) -> str:
