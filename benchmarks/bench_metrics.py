@@ -4,8 +4,10 @@
 
 The plain pass is ``ref.sum(axis=1); cand.sum(axis=1)`` per block: it reads both float32 arrays
 once and does nothing else, so it runs at memory bandwidth. ``harness.measure.metrics.position_metrics``
-is timed over the same blocks. Target (issue 15): ratio ≤ 6. Both run single-threaded in this
-process; arrays are larger than the last-level cache so neither pass is served from cache alone.
+is timed over the same blocks as a run takes it (the compiled row kernel, its rows split over the
+process's cores: ``harness.measure.rowkernel``), and also with the kernel on one thread and on the
+numpy path (``HARNESS_ROWKERNEL=0``), so each path's cost is on the page. Target (issue 15): ratio
+≤ 6. Arrays are larger than the last-level cache so no pass is served from cache alone.
 Logits are synthetic but shaped like a language model's: a Gaussian body, a few leading tokens,
 and a candidate that differs by quantization-sized noise.
 """
@@ -58,9 +60,38 @@ def measure(vocab: int = 248_320, positions: int = 256, block: int = 64, repeat:
         for s in starts:
             metrics.position_metrics(ref[s : s + block], cand[s : s + block])
 
-    run_metrics()  # warm-up: scratch buffers, lazy imports
-    t_plain, t_metrics = best_of_interleaved(repeat, plain, run_metrics)
+    from harness.measure import rowkernel
+
+    status = rowkernel.kernel_status()
+    run_metrics()  # warm-up: scratch buffers, lazy imports, the kernel's build
+    threads = rowkernel._threads()
+
+    def one_thread() -> None:
+        real = rowkernel._threads
+        rowkernel._threads = lambda: 1
+        try:
+            run_metrics()
+        finally:
+            rowkernel._threads = real
+
+    def numpy_path() -> None:
+        saved = dict(rowkernel._state)
+        rowkernel._state.update(fn=None, why="the numpy path, measured")
+        try:
+            run_metrics()
+        finally:
+            rowkernel._state.clear()
+            rowkernel._state.update(saved)
+
+    compiled = status["path"] == "compiled"
+    fns = [plain, run_metrics] + ([one_thread, numpy_path] if compiled else [])
+    times = best_of_interleaved(repeat, *fns)
+    t_plain, t_metrics = times[:2]
     return {
+        "kernel": status["path"],
+        "threads": threads if compiled else 1,
+        "one_thread_us_per_position": 1e6 * times[2] / positions if compiled else None,
+        "numpy_us_per_position": 1e6 * times[3] / positions if compiled else 1e6 * t_metrics / positions,
         "vocab": vocab,
         "positions": positions,
         "block": block,

@@ -13,7 +13,7 @@ of things measured side by side in this run, and the page records the machine an
    (target ≤ 5 %; and the probe run's share on the same model), the harness process's peak RSS above the in-process oracle's own (target
    < 512 MB), the llama.cpp worker's peak RSS, and a cProfile of where the time goes; with the
    reference cache off (``--no-reference-cache``: the reference is computed, as issue 47 asks).
-   ``--only parity`` rewrites sections 2 and 10 alone (both measured on the same cell).
+   ``--only parity`` rewrites sections 1, 2 and 10 alone (2 and 10 measured on the same cell).
 3. Oracle vs llama.cpp wall time and peak RSS on ``fixture:small-qwen35`` (bench_oracle.py).
 4. A 64-position parity run at Qwen3.5-0.8B's real shapes (24 layers, d_model 1024, FFN 3584,
    8/2 heads × 256, DeltaNet 16/16 heads × 128, vocab 248,320, tied output, Q4_K_M; random
@@ -418,6 +418,10 @@ def main() -> None:
         return
 
     if a.only == "parity":
+        print("1. metrics vs plain pass at V=248,320 ...", flush=True)
+        met = bench_metrics.measure(positions=256, block=64, repeat=5)
+        splice_section(Path(a.out), "Metrics throughput at V = 248,320", metrics_section(met) + [
+            f"(Section 1 rewritten with section 2 by `benchmarks/run_all.py --only parity`; load average {load()}.)", ""], "metrics", met)
         print("2. and 10. the parity run, the probe run and the reference cache ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
             par, rc = measure_parity(Path(d), a.positions, probe_share=not a.skip_probe_share)
@@ -426,7 +430,7 @@ def main() -> None:
             "", f"(Section 2 rewritten alone by `benchmarks/run_all.py --only parity`; load average at its end {par['load'][0]}.)"],
             "parity", par)
         splice_section(Path(a.out), "The reference cache", bench_reference_cache.section(rc), "reference_cache", rc)
-        print(f"wrote sections 2 and 10 of {a.out} and {Path(a.out).with_suffix('.json').name}")
+        print(f"wrote sections 1, 2 and 10 of {a.out} and {Path(a.out).with_suffix('.json').name}")
         return
 
     if a.only == "reference-cache":
@@ -502,7 +506,6 @@ def main() -> None:
 def parity_section(par: dict) -> list[str]:
     """The Markdown lines of section 2 (the parity run, the probe run's share, the profile)."""
     run, pr = par["run"], par["profiled"]
-    ok = lambda cond: "met" if cond else "**not met**"  # noqa: E731
     above = run["maxrss_mb"] - par["oracle_alone_rss_mb"]
     lines = [
         f"## 2. A {par['positions']:,}-position parity run at V = 248,320",
@@ -557,7 +560,6 @@ def parity_section(par: dict) -> list[str]:
 # --------------------------------------------------------------------------------- render
 def render(r: dict) -> str:
     m, met, par = r["machine"], r["metrics"], r["parity"]
-    ok = lambda cond: "met" if cond else "**not met**"  # noqa: E731
     lines = [
         "# Benchmarks",
         "",
@@ -583,18 +585,7 @@ def render(r: dict) -> str:
         "A load average above the core count means other work shared the CPUs (on the reference machine: other "
         "sessions training models); the ratios are still like for like, the absolute times are not.",
         "",
-        "## 1. Metrics throughput at V = 248,320",
-        "",
-        f"`harness.measure.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
-        f"positions in blocks of {met['block']}, against a plain pass (`sum(axis=1)` of both arrays: reads the same bytes once).",
-        "",
-        "| | positions/s | µs/position |",
-        "|---|---:|---:|",
-        f"| plain pass | {met['plain_positions_per_s']:,.0f} | {met['plain_us_per_position']:,.0f} |",
-        f"| metrics | {met['metrics_positions_per_s']:,.0f} | {met['metrics_us_per_position']:,.0f} |",
-        "",
-        f"Ratio metrics / plain: **{met['ratio']:.2f}×** (target ≤ {met['target_ratio']:.0f}×: {ok(met['ratio'] <= met['target_ratio'])}).",
-        "",
+        *metrics_section(met),
     ]
     lines += parity_section(par)
     o = r["oracle"]
@@ -659,7 +650,6 @@ EVIDENCE_HEADING = "## 7. Evidence at scale"
 
 def evidence_section(ev: dict) -> list[str]:
     """Section 7 of the page from ``bench_evidence.run``'s document. Long because it is the section's text, one paragraph after another."""
-    ok = lambda cond: "met" if cond else "**not met**"  # noqa: E731
     res = ev["results"]
     big, small = res[-1], res[0]
     m = ev.get("machine") or {}
@@ -796,6 +786,42 @@ BEFORE = {
 }
 """Numbers before this issue's changes, with where each comes from (measured by hand with this
 script's functions on the commit named, or quoted from the earlier pages)."""
+
+
+def ok(cond: bool) -> str:
+    """A target's verdict as the page words it."""
+    return "met" if cond else "**not met**"
+
+
+def metrics_paths_lines(met: dict) -> list[str]:
+    """What section 1's metrics row ran on, and the other paths' cost measured beside it."""
+    if met.get("kernel") is None:  # a page written before the row kernel
+        return []
+    if met["kernel"] != "compiled":
+        return ["The compiled row kernel is not available on this machine (`harness doctor` says why): the row above is the numpy path.", ""]
+    return [f"The row above is the compiled row kernel (`harness/measure/rowkernel.c`) on {met['threads']} thread(s), as a parity run "
+            f"takes it; measured beside it, the same kernel on one thread: {met['one_thread_us_per_position']:,.0f} µs/position; "
+            f"the numpy path (no C compiler, or `HARNESS_ROWKERNEL=0`): {met['numpy_us_per_position']:,.0f} µs/position "
+            f"({met['numpy_us_per_position'] / met['one_thread_us_per_position']:.1f}× the kernel on one thread).", ""]
+
+
+def metrics_section(met: dict) -> list[str]:
+    """Section 1, its heading first."""
+    return [
+        "## 1. Metrics throughput at V = 248,320",
+        "",
+        f"`harness.measure.metrics.position_metrics` (cosine, KLD in float64, argmax, margins, top-k, NMSE) over {met['positions']} "
+        f"positions in blocks of {met['block']}, against a plain pass (`sum(axis=1)` of both arrays: reads the same bytes once).",
+        "",
+        "| | positions/s | µs/position |",
+        "|---|---:|---:|",
+        f"| plain pass | {met['plain_positions_per_s']:,.0f} | {met['plain_us_per_position']:,.0f} |",
+        f"| metrics | {met['metrics_positions_per_s']:,.0f} | {met['metrics_us_per_position']:,.0f} |",
+        "",
+        f"Ratio metrics / plain: **{met['ratio']:.2f}×** (target ≤ {met['target_ratio']:.0f}×: {ok(met['ratio'] <= met['target_ratio'])}).",
+        "",
+        *metrics_paths_lines(met),
+    ]
 
 
 def before_after(r: dict) -> list[str]:
