@@ -477,21 +477,26 @@ def _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, r_top, r_vals, c_top, log
         out[f"top{k}_overlap"][i] = len(set(rl[:kk]) & set(cl[:kk])) / kk
 
 
-def _kernel_pair(r: np.ndarray, c: np.ndarray, st: np.ndarray) -> tuple[float, float, float, float, float | None]:
-    """(cosine, kld, nmse, log Σ exp(r), log Σ exp(c) or None) of a row pair from the kernel's
-    stats row ``st`` (flag 0 or 2), by the rules of ``_fast_pair`` and ``_kld_row``."""
-    rr, cc, dd = float(st[rowkernel.S_RR]), float(st[rowkernel.S_CC]), float(st[rowkernel.S_DD])
-    log_z = float(st[rowkernel.S_LOGZ])
-    if st[rowkernel.S_FLAG] == 0:
-        kld = max(0.0, math.log1p(float(st[rowkernel.S_T])))
-        log_zc = log_z - float(st[rowkernel.S_M]) + kld
-    else:
-        kld, log_zc = _kld_row_f64(r, c), None
-    if dd <= _RC_FROM_DD * 2.0 * math.sqrt(rr * cc):
-        rc = 0.5 * (rr + cc - dd)
-    else:
-        rc = float(r.astype(np.float64) @ c.astype(np.float64))
-    return _cosine_from_dots(rr, cc, rc), kld, _nmse_from_dots(rr, dd), log_z, log_zc
+def _kernel_pairs(ref: np.ndarray, cand: np.ndarray, stats: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(cosine, kld, nmse, log Σ exp(r), log Σ exp(c)), float64 arrays over ``rows`` (indices into
+    the block, kernel flag 0 or 2), from the kernel's ``stats`` by the rules of ``_fast_pair`` and
+    ``_kld_row``; log Σ exp(c) is NaN where the KLD took the float64 path (flag 2: its sums did not
+    give it). Elementwise, so a row's values never depend on the rest of its block."""
+    st = stats[rows]
+    rr, cc, dd = st[:, rowkernel.S_RR], st[:, rowkernel.S_CC], st[:, rowkernel.S_DD]
+    log_z = st[:, rowkernel.S_LOGZ].copy()
+    fast = st[:, rowkernel.S_FLAG] == 0
+    kld = np.where(fast, np.maximum(0.0, np.log1p(np.where(fast, st[:, rowkernel.S_T], 0.0))), np.nan)
+    log_zc = np.where(fast, log_z - st[:, rowkernel.S_M] + kld, np.nan)
+    for j in np.flatnonzero(~fast):
+        kld[j] = _kld_row_f64(ref[rows[j]], cand[rows[j]])
+    norm = np.sqrt(rr * cc)
+    near = dd <= _RC_FROM_DD * 2.0 * norm
+    rc = np.where(near, 0.5 * (rr + cc - dd), 0.0)
+    for j in np.flatnonzero(~near):
+        rc[j] = float(ref[rows[j]].astype(np.float64) @ cand[rows[j]].astype(np.float64))
+    cos = np.clip(rc / norm, -1.0, 1.0)  # rr, cc > 1e-30 here: no zero row
+    return cos, kld, dd / rr, log_z, log_zc
 
 
 def _kernel_block(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -501,18 +506,33 @@ def _kernel_block(ref: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def _fill_rows_kernel(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, s: _Scratch,
                       nt: tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None) -> None:
-    """``_fill_rows`` through the compiled kernel: one call per block, then a few scalar steps
-    per row; flag-1 rows (non-finite, or sums of squares outside the fast range) go to
+    """``_fill_rows`` through the compiled kernel: one call per block, then array operations over
+    its rows; flag-1 rows (non-finite, or sums of squares outside the fast range) go to
     ``_fill_row_numpy``, whose float64 path handles them."""
     stats, ids, vals = _kernel_block(ref, cand)
-    for i in range(ref.shape[0]):
-        r, c, st = ref[i], cand[i], stats[i]
-        if st[rowkernel.S_FLAG] == 1:
-            _fill_row_numpy(out, i, r, c, s, nt)
-            continue
-        out["ref_finite"][i] = out["finite"][i] = True
-        cos_i, kld_i, nmse_i, log_z, log_zc = _kernel_pair(r, c, st)
-        _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, ids[i, 0], vals[i, 0], ids[i, 1], log_z, log_zc, s, nt)
+    flag = stats[:, rowkernel.S_FLAG]
+    for i in np.flatnonzero(flag == 1):
+        _fill_row_numpy(out, int(i), ref[i], cand[i], s, nt)
+    ok = np.flatnonzero(flag != 1)
+    if not ok.size:
+        return
+    out["ref_finite"][ok] = out["finite"][ok] = True
+    out["cosine"][ok], out["kld"][ok], out["nmse"][ok], log_z, log_zc = _kernel_pairs(ref, cand, stats, ok)
+    r_ids, c_ids = ids[ok, 0], ids[ok, 1]
+    a, b = r_ids[:, 0], c_ids[:, 0]
+    out["ref_argmax"][ok], out["cand_argmax"][ok], out["argmax_agree"][ok] = a, b, a == b
+    out["ref_margin"][ok] = vals[ok, 0, 0].astype(np.float64) - vals[ok, 0, 1].astype(np.float64)
+    hit = c_ids == a[:, None]
+    rank = np.argmax(hit, axis=1)
+    for j in np.flatnonzero(~hit.any(axis=1)):  # beyond the candidate's top k: count
+        rank[j] = _rank_of(cand[ok[j]], int(a[j]), c_ids[j])
+    out["cand_rank"][ok] = rank
+    for k in TOPK:
+        kk = min(k, ref.shape[1])
+        out[f"top{k}_overlap"][ok] = (r_ids[:, :kk, None] == c_ids[:, None, :kk]).any(axis=2).sum(axis=1) / kk
+    if nt is not None:
+        sel = nt[1][ok]
+        _next_token_rows(out, ok[sel], ref, cand, a[sel], b[sel], nt[2][ok[sel]], log_z[sel], log_zc[sel], s)
 
 
 NEXT_TOKEN_KEYS = ("scored", "ref_nll", "cand_nll", "delta_p", "delta_p_next")
@@ -574,14 +594,16 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
     s = _scratch(v)
     rows = np.flatnonzero(sc & both)
     if rows.size and rowkernel.available():  # as position_metrics takes them
-        stats, ids, _ = _kernel_block(ref[rows], cand[rows])
-        for j, i in enumerate(rows):
-            r, c, st = ref[i], cand[i], stats[j]
-            if st[rowkernel.S_FLAG] == 1:
-                _next_token_row(out, i, r, c, int(np.argmax(r)), int(np.argmax(c)), int(nxt[i]), None, s)
-                continue
-            _, _, _, log_z, log_zc = _kernel_pair(r, c, st)
-            _next_token_row(out, i, r, c, int(ids[j, 0, 0]), int(ids[j, 1, 0]), int(nxt[i]), log_z, s, log_zc)
+        r_sel, c_sel = np.ascontiguousarray(ref[rows]), np.ascontiguousarray(cand[rows])
+        stats, ids, _ = _kernel_block(r_sel, c_sel)
+        flag = stats[:, rowkernel.S_FLAG]
+        for j in np.flatnonzero(flag == 1):
+            i = int(rows[j])
+            _next_token_row(out, i, ref[i], cand[i], int(np.argmax(ref[i])), int(np.argmax(cand[i])), int(nxt[i]), None, s)
+        ok = np.flatnonzero(flag != 1)
+        if ok.size:
+            _, _, _, log_z, log_zc = _kernel_pairs(r_sel, c_sel, stats, ok)
+            _next_token_rows(out, rows[ok], ref, cand, ids[ok, 0, 0], ids[ok, 1, 0], nxt[rows[ok]], log_z, log_zc, s)
         return out
     for i in rows:
         r, c = ref[i], cand[i]
@@ -620,14 +642,39 @@ def _next_token_row(out: dict[str, np.ndarray], i: int, r: np.ndarray, c: np.nda
         out["delta_p_next"][i] = math.exp(-out["cand_nll"][i]) - math.exp(-out["ref_nll"][i])
 
 
+def _next_token_rows(out: dict[str, np.ndarray], idx: np.ndarray, ref: np.ndarray, cand: np.ndarray, top: np.ndarray,
+                     c_top: np.ndarray, t: np.ndarray, log_z_ref: np.ndarray, log_z_cand: np.ndarray, s: _Scratch) -> None:
+    """``_next_token_row`` over the positions ``idx`` at once (arrays aligned with ``idx``): the
+    reference's log-partitions given, the candidate's given or NaN (then computed here, row by
+    row, with ``_log_partition``)."""
+    if not idx.size:
+        return
+    lc = log_z_cand.copy()
+    for j in np.flatnonzero(np.isnan(lc)):
+        lc[j] = _log_partition(cand[idx[j]], float(cand[idx[j], c_top[j]]), s)
+    lr = log_z_ref
+    out["delta_p"][idx] = np.exp(cand[idx, top].astype(np.float64) - lc) - np.exp(ref[idx, top].astype(np.float64) - lr)
+    has = t >= 0
+    at, tt = idx[has], t[has]
+    out["ref_nll"][at] = lr[has] - ref[at, tt].astype(np.float64)
+    out["cand_nll"][at] = lc[has] - cand[at, tt].astype(np.float64)
+    out["delta_p_next"][at] = np.exp(-out["cand_nll"][at]) - np.exp(-out["ref_nll"][at])
+
+
 def _pairwise(ref: np.ndarray, cand: np.ndarray, which: int, with_kld: bool = False) -> np.ndarray:
     """Field ``which`` of ``_pair_stats`` (2 cosine, 3 kld, 4 nmse) for every row pair, float64 [B]."""
     ref, cand = _check_pair(ref, cand)
     s = _scratch(ref.shape[1])
     if ref.shape[0] and rowkernel.available():  # the path position_metrics takes: the same values
         stats, _, _ = _kernel_block(ref, cand)
-        return np.array([_pair_stats(r, c, s, with_kld)[which] if st[rowkernel.S_FLAG] == 1
-                         else _kernel_pair(r, c, st)[which - 2] for r, c, st in zip(ref, cand, stats)], dtype=np.float64)
+        flag = stats[:, rowkernel.S_FLAG]
+        res = np.empty(ref.shape[0], dtype=np.float64)
+        for i in np.flatnonzero(flag == 1):
+            res[i] = _pair_stats(ref[i], cand[i], s, with_kld)[which]
+        ok = np.flatnonzero(flag != 1)
+        if ok.size:
+            res[ok] = _kernel_pairs(ref, cand, stats, ok)[which - 2]
+        return res
     return np.array([_pair_stats(r, c, s, with_kld)[which] for r, c in zip(ref, cand)], dtype=np.float64)
 
 
