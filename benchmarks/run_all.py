@@ -436,7 +436,7 @@ def main() -> None:
         print("1. metrics vs plain pass at V=248,320 ...", flush=True)
         met = bench_metrics.measure(positions=256, block=64, repeat=5)
         splice_section(Path(a.out), "Metrics throughput at V = 248,320", metrics_section(met) + [
-            f"(Section 1 rewritten with section 2 by `benchmarks/run_all.py --only parity`; load average {load()}.)", ""], "metrics", met)
+            f"(Section 1 rewritten with section 2 by `benchmarks/run_all.py --only parity`; load average {load()}.)"], "metrics", met)
         print("2. and 10. the parity run, the probe run and the reference cache ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="harness-bench-") as d:
             par, rc = measure_parity(Path(d), a.positions, probe_share=not a.skip_probe_share)
