@@ -594,16 +594,7 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
     s = _scratch(v)
     rows = np.flatnonzero(sc & both)
     if rows.size and rowkernel.available():  # as position_metrics takes them
-        r_sel, c_sel = np.ascontiguousarray(ref[rows]), np.ascontiguousarray(cand[rows])
-        stats, ids, _ = _kernel_block(r_sel, c_sel)
-        flag = stats[:, rowkernel.S_FLAG]
-        for j in np.flatnonzero(flag == 1):
-            i = int(rows[j])
-            _next_token_row(out, i, ref[i], cand[i], int(np.argmax(ref[i])), int(np.argmax(cand[i])), int(nxt[i]), None, s)
-        ok = np.flatnonzero(flag != 1)
-        if ok.size:
-            _, _, _, log_z, log_zc = _kernel_pairs(r_sel, c_sel, stats, ok)
-            _next_token_rows(out, rows[ok], ref, cand, ids[ok, 0, 0], ids[ok, 1, 0], nxt[rows[ok]], log_z, log_zc, s)
+        _next_token_kernel(out, ref, cand, rows, nxt, s)
         return out
     for i in rows:
         r, c = ref[i], cand[i]
@@ -613,6 +604,22 @@ def next_token_metrics(ref: np.ndarray, cand: np.ndarray, next_tokens: np.ndarra
             _, _, log_z, log_zc = _kld_row(r, c, float(r[top]), s)
         _next_token_row(out, i, r, c, top, int(np.argmax(c)), int(nxt[i]), log_z, s, log_zc)
     return out
+
+
+def _next_token_kernel(out: dict[str, np.ndarray], ref: np.ndarray, cand: np.ndarray, rows: np.ndarray, nxt: np.ndarray,
+                       s: _Scratch) -> None:
+    """``next_token_metrics``'s positions ``rows`` through the compiled kernel, as
+    ``position_metrics`` takes them (the same log-partitions, bit for bit); flag-1 rows row by row."""
+    r_sel, c_sel = np.ascontiguousarray(ref[rows]), np.ascontiguousarray(cand[rows])
+    stats, ids, _ = _kernel_block(r_sel, c_sel)
+    flag = stats[:, rowkernel.S_FLAG]
+    for j in np.flatnonzero(flag == 1):
+        i = int(rows[j])
+        _next_token_row(out, i, ref[i], cand[i], int(np.argmax(ref[i])), int(np.argmax(cand[i])), int(nxt[i]), None, s)
+    ok = np.flatnonzero(flag != 1)
+    if ok.size:
+        _, _, _, log_z, log_zc = _kernel_pairs(r_sel, c_sel, stats, ok)
+        _next_token_rows(out, rows[ok], ref, cand, ids[ok, 0, 0], ids[ok, 1, 0], nxt[rows[ok]], log_z, log_zc, s)
 
 
 def _next_token_result(n: int, v: int, next_tokens: np.ndarray, scored: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
