@@ -458,12 +458,6 @@ def _fill_row_numpy(out: dict[str, np.ndarray], i: int, r: np.ndarray, c: np.nda
     log_z = log_zc = None
     if fast:
         cos_i, kld_i, nmse_i, log_z, log_zc = _fast_pair(r, c, rr, cc, s, float(r_vals[0]))
-    _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, r_top, r_vals, c_top, log_z, log_zc, s, nt)
-
-
-def _fill_row_tail(out, i, r, c, cos_i, kld_i, nmse_i, r_top, r_vals, c_top, log_z, log_zc, s, nt) -> None:
-    """The fields of row ``i`` that follow from its cosine, KLD, NMSE, both top-k lists and the
-    log-partitions (None: computed here when the next-token metrics need them)."""
     out["cosine"][i], out["kld"][i], out["nmse"][i] = cos_i, kld_i, nmse_i
     a, b = int(r_top[0]), int(c_top[0])
     if nt is not None and nt[1][i]:
