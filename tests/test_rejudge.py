@@ -22,10 +22,11 @@ import yaml
 from harness.evidence.ledger import read_rows, verify_ledger
 from harness.evidence.receipts import PROBE_SCHEMA_ID, SCHEMA_ID
 from harness.judge.thresholds import load_thresholds
-from harness.judge.tiers import Subject
+from harness.judge.tiers import Subject, find_row
 from harness.paths import SOURCE_ROOT
 from harness.provenance import sha256_file
 from harness.release.rejudge import Moved, moved_bounds
+from harness.runs import exact_check
 from test_release import blocking, harness, ledger_of, make_project, signoff_json
 
 TINY = Subject("F32", "ALL_F32", "f64", True, 8, 64, "", "qwen35")
@@ -95,6 +96,61 @@ def test_the_release_gate_judges_both_kinds_and_a_row_that_no_longer_fits_moves_
     gone = load_thresholds(moved_copy(old, tmp_path / "g.yaml", lambda d: d["calibrated"].pop(0)))
     got = moved_bounds(receipt_judged_by(old), gone)
     assert [(m.row, m.gate, m.new) for m in got] == [("calibrated[0]", g, None) for g in ("min_cosine", "max_kld_mean", "max_kld_p99")]
+
+
+LOWBIT = Subject("F32+IQ2_XXS+Q2_K+Q5_K", "IQ2_XXS", "f32", True, 4, 256, "", "qwen35")
+"""A cell on a low-bit i-quant file (fixture:trained-qwen35-256-IQ2_XXS's weights key, class f32)."""
+
+
+def lowbit_receipt(path: Path, status: str = "pass") -> dict:
+    """A parity receipt on ``LOWBIT`` judged with the file at ``path``, whose exact check ran
+    (``status``) and recorded the F32 f32 row that judged it, as ``harness.runs.parity`` does."""
+    th = load_thresholds(path)
+    row, _ = find_row(th.rows, exact_check.float_subject(LOWBIT))
+    check = exact_check.ExactCheck(status, "exact check …", exact_check.row_record(row)).to_dict()
+    return {"schema": SCHEMA_ID, "model": {"sha256": ""}, "thresholds": th.resolve(LOWBIT).to_receipt(), "gated": {"exact_check": check}}
+
+
+def test_the_exact_checks_row_is_one_of_the_cells_bounds(tmp_path):
+    """A low-bit cell is judged twice: by its own row against llama.cpp and, in its exact check, by
+    the F32 row of its class against the oracle. Moving the F32 row names the cell, with that
+    row labelled as the exact check's; moving its own row names it as before; a cell whose check
+    did not run (the candidate does not dequantize) is not named for the F32 row."""
+    old = SOURCE_ROOT / "thresholds.yaml"
+    receipt = lowbit_receipt(old)
+    f32 = receipt["gated"]["exact_check"]["row"]
+    own = receipt["thresholds"]["calibrated"]
+    assert f32["source"].endswith("calibrated[1]") and f32["weights"] == "F32" and f32["gates"]["max_kld_mean"] == 3.4e-06
+    assert own["source"].endswith("calibrated[131]") and own["weights"] == LOWBIT.weights
+    assert moved_bounds(receipt, load_thresholds(old)) == []
+
+    new = load_thresholds(moved_copy(old, tmp_path / "t.yaml", set_gate(1, "max_kld_mean", 5e-06)))
+    got = moved_bounds(receipt, new)
+    assert got == [Moved("calibrated[1] (exact check)", "max_kld_mean", 3.4e-06, 5e-06)]
+    assert got[0].text() == "calibrated[1] (exact check) max_kld_mean 3.4e-06 → 5e-06"
+    not_run = {**receipt, "gated": {"exact_check": {"status": "not-run", "line": "exact check: not run …", "row": None}}}
+    assert moved_bounds(not_run, new) == []
+    assert moved_bounds(lowbit_receipt(old, "fail"), new) == got  # a FAILed check was judged by the row too
+
+    own_moved = load_thresholds(moved_copy(old, tmp_path / "u.yaml", set_gate(131, "max_kld_mean", 0.004)))
+    assert moved_bounds(receipt, own_moved) == [Moved("calibrated[131]", "max_kld_mean", 0.0036, 0.004)]
+
+
+def test_the_exact_checks_row_renumbered_moves_nothing_and_gone_moves_to_none(tmp_path):
+    old = SOURCE_ROOT / "thresholds.yaml"
+    receipt = lowbit_receipt(old)
+
+    def first_two_swapped(data):
+        data["calibrated"][0], data["calibrated"][1] = data["calibrated"][1], data["calibrated"][0]
+
+    assert moved_bounds(receipt, load_thresholds(moved_copy(old, tmp_path / "t.yaml", first_two_swapped))) == []
+
+    def f32_rows_dropped(data):
+        data["calibrated"] = [r for r in data["calibrated"] if not (r["weights"] == "F32" and r["class"] == "f32")]
+
+    got = moved_bounds(receipt, load_thresholds(moved_copy(old, tmp_path / "u.yaml", f32_rows_dropped)))
+    assert [(m.row, m.gate, m.new) for m in got] == [("calibrated[1] (exact check)", g, None)
+                                                     for g in ("min_cosine", "max_kld_mean", "max_kld_p99")]
 
 
 def test_a_receipt_without_a_subject_cannot_be_compared():

@@ -5,7 +5,9 @@ A parity or probe receipt keeps its own copy of every number that judged it
 (``receipt["thresholds"]``, ``ResolvedThresholds.to_receipt``): the release gate, the
 class-independent probe tolerances, the calibrated row that fitted (its label, e.g.
 ``calibrated[3]``, in its ``source``; a top-k cell's ``topk`` row; or a calibration receipt the tier
-was measured into) and the near-tie margin. ``moved_bounds`` resolves the same subject
+was measured into) and the near-tie margin; a cell on a low-bit i-quant file whose exact check
+ran keeps the F32 row that judged that check too (``gated.exact_check.row``,
+``harness.runs.exact_check.row_record``). ``moved_bounds`` resolves the same subject
 (``thresholds.subject`` and the model's sha256) in a thresholds file as it stands now and compares
 the two bound by bound: a row whose content is unchanged (``engines_page.row_sha256``, the one hash
 of a row) is skipped, and a row that was only renumbered or re-measured to the same values moves
@@ -33,12 +35,17 @@ from harness.evidence.receipts import PROBE_SCHEMA_ID, receipt_file
 from harness.evidence.report import reproduce_command
 from harness.evidence.rows import read_rows
 from harness.judge.thresholds import Thresholds, load_thresholds
-from harness.judge.tiers import Subject
+from harness.judge.tiers import Subject, find_row
+from harness.runs import exact_check
 
-ROLES = ("calibrated", "topk")
-"""The rows of a receipt's ``thresholds`` that are one thresholds.yaml row each (``calibrated[i]``, ``topk[i]``)."""
+ROLES = ("calibrated", "topk", "exact")
+"""The rows that judged a receipt, one thresholds.yaml row each (``calibrated[i]``, ``topk[i]``):
+its calibrated or top-k row (in its ``thresholds``) and its exact check's F32 row (``exact``, from
+``gated.exact_check.row``: a low-bit i-quant cell whose candidate dequantizes)."""
+EXACT = " (exact check)"
+"""Appended to the label of the row that judged a cell's exact check (``calibrated[0] (exact check)``)."""
 USED_BY = {
-    "parity": ("release.", "report_only.", "calibrated.gates.", "calibrated.max_tokens", "topk."),
+    "parity": ("release.", "report_only.", "calibrated.gates.", "calibrated.max_tokens", "topk.", "exact."),
     "probe": ("release.", "probes.", "calibrated.probes."),
 }
 """The bounds (``judged_bounds`` keys, by prefix) that judge each kind of receipt: a parity cell
@@ -88,10 +95,12 @@ def receipt_kind(receipt: Mapping[str, Any]) -> str:
 
 def judged_bounds(t: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
     """``{bound: (row, value)}`` of a receipt-form thresholds record (``ResolvedThresholds.to_receipt``,
-    with ``topk`` for a top-k cell): ``release.NAME``, ``probes.NAME`` (the class-independent
-    tolerances; a row's own are under the row), ``calibrated.gates.NAME``,
-    ``calibrated.probes.NAME``, ``calibrated.max_tokens``, the same under ``topk`` (and its ``k``),
-    and ``report_only.near_tie_margin``. Values as recorded (float or int)."""
+    with ``topk`` for a top-k cell and ``exact`` for a cell whose exact check ran): ``release.NAME``,
+    ``probes.NAME`` (the class-independent tolerances; a row's own are under the row),
+    ``calibrated.gates.NAME``, ``calibrated.probes.NAME``, ``calibrated.max_tokens``, the same under
+    ``topk`` (and its ``k``), ``exact.gates.NAME`` (its row labelled with ``EXACT``), and
+    ``report_only.near_tie_margin``. Values as recorded (float or int; a gate recorded as
+    ``{"value": v, ...}`` or, in an exact check's row, as ``v``)."""
     out: dict[str, tuple[str, Any]] = {}
     for name, g in (t.get("release") or {}).items():
         out[f"release.{name}"] = ("release", (g or {}).get("value"))
@@ -102,10 +111,10 @@ def judged_bounds(t: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
         row = t.get(role)
         if not isinstance(row, Mapping):
             continue
-        label = _row_name(row)
+        label = _row_name(row) + (EXACT if role == "exact" else "")
         for part in ("gates", "probes"):
             for name, g in (row.get(part) or {}).items():
-                out[f"{role}.{part}.{name}"] = (label, (g or {}).get("value"))
+                out[f"{role}.{part}.{name}"] = (label, g.get("value") if isinstance(g, Mapping) else g)
         for extra in ("max_tokens", "k"):
             if row.get(extra) is not None:
                 out[f"{role}.{extra}"] = (label, row[extra])
@@ -124,11 +133,31 @@ def _subject(receipt: Mapping[str, Any]) -> Subject | None:
         return None
 
 
+def exact_row(receipt: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The row that judged ``receipt``'s exact check (``gated.exact_check.row``), or None when its
+    check did not run (not a low-bit i-quant file, a candidate that does not dequantize) or no row
+    fitted it."""
+    check = (receipt.get("gated") or {}).get("exact_check")
+    row = check.get("row") if isinstance(check, Mapping) and check.get("status") != "not-run" else None
+    return row if isinstance(row, Mapping) else None
+
+
+def judged_record(receipt: Mapping[str, Any]) -> dict[str, Any]:
+    """What judged ``receipt`` as it recorded it: its ``thresholds`` and, when its exact check ran,
+    that check's row as ``exact``."""
+    old = dict(receipt.get("thresholds") or {})
+    if (row := exact_row(receipt)) is not None:
+        old["exact"] = row
+    return old
+
+
 def current_record(receipt: Mapping[str, Any], th: Thresholds) -> dict[str, Any] | None:
     """The thresholds record the receipt's subject gets from ``th`` now, in the receipt's form; a
     calibrated tier measured into a calibration receipt (``self_calibration``) stays that receipt's
-    while ``th`` still has no row for the subject. None when the receipt records no subject (made
-    before receipts did): nothing can be compared."""
+    while ``th`` still has no row for the subject; with ``exact`` (the F32 row of the same
+    architecture and class, ``exact_check.float_subject``; None when none fits now) where the
+    receipt's exact check ran. None when the receipt records no subject (made before receipts
+    did): nothing can be compared."""
     subject = _subject(receipt)
     if subject is None:
         return None
@@ -140,6 +169,9 @@ def current_record(receipt: Mapping[str, Any], th: Thresholds) -> dict[str, Any]
         k = ((receipt.get("gated") or {}).get("topk") or {}).get("k") or (old.get("topk") or {}).get("k") or 0
         row, _ = th.resolve_topk(subject, int(k))
         now["topk"] = {**row.to_receipt(), "k": row.k} if row is not None else None
+    if exact_row(receipt) is not None:
+        row, _ = find_row(th.rows, exact_check.float_subject(subject))
+        now["exact"] = exact_check.row_record(row) if row is not None else None
     return now
 
 
@@ -150,7 +182,7 @@ def moved_bounds(receipt: Mapping[str, Any], th: Thresholds) -> list[Moved] | No
     now = current_record(receipt, th)
     if now is None:
         return None
-    old = receipt.get("thresholds") or {}
+    old = judged_record(receipt)
     same_rows = {role for role in ROLES if isinstance(old.get(role), Mapping) and isinstance(now.get(role), Mapping)
                  and row_sha256(old[role]) == row_sha256(now[role])}
     before, after = judged_bounds(old), judged_bounds(now)

@@ -66,6 +66,21 @@ class ExactCheck:
         return d
 
 
+def float_subject(subject: tiers.Subject) -> tiers.Subject:
+    """``subject`` on float weights (``FLOAT_WEIGHTS``): the subject whose calibrated row judges the
+    exact check (same architecture, class and shape)."""
+    return replace(subject, weights=FLOAT_WEIGHTS[0], file_type=FLOAT_WEIGHTS[1])
+
+
+def row_record(row: Any) -> dict[str, Any]:
+    """The exact check's record of the row that judged it, as its receipt keeps it
+    (``gated.exact_check.row``): ``source`` (``…thresholds.yaml calibrated[i]``), ``weights``,
+    ``compute_class`` and ``gates`` (name → value; their bases are the row's in thresholds.yaml).
+    ``harness.release.rejudge`` builds the same record from a thresholds file now to compare."""
+    return {"source": row.source, "weights": row.weights, "compute_class": row.compute_class,
+            "gates": {k: v["value"] for k, v in row.gates.items()}}
+
+
 def low_bit_types(model: GGUFModel) -> list[str]:
     """The ``LOW_BIT_TYPES`` in ``model``'s weights key, sorted (empty: the check does not apply)."""
     return sorted(set(model.weights_key.split("+")) & LOW_BIT_TYPES)
@@ -103,13 +118,12 @@ def run(model: GGUFModel, thresholds: Any, candidate: Any, candidate_info: dict[
     (``EngineError``), as in the cell's own comparison.
     """
     t0 = time.perf_counter()
-    subject = replace(subject_of(model, candidate_info), weights=FLOAT_WEIGHTS[0], file_type=FLOAT_WEIGHTS[1])
+    subject = float_subject(subject_of(model, candidate_info))
     row, misfit = tiers.find_row(thresholds.rows, subject)
     head = f"exact check (candidate against the float64 oracle on the dequantized weights, {subject.key_text()})"
     if row is None:
         return ExactCheck("unmeasured", f"{head}: UNMEASURED — {misfit}", seconds=time.perf_counter() - t0)
-    row_rec = {"source": row.source, "weights": row.weights, "compute_class": row.compute_class,
-               "gates": {k: v["value"] for k, v in row.gates.items()}}  # the bounds; their bases are the row's in thresholds.yaml
+    row_rec = row_record(row)
     try:
         oracle = load_oracle()
     except HarnessError as e:
