@@ -250,3 +250,43 @@ def _calibrate_subject(spec: str, compute_class: str, max_tokens: int, ledger: s
         return
     click.echo(f"calibrated tier for {spec} ({row.weights}, class {compute_class}): {describe_row(row)}")
     click.echo(f"receipt: {path}")
+
+
+@cli.group()
+def thresholds() -> None:
+    """Thresholds files: what a re-calibration moved."""
+
+
+@thresholds.command("diff")
+@click.argument("old", type=click.Path())
+@click.argument("new", type=click.Path())
+@click.option("--min-change", default=0.10, show_default=True, type=click.FloatRange(0.0, None),
+              help="List the gates whose change is above this share (on 1 - value for a cosine bound).")
+@click.option("--json", "as_json", is_flag=True, help="Every moved gate, every added and removed row, as JSON.")
+def thresholds_diff(old, new, min_change, as_json) -> None:
+    """Compare two thresholds files row by row (rows matched by section, weights, class, architectures
+    and k, not by position): the gates that moved by more than --min-change, with the calibration that
+    measured each, and the rows only one file has. A report: exit 0 unless a file cannot be read (2)."""
+    # deferred: startup
+    from harness.judge.thresholds import load_thresholds
+    from harness.judge.thresholds_diff import diff_thresholds, key_text
+
+    d = diff_thresholds(load_thresholds(old), load_thresholds(new))
+    past = d.past(min_change)
+    if as_json:
+        _echo_json({"old": str(old), "new": str(new), "min_change": min_change, "rows_compared": d.rows_compared,
+                    "moved": [m.to_dict() for m in d.moved], "past_min_change": len(past), "added": d.added, "removed": d.removed})
+        return
+    click.echo(_p(f"{d.rows_compared} rows in both files; {len(d.moved)} gate(s) moved, {len(past)} by more than "
+                  f"{min_change:.0%}; {len(d.added)} row(s) added, {len(d.removed)} removed"))
+    if past:
+        print_table(_console(), f"gates moved by more than {min_change:.0%}",
+                    ("row", "weights x class (archs)", "gate", "old", "new", "change", "measured by"),
+                    [(m.new_label + (f" (was {m.old_label})" if m.old_label != m.new_label else ""), key_text(m.key).split(" ", 1)[-1],
+                      m.gate, str(m.old), str(m.new), "new" if m.change == float("inf") else f"{m.change:.0%}",
+                      f"{m.command or 'declared'} ({m.date or '?'})") for m in past],
+                    right=("old", "new", "change"), fold=("weights x class (archs)", "measured by"))
+    for what, names in (("added", d.added), ("removed", d.removed)):
+        for name in names:
+            click.echo(_p(f"{what}: {name}"))
+
