@@ -23,10 +23,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from harness.evidence.engines_page import ROW_SECTIONS
 from harness.judge.thresholds import Thresholds
 
-ROW_SECTIONS = ("calibrated", "topk", "mtp", "state")
-"""The sections of thresholds.yaml whose entries are rows (lists), in the file's order."""
 TABLES = ("release", "probes", "report_only")
 """The top-level tables: one row each."""
 
